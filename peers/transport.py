@@ -1,0 +1,346 @@
+"""Asyncio request/response RPC between peers over hivemind P2P binary streams.
+
+One call = one libp2p stream: the caller opens a stream to ``name`` on the remote peer, writes one
+``peers.wire`` message, reads one reply message and closes. The server side decodes the request,
+runs the registered handler and writes the reply. Any failure while decoding or handling is answered
+with the header ``{"error": "<ExceptionType>: <message>"}`` (no tensors) and the server keeps serving;
+``Transport.call`` turns such replies into ``RemoteError``. A reply header must therefore not use the
+key ``"error"`` for anything else.
+
+Why binary streams: hivemind's unary protobuf RPC caps messages at 2-4 MiB, activations are bigger.
+The p2pd daemon proxy cannot half-close a stream, so the message length prefix (not EOF) delimits a
+request; the server lingers until the caller closes so that no reply bytes are lost on close.
+
+Membership helpers (``announce``, ``heartbeat``, ``live_members``) store DHT sub-keys with an expiry:
+an entry disappears ~ttl seconds after its owner stops refreshing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
+
+from peers.wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PREFIX_BYTES,
+    WireError,
+    body_length,
+    decode_body,
+    encode_message,
+)
+
+__all__ = [
+    "Handler",
+    "RemoteError",
+    "Transport",
+    "TransportError",
+    "TransportTimeout",
+    "announce",
+    "heartbeat",
+    "live_members",
+    "live_members_async",
+    "start_transport",
+    "stop_transport",
+]
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[dict, list[torch.Tensor], PeerID], Awaitable[tuple[dict, Sequence[torch.Tensor]]]]
+
+WRITE_CHUNK_BYTES = 1 << 20
+WRITE_HIGH_WATER = 4 << 20
+READ_CHUNK_BYTES = 4 << 20
+
+
+class TransportError(Exception):
+    """A call could not be completed: peer unreachable, stream broken, invalid reply, startup failure."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A call did not complete within its timeout (also an ``asyncio.TimeoutError``)."""
+
+
+class RemoteError(TransportError):
+    """The remote handler (or the remote decoder) failed; ``remote_message`` is its error string."""
+
+    def __init__(self, message: str, remote_message: str) -> None:
+        super().__init__(message)
+        self.remote_message = remote_message
+
+
+def _as_peer_id(peer_id: PeerID | str) -> PeerID:
+    return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(str(peer_id))
+
+
+async def _write_frames(writer: asyncio.StreamWriter, frames: Sequence[bytes | memoryview]) -> None:
+    """Write frames in bounded chunks so that the asyncio write buffer never copies a whole payload."""
+    transport = writer.transport
+    if transport is not None and transport.get_write_buffer_limits()[1] < WRITE_HIGH_WATER:
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+    for frame in frames:
+        view = memoryview(frame).cast("B")
+        for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
+            writer.write(view[start : start + WRITE_CHUNK_BYTES])
+            await writer.drain()
+    await writer.drain()
+
+
+async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int) -> tuple[dict, list[torch.Tensor]]:
+    """Read one length-prefixed message into a fresh writable buffer (cap checked first) and decode it."""
+    length = body_length(await reader.readexactly(PREFIX_BYTES), max_message_bytes=max_message_bytes)
+    body = bytearray(length)
+    view = memoryview(body)
+    pos = 0
+    while pos < length:
+        chunk = await reader.read(min(length - pos, READ_CHUNK_BYTES))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(view[:pos]), length)
+        view[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    return decode_body(view)
+
+
+async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
+    while await reader.read(READ_CHUNK_BYTES):
+        pass
+
+
+class Transport:
+    """Request/response RPC on top of an existing ``hivemind.p2p.P2P`` instance.
+
+    ``max_message_bytes`` caps both incoming requests and replies. ``read_timeout`` bounds how long the
+    server waits for a (possibly stalled) request body; ``linger_timeout`` bounds how long it keeps a
+    stream open after replying, waiting for the caller to close.
+    """
+
+    def __init__(
+        self,
+        p2p: P2P,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        read_timeout: float = 120.0,
+        linger_timeout: float = 10.0,
+        owns_p2p: bool = False,
+    ) -> None:
+        self.p2p = p2p
+        self.max_message_bytes = max_message_bytes
+        self.read_timeout = read_timeout
+        self.linger_timeout = linger_timeout
+        self.owns_p2p = owns_p2p
+        self._handlers: dict[str, Handler] = {}
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.p2p.peer_id
+
+    async def register(self, name: str, handler: Handler) -> None:
+        """Serve ``handler`` under protocol ``name``; each incoming stream runs in its own task."""
+
+        async def _on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(name, handler, info.peer_id, reader, writer)
+
+        self._handlers[name] = handler
+        await self.p2p.add_binary_stream_handler(name, _on_stream)
+
+    async def unregister(self, name: str) -> None:
+        self._handlers.pop(name, None)
+        await self.p2p.remove_binary_stream_handler(name)
+
+    async def _serve(
+        self, name: str, handler: Handler, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            try:
+                header, tensors = await asyncio.wait_for(
+                    _read_message(reader, self.max_message_bytes), self.read_timeout
+                )
+                reply_header, reply_tensors = await handler(header, tensors, peer)
+                frames = encode_message(reply_header, reply_tensors)
+            except (asyncio.IncompleteReadError, ConnectionError) as e:
+                logger.debug("%s: peer %s closed the stream mid-request: %r", name, peer, e)
+                return
+            except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
+                if isinstance(e, (asyncio.TimeoutError, WireError)):
+                    logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
+                else:
+                    logger.exception("%s: handler failed for request from %s", name, peer)
+                frames = encode_message({"error": f"{type(e).__name__}: {e}"})
+            await _write_frames(writer, frames)
+            try:  # wait for the caller to close (no half-close in p2pd), so no reply bytes are dropped
+                await asyncio.wait_for(_discard_until_eof(reader), self.linger_timeout)
+            except asyncio.TimeoutError:
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.debug("%s: stream to %s broke while replying: %r", name, peer, e)
+        finally:
+            writer.close()
+
+    async def call(
+        self,
+        peer_id: PeerID | str,
+        name: str,
+        header: dict,
+        tensors: Sequence[torch.Tensor] = (),
+        *,
+        timeout: float,
+    ) -> tuple[dict, list[torch.Tensor]]:
+        """Send one request to ``name`` on ``peer_id`` and return its reply ``(header, tensors)``.
+
+        Raises ``RemoteError`` if the remote side answered with an error, ``TransportTimeout`` after
+        ``timeout`` seconds, ``TransportError`` for unreachable peers, broken streams or invalid replies,
+        and ``WireError`` (locally, before sending) for tensors/headers that cannot be encoded.
+        """
+        peer = _as_peer_id(peer_id)
+        frames = encode_message(header, tensors)
+        try:
+            reply_header, reply_tensors = await asyncio.wait_for(self._call(peer, name, frames), timeout)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
+        if "error" in reply_header:
+            raise RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]))
+        return reply_header, reply_tensors
+
+    async def _call(self, peer: PeerID, name: str, frames: list) -> tuple[dict, list[torch.Tensor]]:
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+        except (P2PDaemonError, ConnectionError, OSError) as e:
+            raise TransportError(f"cannot open stream '{name}' to peer {peer}: {e}") from e
+        try:
+            await _write_frames(writer, frames)
+            return await _read_message(reader, self.max_message_bytes)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise TransportError(f"peer {peer} closed stream '{name}' before a full reply ({e!r})") from e
+        except WireError as e:
+            raise TransportError(f"invalid reply from peer {peer} for '{name}': {e}") from e
+        finally:
+            writer.close()
+
+    async def shutdown(self) -> None:
+        """Unregister all handlers; shut the P2P instance down too if this transport owns it."""
+        for name in list(self._handlers):
+            try:
+                await self.unregister(name)
+            except Exception as e:
+                logger.debug("unregister %s failed: %r", name, e)
+        if self.owns_p2p:
+            await self.p2p.shutdown()
+
+
+def _check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
+    peers = [str(p) for p in initial_peers]
+    for addr in peers:
+        try:
+            maddr = Multiaddr(addr)
+            PeerID.from_base58(maddr["p2p"])
+        except Exception as e:
+            raise TransportError(
+                f"invalid initial peer {addr!r}: expected a full multiaddr such as "
+                f"/ip4/1.2.3.4/tcp/31337/p2p/Qm... (copy it from the peer's startup log) ({e})"
+            ) from e
+    return peers
+
+
+async def start_transport(
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    announce_maddrs: Sequence[str] | None = None,
+    identity_path: str | None = None,
+    startup_timeout: float = 15.0,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    **dht_kwargs: Any,
+) -> tuple[DHT, Transport]:
+    """Start a hivemind DHT (own process and p2pd) and a Transport on its P2P daemon.
+
+    Fails within ~``startup_timeout`` (+ DHT bootstrap time) with an actionable ``TransportError`` when the
+    daemon does not start or no initial peer can be reached. Stop with ``await stop_transport(dht, t)``.
+    """
+    peers = _check_initial_peers(initial_peers)
+    dht = DHT(
+        initial_peers=peers or None,
+        start=False,
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+        identity_path=identity_path,
+        startup_timeout=startup_timeout,
+        **dht_kwargs,
+    )
+    dht.run_in_background(await_ready=False)
+    deadline = startup_timeout + 30.0  # p2pd start + DHT bootstrap pings (hivemind's own wait_timeout)
+    started = time.monotonic()
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, dht.wait_until_ready, deadline)
+    except Exception as e:
+        dht.shutdown()
+        text = str(e)
+        if isinstance(e, TimeoutError) and not text:
+            text = f"DHT not ready after {time.monotonic() - started:.1f} s"
+        if peers and ("bootstrap" in text or "initial_peers" in text):
+            hint = (
+                f"could not reach any initial peer {peers}: check that those peers are running, that the "
+                "address/port/peer id match what they printed at startup and that the port is open "
+                "(firewall/NAT; the default host_maddrs listen on 127.0.0.1 only)"
+            )
+        elif "failed to start" in text.lower() or isinstance(e, TimeoutError):
+            hint = f"the p2p daemon did not come up within startup_timeout={startup_timeout:g} s; raise it on slow machines"
+        else:
+            hint = "hivemind DHT failed to start"
+        raise TransportError(f"{hint} ({type(e).__name__}: {text})") from e
+    try:
+        p2p = await dht.replicate_p2p()
+    except Exception:
+        dht.shutdown()
+        raise
+    return dht, Transport(p2p, max_message_bytes=max_message_bytes, owns_p2p=True)
+
+
+async def stop_transport(dht: DHT, transport: Transport) -> None:
+    """Shut down a pair created by ``start_transport`` (handlers, P2P replica, DHT process and its p2pd)."""
+    try:
+        await transport.shutdown()
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, dht.shutdown)
+
+
+async def announce(dht: DHT, key: str, subkey: Any, value: Any, ttl: float) -> bool:
+    """Store ``value`` under ``key``/``subkey`` for ``ttl`` seconds; returns whether the store succeeded."""
+    future = dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)
+    return bool(await future)
+
+
+async def heartbeat(dht: DHT, key: str, subkey: Any, value: Any, ttl: float, period: float | None = None) -> None:
+    """Re-announce every ``period`` (default ttl/3) seconds until cancelled; failures are logged, not raised."""
+    period = ttl / 3 if period is None else period
+    while True:
+        try:
+            if not await announce(dht, key, subkey, value, ttl):
+                logger.warning("heartbeat store for %s/%s was rejected", key, subkey)
+        except Exception as e:
+            logger.warning("heartbeat store for %s/%s failed: %r", key, subkey, e)
+        await asyncio.sleep(period)
+
+
+def _unpack_members(found: Any) -> dict:
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    return {sub: item.value for sub, item in found.value.items() if item.expiration_time > now}
+
+
+def live_members(dht: DHT, key: str) -> dict:
+    """Blocking: ``{subkey: value}`` of the unexpired entries under ``key`` (empty if none)."""
+    return _unpack_members(dht.get(key, latest=True))
+
+
+async def live_members_async(dht: DHT, key: str) -> dict:
+    """Non-blocking variant of ``live_members`` for use inside the event loop."""
+    return _unpack_members(await dht.get(key, latest=True, return_future=True))

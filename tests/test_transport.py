@@ -1,0 +1,353 @@
+"""Tests for peers.wire (pure) and peers.transport (two real p2pd daemons on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import time
+import tracemalloc
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from peers.transport import (
+    RemoteError,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    announce,
+    live_members,
+    live_members_async,
+    start_transport,
+    stop_transport,
+)
+from peers.wire import (
+    WireError,
+    body_length,
+    check_finite,
+    decode_body,
+    decode_message,
+    encode_message,
+)
+
+_OUR_SOCKETS: list[str] = []  # daemon control sockets created by this module, to find leaked p2pd
+
+
+def _p2pd_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_p2pd():
+    """Fail a test that leaves behind a p2pd it started (other processes' daemons are ignored)."""
+    before = _p2pd_pids()
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        new = _p2pd_pids() - before
+        ours = {pid for pid in new if any(sock in _cmdline(pid) for sock in _OUR_SOCKETS)}
+        if not ours or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not ours, f"leaked p2pd processes: {[_cmdline(p) for p in ours]} (pgrep count {len(before)} before)"
+
+
+def _track(p2p: P2P) -> P2P:
+    _OUR_SOCKETS.append(str(p2p.daemon_listen_maddr).removeprefix("/unix"))
+    return p2p
+
+
+@contextlib.asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[Transport, Transport]]:
+    """Two P2P daemons on 127.0.0.1 (port 0), b bootstrapped from a; yields (server, client) transports."""
+    a = _track(await P2P.create())
+    b = None
+    try:
+        b = _track(await P2P.create(initial_peers=[str(m) for m in await a.get_visible_maddrs()]))
+        yield Transport(a, owns_p2p=True), Transport(b, owns_p2p=True)
+    finally:
+        if b is not None:
+            await b.shutdown()
+        await a.shutdown()
+
+
+async def _echo(header: dict, tensors: list[torch.Tensor], peer) -> tuple[dict, list[torch.Tensor]]:
+    return {**header, "from": str(peer), "n": len(tensors)}, tensors
+
+
+async def _fail(header: dict, tensors: list[torch.Tensor], peer) -> tuple[dict, list[torch.Tensor]]:
+    raise ValueError("handler exploded on purpose")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- wire: pure unit tests
+
+
+@pytest.mark.timeout(60)
+def test_wire_roundtrip_all_dtypes_and_layouts() -> None:
+    tensors = [
+        torch.randn(3, 5),
+        torch.randn(7, dtype=torch.bfloat16),
+        torch.arange(-5, 5, dtype=torch.int64),
+        torch.tensor([True, False]),
+        torch.randn(4, dtype=torch.float16),
+        torch.zeros(0, 3),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.randn(4, 6).t(),  # non-contiguous
+        torch.randn(3, requires_grad=True),
+        torch.randint(0, 255, (9,), dtype=torch.uint8),
+    ]
+    frames = encode_message({"step": 3, "names": ["x"]}, tensors)
+    joined = b"".join(frames)
+    for data in (joined, bytearray(joined), frames):
+        header, out = decode_message(data)
+        assert header == {"step": 3, "names": ["x"]}
+        assert len(out) == len(tensors)
+        for ref, got in zip(tensors, out):
+            assert _same(ref.detach(), got)
+    header, out = decode_message(joined)  # read-only input is copied: result must be safely writable
+    out[0].add_(1)
+    assert joined == b"".join(frames)
+    # body-only decoding, as the transport does it
+    assert body_length(joined[:8]) == len(joined) - 8
+    assert decode_body(bytearray(joined[8:]))[0]["step"] == 3
+
+
+def _raw_message(envelope: object, payload: bytes = b"") -> bytes:
+    packed = msgpack.packb(envelope, use_bin_type=True)
+    body = len(packed).to_bytes(4, "big") + packed
+    body += bytes(-len(body) % 64) + payload if payload else b""
+    return len(body).to_bytes(8, "big") + body
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\x00\x00\x00\x00\x00\x00\x00\x05\x00\x00\x00\x01\xc1", "malformed msgpack"),  # 0xc1 is never used
+        (_raw_message([1, 2, 3]), "envelope must be a dict"),
+        (_raw_message({"v": 1, "h": [1], "t": []}), "header must be a dict"),
+        (_raw_message({"v": 99, "h": {}, "t": []}), "unsupported wire version"),
+        (_raw_message({"v": 1, "h": {}, "t": [["complex64", [1]]]}, bytes(8)), "unknown or forbidden dtype"),
+        (_raw_message({"v": 1, "h": {}, "t": [["pickle", [1]]]}, bytes(8)), "unknown or forbidden dtype"),
+        (_raw_message({"v": 1, "h": {}, "t": [["float32", [-1]]]}, bytes(8)), "non-negative ints"),
+        (_raw_message({"v": 1, "h": {}, "t": [["float32", [1.5]]]}, bytes(8)), "non-negative ints"),
+        (_raw_message({"v": 1, "h": {}, "t": [["float32", [True]]]}, bytes(8)), "non-negative ints"),
+        (_raw_message({"v": 1, "h": {}, "t": [["float32", [3]]]}, bytes(8)), "shape mismatch"),
+        (_raw_message({"v": 1, "h": {}, "t": [["float32", [1]]]}, bytes(8)), "byte count mismatch"),
+        (_raw_message({"v": 1, "h": {}, "t": [["float32", [2**40, 2**40]]]}, bytes(8)), "shape mismatch"),
+        (_raw_message({"v": 1, "h": {}, "t": ["float32"]}), "spec must be"),
+        (b"\x00\x00\x00", "truncated frame"),
+        (b"\x00\x00\x00\x00\x00\x00\x00\x10\x00\x00", "truncated frame"),
+        (b"\x00\x00\x00\x00\x00\x00\x00\x06\x00\x00\x00\x09\x80\x80", "truncated frame"),
+        (b"\x00\x00\x00\x00\x00\x00\x00\x02\x00\x00", "too small"),
+    ],
+)
+def test_wire_rejects_malformed(data: bytes, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        decode_message(data)
+
+
+@pytest.mark.timeout(60)
+def test_wire_trailing_bytes_and_encode_errors() -> None:
+    good = b"".join(encode_message({"a": 1}, [torch.ones(2)]))
+    with pytest.raises(WireError, match="byte count mismatch"):
+        decode_message(good + b"\x00")
+    with pytest.raises(WireError, match="not allowed on the wire"):
+        encode_message({}, [torch.zeros(2, dtype=torch.complex64)])
+    with pytest.raises(WireError, match="expected torch.Tensor"):
+        encode_message({}, [[1.0, 2.0]])  # type: ignore[list-item]
+    with pytest.raises(WireError, match="header must be a dict"):
+        encode_message([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="not msgpack-serialisable"):
+        encode_message({"x": object()})
+    with pytest.raises(WireError, match="dense"):
+        encode_message({}, [torch.eye(3).to_sparse()])
+    assert isinstance(WireError("x"), ValueError)
+
+
+@pytest.mark.timeout(60)
+def test_huge_declared_length_is_rejected_before_allocating() -> None:
+    tracemalloc.start()
+    try:
+        for declared in (2**62, (1 << 30) + 1):
+            with pytest.raises(WireError, match="exceeds max_message_bytes"):
+                decode_message(declared.to_bytes(8, "big") + b"\x00" * 16)
+        with pytest.raises(WireError, match="exceeds max_message_bytes=1000"):
+            body_length((5000).to_bytes(8, "big"), max_message_bytes=1000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"validation allocated {peak} bytes"
+
+
+@pytest.mark.timeout(60)
+def test_check_finite_names_offender() -> None:
+    check_finite([torch.ones(3), torch.arange(3), torch.zeros(0)])
+    with pytest.raises(WireError, match=r"tensor #1 \(float32, shape \[2\]\) contains 1 NaN and 0 Inf"):
+        check_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
+    with pytest.raises(WireError, match=r"'grad'.*0 NaN and 2 Inf"):
+        check_finite({"act": torch.ones(2), "grad": torch.tensor([float("inf"), -float("inf")], dtype=torch.bfloat16)})
+
+
+# ---------------------------------------------------------------- transport over real p2pd daemons
+
+
+@pytest.mark.timeout(120)
+def test_transport_exchanges_tensors_and_serves_concurrently() -> None:
+    async def main() -> None:
+        async with _pair() as (server, client):
+            await server.register("echo", _echo)
+
+            async def double(header: dict, tensors: list[torch.Tensor], peer) -> tuple[dict, list[torch.Tensor]]:
+                await asyncio.sleep(0.05)
+                return {"k": header["k"]}, [t * 2 for t in tensors]
+
+            await server.register("double", double)
+            payloads = {
+                "f32": [torch.randn(3, 4)],
+                "f32_16MB": [torch.randn(4 << 20)],
+                "bf16": [torch.randn(5, 7).to(torch.bfloat16)],
+                "i64": [torch.arange(-3, 1000, dtype=torch.int64), torch.tensor([2**62])],
+                "none": [],
+            }
+            for key, tensors in payloads.items():
+                header, out = await client.call(str(server.peer_id), "echo", {"key": key}, tensors, timeout=60)
+                assert header == {"key": key, "from": str(client.peer_id), "n": len(tensors)}
+                assert len(out) == len(tensors) and all(_same(a, b) for a, b in zip(tensors, out))
+
+            calls = [client.call(server.peer_id, "echo", {"i": i}, [torch.full((1000,), i)], timeout=60) for i in range(8)]
+            calls += [client.call(server.peer_id, "double", {"k": i}, [torch.full((10,), i)], timeout=60) for i in range(8)]
+            results = await asyncio.gather(*calls)
+            for i, (header, out) in enumerate(results[:8]):
+                assert header["i"] == i and torch.equal(out[0], torch.full((1000,), i))
+            for i, (header, out) in enumerate(results[8:]):
+                assert header == {"k": i} and torch.equal(out[0], torch.full((10,), 2 * i))
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_transport_errors_timeouts_and_dead_peer() -> None:
+    async def main() -> None:
+        async with _pair() as (server, client):
+            await server.register("echo", _echo)
+            await server.register("fail", _fail)
+
+            async def slow(header: dict, tensors: list[torch.Tensor], peer) -> tuple[dict, list[torch.Tensor]]:
+                await asyncio.sleep(5)
+                return {}, []
+
+            await server.register("slow", slow)
+            with pytest.raises(RemoteError, match="ValueError: handler exploded on purpose") as info:
+                await client.call(server.peer_id, "fail", {}, [torch.ones(2)], timeout=30)
+            assert info.value.remote_message == "ValueError: handler exploded on purpose"
+            header, _ = await client.call(server.peer_id, "echo", {"after": "error"}, timeout=30)
+            assert header["after"] == "error"
+
+            with pytest.raises(TransportError, match="protocols not supported"):
+                await client.call(server.peer_id, "no-such-handler", {}, timeout=30)
+
+            start = time.monotonic()
+            with pytest.raises(asyncio.TimeoutError):  # TransportTimeout is also a TimeoutError
+                await client.call(server.peer_id, "slow", {}, timeout=0.5)
+            assert time.monotonic() - start < 3
+            with pytest.raises(TransportTimeout, match="timed out after 0.5 s"):
+                await client.call(server.peer_id, "slow", {}, timeout=0.5)
+            header, _ = await client.call(server.peer_id, "echo", {"after": "timeout"}, timeout=30)
+            assert header["after"] == "timeout"
+
+            with pytest.raises(WireError):  # encoding errors are raised locally, before anything is sent
+                await client.call(server.peer_id, "echo", {}, [torch.zeros(1, dtype=torch.complex64)], timeout=30)
+
+            await server.shutdown()  # unregisters and stops the server daemon
+            start = time.monotonic()
+            with pytest.raises(TransportError):
+                await client.call(server.peer_id, "echo", {}, timeout=10)
+            assert time.monotonic() - start < 10
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_malformed_raw_bytes_get_error_reply_and_service_continues() -> None:
+    async def raw_exchange(client: Transport, server: Transport, data: bytes) -> dict:
+        _, reader, writer = await client.p2p.call_binary_stream_handler(server.peer_id, "echo")
+        try:
+            writer.write(data)
+            await writer.drain()
+            reply = await asyncio.wait_for(P2P.receive_raw_data(reader), 30)
+        finally:
+            writer.close()
+        header, tensors = decode_message(len(reply).to_bytes(8, "big") + reply)
+        assert tensors == []
+        return header
+
+    async def main() -> None:
+        async with _pair() as (server, client):
+            await server.register("echo", _echo)
+            garbage = b"\xc1\xff garbage"
+            header = await raw_exchange(client, server, len(garbage).to_bytes(8, "big") + garbage)
+            assert header["error"].startswith("WireError: ")
+            bad_shape = _raw_message({"v": 1, "h": {}, "t": [["float32", [100]]]}, bytes(8))
+            assert "shape mismatch" in (await raw_exchange(client, server, bad_shape))["error"]
+            huge = (2**60).to_bytes(8, "big")  # declared, never sent: must be refused without reading
+            assert "exceeds max_message_bytes" in (await raw_exchange(client, server, huge))["error"]
+            header, out = await client.call(server.peer_id, "echo", {"ok": True}, [torch.ones(3)], timeout=30)
+            assert header["ok"] is True and torch.equal(out[0], torch.ones(3))
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_start_transport_dht_heartbeats_and_bad_bootstrap() -> None:
+    async def main() -> None:
+        with pytest.raises(TransportError, match="invalid initial peer"):
+            await start_transport(["/ip4/127.0.0.1/tcp/1"])
+
+        dht_a, t_a = await start_transport(startup_timeout=30)
+        _track(t_a.p2p)
+        dht_b = t_b = None
+        try:
+            maddrs = [str(m) for m in dht_a.get_visible_maddrs()]
+            dht_b, t_b = await start_transport(maddrs, startup_timeout=30)
+            _track(t_b.p2p)
+            await t_a.register("echo", _echo)
+            header, out = await t_b.call(t_a.peer_id, "echo", {"via": "dht"}, [torch.ones(2, 2)], timeout=30)
+            assert header["via"] == "dht" and torch.equal(out[0], torch.ones(2, 2))
+
+            assert await announce(dht_a, "members", str(t_a.peer_id), {"stage": 0}, ttl=30)
+            assert await announce(dht_b, "members", str(t_b.peer_id), {"stage": 1}, ttl=1.0)
+            members = await live_members_async(dht_b, "members")
+            assert members == {str(t_a.peer_id): {"stage": 0}, str(t_b.peer_id): {"stage": 1}}
+            await asyncio.sleep(1.5)  # b stopped refreshing: its entry expires
+            assert live_members(dht_a, "members") == {str(t_a.peer_id): {"stage": 0}}
+            assert await live_members_async(dht_a, "nobody-here") == {}
+
+            dead = f"/ip4/127.0.0.1/tcp/1/p2p/{t_a.peer_id}"  # right peer id, nothing listening
+            start = time.monotonic()
+            with pytest.raises(TransportError, match="could not reach any initial peer"):
+                await start_transport([dead], startup_timeout=10)
+            assert time.monotonic() - start < 20
+        finally:
+            if t_b is not None:
+                await stop_transport(dht_b, t_b)
+            await stop_transport(dht_a, t_a)
+
+    asyncio.run(main())
