@@ -1,0 +1,519 @@
+"""Checksum-protected attention (ABFT, after ATTNChecker) and a soft-error injector.
+
+`AttentionGuard` replaces the arithmetic of `checkfree.model.Attention` (through its
+`guard` hook) with explicit attention math in which the six matmuls are protected:
+
+    section "scores":  q = X W_Q (+b),  k = X W_K (+b),  S = Q K^T      (RoPE between)
+    section "context": v = X W_V (+b),  C = P V                         (P = softmax, unprotected)
+    section "output":  o = C W_O (+b)
+
+Each protected product C = A B is checked right after it is computed, before any other
+op reads it. Checking it immediately (rather than carrying checksums through the section
+as the paper does) is what makes RoPE harmless: q and k are checked before the rotation,
+S after it. The checks come in two tiers:
+
+* range trigger (mode "range", the default): one `aminmax` pass over C; it
+  trips iff C holds a NaN, an INF or a value with |x| > threshold. Only then is the full
+  check run. Faults that stay below the threshold are not seen in this mode.
+* full check (mode "full" always; mode "range" once tripped): column checksums
+  [e; w]^T A B and row checksums A B [e w] (w = 1..n weights, plus the bias term) are
+  compared with the sums of C within a round-off bound built from |A| |B|. A mismatched
+  line is repaired when it holds exactly one bad element: located as its single extreme
+  (non-finite or > threshold) element, or, when it has none, by the weighted/unweighted
+  difference ratio (confirmed by the crossing line also mismatching); the element is
+  rebuilt as checksum minus the sum of the others (the bad one excluded, so an INF/NaN
+  does not poison the sum). Lines are peeled column-wise then row-wise until C is
+  consistent; otherwise `UncorrectableSoftError` is raised.
+
+Corrections are written in place, under `no_grad`, into the matmul output before the next
+op consumes it. None of the producing ops saves its own output for backward, so autograd
+saves only repaired values (P, the rotated Q/K, V, C) and gradients equal those of a
+fault-free run up to the round-off of the rebuilt elements.
+
+Section budget: like the paper, one corrected element per section and forward call by
+default (`max_faults_per_section=1`). Two independent bit flips within one attention
+forward are far more likely to mean a failing device than bad luck, so a second fault in
+the same section escalates (the runtime then recomputes the microbatch, skips the step or
+treats the stage as lost). `None` lifts the budget: everything the peeling can fix is fixed.
+
+Exactness of the fault-free path: the guard always computes attention with explicit math
+(Q K^T, scale, causal mask, softmax, P V) because SDPA fuses and hides P. Checks only read
+C, so a guarded fault-free forward (modes "range" and "full") is bitwise identical to the
+guard's own unchecked path (mode "off") and to the same explicit math written out by hand.
+Against the module's unguarded `F.scaled_dot_product_attention` forward it agrees to float
+round-off only (typically max |diff| ~1e-7 on unit-scale fp32 outputs), because the fused
+CPU kernel accumulates in a different order; bitwise equality with SDPA is not possible
+without reimplementing its kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import random as _random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from checkfree.model import Attention, apply_rope
+
+__all__ = [
+    "SITES",
+    "SECTIONS",
+    "FAULT_KINDS",
+    "UncorrectableSoftError",
+    "default_threshold",
+    "flip_bit",
+    "near_inf",
+    "CheckResult",
+    "check_and_correct",
+    "Fault",
+    "FaultInjector",
+    "AttentionGuard",
+    "install_guard",
+    "remove_guard",
+]
+
+SITES: tuple[str, ...] = ("q", "k", "scores", "v", "context", "out")
+"""Protected matmul outputs, in the order they are computed."""
+
+SECTIONS: dict[str, str] = {"q": "scores", "k": "scores", "scores": "scores", "v": "context", "context": "context", "out": "output"}
+"""Protection section of each site (the paper's S_AS, S_CL, S_O)."""
+
+FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near_inf")
+"""Named fault kinds; a float kind writes that value instead."""
+
+Mode = Literal["off", "range", "full"]
+FaultKind = str | float
+
+
+class UncorrectableSoftError(RuntimeError):
+    """A protected matmul output holds errors the checksums cannot repair (or more errors
+    than the section budget allows). `site` and `call` say where."""
+
+    def __init__(self, message: str, *, site: str = "", call: int = -1) -> None:
+        super().__init__(message)
+        self.site = site
+        self.call = call
+
+
+def default_threshold(dtype: torch.dtype) -> float:
+    """Near-INF threshold for `dtype`: 1e10 (the paper's fp32 value), capped at
+    finfo.max / 4 so it stays meaningful for narrow types (fp16: 16376)."""
+    return min(1e10, torch.finfo(dtype).max / 4)
+
+
+# ---------------------------------------------------------------------------------------
+# bit flips
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+_EXP_BITS = {torch.float32: range(23, 31), torch.float64: range(52, 63), torch.float16: range(10, 15), torch.bfloat16: range(7, 15)}
+
+
+def flip_bit(value: Tensor, bit: int) -> Tensor:
+    """Return a copy of the 0-d floating tensor `value` with bit `bit` of its IEEE-754
+    representation flipped (bit 0 = lowest mantissa bit)."""
+    ity = _INT_VIEW[value.dtype]
+    nbits = torch.finfo(value.dtype).bits
+    raw = value.detach().clone().reshape(1).view(ity)
+    mask = 1 << bit
+    if mask >= 1 << (nbits - 1):  # the sign bit does not fit a positive signed literal
+        mask -= 1 << nbits
+    return (raw ^ torch.tensor(mask, dtype=ity)).view(value.dtype).reshape(())
+
+
+def near_inf(value: Tensor, threshold: float | None = None) -> Tensor:
+    """A near-INF corruption of `value`: flip its highest zero exponent bit (one upset bit,
+    multiplying it by 2**(2**b)). Where no such flip lands in (threshold, finfo.max] -- zero
+    and denormals stay small, |x| in [1, 2) becomes INF/NaN -- return +-finfo.max / 2
+    instead (several upset exponent bits)."""
+    thr = default_threshold(value.dtype) if threshold is None else threshold
+    ity = _INT_VIEW[value.dtype]
+    raw = int(value.detach().reshape(1).view(ity).item())
+    for bit in reversed(_EXP_BITS[value.dtype]):
+        if not (raw >> bit) & 1:
+            out = flip_bit(value, bit)
+            if math.isfinite(out.item()) and abs(out.item()) > thr:
+                return out
+            break
+    sign = -1.0 if raw < 0 else 1.0
+    return torch.tensor(sign * torch.finfo(value.dtype).max / 2, dtype=value.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# checksum check and correction of one product C = A B (+ bias)
+
+
+@dataclass
+class CheckResult:
+    """Outcome of `check_and_correct`: `detected` is True when the checksums disagreed,
+    `corrected` the number of elements rebuilt."""
+
+    detected: bool = False
+    corrected: int = 0
+
+
+@dataclass
+class _Refs:
+    col: Tensor  # (nb, 2, n): [e; w]^T (A B + bias)
+    col_tol: Tensor  # (nb, n)
+    row: Tensor  # (nb, m, 2): (A B + bias) [e w]
+    row_tol: Tensor  # (nb, m)
+    w_m: Tensor  # (m,) weights 1..m
+    w_n: Tensor  # (n,) weights 1..n
+
+
+def _checksums(a: Tensor, b: Tensor, bias: Tensor | None, acc: torch.dtype, slack: float) -> _Refs:
+    """Checksums of C = a @ b (+ bias) computed from the operands only. a: (nb, m, k),
+    b: (nb|1, k, n). The tolerance is `slack` * eps * (m + k) * (e^T|A|)|B| (resp. |A||B|e),
+    a worst-case bound on the round-off of both sides of the comparison."""
+    a, b = a.to(acc), b.to(acc)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    w_m = torch.arange(1, m + 1, dtype=acc)
+    w_n = torch.arange(1, n + 1, dtype=acc)
+    abs_a, abs_b = a.abs(), b.abs()
+    enc_m = torch.stack((torch.ones(m, dtype=acc), w_m))  # (2, m)
+    col = (enc_m @ a) @ b  # (nb, 2, n)
+    col_tol = (abs_a.sum(-2, keepdim=True) @ abs_b).squeeze(-2)  # (nb, n)
+    enc_n = torch.stack((torch.ones(n, dtype=acc), w_n), dim=1)  # (n, 2)
+    row = a @ (b @ enc_n)  # (nb, m, 2)
+    row_tol = (abs_a @ abs_b.sum(-1, keepdim=True)).squeeze(-1)  # (nb, m)
+    if bias is not None:
+        bias = bias.to(acc)
+        col = col + torch.stack((bias * m, bias * w_m.sum()))
+        col_tol = col_tol + bias.abs() * m
+        row = row + torch.stack((bias.sum(), (bias * w_n).sum()))
+        row_tol = row_tol + bias.abs().sum()
+    eps = torch.finfo(acc).eps * slack * (m + k)
+    return _Refs(col, col_tol * eps + torch.finfo(acc).tiny, row, row_tol * eps + torch.finfo(acc).tiny, w_m, w_n)
+
+
+def _mismatch(c: Tensor, refs: _Refs) -> tuple[Tensor, Tensor]:
+    """Boolean masks (nb, n) of columns and (nb, m) of rows whose sums disagree with the
+    checksums (a NaN difference counts as disagreement)."""
+    cf = c.to(refs.col.dtype)
+    bad_cols = ~((cf.sum(-2) - refs.col[:, 0]).abs() <= refs.col_tol)
+    bad_rows = ~((cf.sum(-1) - refs.row[..., 0]).abs() <= refs.row_tol)
+    return bad_cols, bad_rows
+
+
+def _fix_line(v: Tensor, ref: Tensor, ref_w: Tensor, w: Tensor, threshold: float, crossing_bad: Tensor) -> bool:
+    """Repair the single bad element of the 1-D view `v` whose sum should be `ref` (and
+    weighted sum `ref_w`). Returns False, leaving `v` untouched, when the bad element
+    cannot be located (several extreme values, or an unconfirmed ratio)."""
+    vf = v.to(ref.dtype)
+    extreme = ~torch.isfinite(vf) | (vf.abs() > threshold)
+    n_extreme = int(extreme.sum())
+    if n_extreme == 1:
+        i = int(extreme.nonzero()[0, 0])
+    elif n_extreme == 0:
+        d = float(vf.sum() - ref)
+        dw = float((vf * w).sum() - ref_w)
+        if d == 0.0 or not math.isfinite(dw / d):
+            return False
+        r = dw / d
+        i = round(r) - 1
+        if abs(r - (i + 1)) > 0.25 or not 0 <= i < v.numel() or not bool(crossing_bad[i]):
+            return False
+    else:
+        return False
+    others = vf.clone()
+    others[i] = 0
+    v[i] = (ref - others.sum()).to(v.dtype)
+    return True
+
+
+def check_and_correct(
+    c: Tensor,
+    a: Tensor,
+    b: Tensor,
+    bias: Tensor | None = None,
+    *,
+    threshold: float | None = None,
+    slack: float = 4.0,
+    max_rounds: int = 4,
+) -> CheckResult:
+    """Full ABFT check of c = a @ b (+ bias), repairing c IN PLACE.
+
+    Contract: a (nb, m, k) and b (nb or 1, k, n) are trusted fault-free; c is a (nb, m, n)
+    view of the product (writes land in the caller's tensor); bias is (n,) or None. Errors
+    are repaired line by line (the shorter lines first, then the others, repeated up to
+    `max_rounds`) wherever a
+    line holds one bad element. Returns what was found and fixed; raises
+    `UncorrectableSoftError` if c is still inconsistent or non-finite afterwards, or if
+    the checksums themselves are not finite (corrupted operands).
+    """
+    with torch.no_grad():
+        acc = torch.promote_types(c.dtype, torch.float32)
+        thr = default_threshold(c.dtype) if threshold is None else threshold
+        refs = _checksums(a, b, bias, acc, slack)
+        if not (torch.isfinite(refs.col).all() and torch.isfinite(refs.row).all()):
+            raise UncorrectableSoftError("checksums are not finite: the operands of the product are corrupted")
+        bad_cols, bad_rows = _mismatch(c, refs)
+        if not (bad_cols.any() or bad_rows.any()):
+            return CheckResult()
+        fixed = 0
+        # Shorter lines first: a value rebuilt from a short line carries less round-off.
+        passes = ("cols", "rows") if c.shape[-2] <= c.shape[-1] else ("rows", "cols")
+        for _ in range(max_rounds):
+            progress = 0
+            for axis in passes:
+                if axis == "cols":
+                    for bi, j in bad_cols.nonzero().tolist():
+                        progress += _fix_line(c[bi, :, j], refs.col[bi, 0, j], refs.col[bi, 1, j], refs.w_m, thr, bad_rows[bi])
+                else:
+                    for bi, i in bad_rows.nonzero().tolist():
+                        progress += _fix_line(c[bi, i, :], refs.row[bi, i, 0], refs.row[bi, i, 1], refs.w_n, thr, bad_cols[bi])
+                bad_cols, bad_rows = _mismatch(c, refs)
+            fixed += progress
+            if not (bad_cols.any() or bad_rows.any()) or progress == 0:
+                break
+        if bad_cols.any() or bad_rows.any() or not torch.isfinite(c).all():
+            raise UncorrectableSoftError(
+                f"{int(bad_cols.sum())} column(s) and {int(bad_rows.sum())} row(s) still disagree with their "
+                f"checksums after {fixed} correction(s): more than one bad value per row and per column"
+            )
+        return CheckResult(detected=True, corrected=fixed)
+
+
+def _range_trips(c: Tensor, threshold: float) -> bool:
+    """The cheap trigger, one `aminmax` pass: True iff c holds a NaN (which propagates into
+    both extremes), an INF or a value beyond +-threshold."""
+    lo, hi = torch.aminmax(c)
+    return not (float(hi) <= threshold and float(lo) >= -threshold)
+
+
+# ---------------------------------------------------------------------------------------
+# fault injection
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One scheduled fault: at attention forward call `call` (0-based, counted by the
+    injector over every module sharing it), write `kind` into the output of matmul `site`
+    at (`row`, `col`) of its 2-D view `out.reshape(-1, out.shape[-1])`; None = seeded
+    random position (for "scores", within the causal, unmasked part)."""
+
+    call: int
+    site: str
+    kind: FaultKind
+    row: int | None = None
+    col: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.site not in SITES:
+            raise ValueError(f"unknown site {self.site!r}; expected one of {SITES}")
+        if not isinstance(self.kind, float | int) and self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {FAULT_KINDS} or a float")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Record of one performed injection."""
+
+    call: int
+    site: str
+    row: int
+    col: int
+    kind: FaultKind
+    old: float
+    new: float
+
+
+@dataclass
+class FaultInjector:
+    """Writes scheduled faults into matmul outputs; driven by `AttentionGuard`, which calls
+    `begin_call()` at each attention forward and `inject(site, out)` after each protected
+    matmul. `injected` counts performed injections; `log` records them."""
+
+    schedule: list[Fault] = field(default_factory=list)
+    seed: int = 0
+    threshold: float | None = None
+    calls: int = 0
+    injected: int = 0
+    log: list[Injection] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.schedule = [f if isinstance(f, Fault) else Fault(*f) for f in self.schedule]
+        self._rng = _random.Random(self.seed)
+        self._call = -1
+
+    @classmethod
+    def from_schedule(cls, schedule: Iterable[Fault | Sequence], *, seed: int = 0) -> FaultInjector:
+        """Build from (call, site, kind[, row, col]) tuples or `Fault`s."""
+        return cls(schedule=list(schedule), seed=seed)
+
+    @classmethod
+    def random(
+        cls,
+        n: int,
+        seed: int,
+        *,
+        calls: Sequence[int] | None = None,
+        sites: Sequence[str] = SITES,
+        kinds: Sequence[FaultKind] = FAULT_KINDS,
+    ) -> FaultInjector:
+        """`n` faults at seeded-random sites, kinds and positions: one per call in
+        `calls` drawn without replacement (default: calls 0..n-1)."""
+        rng = _random.Random(seed)
+        chosen = list(range(n)) if calls is None else sorted(rng.sample(list(calls), n))
+        return cls(schedule=[Fault(c, rng.choice(list(sites)), rng.choice(list(kinds))) for c in chosen], seed=seed)
+
+    def begin_call(self) -> int:
+        """Start the next attention forward; returns its call index."""
+        self._call = self.calls
+        self.calls += 1
+        return self._call
+
+    def inject(self, site: str, out: Tensor) -> int:
+        """Write this call's faults for `site` into `out` in place; returns how many."""
+        count = 0
+        for fault in self.schedule:
+            if fault.call == self._call and fault.site == site:
+                self._write(fault, out)
+                count += 1
+        return count
+
+    def _position(self, fault: Fault, out: Tensor) -> tuple[int, int]:
+        rows, cols = out.numel() // out.shape[-1], out.shape[-1]
+        if fault.row is not None and fault.col is not None:
+            return fault.row % rows, fault.col % cols
+        row = self._rng.randrange(rows) if fault.row is None else fault.row % rows
+        if fault.site == "scores" and fault.col is None:
+            return row, self._rng.randrange(row % out.shape[-2] + 1)
+        return row, self._rng.randrange(cols) if fault.col is None else fault.col % cols
+
+    def _write(self, fault: Fault, out: Tensor) -> None:
+        row, col = self._position(fault, out)
+        flat = out.view(-1, out.shape[-1])
+        with torch.no_grad():
+            old = flat[row, col].clone()
+            if fault.kind == "near_inf":
+                new = near_inf(old, self.threshold)
+            else:  # "inf", "-inf", "nan" or a chosen value
+                new = torch.tensor(float(fault.kind), dtype=out.dtype)
+            flat[row, col] = new
+        self.injected += 1
+        self.log.append(Injection(self._call, fault.site, row, col, fault.kind, float(old), float(new)))
+
+
+# ---------------------------------------------------------------------------------------
+# the guard
+
+
+@dataclass
+class AttentionGuard:
+    """Checksum-protected attention, callable as `guard(attn_module, x) -> output`.
+
+    mode: "range" (cheap trigger, full check when it trips), "full" (checksums on every
+    matmul) or "off" (no checks: explicit attention math, faults still injected).
+    threshold: near-INF threshold; None follows the dtype (`default_threshold`).
+    max_faults_per_section: corrected elements allowed per section and call (None: no cap).
+    Counters: detected (checks that found a mismatch), corrected (elements rebuilt),
+    escalated (UncorrectableSoftError raised), triggered (range trips), checks (full
+    checks run); `injected` is read from the injector.
+    """
+
+    mode: Mode = "range"
+    injector: FaultInjector | None = None
+    threshold: float | None = None
+    max_faults_per_section: int | None = 1
+    detected: int = 0
+    corrected: int = 0
+    escalated: int = 0
+    triggered: int = 0
+    checks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "range", "full"):
+            raise ValueError(f"mode must be 'off', 'range' or 'full', got {self.mode!r}")
+        self._call = -1
+        self._section_faults: dict[str, int] = {}
+
+    @property
+    def injected(self) -> int:
+        return 0 if self.injector is None else self.injector.injected
+
+    def reset_counters(self) -> None:
+        """Zero detected/corrected/escalated/triggered/checks."""
+        self.detected = self.corrected = self.escalated = self.triggered = self.checks = 0
+
+    def __call__(self, attn: Attention, x: Tensor) -> Tensor:
+        """Attention forward of `attn` on x (B, T, C) with protected matmuls."""
+        self._call = self.injector.begin_call() if self.injector is not None else self._call + 1
+        self._section_faults = {}
+        b, t, c = x.shape
+        q = self._linear("q", attn.wq, x)
+        k = self._linear("k", attn.wk, x)
+        q = apply_rope(attn.split_heads(q), attn.rope_cos, attn.rope_sin)
+        k = apply_rope(attn.split_heads(k), attn.rope_cos, attn.rope_sin)
+        kt = k.transpose(-2, -1)
+        scores = q @ kt  # (B, nh, T, T)
+        self._protect("scores", scores, lambda: (q.reshape(-1, t, attn.head_dim), kt.reshape(-1, attn.head_dim, t), None))
+        scores = scores * (1.0 / math.sqrt(attn.head_dim))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        p = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        v = attn.split_heads(self._linear("v", attn.wv, x))
+        ctx = p @ v  # (B, nh, T, hs)
+        self._protect("context", ctx, lambda: (p.reshape(-1, t, t), v.reshape(-1, t, attn.head_dim), None))
+        return self._linear("out", attn.wo, ctx.transpose(1, 2).reshape(b, t, c))
+
+    def _linear(self, site: str, lin: nn.Linear, x: Tensor) -> Tensor:
+        out = F.linear(x, lin.weight, lin.bias)
+        self._protect(site, out, lambda: (x.reshape(1, -1, x.shape[-1]), lin.weight.t().unsqueeze(0), lin.bias))
+        return out
+
+    def _protect(self, site: str, out: Tensor, operands) -> None:
+        """Inject (if scheduled), then check/repair `out` in place according to the mode.
+        `operands` lazily returns (a, b, bias) with out == a @ b + bias as (nb, m, n)."""
+        if self.injector is not None:
+            self.injector.inject(site, out)
+        if self.mode == "off":
+            return
+        with torch.no_grad():
+            thr = default_threshold(out.dtype) if self.threshold is None else self.threshold
+            if self.mode == "range":
+                if not _range_trips(out, thr):
+                    return
+                self.triggered += 1
+            self.checks += 1
+            a, b, bias = operands()
+            view = out.view(-1, a.shape[-2], out.shape[-1])
+            try:
+                result = check_and_correct(view, a.detach(), b.detach(), None if bias is None else bias.detach(), threshold=thr)
+            except UncorrectableSoftError as err:
+                self.escalated += 1
+                raise UncorrectableSoftError(f"{site} (call {self._call}): {err}", site=site, call=self._call) from err
+        if not result.detected:
+            return
+        self.detected += 1
+        self.corrected += result.corrected
+        section = SECTIONS[site]
+        self._section_faults[section] = self._section_faults.get(section, 0) + result.corrected
+        cap = self.max_faults_per_section
+        if cap is not None and self._section_faults[section] > cap:
+            self.escalated += 1
+            raise UncorrectableSoftError(
+                f"{site} (call {self._call}): {self._section_faults[section]} faults in section {section!r}, "
+                f"budget {cap} per forward",
+                site=site,
+                call=self._call,
+            )
+
+
+def install_guard(module: nn.Module, guard: AttentionGuard | None) -> int:
+    """Set `.guard = guard` on every `Attention` in `module`'s tree; returns how many."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, Attention):
+            sub.guard = guard
+            count += 1
+    return count
+
+
+def remove_guard(module: nn.Module) -> int:
+    """Clear the guard of every `Attention` in `module`'s tree; returns how many."""
+    return install_guard(module, None)
