@@ -1,0 +1,195 @@
+"""The `checkfree` command: thin front-ends over the config tree.
+
+Subcommands register themselves from their own packages (peers, scheduler, experiments)
+through `SUBCOMMANDS`; this module only knows how to turn shared flags into a RunConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
+from checkfree.failures import schedule_from_config, write_trace
+from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure, get_rule
+
+__all__ = ["main", "add_run_arguments", "config_from_args", "SUBCOMMANDS"]
+
+# name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
+# does not pay for hivemind's import.
+SUBCOMMANDS = {
+    "simulate": "checkfree.cli:add_simulate",
+    "local": "scheduler.local:add_parser",
+    "scheduler": "scheduler.cli:add_parser",
+    "peer": "peers.cli:add_parser",
+    "export": "scheduler.export:add_parser",
+    "experiment": "experiments.cli:add_parser",
+}
+
+
+def strategy_names() -> list[str]:
+    try:
+        from checkfree.strategies import STRATEGIES
+
+        return sorted(STRATEGIES)
+    except ImportError:
+        return sorted(RECOVERY_RULES)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that starts a run."""
+    g = p.add_argument_group("run")
+    g.add_argument("--config", help="a config.json to start from (e.g. from an earlier run directory)")
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model/training preset (default tiny)")
+    g.add_argument("--stages", type=int, help="pipeline stages S (default: the preset's)")
+    g.add_argument("--layers", type=int, help="override the preset's number of layers")
+    g.add_argument("--strategy", help=f"recovery strategy: {', '.join(strategy_names())} (default checkfree)")
+    g.add_argument("--fallback", choices=FALLBACKS, help="what an unrecoverable failure does (default abort)")
+    g.add_argument("--lr-scale", type=float, help="LR multiplier of a recovered stage (default 1.1)")
+    g.add_argument("--norm-kind", choices=("post-clip", "pre-clip"), help="omega: gradient norm after/before clip")
+    g.add_argument("--norm-power", type=int, choices=(1, 2), help="omega: plain (1) or squared (2) norm")
+    g.add_argument("--steps", type=int, help="optimizer steps")
+    g.add_argument("--microbatches", type=int, help="microbatches per step (M)")
+    g.add_argument("--microbatch-size", type=int, help="sequences per microbatch")
+    g.add_argument("--lr", type=float, help="learning rate")
+    g.add_argument("--lr-schedule", choices=("constant", "warmup-cosine"))
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--seed", type=int, help="training seed (init and data)")
+    g.add_argument("--eval-every", type=int, help="steps between validation evaluations")
+    g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast of the forward pass")
+    g.add_argument("--data", help="'shakespeare' (default), a text file or directory, or hf:<dataset>[:<data_files>]")
+    g.add_argument("--tokenizer", help="tokenizer.json path or HF tokenizer name (default: train a BPE)")
+    f = p.add_argument_group("failures")
+    f.add_argument("--failure-rate", type=float, help="probability a stage fails per step")
+    f.add_argument("--hourly-failure-rate", type=float, help="probability a stage fails per hour (with --iteration-time)")
+    f.add_argument("--iteration-time", type=float, help="seconds per iteration for --hourly-failure-rate (default 91.3)")
+    f.add_argument("--trace", help="replay failures from a `step,stage` trace file")
+    f.add_argument("--failure-seed", type=int, help="seed of the failure draws")
+    f.add_argument("--protect-edges", choices=("yes", "no"), help="never fail the first/last stage (default: yes "
+                   "for plain strategies, no for checkfree+)")
+    p.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
+    p.add_argument("--write-trace", help="also write the failure schedule to this trace file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _set(obj: object, field: str, value: object) -> None:
+    if value is not None:
+        setattr(obj, field, value)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Resolve preset or --config plus overrides into a validated RunConfig."""
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ValueError(f"--config {args.config!r} does not exist")
+        cfg = config_from_dict(json.loads(path.read_text()))
+    else:
+        cfg = preset(args.preset)
+    _set(cfg, "num_stages", args.stages)
+    if args.layers is not None:
+        cfg.model.num_layers = args.layers
+    r, t, d, f = cfg.recovery, cfg.train, cfg.data, cfg.failures
+    for obj, pairs in (
+        (r, [("strategy", args.strategy), ("fallback", args.fallback), ("lr_scale", args.lr_scale),
+             ("norm_kind", args.norm_kind), ("norm_power", args.norm_power)]),
+        (t, [("num_steps", args.steps), ("num_microbatches", args.microbatches),
+             ("microbatch_size", args.microbatch_size), ("lr", args.lr), ("lr_schedule", args.lr_schedule),
+             ("warmup_steps", args.warmup_steps), ("seed", args.seed), ("eval_every", args.eval_every),
+             ("device", args.device)]),
+        (d, [("source", args.data), ("tokenizer", args.tokenizer)]),
+        (f, [("rate", args.failure_rate), ("hourly_rate", args.hourly_failure_rate),
+             ("iteration_time_s", args.iteration_time), ("trace", args.trace), ("seed", args.failure_seed)]),
+    ):
+        for name, value in pairs:
+            _set(obj, name, value)
+    if args.bf16:
+        t.autocast_bf16 = True
+    if args.protect_edges:
+        f.protect_edges = args.protect_edges == "yes"
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Reject a config that cannot run, with the reason."""
+    from checkfree.model import plan_stages
+    from checkfree.worker import lr_at, resolve_device
+
+    names = strategy_names()
+    if cfg.recovery.strategy not in names:
+        raise ValueError(f"unknown strategy {cfg.recovery.strategy!r}; choose one of {names}")
+    if cfg.recovery.fallback not in FALLBACKS:
+        raise ValueError(f"unknown fallback {cfg.recovery.fallback!r}; choose one of {FALLBACKS}")
+    plan_stages(cfg.model.num_layers, cfg.num_stages)
+    for name in ("num_steps", "num_microbatches", "microbatch_size"):
+        if getattr(cfg.train, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg.train, name)}")
+    if not 0 <= cfg.failures.rate <= 1:
+        raise ValueError(f"--failure-rate must be a probability in [0, 1], got {cfg.failures.rate}")
+    if cfg.train.lr <= 0:
+        raise ValueError(f"learning rate must be positive, got {cfg.train.lr}")
+    lr_at(cfg, 0)
+    resolve_device(cfg.train.device)
+
+
+def add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="train every stage in one process with injected failures",
+                       description="Single-process simulator: all stages in one process, failures by seed or trace.")
+    add_run_arguments(p)
+    p.set_defaults(func=run_simulate)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from checkfree.simulator import Simulator
+
+    cfg = config_from_args(args)
+    if args.write_trace:
+        sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps,
+                                     get_rule(cfg.recovery.strategy).plus if cfg.recovery.strategy in RECOVERY_RULES
+                                     else False)
+        write_trace(args.write_trace, sched.events)
+    summary = Simulator(cfg, args.out, progress=not args.no_progress).run()
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="checkfree", description="Train LLM pipelines on unreliable peers.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for spec in SUBCOMMANDS.values():
+        module, func = spec.split(":")
+        try:
+            getattr(importlib.import_module(module), func)(sub)
+        except ModuleNotFoundError as e:
+            if not module.startswith(e.name or "\0"):
+                raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UnrecoverableFailure as e:
+        print(f"checkfree: run aborted: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as e:
+        print(f"checkfree: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("checkfree: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

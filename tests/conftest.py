@@ -1,0 +1,55 @@
+"""Shared fixtures: a per-test temporary cache, and a guard that no test leaves processes behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+
+import pytest
+
+
+# Every process this test session starts inherits this marker, so the leftover check below
+# sees our own daemons (orphans included, whose parent is gone) and nobody else's.
+SESSION_MARK = f"CHECKFREE_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["CHECKFREE_TEST_SESSION"] = SESSION_MARK.split("=", 1)[1]
+
+
+def _ours(pid: int) -> bool:
+    try:
+        return SESSION_MARK.encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _p2pd_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split() if _ours(int(x))}
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_p2pd():
+    """Fail a test that leaves a p2pd daemon running (orphaned daemons are a known hivemind pitfall)."""
+    before = _p2pd_pids()
+    yield
+    import time
+
+    deadline = time.monotonic() + 10
+    while (left := _p2pd_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)  # daemons exit asynchronously after shutdown; bounded wait
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    assert not left, f"test left p2pd processes behind: {sorted(left)}"
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path_factory):
+    """The tiny preset with a shared token cache (the BPE is trained once per session)."""
+    from checkfree.config import preset
+
+    cfg = preset("tiny")
+    cfg.data.cache_dir = str(tmp_path_factory.getbasetemp() / "cache")
+    return cfg

@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkfree.recovery import (UnrecoverableFailure, checkfree_average, omega, plan_recovery, random_init,
+                                rebuild_stage, uniform_average)
+
+
+def test_checkfree_average_hand_computed():
+    prev = {"w": torch.tensor([1.0, 2.0])}
+    nxt = {"w": torch.tensor([3.0, 6.0])}
+    out = checkfree_average(prev, nxt, prev_norm=0.5, next_norm=0.25)
+    # a = 0.25 + 1e-4 = 0.2501 (next's own norm), b = 0.5 + 1e-4 = 0.5001
+    # (0.2501*3 + 0.5001*1) / 0.7502 = 1.2504 / 0.7502 ; (0.2501*6 + 0.5001*2) / 0.7502 = 2.5008 / 0.7502
+    assert out["w"].tolist() == pytest.approx([1.666755532, 3.333511064], abs=1e-6)
+
+
+def test_checkfree_average_matches_formula_on_random_state_dicts():
+    g = torch.Generator().manual_seed(0)
+    prev = {f"blocks.0.k{i}": torch.randn(5, 3, generator=g) for i in range(4)}
+    nxt = {k: torch.randn(5, 3, generator=g) for k in prev}
+    pn, nn_ = 0.37, 0.91
+    out = checkfree_average(prev, nxt, prev_norm=pn, next_norm=nn_, eps=1e-4)
+    a, b = nn_ + 1e-4, pn + 1e-4
+    for k in prev:
+        torch.testing.assert_close(out[k], (a * nxt[k] + b * prev[k]) / (a + b))
+
+
+def test_uniform_and_omega_options():
+    out = uniform_average({"w": torch.tensor([0.0])}, {"w": torch.tensor([2.0])})
+    assert out["w"].item() == 1.0
+    assert omega(3.0, 1.0) == 1.0
+    assert omega(3.0, 1.0, kind="pre-clip") == 3.0
+    assert omega(3.0, 0.5, power=2) == 0.25
+    with pytest.raises(ValueError):
+        omega(1.0, 1.0, kind="bogus")
+
+
+def test_plan_intermediate_uses_both_live_neighbours():
+    (plan,) = plan_recovery({2}, 5, "checkfree")
+    assert plan.method == "average" and plan.sources == (1, 3) and plan.fallback is None
+
+
+def test_plain_checkfree_cannot_recover_edges():
+    with pytest.raises(UnrecoverableFailure, match="first stage"):
+        plan_recovery({0}, 4, "checkfree")
+    (plan,) = plan_recovery({3}, 4, "checkfree", fallback="random")
+    assert plan.fallback == "random" and plan.method == "random" and "last stage" in plan.reason
+    assert plan.edges_reinit == ("head",)
+
+
+def test_adjacent_failures_go_to_fallback_never_dead_sources():
+    with pytest.raises(UnrecoverableFailure, match="adjacent"):
+        plan_recovery({1, 2}, 5, "checkfree")
+    plans = plan_recovery({1, 2}, 5, "checkfree", fallback="copy")
+    assert [p.fallback for p in plans] == ["copy", "copy"]
+    for p in plans:
+        assert not set(p.sources) & {1, 2}
+    assert plans[0].sources == (0,) and plans[1].sources == (3,)
+
+
+def test_checkfree_plus_recovers_edges_by_copy_and_replicas():
+    first, last = plan_recovery({0, 5}, 6, "checkfree+")
+    assert (first.method, first.sources, first.edge_sources) == ("copy", (1,), {"embed": 1})
+    assert (last.method, last.sources, last.edge_sources) == ("copy", (4,), {"head": 4})
+    (inner,) = plan_recovery({1}, 6, "checkfree+")
+    assert inner.sources == (0, 2) and inner.edge_sources == {"embed": 0}
+    with pytest.raises(UnrecoverableFailure):
+        plan_recovery({0, 1}, 6, "checkfree+")
+
+
+def test_rebuild_stage_averages_blocks_and_restores_edges_exactly():
+    g = torch.Generator().manual_seed(1)
+    tmpl = {"blocks.0.w": torch.zeros(2, 2), "blocks.1.w": torch.zeros(2, 2), "embed.weight": torch.zeros(4, 2)}
+    b0 = {"blocks.0.w": torch.randn(2, 2, generator=g), "blocks.1.w": torch.randn(2, 2, generator=g)}
+    b2 = {"blocks.0.w": torch.randn(2, 2, generator=g)}  # a shallower neighbour
+    emb = {"embed.weight": torch.randn(4, 2, generator=g)}
+    (plan,) = plan_recovery({1}, 4, "checkfree+")
+    state, coeffs = rebuild_stage(plan, tmpl, {0: b0, 2: b2}, {0: 0.2, 2: 0.6}, {"embed": emb})
+    expect = checkfree_average({"w": b0["blocks.0.w"]}, {"w": b2["blocks.0.w"]}, prev_norm=0.2, next_norm=0.6)
+    assert torch.equal(state["blocks.0.w"], expect["w"])
+    assert torch.equal(state["blocks.1.w"], b0["blocks.1.w"])  # only one source has it
+    assert torch.equal(state["embed.weight"], emb["embed.weight"])
+    assert coeffs[2] == pytest.approx((0.6 + 1e-4) / 0.8002) and sum(coeffs.values()) == pytest.approx(1.0)
+
+
+def test_rebuild_refuses_non_finite_sources():
+    (plan,) = plan_recovery({1}, 3, "checkfree")
+    bad = {"blocks.0.w": torch.tensor([float("nan")])}
+    with pytest.raises(ValueError, match="non-finite"):
+        rebuild_stage(plan, {"blocks.0.w": torch.zeros(1)}, {0: bad, 2: bad}, {0: 1.0, 2: 1.0}, {})
+
+
+def test_random_init_deterministic():
+    t = {"a": torch.zeros(3, 3), "n": torch.zeros(3)}
+    x, y = random_init(t, seed=5), random_init(t, seed=5)
+    assert torch.equal(x["a"], y["a"]) and torch.equal(x["n"], torch.ones(3))
+
+
+def test_unknown_strategy_and_fallback():
+    with pytest.raises(ValueError, match="unknown recovery strategy"):
+        plan_recovery({1}, 4, "bogus")
+    with pytest.raises(ValueError, match="unknown fallback"):
+        plan_recovery({1}, 4, "checkfree", fallback="pray")

@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from checkfree.failures import write_trace
+from checkfree.recovery import UnrecoverableFailure
+from checkfree.rundir import read_jsonl
+from checkfree.simulator import Simulator
+
+
+def _run(cfg, out, **over):
+    for section, values in over.items():
+        for k, v in values.items():
+            setattr(getattr(cfg, section), k, v)
+    sim = Simulator(cfg, out, progress=False)
+    return sim, sim.run()
+
+
+def test_run_directory_contract(tiny_cfg, tmp_path):
+    tiny_cfg.train.num_steps, tiny_cfg.train.eval_every = 6, 3
+    _, summary = _run(tiny_cfg, tmp_path / "r")
+    for key in ("steps", "final_loss", "final_val_loss", "failures", "recoveries", "fallbacks", "wall_s"):
+        assert key in summary
+    metrics = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(6))
+    assert {"step", "loss", "lr", "grad_norms", "step_time_s"} <= metrics[0].keys()
+    assert len(metrics[0]["grad_norms"]) == 4 and "val_loss" in metrics[2] and "val_loss" not in metrics[0]
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["num_stages"] == 4
+
+
+def test_checkfree_plus_replicas_bit_identical(tiny_cfg, tmp_path):
+    tiny_cfg.recovery.strategy = "checkfree+"
+    tiny_cfg.train.num_steps = 8
+    sim, _ = _run(tiny_cfg, tmp_path / "r")
+    w = sim.workers
+    for a, b in zip(w[0].module.embed.parameters(), w[1].module.embed.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(w[2].module.head.parameters(), w[3].module.head.parameters()):
+        assert torch.equal(a, b)
+    first = w[0].module.embed.weight
+    assert not torch.equal(first, Simulator(tiny_cfg, tmp_path / "fresh", progress=False).workers[0].module.embed.weight)
+
+
+def test_adjacent_failures_trigger_fallback_event(tiny_cfg, tmp_path):
+    trace = tmp_path / "t.csv"
+    write_trace(trace, [(2, 1), (2, 2)])
+    tiny_cfg.train.num_steps = 4
+    tiny_cfg.failures.trace = str(trace)
+    with pytest.raises(UnrecoverableFailure, match="adjacent"):
+        _run(tiny_cfg, tmp_path / "abort")
+    events = read_jsonl(tmp_path / "abort" / "events.jsonl")
+    assert [e["event"] for e in events] == ["failure", "failure", "fallback"]
+    assert json.loads((tmp_path / "abort" / "summary.json").read_text())["status"] == "aborted"
+    tiny_cfg.recovery.fallback = "random"
+    _, summary = _run(tiny_cfg, tmp_path / "random")
+    assert summary["fallbacks"] == 2 and summary["recoveries"] == 0 and summary["status"] == "completed"
+
+
+def test_trace_replays_identically(tiny_cfg, tmp_path):
+    trace = tmp_path / "t.csv"
+    write_trace(trace, [(1, 2), (3, 1)])
+    tiny_cfg.train.num_steps = 5
+    tiny_cfg.failures.trace = str(trace)
+    runs = [_run(tiny_cfg, tmp_path / f"r{i}")[0] for i in range(2)]
+    m = [read_jsonl(tmp_path / f"r{i}" / "metrics.jsonl") for i in range(2)]
+    assert [x["loss"] for x in m[0]] == [x["loss"] for x in m[1]]
+    e = [read_jsonl(tmp_path / f"r{i}" / "events.jsonl") for i in range(2)]
+    strip = lambda ev: [{k: v for k, v in x.items() if k not in ("time", "recovery_time_s")} for x in ev]  # noqa: E731
+    assert strip(e[0]) == strip(e[1])
+    rec = [x for x in e[0] if x["event"] == "recovery"]
+    assert [(x["step"], x["stage"], x["sources"]) for x in rec] == [(1, 2, [1, 3]), (3, 1, [0, 2])]
+    assert all(len(x["coefficients"]) == 2 and sum(x["coefficients"]) == pytest.approx(1) for x in rec)
+    for a, b in zip(runs[0].workers, runs[1].workers):
+        for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(x, y), k
+
+
+def test_recovered_stage_gets_scaled_lr(tiny_cfg, tmp_path):
+    trace = tmp_path / "t.csv"
+    write_trace(trace, [(2, 1)])
+    tiny_cfg.train.num_steps = 4
+    tiny_cfg.failures.trace = str(trace)
+    sim, _ = _run(tiny_cfg, tmp_path / "r")
+    lrs = [g["lr"] for w in sim.workers for g in w.optimizer.param_groups]
+    assert lrs[1] == pytest.approx(tiny_cfg.train.lr * 1.1) and lrs[0] == pytest.approx(tiny_cfg.train.lr)
+
+
+@pytest.mark.parametrize("strategy,rate", [("checkfree", 0.0), ("checkfree+", 0.01)])
+def test_loss_falls_on_tiny(tiny_cfg, tmp_path, strategy, rate):
+    tiny_cfg.train.num_steps, tiny_cfg.train.eval_every = 150, 75
+    tiny_cfg.recovery.strategy, tiny_cfg.recovery.fallback = strategy, "copy"
+    tiny_cfg.failures.rate = rate
+    _, summary = _run(tiny_cfg, tmp_path / "r")
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "r" / "metrics.jsonl")]
+    assert losses[0] > 6.0
+    assert sum(losses[-10:]) / 10 < 4.6, losses[-10:]
+    assert summary["final_val_loss"] < 4.8
+    if rate:
+        assert summary["failures"] > 0
