@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import time
 import tracemalloc
@@ -50,15 +51,31 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _descends_from_us(pid: int) -> bool:
+    me = os.getpid()
+    for _ in range(16):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == me:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_p2pd():
-    """Fail a test that leaves behind a p2pd it started (other processes' daemons are ignored)."""
+    """Fail a test that leaves behind a p2pd it started: a new p2pd (per `pgrep -x p2pd`) that descends
+    from this process or uses a daemon socket created here. Other jobs' daemons on the machine are ignored."""
     before = _p2pd_pids()
     yield
     deadline = time.monotonic() + 10
     while True:
         new = _p2pd_pids() - before
-        ours = {pid for pid in new if any(sock in _cmdline(pid) for sock in _OUR_SOCKETS)}
+        ours = {pid for pid in new if _descends_from_us(pid) or any(s in _cmdline(pid) for s in _OUR_SOCKETS)}
         if not ours or time.monotonic() > deadline:
             break
         time.sleep(0.2)
