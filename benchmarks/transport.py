@@ -1,4 +1,4 @@
-"""Echo throughput: peers.transport (hivemind P2P binary streams) vs a raw asyncio TCP socket on loopback.
+"""Echo throughput: checkfree.net.transport (hivemind P2P binary streams) vs a raw asyncio TCP socket on loopback.
 
 Each round sends one float32 tensor and gets it echoed back; three paths are interleaved per round:
 ``Transport.call`` (wire format, one libp2p stream per call), hivemind's bare ``send_raw_data`` /
@@ -41,7 +41,7 @@ import time
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from peers.transport import Transport
+from checkfree.net.transport import Transport
 
 __all__ = ["RawClient", "main", "run", "transport_roundtrip"]
 

@@ -1,4 +1,4 @@
-"""Tests for peers.wire (pure) and peers.transport (two real p2pd daemons on loopback)."""
+"""Tests for checkfree.net.wire (pure) and checkfree.net.transport (two real p2pd daemons on loopback)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from peers.transport import (
+from checkfree.net.transport import (
     RemoteError,
     Transport,
     TransportError,
@@ -26,7 +26,7 @@ from peers.transport import (
     start_transport,
     stop_transport,
 )
-from peers.wire import (
+from checkfree.net.wire import (
     WireError,
     body_length,
     check_finite,

@@ -1,7 +1,7 @@
 """Asyncio request/response RPC between peers over hivemind P2P binary streams.
 
 One call = one libp2p stream: the caller opens a stream to ``name`` on the remote peer, writes one
-``peers.wire`` message, reads one reply message and closes. The server side decodes the request,
+``checkfree.net.wire`` message, reads one reply message and closes. The server side decodes the request,
 runs the registered handler and writes the reply. Any failure while decoding or handling is answered
 with the header ``{"error": "<ExceptionType>: <message>"}`` (no tensors) and the server keeps serving;
 ``Transport.call`` turns such replies into ``RemoteError``. A reply header must therefore not use the
@@ -31,7 +31,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers.wire import (
+from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PREFIX_BYTES,
     WireError,
