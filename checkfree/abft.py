@@ -37,9 +37,12 @@ the same section escalates (the runtime then recomputes the microbatch, skips th
 treats the stage as lost). `None` lifts the budget: everything the peeling can fix is fixed.
 
 Exactness of the fault-free path: the guard always computes attention with explicit math
-(Q K^T, scale, causal mask, softmax, P V) because SDPA fuses and hides P. Checks only read
-C, so a guarded fault-free forward (modes "range" and "full") is bitwise identical to the
-guard's own unchecked path (mode "off") and to the same explicit math written out by hand.
+(Q K^T, then one fused scale + additive causal mask, softmax, P V) because SDPA fuses and
+hides P. (With the additive mask a NaN/INF above the diagonal of an unchecked Q K^T also
+poisons its row; checked modes repair such entries like any other.) Checks only read C,
+so a guarded fault-free forward (modes "range" and "full") is bitwise identical, output
+and gradients, to the guard's own unchecked path (mode "off") and to the same explicit
+math written out by hand.
 Against the module's unguarded `F.scaled_dot_product_attention` forward it agrees to float
 round-off only (typically max |diff| ~1e-7 on unit-scale fp32 outputs), because the fused
 CPU kernel accumulates in a different order; bitwise equality with SDPA is not possible
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import math
 import random as _random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -70,7 +73,9 @@ __all__ = [
     "near_inf",
     "CheckResult",
     "check_and_correct",
+    "causal_bias",
     "Fault",
+    "Injection",
     "FaultInjector",
     "AttentionGuard",
     "install_guard",
@@ -80,7 +85,9 @@ __all__ = [
 SITES: tuple[str, ...] = ("q", "k", "scores", "v", "context", "out")
 """Protected matmul outputs, in the order they are computed."""
 
-SECTIONS: dict[str, str] = {"q": "scores", "k": "scores", "scores": "scores", "v": "context", "context": "context", "out": "output"}
+SECTIONS: dict[str, str] = {
+    "q": "scores", "k": "scores", "scores": "scores", "v": "context", "context": "context", "out": "output"
+}
 """Protection section of each site (the paper's S_AS, S_CL, S_O)."""
 
 FAULT_KINDS: tuple[str, ...] = ("inf", "-inf", "nan", "near_inf")
@@ -109,8 +116,13 @@ def default_threshold(dtype: torch.dtype) -> float:
 # ---------------------------------------------------------------------------------------
 # bit flips
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-_EXP_BITS = {torch.float32: range(23, 31), torch.float64: range(52, 63), torch.float16: range(10, 15), torch.bfloat16: range(7, 15)}
+_INT_VIEW = {
+    torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16
+}
+_EXP_BITS = {  # bit positions of the exponent field
+    torch.float32: range(23, 31), torch.float64: range(52, 63),
+    torch.float16: range(10, 15), torch.bfloat16: range(7, 15),
+}
 
 
 def flip_bit(value: Tensor, bit: int) -> Tensor:
@@ -263,20 +275,34 @@ def check_and_correct(
             for axis in passes:
                 if axis == "cols":
                     for bi, j in bad_cols.nonzero().tolist():
-                        progress += _fix_line(c[bi, :, j], refs.col[bi, 0, j], refs.col[bi, 1, j], refs.w_m, thr, bad_rows[bi])
+                        ref, ref_w = refs.col[bi, 0, j], refs.col[bi, 1, j]
+                        progress += _fix_line(c[bi, :, j], ref, ref_w, refs.w_m, thr, bad_rows[bi])
                 else:
                     for bi, i in bad_rows.nonzero().tolist():
-                        progress += _fix_line(c[bi, i, :], refs.row[bi, i, 0], refs.row[bi, i, 1], refs.w_n, thr, bad_cols[bi])
+                        ref, ref_w = refs.row[bi, i, 0], refs.row[bi, i, 1]
+                        progress += _fix_line(c[bi, i, :], ref, ref_w, refs.w_n, thr, bad_cols[bi])
                 bad_cols, bad_rows = _mismatch(c, refs)
             fixed += progress
             if not (bad_cols.any() or bad_rows.any()) or progress == 0:
                 break
-        if bad_cols.any() or bad_rows.any() or not torch.isfinite(c).all():
+        if bad_cols.any() or bad_rows.any():  # consistent sums also rule out a leftover INF/NaN
             raise UncorrectableSoftError(
                 f"{int(bad_cols.sum())} column(s) and {int(bad_rows.sum())} row(s) still disagree with their "
                 f"checksums after {fixed} correction(s): more than one bad value per row and per column"
             )
         return CheckResult(detected=True, corrected=fixed)
+
+
+_CAUSAL_BIAS: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def causal_bias(t: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive causal mask (t, t): 0 on and below the diagonal, -inf above (cached)."""
+    key = (t, dtype, torch.device(device))
+    if key not in _CAUSAL_BIAS:
+        upper = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+        _CAUSAL_BIAS[key] = torch.zeros(t, t, dtype=dtype, device=device).masked_fill(upper, float("-inf"))
+    return _CAUSAL_BIAS[key]
 
 
 def _range_trips(c: Tensor, threshold: float) -> bool:
@@ -452,13 +478,13 @@ class AttentionGuard:
         k = apply_rope(attn.split_heads(k), attn.rope_cos, attn.rope_sin)
         kt = k.transpose(-2, -1)
         scores = q @ kt  # (B, nh, T, T)
-        self._protect("scores", scores, lambda: (q.reshape(-1, t, attn.head_dim), kt.reshape(-1, attn.head_dim, t), None))
-        scores = scores * (1.0 / math.sqrt(attn.head_dim))
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        p = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        hs = attn.head_dim
+        self._protect("scores", scores, lambda: (q.reshape(-1, t, hs), kt.reshape(-1, hs, t), None))
+        # scale and causal mask in one op: -inf + s/sqrt(hs) above the diagonal, 0 + s/sqrt(hs) on and below
+        p = torch.softmax(torch.add(causal_bias(t, scores.dtype, x.device), scores, alpha=1.0 / math.sqrt(hs)), dim=-1)
         v = attn.split_heads(self._linear("v", attn.wv, x))
         ctx = p @ v  # (B, nh, T, hs)
-        self._protect("context", ctx, lambda: (p.reshape(-1, t, t), v.reshape(-1, t, attn.head_dim), None))
+        self._protect("context", ctx, lambda: (p.reshape(-1, t, t), v.reshape(-1, t, hs), None))
         return self._linear("out", attn.wo, ctx.transpose(1, 2).reshape(b, t, c))
 
     def _linear(self, site: str, lin: nn.Linear, x: Tensor) -> Tensor:
@@ -466,7 +492,7 @@ class AttentionGuard:
         self._protect(site, out, lambda: (x.reshape(1, -1, x.shape[-1]), lin.weight.t().unsqueeze(0), lin.bias))
         return out
 
-    def _protect(self, site: str, out: Tensor, operands) -> None:
+    def _protect(self, site: str, out: Tensor, operands: Callable[[], tuple[Tensor, Tensor, Tensor | None]]) -> None:
         """Inject (if scheduled), then check/repair `out` in place according to the mode.
         `operands` lazily returns (a, b, bias) with out == a @ b + bias as (nb, m, n)."""
         if self.injector is not None:
@@ -483,7 +509,8 @@ class AttentionGuard:
             a, b, bias = operands()
             view = out.view(-1, a.shape[-2], out.shape[-1])
             try:
-                result = check_and_correct(view, a.detach(), b.detach(), None if bias is None else bias.detach(), threshold=thr)
+                bias = None if bias is None else bias.detach()
+                result = check_and_correct(view, a.detach(), b.detach(), bias, threshold=thr)
             except UncorrectableSoftError as err:
                 self.escalated += 1
                 raise UncorrectableSoftError(f"{site} (call {self._call}): {err}", site=site, call=self._call) from err

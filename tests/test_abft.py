@@ -74,8 +74,8 @@ def explicit_attention(attn: Attention, x: Tensor) -> Tensor:
     b, t, c = x.shape
     q = apply_rope(attn.split_heads(F.linear(x, attn.wq.weight, attn.wq.bias)), attn.rope_cos, attn.rope_sin)
     k = apply_rope(attn.split_heads(F.linear(x, attn.wk.weight, attn.wk.bias)), attn.rope_cos, attn.rope_sin)
-    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(attn.head_dim))
-    p = torch.softmax(s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
+    mask = torch.zeros(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(torch.add(mask, q @ k.transpose(-2, -1), alpha=1.0 / math.sqrt(attn.head_dim)), dim=-1)
     v = attn.split_heads(F.linear(x, attn.wv.weight, attn.wv.bias))
     return F.linear((p @ v).transpose(1, 2).reshape(b, t, c), attn.wo.weight, attn.wo.bias)
 
@@ -163,6 +163,27 @@ def test_faults_in_different_sections_and_calls_all_corrected() -> None:
     assert (guard.injected, guard.corrected, guard.escalated) == (5, 5, 0)
 
 
+def test_range_mode_ignores_sub_threshold_values_full_mode_fixes_them() -> None:
+    attn, x = make_attention(), make_input()
+    y_ref, _ = run(attn, x, AttentionGuard())
+    guard = AttentionGuard(mode="range", injector=FaultInjector.from_schedule([(0, "v", 7.5, 3, 3)]))
+    y, _ = run(attn, x, guard)
+    assert guard.triggered == guard.detected == 0 and not torch.allclose(y, y_ref)
+    guard = AttentionGuard(mode="range", threshold=5.0, injector=FaultInjector.from_schedule([(0, "v", 7.5, 3, 3)]))
+    y, _ = run(attn, x, guard)
+    assert guard.corrected == 1
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_float64_threshold_follows_dtype() -> None:
+    attn, x = make_attention().double(), make_input().double()
+    y_ref, g_ref = run(attn, x, AttentionGuard())
+    guard = AttentionGuard(injector=FaultInjector.from_schedule([(0, "context", "near_inf"), (0, "q", "nan")]))
+    y, g = run(attn, x, guard)
+    assert guard.corrected == 2 and y.dtype == torch.float64
+    assert_close_all(y, g, y_ref, g_ref)
+
+
 # --- no false positives --------------------------------------------------------------
 
 
@@ -188,7 +209,9 @@ def test_no_false_positives_over_many_clean_inputs() -> None:
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_checksums_clean_products_never_flagged(nb: int, m: int, k: int, n: int, log_scale: float, bias: bool, seed: int) -> None:
+def test_checksums_clean_products_never_flagged(
+    nb: int, m: int, k: int, n: int, log_scale: float, bias: bool, seed: int
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(nb, m, k, generator=gen) * 10**log_scale
     b = torch.randn(nb, k, n, generator=gen)
