@@ -17,7 +17,8 @@ from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure, get_rule
 
-__all__ = ["main", "add_run_arguments", "config_from_args", "SUBCOMMANDS"]
+__all__ = ["main", "add_run_arguments", "config_from_args", "add_network_arguments", "network_options",
+           "SUBCOMMANDS"]
 
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
 # does not pay for hivemind's import.
@@ -138,6 +139,37 @@ def validate(cfg: RunConfig) -> None:
     resolve_device(cfg.train.device)
 
 
+def add_network_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of every process that joins the P2P network (peer, scheduler)."""
+    g = p.add_argument_group("network")
+    g.add_argument("--run-id", default="checkfree", help="name of the run; peers and coordinator must agree")
+    g.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="full multiaddrs of running peers/coordinator, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+    g.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
+                   help="where to listen (default loopback only; on a server: /ip4/0.0.0.0/tcp/31337)")
+    g.add_argument("--announce-maddrs", nargs="*", metavar="MADDR",
+                   help="public addresses to announce (behind NAT: the public IP and forwarded port)")
+    g.add_argument("--identity-path", help="file with this peer's private key (a stable peer id across restarts)")
+    g.add_argument("--startup-timeout", type=float, default=30.0,
+                   help="seconds to wait for the p2p daemon (raise it if you see 'Daemon failed to start')")
+    t = p.add_argument_group("timeouts (heartbeat-ttl < rpc-timeout < step-timeout < join-timeout)")
+    t.add_argument("--heartbeat-ttl", type=float, default=4.0, help="a silent peer is declared failed after this")
+    t.add_argument("--rpc-timeout", type=float, default=30.0, help="one forward/backward/weight transfer call")
+    t.add_argument("--step-timeout", type=float, default=300.0, help="one whole step")
+    t.add_argument("--join-timeout", type=float, default=600.0, help="waiting for peers or a replacement")
+
+
+def network_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments shared by PeerOptions and CoordinatorOptions."""
+    from checkfree.protocol import Timeouts
+
+    return dict(run_id=args.run_id, initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs),
+                announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
+                startup_timeout=args.startup_timeout,
+                timeouts=Timeouts(heartbeat_ttl=args.heartbeat_ttl, rpc_timeout=args.rpc_timeout,
+                                  step_timeout=args.step_timeout, join_timeout=args.join_timeout))
+
+
 def add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="train every stage in one process with injected failures",
                        description="Single-process simulator: all stages in one process, failures by seed or trace.")
@@ -183,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnrecoverableFailure as e:
         print(f"checkfree: run aborted: {e}", file=sys.stderr)
         return 3
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
         print(f"checkfree: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,111 @@
+"""The distributed runtime's messages and timeouts, defined once for peers and coordinator.
+
+Every RPC carries a msgpack header (and, for tensors, raw payloads: see checkfree.net.wire).
+Every header names the run (`run`); a request for another run is refused. Requests that
+belong to a step also carry `step` and `attempt`: a step interrupted by a failure is
+aborted and re-run as the next attempt, and messages of an aborted attempt are refused.
+
+Timeout hierarchy (each one a flag of `checkfree peer` / `checkfree scheduler`):
+
+    heartbeat_ttl < rpc_timeout < step_timeout < join_timeout
+
+* heartbeat_ttl: a peer's DHT heartbeat expires this long after its last refresh
+  (refreshed every ttl/3); a silent peer is declared failed after it.
+* rpc_timeout: one call (a forward, a backward, a weight transfer) must answer within it.
+* step_timeout: a whole step (all microbatches' forward and backward) must finish in it.
+* join_timeout: how long a run waits for peers to join (or a replacement to appear)
+  before it gives up with a clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from checkfree.pipeline import Hop
+from checkfree.recovery import RecoveryPlan
+
+__all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
+           "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR"]
+
+DHT_PREFIX = "checkfree"
+READY_PEER = "peer ready:"
+READY_COORDINATOR = "coordinator ready:"
+
+
+class RPC:
+    """Protocol names of the handlers."""
+
+    # served by peers
+    ASSIGN = "cf.assign"  # become stage k: fresh, or rebuilt by a recovery plan
+    RUN_STEP = "cf.run_step"  # run a step's (or an evaluation's) microbatches; answers when done
+    COMMIT = "cf.commit"  # clip and apply the optimizer step of a finished step
+    ABORT = "cf.abort"  # drop an interrupted step's activations and gradients
+    FORWARD = "cf.forward"  # an activation from the previous hop
+    BACKWARD = "cf.backward"  # a gradient from the next hop
+    COMPONENT_GRAD = "cf.component_grad"  # CheckFree+: this holder's embedding/head gradient
+    GET_WEIGHTS = "cf.get_weights"  # this stage's weights (and omega) for a replacement or export
+    PING = "cf.ping"
+    SHUTDOWN = "cf.shutdown"
+    # served by the coordinator
+    JOIN = "cf.join"
+    REPORT = "cf.report"  # a peer's call to a neighbour failed
+    LEAVE = "cf.leave"  # graceful leave (SIGTERM)
+    STATUS = "cf.status"  # stage -> peer table, step
+
+
+class ProtocolError(ValueError):
+    """A request that is well-formed on the wire but wrong for the protocol."""
+
+
+@dataclass(kw_only=True)
+class Timeouts:
+    """Named waits of the distributed runtime (seconds)."""
+
+    heartbeat_ttl: float = 4.0  # DHT heartbeat expiry; refreshed every ttl/3
+    rpc_timeout: float = 30.0  # one RPC (forward, backward, weights)
+    step_timeout: float = 300.0  # one step
+    join_timeout: float = 600.0  # waiting for peers / a replacement
+
+    def __post_init__(self) -> None:
+        order = [self.heartbeat_ttl, self.rpc_timeout, self.step_timeout, self.join_timeout]
+        if any(t <= 0 for t in order) or order != sorted(order):
+            raise ValueError("timeouts must be positive and ordered heartbeat_ttl < rpc_timeout < step_timeout "
+                             f"< join_timeout, got {dataclasses.asdict(self)}")
+
+
+def coordinator_key(run_id: str) -> str:
+    return f"{DHT_PREFIX}/{run_id}/coordinator"
+
+
+def members_key(run_id: str) -> str:
+    return f"{DHT_PREFIX}/{run_id}/peers"
+
+
+def plan_to_wire(plan: RecoveryPlan) -> dict[str, Any]:
+    d = dataclasses.asdict(plan)
+    d["sources"] = list(plan.sources)
+    d["edges_reinit"] = list(plan.edges_reinit)
+    return d
+
+
+def plan_from_wire(d: dict[str, Any]) -> RecoveryPlan:
+    return RecoveryPlan(stage=int(d["stage"]), method=str(d["method"]), sources=tuple(int(s) for s in d["sources"]),
+                        edge_sources={str(k): int(v) for k, v in d["edge_sources"].items()},
+                        edges_reinit=tuple(d["edges_reinit"]), fallback=d.get("fallback"),
+                        reason=str(d.get("reason", "")))
+
+
+def hop_to_wire(hop: Hop) -> list:
+    return [hop.stage, hop.embed, hop.head]
+
+
+def require(header: dict, **types: type | tuple[type, ...]) -> None:
+    """Check that `header` has each field with the given type; ProtocolError names what is wrong."""
+    for name, typ in types.items():
+        if name not in header:
+            raise ProtocolError(f"request is missing field {name!r}")
+        value = header[name]
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, (int, float))):
+            raise ProtocolError(f"field {name!r} must be {getattr(typ, '__name__', typ)}, got {type(value).__name__}")

@@ -1,0 +1,37 @@
+"""`checkfree peer`: start a peer daemon that joins a run and serves a stage."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from checkfree.cli import add_network_arguments, network_options
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("peer", help="join a run as a peer that hosts one pipeline stage",
+                       description="Peer daemon: joins the run through --initial-peers, waits for a stage, serves it. "
+                                   "Prints 'peer ready: peer_id=... addrs=...' once listening.")
+    add_network_arguments(p)
+    p.add_argument("--device", help="device for this peer's stage (default: the run's, 'auto')")
+    p.add_argument("--threads", type=int, help="torch threads for this peer (default: torch's)")
+    p.add_argument("--dump-recovery", metavar="DIR", help="save the weights served and rebuilt in recoveries (debugging)")
+    p.set_defaults(func=run_peer)
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    from checkfree.net.transport import TransportError
+    from peers.daemon import PeerDaemon, PeerOptions
+
+    if args.device:
+        from checkfree.worker import resolve_device
+
+        resolve_device(args.device)
+    opts = PeerOptions(**network_options(args), device=args.device, threads=args.threads,
+                       dump_dir=args.dump_recovery)
+    try:
+        return asyncio.run(PeerDaemon(opts).run())
+    except TransportError as e:
+        raise ValueError(str(e)) from e

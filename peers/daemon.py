@@ -1,0 +1,546 @@
+"""The peer daemon: hosts one stage and serves forward/backward over hivemind P2P.
+
+Lifecycle: start the DHT + P2P transport and print the ready line; find the run's
+coordinator in the DHT and join (the coordinator answers with the run's config); wait as
+a standby until assigned a stage (fresh, or rebuilt by a recovery plan from live
+neighbours' weights); then serve steps until told to shut down. A DHT heartbeat with an
+expiry announces the peer while it lives. SIGTERM/SIGINT is a graceful leave: the
+coordinator is told, then everything is shut down; SIGKILL is detected by the others.
+
+All torch work runs on one compute thread, in arrival order, so the event loop stays
+free to answer pings, heartbeats and weight requests while a stage computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkfree.config import RunConfig, config_from_dict
+from checkfree.data import TokenData, build_data
+from checkfree.net.transport import (RemoteError, Transport, TransportError, announce, live_members_async,
+                                     start_transport, stop_transport)
+from checkfree.net.wire import check_finite
+from checkfree.pipeline import Hop, edge_holders, route
+from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
+                                plan_from_wire, require)
+from checkfree.recovery import omega, rebuild_stage
+from checkfree.worker import StageWorker, resolve_device
+
+__all__ = ["PeerOptions", "PeerDaemon", "PeerState"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerState(Enum):
+    JOINING = "joining"
+    STANDBY = "standby"
+    SERVING = "serving"
+    LEAVING = "leaving"
+
+
+@dataclass(kw_only=True)
+class PeerOptions:
+    """Command-line options of `checkfree peer`."""
+
+    run_id: str = "checkfree"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] | None = None
+    identity_path: str | None = None
+    startup_timeout: float = 30.0
+    device: str | None = None  # overrides the run's device for this peer
+    threads: int | None = None  # torch intra-op threads
+    dump_dir: str | None = None  # debugging/tests: save weights served and rebuilt during recoveries
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+@dataclass
+class StepRun:
+    """One attempt of one step (or evaluation) as seen by this peer."""
+
+    step: int
+    attempt: int
+    evaluate: bool
+    peers: dict[int, str]
+    routes: list[list[Hop]]
+    remaining: int
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    losses: dict[int, float] = field(default_factory=dict)
+    error: str | None = None
+    component_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+        self.done.set()
+
+
+class PeerDaemon:
+    """One peer process: the stage it hosts and the handlers serving it."""
+
+    def __init__(self, opts: PeerOptions) -> None:
+        self.opts = opts
+        self.t = opts.timeouts
+        self.state = PeerState.JOINING
+        self.cfg: RunConfig | None = None
+        self.worker: StageWorker | None = None
+        self.omega = 0.0
+        self.data: TokenData | None = None
+        self.run_state: StepRun | None = None
+        self.transport: Transport | None = None
+        self.dht = None
+        self.coordinator: str | None = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.stop = asyncio.Event()
+        self.plus = False
+        self._run_changed = asyncio.Event()
+        self._finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
+
+    # ---- helpers ---------------------------------------------------------------------
+    async def compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    @property
+    def stage(self) -> int:
+        return self.worker.index if self.worker is not None else -1
+
+    def _check_run(self, header: dict) -> None:
+        require(header, run=str)
+        if header["run"] != self.opts.run_id:
+            raise ProtocolError(f"request for run {header['run']!r}; this peer serves run {self.opts.run_id!r}")
+
+    async def _current(self, header: dict) -> StepRun:
+        """The step run a message belongs to. A neighbour may send before the coordinator's
+        RUN_STEP reached this peer: a message for a newer step waits (up to rpc_timeout) for
+        it; a message for an older or aborted attempt is refused."""
+        self._check_run(header)
+        require(header, step=int, attempt=int)
+        want = (header["step"], header["attempt"])
+        deadline = time.monotonic() + self.t.rpc_timeout
+        while True:
+            run = self.run_state
+            have = None if run is None else (run.step, run.attempt)
+            if have == want:
+                return run
+            if (have is not None and have > want) or (self._finished is not None and self._finished >= want):
+                raise ProtocolError(f"stale message for step {want[0]} attempt {want[1]} (active: {have})")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError(f"no step {want[0]} attempt {want[1]} started on this peer within "
+                                    f"rpc_timeout={self.t.rpc_timeout:g} s (active: {have})")
+            self._run_changed.clear()
+            try:
+                await asyncio.wait_for(self._run_changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _set_run(self, run: StepRun | None) -> None:
+        if self.run_state is not None:
+            self._finished = max(self._finished or (-1, -1), (self.run_state.step, self.run_state.attempt))
+        self.run_state = run
+        self._run_changed.set()
+
+    def _check_activation(self, tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+        assert self.cfg is not None
+        if len(tensors) != 1:
+            raise ProtocolError(f"{what} carries {len(tensors)} tensors, expected 1")
+        x = tensors[0]
+        m, t = self.cfg.model, self.cfg.train
+        expect = (t.microbatch_size, m.context_length, m.d_model)
+        if tuple(x.shape) != expect:
+            raise ProtocolError(f"{what} has shape {tuple(x.shape)}, expected {expect}")
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ProtocolError(f"{what} has dtype {x.dtype}, expected a float tensor")
+        check_finite([x])
+        return x
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        if self.opts.threads:
+            torch.set_num_threads(self.opts.threads)
+        self.dht, self.transport = await start_transport(
+            self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
+            self.opts.startup_timeout)
+        hb = None
+        try:
+            await self._register()
+            addrs = ",".join(str(a) for a in await self.transport.p2p.get_visible_maddrs())
+            print(f"{READY_PEER} peer_id={self.transport.peer_id} run={self.opts.run_id} addrs={addrs}", flush=True)
+            hb = asyncio.create_task(self._heartbeat())
+            await self._join()
+            await self.stop.wait()
+            await self._leave()
+            return 0
+        finally:
+            if hb is not None:
+                hb.cancel()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            await stop_transport(self.dht, self.transport)
+
+    async def _heartbeat(self) -> None:
+        """Refresh this peer's membership entry every ttl/3 (jittered) until cancelled."""
+        key, me = members_key(self.opts.run_id), str(self.transport.peer_id)
+        while True:
+            try:
+                await announce(self.dht, key, me, {"stage": self.stage, "state": self.state.value},
+                               self.t.heartbeat_ttl)
+            except Exception as e:  # a missed beat is survivable; the next one retries
+                log.warning("heartbeat failed: %r", e)
+            await asyncio.sleep(self.t.heartbeat_ttl / 3 * random.uniform(0.8, 1.0))
+
+    async def _register(self) -> None:
+        handlers = {RPC.ASSIGN: self._on_assign, RPC.RUN_STEP: self._on_run_step, RPC.COMMIT: self._on_commit,
+                    RPC.ABORT: self._on_abort, RPC.FORWARD: self._on_forward, RPC.BACKWARD: self._on_backward,
+                    RPC.COMPONENT_GRAD: self._on_component_grad, RPC.GET_WEIGHTS: self._on_get_weights,
+                    RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown}
+        for name, handler in handlers.items():
+            await self.transport.register(name, handler)
+
+    async def _find_coordinator(self) -> str:
+        key = coordinator_key(self.opts.run_id)
+        deadline = time.monotonic() + self.t.join_timeout
+        while time.monotonic() < deadline and not self.stop.is_set():
+            found = await live_members_async(self.dht, key)
+            for value in found.values():
+                if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
+                    return value["peer_id"]
+            await asyncio.sleep(0.2)
+        raise TransportError(f"no coordinator for run {self.opts.run_id!r} found in the DHT within "
+                             f"join_timeout={self.t.join_timeout:g} s: is `checkfree scheduler --run-id "
+                             f"{self.opts.run_id}` running and reachable from --initial-peers?")
+
+    async def _join(self) -> None:
+        self.coordinator = await self._find_coordinator()
+        header, _ = await self.transport.call(self.coordinator, RPC.JOIN,
+                                              {"run": self.opts.run_id, "peer_id": str(self.transport.peer_id)},
+                                              timeout=self.t.rpc_timeout)
+        self.cfg = config_from_dict(json.loads(header["config"]))
+        if self.opts.device:
+            self.cfg.train.device = self.opts.device
+        resolve_device(self.cfg.train.device)
+        from checkfree.recovery import get_rule
+
+        self.plus = get_rule(self.cfg.recovery.strategy).plus
+        self.state = PeerState.STANDBY
+        log.info("joined run %s as standby", self.opts.run_id)
+
+    async def _leave(self) -> None:
+        self.state = PeerState.LEAVING
+        if self.coordinator is None:
+            return
+        try:
+            await self.transport.call(self.coordinator, RPC.LEAVE,
+                                      {"run": self.opts.run_id, "peer_id": str(self.transport.peer_id)},
+                                      timeout=min(5.0, self.t.rpc_timeout))
+        except (TransportError, RemoteError) as e:
+            log.info("could not announce leave to the coordinator: %s", e)
+
+    # ---- assignment and recovery ------------------------------------------------------
+    def _needs_data(self, stage: int) -> bool:
+        holders = edge_holders(self.cfg.num_stages, self.plus)
+        return stage in holders["embed"] or stage in holders["head"]
+
+    def _build(self, stage: int) -> StageWorker:
+        worker = StageWorker(self.cfg, stage)
+        if self._needs_data(stage) and self.data is None:
+            c = self.cfg
+            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.model.context_length,
+                                   seed=c.train.seed, microbatch_size=c.train.microbatch_size)
+        return worker
+
+    async def _on_assign(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, stage=int, mode=str)
+        if self.cfg is None:
+            raise ProtocolError("this peer has not joined a run yet")
+        if self.worker is not None:
+            raise ProtocolError(f"this peer already hosts stage {self.stage}")
+        stage = header["stage"]
+        if not 0 <= stage < self.cfg.num_stages:
+            raise ProtocolError(f"stage {stage} out of range for {self.cfg.num_stages} stages")
+        t0 = time.perf_counter()
+        worker = await self.compute(self._build, stage)
+        reply: dict[str, Any] = {"stage": stage}
+        if header["mode"] == "recover":
+            reply.update(await self._recover(worker, header))
+        elif header["mode"] != "fresh":
+            raise ProtocolError(f"unknown assign mode {header['mode']!r}")
+        self.worker, self.omega = worker, 0.0
+        self.state = PeerState.SERVING
+        reply["assign_s"] = time.perf_counter() - t0
+        log.info("serving stage %d (%s)", stage, header["mode"])
+        return reply, []
+
+    def _dump(self, name: str, state: dict[str, torch.Tensor], meta: dict) -> None:
+        """Save a state dict and its metadata under --dump-recovery (off by default)."""
+        if not self.opts.dump_dir:
+            return
+        from safetensors.torch import save_file
+
+        path = Path(self.opts.dump_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path / f"{name}.safetensors"))
+        (path / f"{name}.json").write_text(json.dumps(meta))
+
+    async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float]:
+        h, ts = await self.transport.call(peer_id, RPC.GET_WEIGHTS,
+                                          {"run": self.opts.run_id, "part": part, "step": step},
+                                          timeout=self.t.rpc_timeout)
+        keys = h["keys"]
+        if len(keys) != len(ts):
+            raise ProtocolError(f"weights reply has {len(keys)} keys but {len(ts)} tensors")
+        return dict(zip(keys, ts)), float(h["omega"])
+
+    async def _recover(self, worker: StageWorker, header: dict) -> dict:
+        """Pull the sources' weights and norms, apply the library's rebuild, reset the optimizer."""
+        require(header, plan=dict, sources=dict, step=int)
+        plan = plan_from_wire(header["plan"])
+        peers = {int(k): v for k, v in header["sources"].items()}
+        t0 = time.perf_counter()
+        blocks, norms, edges = {}, {}, {}
+        nbytes = 0
+        for s in plan.sources:
+            blocks[s], norms[s] = await self._fetch(peers[s], "blocks", header["step"])
+        for comp, s in plan.edge_sources.items():
+            edges[comp], _ = await self._fetch(peers[s], comp, header["step"])
+        for sd in [*blocks.values(), *edges.values()]:
+            nbytes += sum(t.numel() * t.element_size() for t in sd.values())
+        t1 = time.perf_counter()
+        rc = self.cfg.recovery
+        state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
+                                      seed=self.cfg.train.seed + header["step"], std=self.cfg.model.init_std)
+        await self.compute(worker.load_recovered, state, rc.lr_scale)
+        t2 = time.perf_counter()
+        reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
+                 "norms": [norms[s] for s in plan.sources], "transfer_s": t1 - t0, "rebuild_s": t2 - t1,
+                 "bytes": nbytes}
+        self._dump(f"rebuilt-step{header['step']}-stage{plan.stage}", worker.state_dict(), reply)
+        return reply
+
+    async def _on_get_weights(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, part=str)
+        if self.worker is None:
+            raise ProtocolError("this peer hosts no stage")
+        part = header["part"]
+        if part not in ("blocks", "embed", "head", "all"):
+            raise ProtocolError(f"unknown weights part {part!r}")
+        state = await self.compute(self.worker.state_dict)
+        items = [(k, v.detach().cpu().contiguous()) for k, v in state.items()
+                 if part == "all" or k.startswith(part + ".")]
+        if not items:
+            raise ProtocolError(f"stage {self.stage} holds no {part!r} weights")
+        if isinstance(header.get("step"), int):
+            self._dump(f"served-step{header['step']}-stage{self.stage}-{part}", dict(items), {"omega": self.omega})
+        return ({"keys": [k for k, _ in items], "omega": self.omega, "stage": self.stage},
+                [v for _, v in items])
+
+    # ---- steps -----------------------------------------------------------------------
+    def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
+        c = self.cfg
+        s = c.num_stages
+        if evaluate:
+            return [[Hop(i, i == 0, i == s - 1) for i in range(s)] for _ in range(c.train.eval_batches)]
+        return [route(s, self.plus, step, mb, c.train.num_microbatches) for mb in range(c.train.num_microbatches)]
+
+    def _batch(self, run: StepRun, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if run.evaluate:
+            return self.data.val_batches(self.cfg.train.eval_batches)[mb]
+        return self.data.batch(run.step, mb)
+
+    def _spawn(self, run: StepRun, coro) -> None:
+        task = asyncio.create_task(coro)
+        run.tasks.add(task)
+        task.add_done_callback(run.tasks.discard)
+
+    async def _on_run_step(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, step=int, attempt=int, peers=dict, evaluate=bool)
+        if self.worker is None:
+            raise ProtocolError("this peer hosts no stage")
+        old = self.run_state
+        if old is not None and not old.done.is_set():
+            old.fail("superseded by a new step")
+        routes = self._routes(header["step"], header["evaluate"])
+        run = StepRun(header["step"], header["attempt"], header["evaluate"],
+                      {int(k): str(v) for k, v in header["peers"].items()}, routes, remaining=len(routes))
+        self._set_run(run)
+        for mb, hops in enumerate(routes):
+            if hops[0].stage == self.stage:
+                self._spawn(run, self._forward_task(run, mb, 0, None))
+        try:
+            await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
+        except asyncio.TimeoutError:
+            run.fail(f"step {run.step} timed out after {self.t.step_timeout:g} s on stage {self.stage}")
+        if run.error is None and self.plus and not run.evaluate:
+            await self._sync_components(run)
+        if run.error is not None:
+            raise RuntimeError(run.error)
+        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": self.stage}, []
+
+    async def _sync_components(self, run: StepRun) -> None:
+        """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
+        holders = edge_holders(self.cfg.num_stages, True)
+        for comp in self.worker.components:
+            partner = next(h for h in holders[comp] if h != self.stage)
+            try:
+                _, (other,) = await self.transport.call(
+                    run.peers[partner], RPC.COMPONENT_GRAD,
+                    {"run": self.opts.run_id, "step": run.step, "attempt": run.attempt, "comp": comp},
+                    timeout=self.t.rpc_timeout)
+            except (TransportError, RemoteError, ValueError) as e:
+                await self._report(run, partner, str(e))
+                return
+            mine = run.component_grads[comp]
+            await self.compute(self.worker.set_component_grad, comp, mine + other.to(mine.device))
+
+    async def _on_component_grad(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        run = await self._current(header)
+        require(header, comp=str)
+        await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
+        if run.error is not None or header["comp"] not in run.component_grads:
+            raise ProtocolError(f"no {header['comp']!r} gradient for step {run.step}: {run.error or 'not a holder'}")
+        return {}, [run.component_grads[header["comp"]].cpu()]
+
+    def _mb_done(self, run: StepRun) -> None:
+        run.remaining -= 1
+        if run.remaining == 0:
+            if self.plus and not run.evaluate:
+                run.component_grads = {c: self.worker.component_grad(c) for c in self.worker.components}
+            run.done.set()
+
+    async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
+        header = {"run": self.opts.run_id, "step": run.step, "attempt": run.attempt, **header}
+        try:
+            await self.transport.call(run.peers[stage], name, header, [tensor], timeout=self.t.rpc_timeout)
+        except RemoteError as e:
+            run.fail(f"stage {stage} refused {name}: {e.remote_message}")
+        except (TransportError, asyncio.TimeoutError, OSError) as e:
+            await self._report(run, stage, str(e))
+
+    async def _report(self, run: StepRun, stage: int, reason: str) -> None:
+        run.fail(f"call to stage {stage} failed: {reason}")
+        try:
+            await self.transport.call(self.coordinator, RPC.REPORT,
+                                      {"run": self.opts.run_id, "step": run.step, "attempt": run.attempt,
+                                       "stage": stage, "peer_id": run.peers.get(stage, ""), "reason": reason[:500]},
+                                      timeout=min(5.0, self.t.rpc_timeout))
+        except (TransportError, RemoteError) as e:
+            log.warning("could not report the failure of stage %d: %s", stage, e)
+
+    async def _forward_task(self, run: StepRun, mb: int, idx: int, x: torch.Tensor | None) -> None:
+        try:
+            hop = run.routes[mb][idx]
+            inputs, targets = self._batch(run, mb) if (hop.embed or hop.head) else (None, None)
+            if hop.embed:
+                x = inputs
+            key = (run.step, run.attempt, mb)
+            if run.evaluate:
+                out = await self.compute(self.worker.infer, x, hop)
+                if hop.head:
+                    run.losses[mb] = float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten()))
+                else:
+                    await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
+                self._mb_done(run)
+                return
+            out = await self.compute(self.worker.forward, key, x, hop, targets)
+            if not hop.head:
+                await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
+                return
+            run.losses[mb] = float(out)  # this microbatch's share of the step loss (already / M)
+            if not math.isfinite(run.losses[mb]):
+                log.warning("non-finite loss at step %d microbatch %d", run.step, mb)
+            await self._backward_task(run, mb, idx, None)
+        except Exception as e:  # a failure is a value: the step fails, the peer keeps serving
+            log.exception("forward of microbatch %d failed", mb)
+            run.fail(f"forward of microbatch {mb} failed on stage {self.stage}: {type(e).__name__}: {e}")
+
+    async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
+        try:
+            grad_in = await self.compute(self.worker.backward, (run.step, run.attempt, mb), grad)
+            self._mb_done(run)
+            if idx > 0:
+                await self._send(run, run.routes[mb][idx - 1].stage, RPC.BACKWARD, {"mb": mb, "hop": idx - 1},
+                                 grad_in)
+        except Exception as e:
+            log.exception("backward of microbatch %d failed", mb)
+            run.fail(f"backward of microbatch {mb} failed on stage {self.stage}: {type(e).__name__}: {e}")
+
+    def _check_hop(self, run: StepRun, header: dict) -> tuple[int, int]:
+        require(header, mb=int, hop=int)
+        mb, idx = header["mb"], header["hop"]
+        if not 0 <= mb < len(run.routes) or not 0 <= idx < len(run.routes[mb]):
+            raise ProtocolError(f"microbatch {mb} hop {idx} out of range")
+        if run.routes[mb][idx].stage != self.stage:
+            raise ProtocolError(f"microbatch {mb} hop {idx} belongs to stage {run.routes[mb][idx].stage}, "
+                                f"not to this peer's stage {self.stage}")
+        return mb, idx
+
+    async def _on_forward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        run = await self._current(header)
+        mb, idx = self._check_hop(run, header)
+        x = self._check_activation(tensors, "activation")
+        self._spawn(run, self._forward_task(run, mb, idx, x))
+        return {"ok": True}, []
+
+    async def _on_backward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        run = await self._current(header)
+        mb, idx = self._check_hop(run, header)
+        if run.evaluate:
+            raise ProtocolError("an evaluation has no backward pass")
+        g = self._check_activation(tensors, "gradient")
+        self._spawn(run, self._backward_task(run, mb, idx, g))
+        return {"ok": True}, []
+
+    async def _on_commit(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        run = await self._current(header)
+        if not run.done.is_set() or run.error is not None or run.evaluate:
+            raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
+        stats = await self.compute(self.worker.step, run.step)
+        if not stats.skipped:
+            rc = self.cfg.recovery
+            self.omega = omega(stats.grad_norm_pre, stats.grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
+        self._set_run(None)
+        return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "lr": stats.lr,
+                "skipped": stats.skipped, "omega": self.omega, "stage": self.stage}, []
+
+    async def _on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        run = self.run_state
+        if run is not None:
+            run.fail("aborted by the coordinator")
+            for task in list(run.tasks):
+                task.cancel()
+        self._set_run(None)
+        if self.worker is not None:
+            await self.compute(self.worker.drop_inflight)
+        return {"ok": True}, []
+
+    async def _on_ping(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        return {"stage": self.stage, "state": self.state.value}, []
+
+    async def _on_shutdown(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        if self.coordinator is not None and str(peer) != self.coordinator:
+            raise ProtocolError("only the run's coordinator may shut this peer down")
+        self.coordinator = None  # no leave announcement needed: the coordinator asked
+        asyncio.get_running_loop().call_later(0.1, self.stop.set)
+        return {"ok": True}, []

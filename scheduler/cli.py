@@ -1,0 +1,41 @@
+"""`checkfree scheduler`: run the coordinator of a distributed run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from checkfree.cli import add_network_arguments, add_run_arguments, config_from_args, network_options
+
+__all__ = ["add_parser", "run_scheduler"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scheduler", help="coordinate a distributed run (membership, steps, recovery)",
+                       description="Coordinator: admits peers, assigns stages, drives steps, orders recoveries. "
+                                   "Prints 'coordinator ready: peer_id=... addrs=...' once listening; give one of "
+                                   "those addrs to peers as --initial-peers.")
+    add_run_arguments(p)
+    add_network_arguments(p)
+    p.add_argument("--chaos-trace", help="(local swarm) ask the launcher to SIGKILL these `step,stage` failures")
+    p.add_argument("--shutdown-peers", action="store_true", help="tell peers to exit when the run ends")
+    p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
+    p.set_defaults(func=run_scheduler)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    from checkfree.failures import FailureSchedule, read_trace
+    from checkfree.net.transport import TransportError
+    from scheduler.coordinator import Coordinator, CoordinatorOptions
+
+    cfg = config_from_args(args)
+    chaos = FailureSchedule(read_trace(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
+    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, shutdown_peers=args.shutdown_peers,
+                              max_attempts=args.max_attempts)
+    try:
+        summary = asyncio.run(Coordinator(cfg, opts).run())
+    except TransportError as e:
+        raise ValueError(str(e)) from e
+    print(json.dumps(summary), flush=True)
+    return 0

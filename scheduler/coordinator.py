@@ -1,0 +1,392 @@
+"""The coordinator: owns a distributed run.
+
+It holds the config, admits peers (JOIN), assigns stages (waiting peers fill empty stages,
+the rest wait as standbys), drives each step (RUN_STEP on every stage peer, then COMMIT
+once all are ready), detects failures (expired DHT heartbeats, failure reports from peers
+whose call to a neighbour failed, failed pings), orders recoveries (which standby rebuilds
+which stage from which live neighbours), and writes the same run directory as the
+simulator. A step interrupted by a failure is aborted (partial gradients dropped) and run
+again after recovery; nothing is committed until every stage is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from checkfree.config import RunConfig
+from checkfree.export import save_export
+from checkfree.failures import FailureSchedule
+from checkfree.model import plan_stages
+from checkfree.net.transport import (RemoteError, TransportError, announce, live_members_async, start_transport,
+                                     stop_transport)
+from checkfree.protocol import (READY_COORDINATOR, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
+                                plan_to_wire, require)
+from checkfree.recovery import UnrecoverableFailure, get_rule, plan_recovery
+from checkfree.rundir import RunWriter
+from checkfree.simulator import recovery_fields
+
+__all__ = ["CoordinatorOptions", "Coordinator"]
+
+log = logging.getLogger(__name__)
+CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
+EVAL_ATTEMPT = 10_000
+
+
+@dataclass(kw_only=True)
+class CoordinatorOptions:
+    run_id: str = "checkfree"
+    out: str = "runs/latest"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] | None = None
+    identity_path: str | None = None
+    startup_timeout: float = 30.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
+    shutdown_peers: bool = False  # tell peers to exit when the run ends
+    max_attempts: int = 5  # attempts of one step before the run gives up
+    save_final: bool = True  # gather every stage into final_weights.safetensors at the end
+
+
+@dataclass
+class Member:
+    peer_id: str
+    joined: float
+    stage: int = -1
+    leaving: bool = False
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, opts: CoordinatorOptions) -> None:
+        self.cfg, self.opts, self.t = cfg, opts, opts.timeouts
+        self.rule = get_rule(cfg.recovery.strategy)
+        self.members: dict[str, Member] = {}
+        self.stage_peer: dict[int, str] = {}
+        self.reported: set[str] = set()
+        self.norms = [0.0] * cfg.num_stages
+        self.writer: RunWriter | None = None
+        self.transport = None
+        self.dht = None
+        self.step = 0
+        self.member_event = asyncio.Event()
+        plan_stages(cfg.model.num_layers, cfg.num_stages)
+
+    # ---- peer-facing handlers ----------------------------------------------------------
+    def _check_run(self, header: dict) -> None:
+        require(header, run=str)
+        if header["run"] != self.opts.run_id:
+            raise ProtocolError(f"request for run {header['run']!r}; this coordinator runs {self.opts.run_id!r}")
+
+    async def _on_join(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, peer_id=str)
+        pid = str(peer)
+        if header["peer_id"] != pid:
+            raise ProtocolError(f"peer {pid} tried to join as {header['peer_id']}")
+        if pid in self.members:
+            raise ProtocolError(f"peer {pid} has already joined run {self.opts.run_id!r} (duplicate join refused)")
+        self.members[pid] = Member(pid, time.time())
+        self.member_event.set()
+        self._event("join", peer_id=pid)
+        return {"config": self.cfg.to_json(), "status": "standby"}, []
+
+    async def _on_report(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, stage=int, peer_id=str, reason=str)
+        if str(peer) not in self.members:
+            raise ProtocolError(f"unknown peer {peer}: reports are accepted from members only")
+        if self.stage_peer.get(header["stage"]) == header["peer_id"]:
+            self.reported.add(header["peer_id"])
+            log.info("peer %s reports stage %d unreachable: %s", peer, header["stage"], header["reason"][:200])
+        return {"ok": True}, []
+
+    async def _on_leave(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        m = self.members.get(str(peer))
+        if m is None:
+            raise ProtocolError(f"unknown peer {peer}")
+        m.leaving = True
+        self._event("leave", peer_id=m.peer_id, stage=m.stage)
+        return {"ok": True}, []
+
+    async def _on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        return {"step": self.step, "stages": {str(s): p for s, p in self.stage_peer.items()},
+                "standby": self._standbys(), "config": self.cfg.to_json()}, []
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _event(self, event: str, **fields) -> None:
+        if self.writer is not None:
+            self.writer.event(event, **fields)
+
+    def _standbys(self) -> list[str]:
+        return [m.peer_id for m in sorted(self.members.values(), key=lambda m: m.joined)
+                if m.stage < 0 and not m.leaving and m.peer_id not in self.reported]
+
+    async def _call(self, pid: str, name: str, header: dict, timeout: float, tensors=()):
+        return await self.transport.call(pid, name, {"run": self.opts.run_id, **header}, tensors, timeout=timeout)
+
+    async def _alive(self, pid: str) -> bool:
+        try:
+            await self._call(pid, RPC.PING, {}, timeout=min(5.0, self.t.rpc_timeout))
+            return True
+        except CALL_ERRORS:
+            return False
+
+    def _status(self, text: str) -> None:
+        print(f"status: {text}", flush=True)
+
+    # ---- membership and assignment -----------------------------------------------------
+    async def _take_standby(self, why: str) -> str:
+        """The oldest live standby; waits (visibly, bounded by join_timeout) if there is none."""
+        start = time.monotonic()
+        deadline = start + self.t.join_timeout
+        while True:
+            for pid in self._standbys():
+                if await self._alive(pid):
+                    return pid
+                self.reported.add(pid)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no standby peer joined within join_timeout={self.t.join_timeout:g} s ({why}); "
+                                   "start more peers with `checkfree peer --initial-peers ...`")
+            if time.monotonic() - start > 2.0:
+                self._status(f"waiting for a peer to {why} ({len(self.stage_peer)}/{self.cfg.num_stages} stages "
+                             f"served, {left:.0f} s left)")
+            self.member_event.clear()
+            try:
+                await asyncio.wait_for(self.member_event.wait(), min(left, 2.0 if time.monotonic() - start < 2 else 10.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _assign(self, stage: int, pid: str, header: dict) -> dict:
+        reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header}, timeout=self.t.step_timeout)
+        self.members[pid].stage = stage
+        self.stage_peer[stage] = pid
+        return reply
+
+    async def _fill_initial(self) -> None:
+        for stage in range(self.cfg.num_stages):
+            while stage not in self.stage_peer:
+                pid = await self._take_standby(f"serve stage {stage}")
+                try:
+                    await self._assign(stage, pid, {"mode": "fresh"})
+                    self._event("assign", step=0, stage=stage, peer_id=pid, mode="fresh")
+                except CALL_ERRORS as e:
+                    log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
+                    self.reported.add(pid)
+
+    async def _detect(self) -> set[int]:
+        """Stages whose peer is gone: expired heartbeat, a report confirmed by a failed ping, or a leave."""
+        try:
+            live = await live_members_async(self.dht, members_key(self.opts.run_id))
+        except Exception as e:  # the DHT read is advisory: pings decide
+            log.warning("reading heartbeats failed: %r", e)
+            live = None
+        failed = set()
+        for stage, pid in self.stage_peer.items():
+            m = self.members[pid]
+            suspect = m.leaving or pid in self.reported or (live is not None and pid not in live)
+            if suspect and (m.leaving or not await self._alive(pid)):
+                failed.add(stage)
+        return failed
+
+    # ---- recovery ---------------------------------------------------------------------
+    async def _recover(self, step: int, failed: set[int]) -> None:
+        strategy = self.cfg.recovery.strategy
+        detected = time.time()
+        for s in sorted(failed):
+            pid = self.stage_peer.pop(s)
+            self.members[pid].stage = -1
+            self.members[pid].leaving = True
+            self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
+        try:
+            plans = plan_recovery(failed, self.cfg.num_stages, strategy, self.cfg.recovery.fallback)
+        except UnrecoverableFailure as e:
+            self._event("fallback", step=step, stage=min(failed), strategy=strategy, fallback="abort", reason=str(e))
+            raise
+        for plan in plans:
+            sources = {str(s): self.stage_peer[s] for s in (*plan.sources, *plan.edge_sources.values())}
+            while True:
+                pid = await self._take_standby(f"replace stage {plan.stage}")
+                t0 = time.perf_counter()
+                try:
+                    reply = await self._assign(plan.stage, pid, {"mode": "recover", "plan": plan_to_wire(plan),
+                                                                 "sources": sources, "step": step})
+                    break
+                except CALL_ERRORS as e:
+                    log.warning("replacement %s died while recovering stage %d: %s", pid, plan.stage, e)
+                    self.reported.add(pid)
+                    self._event("recovery_retry", step=step, stage=plan.stage, peer_id=pid, reason=str(e)[:300])
+            self.norms[plan.stage] = 0.0
+            fields = recovery_fields(plan, dict(zip(plan.sources, reply.get("coefficients", []))))
+            fields.update(peer_id=pid, norms=reply.get("norms", []), transfer_s=reply.get("transfer_s"),
+                          rebuild_s=reply.get("rebuild_s"), bytes=reply.get("bytes"),
+                          recovery_time_s=round(time.perf_counter() - t0, 6),
+                          since_detection_s=round(time.time() - detected, 6))
+            kind = "fallback" if plan.fallback else "recovery"
+            extra = {"fallback": plan.fallback, "reason": plan.reason} if plan.fallback else {}
+            self._event(kind, step=step, stage=plan.stage, strategy=strategy, **extra, **fields)
+
+    # ---- steps ------------------------------------------------------------------------
+    async def _all(self, name: str, header: dict, timeout: float) -> dict[int, dict | Exception]:
+        stages = sorted(self.stage_peer)
+        results = await asyncio.gather(*(self._call(self.stage_peer[s], name, header, timeout) for s in stages),
+                                       return_exceptions=True)
+        return {s: (r if isinstance(r, Exception) else r[0]) for s, r in zip(stages, results)}
+
+    async def _attempt(self, step: int, attempt: int, evaluate: bool) -> dict[int, dict] | None:
+        """One attempt: RUN_STEP on every stage; the first error aborts the attempt everywhere."""
+        header = {"step": step, "attempt": attempt, "evaluate": evaluate,
+                  "peers": {str(s): p for s, p in self.stage_peer.items()}}
+        tasks = {s: asyncio.create_task(self._call(p, RPC.RUN_STEP, header, self.t.step_timeout + self.t.rpc_timeout))
+                 for s, p in self.stage_peer.items()}
+        done, pending = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+        errors = {s: t.exception() for s, t in tasks.items() if t in done and t.exception() is not None}
+        if not errors:
+            return {s: t.result()[0] for s, t in tasks.items()}
+        await self._all(RPC.ABORT, {}, self.t.rpc_timeout)  # makes the others' RUN_STEP return at once
+        await asyncio.wait(pending, timeout=self.t.rpc_timeout)
+        for t in pending:
+            t.cancel()
+        log.warning("step %d attempt %d failed: %s", step, attempt,
+                    "; ".join(f"stage {s}: {str(e)[:200]}" for s, e in errors.items()))
+        for s, e in errors.items():
+            if not isinstance(e, RemoteError):  # the peer itself did not answer
+                self.reported.add(self.stage_peer[s])
+        return None
+
+    async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:
+        """Run a step (or an evaluation) to completion: recover failed stages, abort and retry
+        an interrupted attempt. Evaluation attempts are numbered from EVAL_ATTEMPT so their
+        messages never mix with the training step's."""
+        base = EVAL_ATTEMPT if evaluate else 0
+        for attempt in range(base, base + self.opts.max_attempts):
+            failed = await self._detect()
+            if failed:
+                await self._recover(step, failed)
+            results = await self._attempt(step, attempt, evaluate)
+            if results is not None:
+                self._last_attempt = attempt
+                return results
+            self._event("aborted_step", step=step, attempt=attempt, evaluate=evaluate)
+        raise RuntimeError(f"step {step} failed {self.opts.max_attempts} times without a detectable peer failure; "
+                           "check the peers' logs (slow peers: raise --step-timeout)")
+
+    async def _commit(self, step: int) -> dict[int, dict]:
+        results = await self._all(RPC.COMMIT, {"step": step, "attempt": self._last_attempt}, self.t.rpc_timeout)
+        for s, r in results.items():
+            if isinstance(r, Exception):  # dies between ready and commit: its replacement rebuilds next step
+                self.reported.add(self.stage_peer[s])
+        return results
+
+    async def _chaos(self, step: int) -> None:
+        """Local swarm only: ask the launcher to SIGKILL the scheduled stages, then wait until
+        the kill is observable, so that the failure lands at the start of this step."""
+        for stage in sorted(self.opts.chaos.at(step)) if self.opts.chaos else []:
+            pid = self.stage_peer.get(stage)
+            if pid is None:
+                continue
+            print(f"CHAOS kill step={step} stage={stage} peer={pid}", flush=True)
+            deadline = time.monotonic() + self.t.join_timeout
+            while await self._alive(pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self.reported.add(pid)
+
+    async def _train(self) -> dict:
+        cfg, writer = self.cfg, self.writer
+        last_loss, last_val = math.nan, math.nan
+        for step in range(cfg.train.num_steps):
+            self.step = step
+            await self._chaos(step)
+            t0 = time.perf_counter()
+            results = await self._run_step(step)
+            commits = await self._commit(step)
+            attempts = self._last_attempt + 1
+            loss = sum(float(v) for r in results.values() for v in r["losses"].values())
+            post = [commits[s].get("post", math.nan) if isinstance(commits[s], dict) else math.nan
+                    for s in range(cfg.num_stages)]
+            for s, r in commits.items():
+                if isinstance(r, dict):
+                    self.norms[s] = float(r["omega"])
+                    if r.get("skipped"):
+                        self._event("skipped_step", step=step, stage=s, reason="non-finite gradient")
+            lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post,
+                      "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
+                      "live_peers": len(self.stage_peer)}
+            if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step == cfg.train.num_steps - 1:
+                ev = await self._run_step(step, evaluate=True)
+                losses = [float(v) for r in ev.values() for v in r["losses"].values()]
+                record["val_loss"] = last_val = sum(losses) / len(losses)
+            writer.metric(record)
+            last_loss = loss
+            c = writer.counts
+            val = f", val {last_val:.4f}" if "val_loss" in record else ""
+            print(f"step {step}: loss {loss:.4f}{val}, {record['step_time_s'] * 1000:.0f} ms, peers "
+                  f"{len(self.stage_peer)}+{len(self._standbys())}, failures {c['failures']}, recoveries "
+                  f"{c['recoveries']}, fallbacks {c['fallbacks']}", flush=True)
+        return {"steps": cfg.train.num_steps, "final_loss": last_loss, "final_val_loss": last_val}
+
+    async def _gather_final(self) -> None:
+        states = {}
+        for s in range(self.cfg.num_stages):
+            reply, tensors = await self._call(self.stage_peer[s], RPC.GET_WEIGHTS, {"part": "all"},
+                                              timeout=self.t.step_timeout)
+            states[s] = dict(zip(reply["keys"], tensors))
+        save_export(self.cfg, states, Path(self.opts.out) / "final_weights.safetensors")
+
+    # ---- main -------------------------------------------------------------------------
+    async def run(self) -> dict:
+        self.writer = RunWriter(self.opts.out, self.cfg.to_json())
+        self._last_attempt = 0
+        self.dht, self.transport = await start_transport(
+            self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
+            self.opts.startup_timeout)
+        announcer = None
+        status = "failed"
+        summary: dict = {"steps": 0, "final_loss": math.nan, "final_val_loss": math.nan}
+        try:
+            for name, h in ((RPC.JOIN, self._on_join), (RPC.REPORT, self._on_report), (RPC.LEAVE, self._on_leave),
+                            (RPC.STATUS, self._on_status)):
+                await self.transport.register(name, h)
+            pid = str(self.transport.peer_id)
+            announcer = asyncio.create_task(self._announce(pid))
+            addrs = [str(a) for a in await self.transport.p2p.get_visible_maddrs()]
+            print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={','.join(addrs)}", flush=True)
+            await self._fill_initial()
+            summary = await self._train()
+            if self.opts.save_final:
+                await self._gather_final()
+            status = "completed"
+            return summary
+        except UnrecoverableFailure as e:
+            status = "aborted"
+            summary["error"] = str(e)
+            raise
+        finally:
+            self.writer.summary(**summary, status=status, run_id=self.opts.run_id)
+            self.writer.close()
+            if announcer is not None:
+                announcer.cancel()
+            if self.opts.shutdown_peers:
+                await self._shutdown_peers()
+            await stop_transport(self.dht, self.transport)
+
+    async def _announce(self, pid: str) -> None:
+        while True:
+            try:
+                await announce(self.dht, coordinator_key(self.opts.run_id), "main", {"peer_id": pid},
+                               ttl=self.t.heartbeat_ttl * 3)
+            except Exception as e:
+                log.warning("announcing the coordinator failed: %r", e)
+            await asyncio.sleep(self.t.heartbeat_ttl)
+
+    async def _shutdown_peers(self) -> None:
+        live = [m.peer_id for m in self.members.values() if not m.leaving]
+        await asyncio.gather(*(self._call(p, RPC.SHUTDOWN, {}, timeout=5.0) for p in live), return_exceptions=True)

@@ -1,0 +1,229 @@
+"""`checkfree local`: a whole swarm on this machine, with real processes and real SIGKILLs.
+
+The launcher starts the coordinator and S + spares peers as separate OS processes (each in
+its own process group, so a kill takes its DHT process and p2p daemon with it, like a
+machine vanishing), kills peers with SIGKILL by the seeded schedule or the trace when the
+coordinator reaches the failure's step, starts a replacement process after every kill,
+shows live progress, and on exit or Ctrl-C tears everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from checkfree.cli import add_run_arguments, config_from_args
+from checkfree.failures import schedule_from_config, write_trace
+from checkfree.protocol import READY_COORDINATOR, READY_PEER
+
+__all__ = ["add_parser", "LocalSwarm", "SwarmOptions"]
+
+STEP_LINE = re.compile(r"^step (\d+): loss ([-+\w.]+)(?:, val ([-+\w.]+))?.*peers (\d+)\+(\d+), failures (\d+), "
+                       r"recoveries (\d+), fallbacks (\d+)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("local", help="run a whole swarm (coordinator + peers) on this machine with injected churn",
+                       description="Local swarm: coordinator and peers as separate processes on loopback; peers are "
+                                   "SIGKILLed by --failure-rate/--trace and replaced by fresh processes.")
+    add_run_arguments(p)
+    p.add_argument("--spares", type=int, default=2, help="standby peers kept running (default 2)")
+    p.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer process (default 1)")
+    p.add_argument("--heartbeat-ttl", type=float, default=4.0)
+    p.add_argument("--rpc-timeout", type=float, default=30.0)
+    p.add_argument("--step-timeout", type=float, default=90.0)
+    p.add_argument("--join-timeout", type=float, default=120.0)
+    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for a process to print its ready line")
+    p.add_argument("--run-id", help="run name (default: derived from --out)")
+    p.add_argument("--dump-recovery", metavar="DIR", help="peers save the weights served and rebuilt in recoveries")
+    p.set_defaults(func=run_local)
+
+
+@dataclass(kw_only=True)
+class SwarmOptions:
+    out: Path
+    run_id: str
+    spares: int = 2
+    threads_per_peer: int = 1
+    ready_timeout: float = 120.0
+    progress: bool = True
+    timeout_flags: list[str] = field(default_factory=list)
+    peer_flags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    lines: queue.Queue
+    log: Path
+    peer_id: str = ""
+
+
+def _reader(popen: subprocess.Popen, lines: queue.Queue, log_path: Path) -> None:
+    with open(log_path, "a", buffering=1) as log:
+        for line in popen.stdout:
+            log.write(line)
+            lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+class LocalSwarm:
+    """Processes of one local run; `run()` returns the coordinator's exit code."""
+
+    def __init__(self, config_path: Path, chaos_path: Path, opts: SwarmOptions) -> None:
+        self.config_path, self.chaos_path, self.opts = config_path, chaos_path, opts
+        self.coordinator: Proc | None = None
+        self.peers: list[Proc] = []
+        self.addr = ""
+        self.kills = 0
+        (opts.out / "logs").mkdir(parents=True, exist_ok=True)
+        self._n = 0
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer)}
+        popen = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log")
+        threading.Thread(target=_reader, args=(popen, proc.lines, proc.log), daemon=True).start()
+        return proc
+
+    def _await_ready(self, proc: Proc, prefix: str) -> str:
+        deadline = time.monotonic() + self.opts.ready_timeout
+        while time.monotonic() < deadline:
+            try:
+                line = proc.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError(f"process exited before it was ready; see {proc.log}")
+            if line.startswith(prefix):
+                return line
+        raise TimeoutError(f"no ready line within {self.opts.ready_timeout:g} s; see {proc.log}")
+
+    def start_peer(self) -> Proc:
+        self._n += 1
+        proc = self._spawn(f"peer{self._n}", ["peer", "--run-id", self.opts.run_id, "--initial-peers", self.addr,
+                                              "--threads", str(self.opts.threads_per_peer), *self.opts.timeout_flags,
+                                              *self.opts.peer_flags])
+        line = self._await_ready(proc, READY_PEER)
+        proc.peer_id = re.search(r"peer_id=(\S+)", line).group(1)
+        self.peers.append(proc)
+        return proc
+
+    def kill_peer(self, peer_id: str) -> None:
+        """SIGKILL the peer's whole process group (its DHT process and p2pd too), then replace it."""
+        proc = next((p for p in self.peers if p.peer_id == peer_id), None)
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.popen.wait()
+        self.peers.remove(proc)
+        self.kills += 1
+        self.start_peer()
+
+    def run(self) -> int:
+        o = self.opts
+        self.coordinator = self._spawn("coordinator", [
+            "scheduler", "--config", str(self.config_path), "--out", str(o.out), "--run-id", o.run_id,
+            "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.timeout_flags])
+        line = self._await_ready(self.coordinator, READY_COORDINATOR)
+        self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
+        cfg = json.loads(self.config_path.read_text())
+        for _ in range(cfg["num_stages"] + o.spares):
+            self.start_peer()
+        return self._follow(cfg["train"]["num_steps"])
+
+    def _follow(self, num_steps: int) -> int:
+        from tqdm import tqdm
+
+        bar = tqdm(total=num_steps, desc="swarm", unit="step", disable=not self.opts.progress, dynamic_ncols=True)
+        try:
+            while (line := self.coordinator.lines.get()) is not None:
+                if line.startswith("CHAOS kill"):
+                    self.kill_peer(re.search(r"peer=(\S+)", line).group(1))
+                elif (m := STEP_LINE.match(line)) is not None:
+                    bar.n = int(m.group(1)) + 1
+                    bar.set_postfix(loss=m.group(2), live=m.group(4), spare=m.group(5), failures=m.group(6),
+                                    recoveries=m.group(7), refresh=False)
+                    bar.refresh()
+                elif line.startswith("status:") or "Error" in line or "error" in line:
+                    bar.write(line)
+            return self.coordinator.popen.wait()
+        finally:
+            bar.close()
+
+    def teardown(self) -> None:
+        """SIGTERM everything, then SIGKILL whole process groups that did not exit."""
+        procs = [p for p in [self.coordinator, *self.peers] if p is not None]
+        for p in procs:
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:  # the group may hold a DHT child or p2pd even after the leader exited
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.popen.wait()
+
+
+def run_local(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from checkfree.data import build_data
+    from checkfree.recovery import get_rule
+
+    print("preparing data (tokenizer and token cache shared by all peers)...", flush=True)
+    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+               seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
+    config_path = out / "swarm_config.json"
+    config_path.write_text(cfg.to_json())
+    sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps, get_rule(cfg.recovery.strategy).plus)
+    chaos_path = out / "chaos_trace.csv"
+    write_trace(chaos_path, sched.events)
+    if args.write_trace:
+        write_trace(args.write_trace, sched.events)
+    from checkfree.protocol import Timeouts
+
+    Timeouts(heartbeat_ttl=args.heartbeat_ttl, rpc_timeout=args.rpc_timeout, step_timeout=args.step_timeout,
+             join_timeout=args.join_timeout)  # validate the hierarchy before any process starts
+    flags = ["--heartbeat-ttl", str(args.heartbeat_ttl), "--rpc-timeout", str(args.rpc_timeout),
+             "--step-timeout", str(args.step_timeout), "--join-timeout", str(args.join_timeout)]
+    run_id = args.run_id or f"local-{abs(hash(str(out.resolve()))) % 10**8}-{os.getpid()}"
+    swarm = LocalSwarm(config_path, chaos_path, SwarmOptions(
+        out=out, run_id=run_id, spares=args.spares, threads_per_peer=args.threads_per_peer,
+        ready_timeout=args.ready_timeout, progress=not args.no_progress, timeout_flags=flags,
+        peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else []))
+    print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
+          f"logs in {out / 'logs'}", flush=True)
+    try:
+        code = swarm.run()
+    finally:
+        swarm.teardown()
+    summary = out / "summary.json"
+    if summary.exists():
+        print(summary.read_text())
+    print(f"swarm: {swarm.kills} peers SIGKILLed; run directory {out}", flush=True)
+    return code
