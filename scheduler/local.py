@@ -67,14 +67,20 @@ class Proc:
     lines: queue.Queue
     log: Path
     peer_id: str = ""
+    ready: threading.Event = field(default_factory=threading.Event)
 
 
-def _reader(popen: subprocess.Popen, lines: queue.Queue, log_path: Path) -> None:
-    with open(log_path, "a", buffering=1) as log:
-        for line in popen.stdout:
+def _reader(proc: "Proc") -> None:
+    """Copy a process's output to its log and queue; note its peer id from the ready line."""
+    with open(proc.log, "a", buffering=1) as log:
+        for line in proc.popen.stdout:
             log.write(line)
-            lines.put(line.rstrip("\n"))
-    lines.put(None)
+            if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+)", line)):
+                proc.peer_id = m.group(1)
+                proc.ready.set()
+            proc.lines.put(line.rstrip("\n"))
+    proc.lines.put(None)
+    proc.ready.set()
 
 
 class LocalSwarm:
@@ -94,7 +100,7 @@ class LocalSwarm:
         popen = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log")
-        threading.Thread(target=_reader, args=(popen, proc.lines, proc.log), daemon=True).start()
+        threading.Thread(target=_reader, args=(proc,), daemon=True).start()
         return proc
 
     def _await_ready(self, proc: Proc, prefix: str) -> str:
@@ -111,12 +117,11 @@ class LocalSwarm:
         raise TimeoutError(f"no ready line within {self.opts.ready_timeout:g} s; see {proc.log}")
 
     def start_peer(self) -> Proc:
+        """Start a peer process; it becomes a standby once it has joined (no waiting here)."""
         self._n += 1
         proc = self._spawn(f"peer{self._n}", ["peer", "--run-id", self.opts.run_id, "--initial-peers", self.addr,
                                               "--threads", str(self.opts.threads_per_peer), *self.opts.timeout_flags,
                                               *self.opts.peer_flags])
-        line = self._await_ready(proc, READY_PEER)
-        proc.peer_id = re.search(r"peer_id=(\S+)", line).group(1)
         self.peers.append(proc)
         return proc
 
@@ -124,6 +129,7 @@ class LocalSwarm:
         """SIGKILL the peer's whole process group (its DHT process and p2pd too), then replace it."""
         proc = next((p for p in self.peers if p.peer_id == peer_id), None)
         if proc is None:
+            print(f"swarm: asked to kill unknown peer {peer_id}", flush=True)
             return
         try:
             os.killpg(proc.popen.pid, signal.SIGKILL)
@@ -142,8 +148,10 @@ class LocalSwarm:
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
         cfg = json.loads(self.config_path.read_text())
-        for _ in range(cfg["num_stages"] + o.spares):
-            self.start_peer()
+        first = [self.start_peer() for _ in range(cfg["num_stages"] + o.spares)]
+        for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
+            if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and self.coordinator.popen.poll() is None:
+                raise RuntimeError(f"a peer did not start within {o.ready_timeout:g} s; see {proc.log}")
         return self._follow(cfg["train"]["num_steps"])
 
     def _follow(self, num_steps: int) -> int:

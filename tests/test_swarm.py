@@ -1,0 +1,116 @@
+"""Integration tests of the distributed runtime: real processes, real hivemind P2P on
+loopback, real SIGKILLs (through `checkfree local`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkfree.recovery import checkfree_average
+from checkfree.rundir import read_jsonl
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _local(tmp_path: Path, name: str, *args: str, cache: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / name
+    env = {**__import__("os").environ, "CHECKFREE_CACHE": cache}
+    proc = subprocess.run([sys.executable, "-m", "checkfree.cli", "local", "--out", str(out), "--no-progress",
+                           "--spares", "2", *args], capture_output=True, text=True, timeout=360, env=env)
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def _trace(tmp_path: Path, lines: list[tuple[int, int]]) -> str:
+    p = tmp_path / f"trace-{len(lines)}-{lines[0][0]}-{lines[0][1]}.csv"
+    p.write_text("step,stage\n" + "".join(f"{a},{b}\n" for a, b in lines))
+    return str(p)
+
+
+def test_swarm_equals_simulator_without_failures(tmp_path, cache):
+    """CLI smoke test of `checkfree local`, and the equivalence with the simulator."""
+    args = ["--steps", "10", "--seed", "3", "--eval-every", "5", "--strategy", "checkfree+"]
+    proc, out = _local(tmp_path, "swarm", *args, cache=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "peers SIGKILLed" in proc.stdout
+    sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(tmp_path / "sim"),
+                          "--no-progress", *args], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "CHECKFREE_CACHE": cache})
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
+    assert [m["step"] for m in a] == list(range(10))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-5)
+        assert x["grad_norms"] == pytest.approx(y["grad_norms"], rel=1e-4, abs=1e-6)
+    assert a[4]["val_loss"] == pytest.approx(b[4]["val_loss"], rel=1e-5)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["failures"] == 0
+    # the finished run's weights export into one file that loads as the full model
+    exp = subprocess.run([sys.executable, "-m", "checkfree.cli", "export", "--run", str(out), "--output",
+                          str(tmp_path / "model.safetensors")], capture_output=True, text=True, timeout=120)
+    assert exp.returncode == 0, exp.stderr
+    from checkfree.export import load_export
+
+    model = load_export(tmp_path / "model.safetensors")
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 512)
+
+
+def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache):
+    dump = tmp_path / "dump"
+    proc, out = _local(tmp_path, "kill", "--steps", "12", "--trace", _trace(tmp_path, [(6, 2)]),
+                       "--dump-recovery", str(dump), cache=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 peers SIGKILLed" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures"] == 1 and summary["recoveries"] == 1 and math.isfinite(summary["final_loss"])
+    events = read_jsonl(out / "events.jsonl")
+    (fail,) = [e for e in events if e["event"] == "failure"]
+    (rec,) = [e for e in events if e["event"] == "recovery"]
+    assert (fail["step"], fail["stage"]) == (6, 2)
+    assert (rec["step"], rec["stage"], rec["sources"], rec["method"]) == (6, 2, [1, 3], "average")
+    # the replacement's weights are the library's function of what the neighbours held then
+    prev = load_file(str(dump / "served-step6-stage1-blocks.safetensors"))
+    nxt = load_file(str(dump / "served-step6-stage3-blocks.safetensors"))
+    pn = json.loads((dump / "served-step6-stage1-blocks.json").read_text())["omega"]
+    nn_ = json.loads((dump / "served-step6-stage3-blocks.json").read_text())["omega"]
+    assert rec["norms"] == pytest.approx([pn, nn_]) and pn > 0 and nn_ > 0
+    expect = checkfree_average(prev, nxt, prev_norm=pn, next_norm=nn_)
+    rebuilt = load_file(str(dump / "rebuilt-step6-stage2.safetensors"))
+    assert rebuilt.keys() == expect.keys()
+    for k in expect:
+        assert torch.equal(rebuilt[k], expect[k]), k
+    a, b = nn_ + 1e-4, pn + 1e-4
+    assert rec["coefficients"] == pytest.approx([b / (a + b), a / (a + b)])
+    losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+
+
+def test_sigkill_first_and_last_stage_under_checkfree_plus(tmp_path, cache):
+    dump = tmp_path / "dump"
+    proc, out = _local(tmp_path, "edges", "--steps", "12", "--strategy", "checkfree+",
+                       "--trace", _trace(tmp_path, [(4, 0), (8, 3)]), "--dump-recovery", str(dump), cache=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovery"]
+    assert [(e["step"], e["stage"], e["method"], e["sources"]) for e in rec] == [(4, 0, "copy", [1]), (8, 3, "copy", [2])]
+    assert rec[0]["edge_sources"] == {"embed": 1} and rec[1]["edge_sources"] == {"head": 2}
+    first = load_file(str(dump / "rebuilt-step4-stage0.safetensors"))
+    emb = load_file(str(dump / "served-step4-stage1-embed.safetensors"))
+    blocks1 = load_file(str(dump / "served-step4-stage1-blocks.safetensors"))
+    assert torch.equal(first["embed.weight"], emb["embed.weight"])
+    assert all(torch.equal(first[k], v) for k, v in blocks1.items())
+    last = load_file(str(dump / "rebuilt-step8-stage3.safetensors"))
+    head = load_file(str(dump / "served-step8-stage2-head.safetensors"))
+    assert all(torch.equal(last[k], v) for k, v in head.items()) and len(head) == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["recoveries"] == 2 and summary["fallbacks"] == 0 and math.isfinite(summary["final_loss"])
