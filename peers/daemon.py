@@ -82,6 +82,7 @@ class StepRun:
     error: str | None = None
     component_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    bytes_sent: int = 0  # tensor payload bytes this peer sent for the step
 
     def fail(self, message: str) -> None:
         if self.error is None:
@@ -393,7 +394,8 @@ class PeerDaemon:
             await self._sync_components(run)
         if run.error is not None:
             raise RuntimeError(run.error)
-        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": self.stage}, []
+        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": self.stage,
+                "bytes_sent": run.bytes_sent}, []
 
     async def _sync_components(self, run: StepRun) -> None:
         """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
@@ -409,6 +411,7 @@ class PeerDaemon:
                 await self._report(run, partner, str(e))
                 return
             mine = run.component_grads[comp]
+            run.bytes_sent += other.numel() * other.element_size()  # counted once per transfer, at the receiver
             await self.compute(self.worker.set_component_grad, comp, mine + other.to(mine.device))
 
     async def _on_component_grad(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
@@ -428,6 +431,7 @@ class PeerDaemon:
 
     async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
         header = {"run": self.opts.run_id, "step": run.step, "attempt": run.attempt, **header}
+        run.bytes_sent += tensor.numel() * tensor.element_size()
         try:
             await self.transport.call(run.peers[stage], name, header, [tensor], timeout=self.t.rpc_timeout)
         except RemoteError as e:

@@ -319,7 +319,8 @@ class Coordinator:
             lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post,
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
-                      "live_peers": len(self.stage_peer)}
+                      "live_peers": len(self.stage_peer),
+                      "wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in results.values())}
             if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step == cfg.train.num_steps - 1:
                 ev = await self._run_step(step, evaluate=True)
                 losses = [float(v) for r in ev.values() for v in r["losses"].values()]

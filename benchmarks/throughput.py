@@ -1,0 +1,123 @@
+"""Throughput of the local swarm against single-process training of the same model and batch.
+
+Measured side by side in one run:
+
+* single: a plain training loop of the unsplit LlamaModel (gradient accumulation over M
+  microbatches, clip, Adam) in this process, with `--threads` torch threads;
+* simulator: the single-process simulator (all StageWorkers chained in one process);
+* swarm: `checkfree local` (coordinator + S peer processes over hivemind P2P on loopback,
+  `--threads-per-peer` threads each), step times read from its metrics.jsonl.
+
+Ratios printed: swarm/single (target >= 0.8 for `small`), simulator/single (overhead
+target: simulator >= 0.9 of single, i.e. <= 10%), and plain CheckFree vs CheckFree+
+swarm throughput with no failures (target <= 3% apart) plus the bytes per step on the wire.
+
+    python -m benchmarks.throughput --preset small --stages 4 --microbatches 8 --steps 30
+
+Latest results: see the README's "Benchmarks" section (recorded with the exact command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from checkfree.config import preset
+from checkfree.data import build_data
+from checkfree.model import LlamaModel
+from checkfree.rundir import read_jsonl
+from checkfree.simulator import Simulator
+
+
+def single_process(cfg, steps: int, warmup: int) -> float:
+    """Median seconds per step of a plain unsplit training loop."""
+    torch.manual_seed(cfg.train.seed)
+    model = LlamaModel(cfg.model)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+                      seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
+    times = []
+    for step in range(steps + warmup):
+        t0 = time.perf_counter()
+        for mb in range(cfg.train.num_microbatches):
+            x, y = data.batch(step, mb)
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) / cfg.train.num_microbatches
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def simulator(cfg, steps: int, warmup: int, out: Path) -> float:
+    cfg.train.num_steps, cfg.train.eval_every = steps + warmup, 0
+    Simulator(cfg, out, progress=False).run()
+    return statistics.median(m["step_time_s"] for m in read_jsonl(out / "metrics.jsonl")[warmup:-1])
+
+
+def swarm(args, strategy: str, steps: int, warmup: int, out: Path) -> tuple[float, float]:
+    """Median step seconds of a failure-free swarm run, and the bytes its last step moved."""
+    cmd = [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
+           "--microbatches", str(args.microbatches), "--steps", str(steps + warmup), "--eval-every", "0",
+           "--strategy", strategy, "--spares", "0", "--threads-per-peer", str(args.threads_per_peer),
+           "--out", str(out), "--no-progress"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    times = [m["step_time_s"] for m in metrics[warmup:-1]]
+    return statistics.median(times), float(metrics[-1].get("wire_bytes", float("nan")))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the in-process loops")
+    p.add_argument("--threads-per-peer", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = preset(args.preset)
+    cfg.num_stages, cfg.train.num_microbatches = args.stages, args.microbatches
+    tokens = cfg.train.num_microbatches * cfg.train.microbatch_size * cfg.model.context_length
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        t_single = single_process(cfg, args.steps, args.warmup)
+        t_sim = simulator(preset_like(cfg), args.steps, args.warmup, tmp / "sim")
+        t_cf, b_cf = swarm(args, "checkfree", args.steps, args.warmup, tmp / "cf")
+        t_plus, b_plus = swarm(args, "checkfree+", args.steps, args.warmup, tmp / "plus")
+    rows = [("single process", t_single), ("simulator", t_sim), ("swarm checkfree", t_cf), ("swarm checkfree+", t_plus)]
+    print(f"preset={args.preset} S={args.stages} M={args.microbatches} tokens/step={tokens} cores={os.cpu_count()} "
+          f"threads(in-process)={args.threads} threads/peer={args.threads_per_peer} steps={args.steps}")
+    print(f"{'path':<18} {'s/step':>8} {'tokens/s':>10} {'/single':>8}")
+    for name, t in rows:
+        print(f"{name:<18} {t:8.4f} {tokens / t:10.0f} {t_single / t:8.3f}")
+    print(f"simulator overhead vs plain loop: {100 * (t_sim / t_single - 1):+.1f}% (target <= 10%)")
+    print(f"swarm/single throughput: {t_single / t_cf:.3f} (target >= 0.8)")
+    print(f"checkfree+ vs checkfree throughput: {100 * (t_cf / t_plus - 1):+.1f}% (target >= -3%); "
+          f"wire bytes/step {b_cf:,.0f} vs {b_plus:,.0f}")
+    print(json.dumps({"single_s": t_single, "simulator_s": t_sim, "swarm_checkfree_s": t_cf,
+                      "swarm_checkfree_plus_s": t_plus, "tokens_per_step": tokens}))
+
+
+def preset_like(cfg):
+    from checkfree.config import config_from_dict
+
+    return config_from_dict(cfg.to_dict())
+
+
+if __name__ == "__main__":
+    main()
