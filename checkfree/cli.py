@@ -73,6 +73,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--failure-seed", type=int, help="seed of the failure draws")
     f.add_argument("--protect-edges", choices=("yes", "no"), help="never fail the first/last stage (default: yes "
                    "for plain strategies, no for checkfree+)")
+    st = p.add_argument_group("strategies (checkpoint, redundant, gemini, reft, baft, checkfree+snap) and cost model")
+    st.add_argument("--checkpoint-every", type=int, help="checkpoint: steps between checkpoints (default 50)")
+    st.add_argument("--storage-dir", help="checkpoint storage directory (default <out>/checkpoints)")
+    st.add_argument("--storage-fallback", choices=("yes", "no"), help="gemini/reft/baft/redundant: also checkpoint "
+                    "every --checkpoint-every steps and roll back to it when in-memory copies are lost (default no)")
+    st.add_argument("--snapshot-every", type=int, help="gemini/reft/checkfree+snap: steps between snapshots (default 10)")
+    st.add_argument("--gemini-replicas", type=int, help="gemini: peers holding each snapshot, own included (default 2)")
+    st.add_argument("--reft-group", type=int, help="reft: stages per XOR-parity group (default 3)")
+    st.add_argument("--baft-max-iterations", type=int, help="baft: steps a backup may be spread over (default 4)")
+    st.add_argument("--cost-profile", help="simulated wall clock: paper-geo (default) or local")
+    st.add_argument("--detection-time", type=float, help="failure-detection delay in s (default: the profile's)")
     p.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
     p.add_argument("--write-trace", help="also write the failure schedule to this trace file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -95,8 +106,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg, "num_stages", args.stages)
     if args.layers is not None:
         cfg.model.num_layers = args.layers
-    r, t, d, f = cfg.recovery, cfg.train, cfg.data, cfg.failures
+    r, t, d, f, st = cfg.recovery, cfg.train, cfg.data, cfg.failures, cfg.strategy
     for obj, pairs in (
+        (st, [("checkpoint_every", args.checkpoint_every), ("storage_dir", args.storage_dir),
+              ("snapshot_every", args.snapshot_every), ("gemini_replicas", args.gemini_replicas),
+              ("reft_group", args.reft_group), ("baft_max_iterations", args.baft_max_iterations),
+              ("cost_profile", args.cost_profile), ("detection_s", args.detection_time)]),
         (r, [("strategy", args.strategy), ("fallback", args.fallback), ("lr_scale", args.lr_scale),
              ("norm_kind", args.norm_kind), ("norm_power", args.norm_power)]),
         (t, [("num_steps", args.steps), ("num_microbatches", args.microbatches),
@@ -113,6 +128,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         t.autocast_bf16 = True
     if args.protect_edges:
         f.protect_edges = args.protect_edges == "yes"
+    if args.storage_fallback:
+        st.storage_fallback = args.storage_fallback == "yes"
+    cfg.strategy = type(st)(**vars(st))  # re-validate the overridden fields
     validate(cfg)
     return cfg
 
@@ -137,6 +155,9 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"learning rate must be positive, got {cfg.train.lr}")
     lr_at(cfg, 0)
     resolve_device(cfg.train.device)
+    from checkfree.costmodel import get_profile
+
+    get_profile(cfg.strategy.cost_profile)
 
 
 def add_network_arguments(p: argparse.ArgumentParser) -> None:
@@ -182,9 +203,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if args.write_trace:
+        from checkfree.strategies import build_strategy
+
         sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps,
-                                     get_rule(cfg.recovery.strategy).plus if cfg.recovery.strategy in RECOVERY_RULES
-                                     else False)
+                                     build_strategy(cfg).fails_edges)
         write_trace(args.write_trace, sched.events)
     summary = Simulator(cfg, args.out, progress=not args.no_progress).run()
     print(json.dumps(summary, indent=2))

