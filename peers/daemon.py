@@ -83,6 +83,7 @@ class StepRun:
     component_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
     bytes_sent: int = 0  # tensor payload bytes this peer sent for the step
+    pending_starts: list[int] = field(default_factory=list)  # first-hop microbatches not started yet
 
     def fail(self, message: str) -> None:
         if self.error is None:
@@ -109,11 +110,37 @@ class PeerDaemon:
         self.stop = asyncio.Event()
         self.plus = False
         self._run_changed = asyncio.Event()
+        self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
+        self._seq = 0
+        self._pump: asyncio.Task | None = None
         self._finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
 
     # ---- helpers ---------------------------------------------------------------------
-    async def compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def compute(self, fn, *args, priority: int = 1):
+        """Run `fn(*args)` on the compute thread. Lower `priority` runs first among waiting
+        work (backward passes: 0, everything else: 1), so gradients drain before new
+        activations pile up — the 1F1B order within a stage."""
+        fut = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        self._queue.put_nowait((priority, self._seq, fn, args, fut))
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._queue.empty():
+            _, _, fn, args, fut = self._queue.get_nowait()
+            if fut.cancelled():
+                continue
+            try:
+                result = await loop.run_in_executor(self.pool, fn, *args)
+            except BaseException as e:  # handed to the awaiting caller
+                if not fut.done():
+                    fut.set_exception(e)
+            else:
+                if not fut.done():
+                    fut.set_result(result)
 
     @property
     def stage(self) -> int:
@@ -366,6 +393,10 @@ class PeerDaemon:
             return self.data.val_batches(self.cfg.train.eval_batches)[mb]
         return self.data.batch(run.step, mb)
 
+    def _start_next(self, run: StepRun) -> None:
+        if run.pending_starts:
+            self._spawn(run, self._forward_task(run, run.pending_starts.pop(0), 0, None))
+
     def _spawn(self, run: StepRun, coro) -> None:
         task = asyncio.create_task(coro)
         run.tasks.add(task)
@@ -383,9 +414,12 @@ class PeerDaemon:
         run = StepRun(header["step"], header["attempt"], header["evaluate"],
                       {int(k): str(v) for k, v in header["peers"].items()}, routes, remaining=len(routes))
         self._set_run(run)
-        for mb, hops in enumerate(routes):
-            if hops[0].stage == self.stage:
-                self._spawn(run, self._forward_task(run, mb, 0, None))
+        run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == self.stage]
+        window = len(run.pending_starts)
+        if self.cfg.train.schedule == "1f1b" and not run.evaluate:
+            window = self.cfg.num_stages  # at most S microbatches in flight from this first hop
+        for _ in range(min(window, len(run.pending_starts))):
+            self._start_next(run)
         try:
             await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
         except asyncio.TimeoutError:
@@ -478,8 +512,10 @@ class PeerDaemon:
 
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
         try:
-            grad_in = await self.compute(self.worker.backward, (run.step, run.attempt, mb), grad)
+            grad_in = await self.compute(self.worker.backward, (run.step, run.attempt, mb), grad, priority=0)
             self._mb_done(run)
+            if idx == 0 and self.cfg.train.schedule == "1f1b":
+                self._start_next(run)  # one microbatch finished here: admit the next
             if idx > 0:
                 await self._send(run, run.routes[mb][idx - 1].stage, RPC.BACKWARD, {"mb": mb, "hop": idx - 1},
                                  grad_in)
