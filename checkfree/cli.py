@@ -84,6 +84,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     st.add_argument("--baft-max-iterations", type=int, help="baft: steps a backup may be spread over (default 4)")
     st.add_argument("--cost-profile", help="simulated wall clock: paper-geo (default) or local")
     st.add_argument("--detection-time", type=float, help="failure-detection delay in s (default: the profile's)")
+    s = p.add_argument_group("soft errors (ATTNChecker-style guard)")
+    s.add_argument("--abft", action="store_true", help="checksum-guard attention: detect and correct INF/NaN/near-INF")
+    s.add_argument("--abft-mode", choices=("range", "full"), help="range: cheap trigger (default) | full: always check")
+    s.add_argument("--inject-soft-errors", type=int, metavar="N", help="inject N faults at seeded random sites")
+    s.add_argument("--soft-error-seed", type=int, help="seed of the injection sites")
+    s.add_argument("--explicit-attention", action="store_true",
+                   help="unguarded attention computed with the guard's explicit math (bitwise comparable to --abft)")
     p.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
     p.add_argument("--write-trace", help="also write the failure schedule to this trace file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -126,6 +133,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             _set(obj, name, value)
     if args.bf16:
         t.autocast_bf16 = True
+    if args.abft:
+        cfg.guard.abft = True
+    _set(cfg.guard, "mode", args.abft_mode)
+    _set(cfg.guard, "inject_soft_errors", args.inject_soft_errors)
+    _set(cfg.guard, "seed", args.soft_error_seed)
+    if args.explicit_attention:
+        cfg.guard.explicit_attention = True
     if args.protect_edges:
         f.protect_edges = args.protect_edges == "yes"
     if args.storage_fallback:

@@ -20,6 +20,7 @@ __all__ = [
     "FailureConfig",
     "StrategyConfig",
     "RunConfig",
+    "GuardConfig",
     "PRESETS",
     "preset",
     "config_from_dict",
@@ -134,6 +135,23 @@ class StrategyConfig:
 
 
 @dataclass(kw_only=True)
+class GuardConfig:
+    """Soft-error guard for attention (checkfree.abft) and its fault injector."""
+
+    abft: bool = False  # checksum-protect the attention matmuls (detect and correct INF/NaN/near-INF)
+    mode: str = "range"  # range: cheap trigger then full check | full: check every matmul
+    inject_soft_errors: int = 0  # faults injected at seeded random attention matmul outputs (all stages)
+    seed: int = 0  # seed of the injection sites
+    explicit_attention: bool = False  # unguarded, but the guard's explicit attention math instead of fused SDPA
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("range", "full"):
+            raise ValueError(f"guard.mode must be 'range' or 'full', got {self.mode!r}")
+        if self.inject_soft_errors < 0:
+            raise ValueError(f"inject_soft_errors must be >= 0, got {self.inject_soft_errors}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """A whole run: model, data, training, recovery, failures and the pipeline width."""
 
@@ -145,6 +163,7 @@ class RunConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -156,7 +175,8 @@ class RunConfig:
 def config_from_dict(d: dict[str, Any]) -> RunConfig:
     """Inverse of `RunConfig.to_dict`; unknown keys are an error, not silently dropped."""
     sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-                "recovery": RecoveryConfig, "failures": FailureConfig, "strategy": StrategyConfig}
+                "recovery": RecoveryConfig, "failures": FailureConfig, "strategy": StrategyConfig,
+                "guard": GuardConfig}
     kwargs: dict[str, Any] = {}
     for key, value in d.items():
         if key in sections:

@@ -28,11 +28,12 @@ from checkfree.data import TokenData, build_data
 from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.pipeline import Hop, edge_holders, route
 from checkfree.recovery import StateDict, UnrecoverableFailure, omega
+from checkfree.softerrors import ESCALATE_AFTER_SKIPS, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.rundir import RunWriter
 from checkfree.strategies import Figures, build_strategy, worker_config
 from checkfree.strategies.averaging import recovery_fields
 from checkfree.strategies.state import StageState, capture_worker, restore_worker
-from checkfree.worker import StageWorker, StepStats, build_workers, resolve_device
+from checkfree.worker import StageWorker, StepStats, resolve_device
 
 __all__ = ["Simulator", "SimContext", "run_microbatches", "sync_components", "evaluate", "recovery_fields"]
 
@@ -43,6 +44,31 @@ FAILURE_HORIZON = 4
 log = logging.getLogger(__name__)
 
 
+class SoftErrorEscalation(RuntimeError):
+    """A soft error the guard could not correct, twice in a row in one microbatch."""
+
+    def __init__(self, stage: int, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+def _forward_chain(workers: list[StageWorker], mb: int, hops: list[Hop], inputs, targets) -> torch.Tensor:
+    """The microbatch's forward along its route; one recompute if a soft error escalates."""
+    for attempt in range(2):
+        x = inputs
+        try:
+            for hop in hops:
+                x = workers[hop.stage].forward(mb, x, hop, targets if hop.head else None)
+            return x
+        except UncorrectableSoftError as e:
+            for w in workers:
+                w.drop_microbatch(mb)
+            if attempt == 1:
+                raise SoftErrorEscalation(hop.stage, f"stage {hop.stage}: {e}") from e
+            log.warning("uncorrectable soft error on stage %d, recomputing microbatch %d: %s", hop.stage, mb, e)
+    raise AssertionError("unreachable")
+
+
 def run_microbatches(workers: list[StageWorker], data: TokenData, step: int, plus: bool) -> float:
     """Forward and backward of every microbatch of `step`; returns the summed loss."""
     num_mb = workers[0].cfg.train.num_microbatches
@@ -50,9 +76,7 @@ def run_microbatches(workers: list[StageWorker], data: TokenData, step: int, plu
     for mb in range(num_mb):
         inputs, targets = data.batch(step, mb)
         hops = route(len(workers), plus, step, mb, num_mb)
-        x = inputs
-        for hop in hops:
-            x = workers[hop.stage].forward(mb, x, hop, targets if hop.head else None)
+        x = _forward_chain(workers, mb, hops, inputs, targets)
         total += float(x)
         grad = None
         for hop in reversed(hops):
@@ -143,7 +167,10 @@ class Simulator:
         self.failures: FailureSchedule = schedule_from_config(cfg.failures, cfg.num_stages,
                                                               FAILURE_HORIZON * cfg.train.num_steps,
                                                               self.strategy.fails_edges)
-        self.workers = build_workers(self.worker_cfg, self.device)
+        self.guards = [make_guard(cfg, s) for s in range(cfg.num_stages)]
+        self.soft_skips = [0] * cfg.num_stages  # consecutive steps skipped because of each stage
+        self.resume_at: int | None = None  # a rollback requested from inside a step
+        self.workers = [self.new_worker(s) for s in range(cfg.num_stages)]
         self.norms = [0.0] * cfg.num_stages
         self.writer = RunWriter(out, cfg.to_json())
         self.cost = CostModel(cfg)
@@ -156,8 +183,10 @@ class Simulator:
         self.iterations = 0
 
     def new_worker(self, stage: int) -> StageWorker:
-        """A new peer for `stage`, freshly initialised."""
-        return StageWorker(self.worker_cfg, stage, self.device)
+        """A new peer for `stage`, freshly initialised (with the stage's soft-error guard)."""
+        worker = StageWorker(self.worker_cfg, stage, self.device)
+        worker.attach_guard(self.guards[stage])
+        return worker
 
     def recover(self, step: int, failed: set[int], iteration: int | None = None) -> int:
         """Hand the failed stages to the strategy; returns the step training resumes from."""
@@ -171,8 +200,29 @@ class Simulator:
                           iteration=it, **outcome.fields())
         return step if outcome.rollback_to is None else outcome.rollback_to
 
+    def _soft_error_skip(self, step: int, err: SoftErrorEscalation) -> tuple[float, list[StepStats]]:
+        """An uncorrectable soft error survived a recompute: skip the step; if the same
+        stage keeps causing skips, treat it as failed and recover it with the strategy."""
+        for w in self.workers:
+            w.drop_inflight()
+        self.soft_skips[err.stage] += 1
+        self.writer.event("soft_error_skip", step=step, stage=err.stage, strategy=self.cfg.recovery.strategy,
+                          reason=str(err)[:300])
+        if self.soft_skips[err.stage] >= ESCALATE_AFTER_SKIPS:
+            self.writer.event("soft_error_escalation", step=step, stage=err.stage, strategy=self.cfg.recovery.strategy)
+            self.soft_skips[err.stage] = 0
+            resume = self.recover(step, {err.stage})
+            if resume != step:
+                self.resume_at = resume
+        lr = self.workers[0].optimizer.param_groups[0]["lr"]
+        return math.nan, [StepStats(math.nan, math.nan, lr, skipped=True) for _ in self.workers]
+
     def train_step(self, step: int) -> tuple[float, list[StepStats]]:
-        loss = run_microbatches(self.workers, self.data, step, self.plus)
+        try:
+            loss = run_microbatches(self.workers, self.data, step, self.plus)
+        except SoftErrorEscalation as e:
+            return self._soft_error_skip(step, e)
+        self.soft_skips = [0] * len(self.workers)
         sync_components(self.workers, self.plus)
         stats = [w.step(step) for w in self.workers]
         for i, st in enumerate(stats):
@@ -200,6 +250,8 @@ class Simulator:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", val=f"{self.last_val:.4f}",
                                 failures=self.writer.counts["failures"])
                 step += 1
+                if self.resume_at is not None:
+                    step, self.resume_at = self.resume_at, None
             return self._summary(steps=t.num_steps, status="completed")
         except UnrecoverableFailure as e:
             self._summary(steps=step, status="aborted", error=str(e))
@@ -229,7 +281,8 @@ class Simulator:
         return self.writer.summary(**fields, final_loss=self.last_loss, final_val_loss=self.last_val,
                                    strategy=self.cfg.recovery.strategy, cost_profile=self.cost.profile.name,
                                    iterations=self.iterations, sim_time_s=round(self.sim_time_s, 6),
-                                   simulated_hours=self.sim_time_s / 3600.0, **self.totals.as_dict())
+                                   simulated_hours=self.sim_time_s / 3600.0, **self.totals.as_dict(),
+                                   soft_errors=guard_counts(self.guards))
 
 
 def _progress(total: int, enabled: bool):

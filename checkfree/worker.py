@@ -76,6 +76,7 @@ class StageWorker:
                                     has_head="head" in self.components)
         init_stage(self.module, cfg.train.seed)
         self.module.to(self.device)
+        self.guard = None
         self.lr_scale = 1.0
         self.optimizer = self._new_optimizer()
         self._saved: dict[object, tuple[Tensor, Tensor]] = {}
@@ -83,6 +84,18 @@ class StageWorker:
     @property
     def index(self) -> int:
         return self.spec.index
+
+    def attach_guard(self, guard) -> None:
+        """Route every attention block of this stage through `guard` (checkfree.abft)."""
+        from checkfree.abft import install_guard
+
+        self.guard = guard
+        if guard is not None:
+            install_guard(self.module, guard)
+
+    def drop_microbatch(self, key: object) -> None:
+        """Forget one microbatch's saved activations (it will be recomputed)."""
+        self._saved.pop(key, None)
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train

@@ -37,6 +37,7 @@ from checkfree.pipeline import Hop, edge_holders, route
 from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
                                 plan_from_wire, require)
 from checkfree.recovery import omega, rebuild_stage
+from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.worker import StageWorker, resolve_device
 
 __all__ = ["PeerOptions", "PeerDaemon", "PeerState"]
@@ -287,6 +288,7 @@ class PeerDaemon:
 
     def _build(self, stage: int) -> StageWorker:
         worker = StageWorker(self.cfg, stage)
+        worker.attach_guard(make_guard(self.cfg, stage))
         if self._needs_data(stage) and self.data is None:
             c = self.cfg
             self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.model.context_length,
@@ -498,7 +500,7 @@ class PeerDaemon:
                     await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
                 self._mb_done(run)
                 return
-            out = await self.compute(self.worker.forward, key, x, hop, targets)
+            out = await self._guarded_forward(key, x, hop, targets)
             if not hop.head:
                 await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
                 return
@@ -509,6 +511,18 @@ class PeerDaemon:
         except Exception as e:  # a failure is a value: the step fails, the peer keeps serving
             log.exception("forward of microbatch %d failed", mb)
             run.fail(f"forward of microbatch {mb} failed on stage {self.stage}: {type(e).__name__}: {e}")
+
+    async def _guarded_forward(self, key, x, hop: Hop, targets):
+        """Forward with one recompute if the soft-error guard cannot correct a fault; a second
+        uncorrectable fault fails the step with a SOFT_ERROR marker the coordinator counts."""
+        for attempt in range(2):
+            try:
+                return await self.compute(self.worker.forward, key, x, hop, targets)
+            except UncorrectableSoftError as e:
+                await self.compute(self.worker.drop_microbatch, key)
+                if attempt == 1:
+                    raise RuntimeError(f"{SOFT_ERROR_MARK} stage={self.stage}: {e}") from e
+                log.warning("uncorrectable soft error, recomputing microbatch %s: %s", key, e)
 
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
         try:
@@ -559,7 +573,8 @@ class PeerDaemon:
             self.omega = omega(stats.grad_norm_pre, stats.grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
         self._set_run(None)
         return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "lr": stats.lr,
-                "skipped": stats.skipped, "omega": self.omega, "stage": self.stage}, []
+                "skipped": stats.skipped, "omega": self.omega, "stage": self.stage,
+                "soft_errors": guard_counts([self.worker.guard])}, []
 
     async def _on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)

@@ -29,6 +29,7 @@ from checkfree.protocol import (READY_COORDINATOR, RPC, ProtocolError, Timeouts,
 from checkfree.recovery import UnrecoverableFailure, get_rule, plan_recovery
 from checkfree.rundir import RunWriter
 from checkfree.simulator import recovery_fields
+from checkfree.softerrors import ESCALATE_AFTER_SKIPS, SOFT_ERROR_MARK
 
 __all__ = ["CoordinatorOptions", "Coordinator"]
 
@@ -74,6 +75,8 @@ class Coordinator:
         self.dht = None
         self.step = 0
         self.member_event = asyncio.Event()
+        self.soft_skips: dict[int, int] = {}  # stage -> consecutive attempts lost to soft errors
+        self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
         plan_stages(cfg.model.num_layers, cfg.num_stages)
 
     # ---- peer-facing handlers ----------------------------------------------------------
@@ -259,7 +262,19 @@ class Coordinator:
         for s, e in errors.items():
             if not isinstance(e, RemoteError):  # the peer itself did not answer
                 self.reported.add(self.stage_peer[s])
+            elif SOFT_ERROR_MARK in str(e):
+                self._soft_error(step, s)
         return None
+
+    def _soft_error(self, step: int, stage: int) -> None:
+        """An uncorrectable soft error survived the peer's recompute: the attempt is redone;
+        a stage that keeps producing them is treated as failed and recovered."""
+        self.soft_skips[stage] = self.soft_skips.get(stage, 0) + 1
+        self._event("soft_error_skip", step=step, stage=stage, strategy=self.cfg.recovery.strategy)
+        if self.soft_skips[stage] >= ESCALATE_AFTER_SKIPS:
+            self.soft_skips[stage] = 0
+            self._event("soft_error_escalation", step=step, stage=stage, strategy=self.cfg.recovery.strategy)
+            self.members[self.stage_peer[stage]].leaving = True
 
     async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:
         """Run a step (or an evaluation) to completion: recover failed stages, abort and retry
@@ -311,9 +326,11 @@ class Coordinator:
             loss = sum(float(v) for r in results.values() for v in r["losses"].values())
             post = [commits[s].get("post", math.nan) if isinstance(commits[s], dict) else math.nan
                     for s in range(cfg.num_stages)]
+            self.soft_skips.clear()
             for s, r in commits.items():
                 if isinstance(r, dict):
                     self.norms[s] = float(r["omega"])
+                    self.soft_counts[self.stage_peer[s]] = r.get("soft_errors", {})
                     if r.get("skipped"):
                         self._event("skipped_step", step=step, stage=s, reason="non-finite gradient")
             lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)
@@ -371,7 +388,9 @@ class Coordinator:
             summary["error"] = str(e)
             raise
         finally:
-            self.writer.summary(**summary, status=status, run_id=self.opts.run_id)
+            soft = {k: sum(int(c.get(k, 0)) for c in self.soft_counts.values())
+                    for k in ("injected", "detected", "corrected", "escalated")}
+            self.writer.summary(**summary, status=status, run_id=self.opts.run_id, soft_errors=soft)
             self.writer.close()
             if announcer is not None:
                 announcer.cancel()
