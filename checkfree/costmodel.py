@@ -33,21 +33,25 @@ publish its table). Two constants are fitted to the paper's ``paper-500m`` numbe
 (d 1024, 24 layers, 6 stages, context 1024, 4 microbatches of 64 sequences, 4 peers per
 stage, bf16 activations on the wire), with ``python -m checkfree.costmodel --calibrate``:
 
-* ``flops_per_s = 7.5e12`` (effective, per stage group) gives 91.4 s per iteration (paper
-  91.3 s): ~62 % compute, the rest activation transfers, mostly on the eu-central ->
-  asia-east link.
-* The mechanistic part of redundant computation (one more forward per microbatch on the
-  critical path plus the gradient shipment) adds ~34 s; the paper measured 151.04 s, with
-  a baseline that halves the microbatch size and doubles their count. That inefficiency is
-  not derivable here, so ``redundant_slowdown = 2.8`` multiplies the redundant forward's
-  time, giving 150.6 s (ratio 1.65, paper 1.654).
+* ``flops_per_s = 4.74e12`` (effective, per stage group) gives 91.29 s per iteration
+  (paper 91.3 s). The bottleneck is the last stage (4 blocks + the 32k-vocabulary head):
+  t_f = 3.24 s, t_b = 6.90 s per microbatch, 88 % of it compute, the rest its sends.
+* The mechanistic part of redundant computation (the successor's forward per microbatch
+  on the critical path, plus the gradient shipment) adds 27.2 s (118.5 s per iteration);
+  the paper measured 151.04 s, with a baseline that halves the microbatch size and doubles
+  their count. That inefficiency is not derivable here, so ``redundant_slowdown = 2.2``
+  multiplies the redundant forward's time: 150.81 s (x1.652; paper x1.654).
+* Not fitted: ``storage_Bps`` = 0.1 GiB/s per peer (remote storage), ``detection_s`` = 10 s
+  (a heartbeat timeout; the paper reports ~30 s per recovery in its setup).
 
 Calibration of ``local`` (this machine, one process, 2 shared cores)
 --------------------------------------------------------------------
-Measured with ``python -m checkfree.costmodel --measure`` (median step of the simulator on
-the tiny and small presets, torch.save throughput, memcpy throughput); ``flops_per_s`` and
-``hop_overhead_s`` solve the two step times exactly. See `LOCAL_MEASUREMENT` for the
-figures. The machine was shared with other jobs while measuring: the figures are loose.
+Measured with ``python -m checkfree.costmodel --measure``: the fastest step of a 20-step
+simulator run at one intra-op thread on the tiny and small presets, torch.save and memcpy
+throughput. ``flops_per_s`` (~4.3e10) and ``hop_overhead_s`` (~4.2 ms per stage visit)
+solve the two step times exactly (`_solve_local`); latency 0, detection 0. The machine was
+shared with other jobs (load 4-6 on 2 cores) while measuring: repeated runs gave tiny
+0.11-0.18 s and small 0.34-0.41 s per step, so the local figures are good to ~30 %.
 """
 
 from __future__ import annotations
@@ -83,12 +87,14 @@ _GEO_BANDWIDTH_GIB = (
     (0.04, 0.08, 0.01, 0.03, 1.25),
 )
 
-# `python -m checkfree.costmodel --measure` on this machine (2 shared cores, torch 2.13 CPU).
+# `python -m checkfree.costmodel --measure` on this machine (2 shared cores, torch 2.13 CPU,
+# load average 4-6 from other jobs), median of three runs of each figure; the step times are
+# the fastest step of a 20-step simulator run at one intra-op thread.
 LOCAL_MEASUREMENT = {
-    "tiny_step_s": 0.0,  # filled in from the measurement below
-    "small_step_s": 0.0,
-    "storage_GiB_s": 0.0,
-    "memcpy_GiB_s": 0.0,
+    "tiny_step_s": 0.158,
+    "small_step_s": 0.345,
+    "storage_GiB_s": 0.58,  # torch.save of 256 MiB to a temporary directory
+    "memcpy_GiB_s": 0.72,  # clone of 256 MiB
 }
 
 
@@ -120,16 +126,30 @@ def _geo() -> Profile:
 
 
 def _local() -> Profile:
+    flops_per_s, hop_s = _solve_local(LOCAL_MEASUREMENT["tiny_step_s"], LOCAL_MEASUREMENT["small_step_s"])
     mem = LOCAL_MEASUREMENT["memcpy_GiB_s"] * GIB
     return Profile(
         name="local", regions=("local",), latency_s=((0.0,),), bandwidth_Bps=((mem,),),
-        flops_per_s=LOCAL_FLOPS_PER_S, hop_overhead_s=LOCAL_HOP_OVERHEAD_S, peers_per_stage=1, wire_bytes=4,
+        flops_per_s=flops_per_s, hop_overhead_s=hop_s, peers_per_stage=1, wire_bytes=4,
         storage_Bps=LOCAL_MEASUREMENT["storage_GiB_s"] * GIB, detection_s=0.0, redundant_slowdown=1.0,
         pipelined=False)
 
 
-LOCAL_FLOPS_PER_S = 1.0e9
-LOCAL_HOP_OVERHEAD_S = 1e-3
+def _solve_local(tiny_step_s: float, small_step_s: float) -> tuple[float, float]:
+    """flops_per_s and hop_overhead_s such that step = M * sum_i (3 F_i / R + 2 h) gives both
+    measured step times (the simulator runs the stages in turn)."""
+    rows = []
+    for name, t in (("tiny", tiny_step_s), ("small", small_step_s)):
+        cfg = preset(name)
+        rows.append((cfg.train.num_microbatches * sum(3 * f for f in stage_forward_flops(cfg)),
+                     2 * cfg.train.num_microbatches * cfg.num_stages, t))
+    (a1, h1, t1), (a2, h2, t2) = rows
+    det = a1 * h2 - a2 * h1
+    inv_r, hop = (t1 * h2 - t2 * h1) / det, (a1 * t2 - a2 * t1) / det
+    if inv_r <= 0 or hop < 0:
+        raise ValueError(f"step times tiny={tiny_step_s} s, small={small_step_s} s do not fit the local model")
+    return 1.0 / inv_r, hop
+
 
 PROFILES = {"paper-geo": _geo, "local": _local}
 
@@ -268,23 +288,33 @@ def calibration(profile: str = "paper-geo") -> dict[str, float]:
     cm = CostModel(preset("paper-500m"), profile)
     base = cm.step_s()
     slots = cm.M + cm.S - 1
-    return {"step_s": base, "redundant_step_s": base + cm.redundant_extra_s(), "t_f": cm.t_f(), "t_b": cm.t_b(),
+    plain = CostModel(cm.cfg, replace(cm.profile, redundant_slowdown=1.0))
+    return {"step_s": base, "redundant_step_s": base + cm.redundant_extra_s(),
+            "redundant_mechanistic_step_s": base + plain.redundant_extra_s(), "t_f": cm.t_f(), "t_b": cm.t_b(),
             "bottleneck_compute_share": slots * 3 * max(cm.flops) / cm.profile.flops_per_s / base}
 
 
-def _median_step_s(preset_name: str, steps: int) -> float:
-    import statistics
+def _fastest_step_s(preset_name: str, steps: int) -> float:
+    """The fastest step of a short simulator run at one intra-op thread: on a shared machine
+    the minimum is the least disturbed estimate."""
     import tempfile
+
+    import torch
 
     from checkfree.rundir import read_jsonl
     from checkfree.simulator import Simulator
 
     cfg = preset(preset_name)
     cfg.train.num_steps, cfg.train.eval_every, cfg.train.device = steps, 0, "cpu"
-    with tempfile.TemporaryDirectory() as out:
-        Simulator(cfg, out, progress=False).run()
-        times = [m["step_time_s"] for m in read_jsonl(f"{out}/metrics.jsonl")][2:]  # skip warm-up
-    return statistics.median(times)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            Simulator(cfg, out, progress=False).run()
+            times = [m["step_time_s"] for m in read_jsonl(f"{out}/metrics.jsonl")][2:]  # skip warm-up
+    finally:
+        torch.set_num_threads(threads)
+    return min(times)
 
 
 def _throughput_gib_s(nbytes: int, repeats: int = 3) -> tuple[float, float]:
@@ -308,20 +338,16 @@ def _throughput_gib_s(nbytes: int, repeats: int = 3) -> tuple[float, float]:
 
 
 def measure_local(steps: int = 20) -> dict[str, float]:
-    """Measure this machine and solve the local profile's flops_per_s and hop_overhead_s:
-    step = M * sum_i (3 F_i / R + 2 h) for the tiny and the small preset."""
-    rows = []
-    for name in ("tiny", "small"):
-        cfg = preset(name)
-        work = cfg.train.num_microbatches * sum(3 * f for f in stage_forward_flops(cfg))
-        hops = 2 * cfg.train.num_microbatches * cfg.num_stages
-        rows.append((work, hops, _median_step_s(name, steps)))
-    (a1, h1, t1), (a2, h2, t2) = rows
-    det = a1 * h2 - a2 * h1
-    inv_r, h = (t1 * h2 - t2 * h1) / det, (a1 * t2 - a2 * t1) / det
+    """Measure this machine: step times of the tiny and small presets, storage and memory
+    throughput, and the local profile's constants solved from them."""
+    tiny, small = _fastest_step_s("tiny", steps), _fastest_step_s("small", steps)
     disk, mem = _throughput_gib_s(256 * 2**20)
-    return {"tiny_step_s": t1, "small_step_s": t2, "flops_per_s": 1 / inv_r if inv_r > 0 else math.inf,
-            "hop_overhead_s": h, "storage_GiB_s": disk, "memcpy_GiB_s": mem}
+    out = {"tiny_step_s": tiny, "small_step_s": small, "storage_GiB_s": disk, "memcpy_GiB_s": mem}
+    try:
+        out["flops_per_s"], out["hop_overhead_s"] = _solve_local(tiny, small)
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

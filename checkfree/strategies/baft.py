@@ -2,7 +2,8 @@
 
 Stage i's backup lives on stage i+1; the last stage's on stage S-2 (in GPipe the last and
 the first stage share no idle window when M >= S-1, so a ring cannot carry it). Each
-backup is cut into units (embedding, each block, head: weights + Adam state) packed into
+backup is cut into units (embedding, each block, head: weights + Adam state; a unit larger
+than the largest window is cut into window-sized chunks) packed into
 the common idle windows of sender and holder (`checkfree.baselines.plan_backup`, windows
 from the cost model's t_f / t_b, which include the stages' own sends); when one step's
 bubbles are too short the backup is spread over n steps (n = the largest over stages, so
@@ -21,6 +22,14 @@ from checkfree.strategies.rollback import InMemoryStrategy
 from checkfree.strategies.state import StageState, state_nbytes, unit_nbytes
 
 __all__ = ["BaftStrategy"]
+
+
+def _chunks(units: list[int], windows: list[tuple[float, float]], bandwidth: float) -> list[int]:
+    """Cut units larger than the largest window can carry into window-sized chunks."""
+    cap = int(max((b - a for a, b in windows), default=0.0) * bandwidth)
+    if cap <= 0:
+        return units  # no window at all: plan_backup reports it
+    return [min(cap, u - i) for u in units for i in range(0, max(u, 1), cap)]
 
 
 class BaftStrategy(InMemoryStrategy):
@@ -46,8 +55,9 @@ class BaftStrategy(InMemoryStrategy):
             h = self.holder(s)
             # no reserve: the cost model's t_f / t_b already include the stage's own sends
             windows = common_windows(idle[s], idle[h])
+            bw = ctx.cost.bandwidth_Bps(s, h)
             try:
-                plans.append(plan_backup(list(unit_nbytes(st).values()), windows, ctx.cost.bandwidth_Bps(s, h),
+                plans.append(plan_backup(_chunks(list(unit_nbytes(st).values()), windows, bw), windows, bw,
                                          self.cfg.strategy.baft_max_iterations))
             except ValueError as e:
                 raise ValueError(f"baft: stage {s}'s backup does not fit in the bubbles of "
