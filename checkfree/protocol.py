@@ -46,6 +46,10 @@ class RPC:
     BACKWARD = "cf.backward"  # a gradient from the next hop
     COMPONENT_GRAD = "cf.component_grad"  # CheckFree+: this holder's embedding/head gradient
     GET_WEIGHTS = "cf.get_weights"  # this stage's weights (and omega) for a replacement or export
+    SNAPSHOT = "cf.snapshot"  # capture full state; keep it and send it to holders, or write it to storage
+    STORE_SNAPSHOT = "cf.store_snapshot"  # hold another stage's snapshot in memory (gemini)
+    FETCH_SNAPSHOT = "cf.fetch_snapshot"  # hand a held snapshot to a replacement
+    RESTORE = "cf.restore"  # roll back to a snapshot (own memory or storage) or to the initial state
     PING = "cf.ping"
     SHUTDOWN = "cf.shutdown"
     # served by the coordinator

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -37,12 +38,21 @@ from checkfree.pipeline import Hop, edge_holders, route
 from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
                                 plan_from_wire, require)
 from checkfree.recovery import omega, rebuild_stage
+from checkfree.baselines.parity import state_from_bytes, state_to_bytes
+from checkfree.strategies.state import capture_worker, restore_worker
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.worker import StageWorker, resolve_device
 
 __all__ = ["PeerOptions", "PeerDaemon", "PeerState"]
 
 log = logging.getLogger(__name__)
+
+
+def _write_atomic(path: Path, blob: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
 
 
 class PeerState(Enum):
@@ -111,6 +121,7 @@ class PeerDaemon:
         self.stop = asyncio.Event()
         self.plus = False
         self._run_changed = asyncio.Event()
+        self.snapshots: dict[int, tuple[int, bytes]] = {}  # stage -> (step, serialized full state)
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = 0
         self._pump: asyncio.Task | None = None
@@ -184,7 +195,8 @@ class PeerDaemon:
         self._run_changed.set()
 
     def _check_activation(self, tensors: list[torch.Tensor], what: str) -> torch.Tensor:
-        assert self.cfg is not None
+        if self.cfg is None:
+            raise ProtocolError("this peer has not joined a run yet")
         if len(tensors) != 1:
             raise ProtocolError(f"{what} carries {len(tensors)} tensors, expected 1")
         x = tensors[0]
@@ -200,13 +212,15 @@ class PeerDaemon:
     # ---- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
         if self.opts.threads:
             torch.set_num_threads(self.opts.threads)
         self.dht, self.transport = await start_transport(
             self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
             self.opts.startup_timeout)
+        # only now: the DHT process forked above would inherit asyncio's handlers and then ignore the
+        # SIGTERM that DHT.shutdown / multiprocessing's exit send it, hanging this peer's exit forever
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
         hb = None
         try:
             await self._register()
@@ -238,11 +252,14 @@ class PeerDaemon:
         handlers = {RPC.ASSIGN: self._on_assign, RPC.RUN_STEP: self._on_run_step, RPC.COMMIT: self._on_commit,
                     RPC.ABORT: self._on_abort, RPC.FORWARD: self._on_forward, RPC.BACKWARD: self._on_backward,
                     RPC.COMPONENT_GRAD: self._on_component_grad, RPC.GET_WEIGHTS: self._on_get_weights,
+                    RPC.SNAPSHOT: self._on_snapshot, RPC.STORE_SNAPSHOT: self._on_store_snapshot,
+                    RPC.FETCH_SNAPSHOT: self._on_fetch_snapshot, RPC.RESTORE: self._on_restore,
                     RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown}
         for name, handler in handlers.items():
             await self.transport.register(name, handler)
 
-    async def _find_coordinator(self) -> str:
+    async def _find_coordinator(self) -> str | None:
+        """The coordinator's peer id; None if this peer is told to stop while it looks."""
         key = coordinator_key(self.opts.run_id)
         deadline = time.monotonic() + self.t.join_timeout
         while time.monotonic() < deadline and not self.stop.is_set():
@@ -251,12 +268,16 @@ class PeerDaemon:
                 if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
                     return value["peer_id"]
             await asyncio.sleep(0.2)
+        if self.stop.is_set():
+            return None
         raise TransportError(f"no coordinator for run {self.opts.run_id!r} found in the DHT within "
                              f"join_timeout={self.t.join_timeout:g} s: is `checkfree scheduler --run-id "
                              f"{self.opts.run_id}` running and reachable from --initial-peers?")
 
     async def _join(self) -> None:
         self.coordinator = await self._find_coordinator()
+        if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
+            return
         header, _ = await self.transport.call(self.coordinator, RPC.JOIN,
                                               {"run": self.opts.run_id, "peer_id": str(self.transport.peer_id)},
                                               timeout=self.t.rpc_timeout)
@@ -264,9 +285,11 @@ class PeerDaemon:
         if self.opts.device:
             self.cfg.train.device = self.opts.device
         resolve_device(self.cfg.train.device)
-        from checkfree.recovery import get_rule
+        from checkfree.strategies import build_strategy, worker_config
 
-        self.plus = get_rule(self.cfg.recovery.strategy).plus
+        strategy = build_strategy(self.cfg)
+        self.plus = strategy.plus
+        self.worker_cfg = worker_config(self.cfg, strategy)  # routes/replicas of the strategy's pipeline
         self.state = PeerState.STANDBY
         log.info("joined run %s as standby", self.opts.run_id)
 
@@ -287,7 +310,7 @@ class PeerDaemon:
         return stage in holders["embed"] or stage in holders["head"]
 
     def _build(self, stage: int) -> StageWorker:
-        worker = StageWorker(self.cfg, stage)
+        worker = StageWorker(self.worker_cfg, stage)
         worker.attach_guard(make_guard(self.cfg, stage))
         if self._needs_data(stage) and self.data is None:
             c = self.cfg
@@ -295,9 +318,16 @@ class PeerDaemon:
                                    seed=c.train.seed, microbatch_size=c.train.microbatch_size)
         return worker
 
+    def _check_coordinator(self, peer, name: str) -> None:
+        """Control messages (assign, run_step, commit, abort) are the coordinator's alone: from
+        anyone else they could start, commit or abort steps, or leave activations behind."""
+        if self.coordinator is None or str(peer) != self.coordinator:
+            raise ProtocolError(f"only the run's coordinator may send {name}; {peer} is not it")
+
     async def _on_assign(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         require(header, stage=int, mode=str)
+        self._check_coordinator(peer, RPC.ASSIGN)
         if self.cfg is None:
             raise ProtocolError("this peer has not joined a run yet")
         if self.worker is not None:
@@ -310,9 +340,12 @@ class PeerDaemon:
         reply: dict[str, Any] = {"stage": stage}
         if header["mode"] == "recover":
             reply.update(await self._recover(worker, header))
+        elif header["mode"] == "restore":
+            reply.update(await self._restore_new(worker, header))
         elif header["mode"] != "fresh":
             raise ProtocolError(f"unknown assign mode {header['mode']!r}")
-        self.worker, self.omega = worker, 0.0
+        self.worker = worker
+        self.omega = reply.pop("omega", 0.0)
         self.state = PeerState.SERVING
         reply["assign_s"] = time.perf_counter() - t0
         log.info("serving stage %d (%s)", stage, header["mode"])
@@ -364,6 +397,101 @@ class PeerDaemon:
         self._dump(f"rebuilt-step{header['step']}-stage{plan.stage}", worker.state_dict(), reply)
         return reply
 
+    # ---- snapshots (gemini: in peers' memory; checkpoint: files) ------------------------
+    def _capture_bytes(self, step: int) -> bytes:
+        return state_to_bytes(capture_worker(self.worker, step, self.omega))
+
+    def _load_bytes(self, worker: StageWorker, blob: bytes) -> float:
+        state = state_from_bytes(blob)
+        restore_worker(worker, state)
+        return float(state["norm"])
+
+    async def _on_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Capture this stage's full state as of `step` (weights, Adam, LR scale, RNG, data
+        position) and keep it in memory and send it to the other holders (`holders`), or
+        write it to `storage` as a file."""
+        self._check_run(header)
+        require(header, step=int)
+        if self.worker is None:
+            raise ProtocolError("this peer hosts no stage")
+        t0 = time.perf_counter()
+        blob = await self.compute(self._capture_bytes, header["step"])
+        sent = 0
+        if isinstance(header.get("storage"), str):
+            path = Path(header["storage"]) / f"stage{self.stage}-step{header['step']}.pt"
+            await self.compute(_write_atomic, path, blob)
+        else:
+            require(header, holders=list)
+            self.snapshots[self.stage] = (header["step"], blob)
+            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            for pid in header["holders"]:
+                if pid != str(self.transport.peer_id):
+                    await self.transport.call(pid, RPC.STORE_SNAPSHOT, {"run": self.opts.run_id, "owner": self.stage,
+                                                                        "step": header["step"]}, [payload],
+                                              timeout=self.t.step_timeout)
+                    sent += len(blob)
+        return {"bytes": len(blob), "sent": sent, "seconds": time.perf_counter() - t0}, []
+
+    async def _on_store_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, owner=int, step=int)
+        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+            raise ProtocolError("a snapshot is one 1-D uint8 tensor")
+        self.snapshots[header["owner"]] = (header["step"], tensors[0].numpy().tobytes())
+        return {"ok": True, "held": sorted(self.snapshots)}, []
+
+    async def _on_fetch_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, owner=int, step=int)
+        held = self.snapshots.get(header["owner"])
+        if held is None or held[0] != header["step"]:
+            raise ProtocolError(f"no snapshot of stage {header['owner']} at step {header['step']} here "
+                                f"(have: {None if held is None else held[0]})")
+        return {"ok": True}, [torch.frombuffer(bytearray(held[1]), dtype=torch.uint8)]
+
+    async def _snapshot_blob(self, stage: int, header: dict) -> bytes:
+        """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""
+        step = header["step"]
+        if isinstance(header.get("storage"), str):
+            return (Path(header["storage"]) / f"stage{stage}-step{step}.pt").read_bytes()
+        source = header.get("source")
+        if source in (None, str(self.transport.peer_id)):
+            held = self.snapshots.get(stage)
+            if held is None or held[0] != step:
+                raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
+            return held[1]
+        _, (blob,) = await self.transport.call(source, RPC.FETCH_SNAPSHOT, {"run": self.opts.run_id, "owner": stage,
+                                                                            "step": step}, timeout=self.t.step_timeout)
+        return blob.numpy().tobytes()
+
+    async def _restore_new(self, worker: StageWorker, header: dict) -> dict:
+        """A replacement takes the lost stage's snapshot (rollback strategies)."""
+        require(header, step=int)
+        t0 = time.perf_counter()
+        if header["step"] == 0 and header.get("source") == "init":
+            return {"omega": 0.0, "restore_s": 0.0, "bytes": 0}
+        blob = await self._snapshot_blob(worker.index, header)
+        norm = await self.compute(self._load_bytes, worker, blob)
+        return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": len(blob)}
+
+    async def _on_restore(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Roll this live stage back to its snapshot at `step` (own memory or storage), or
+        to its initial state for step 0 with source "init"."""
+        self._check_run(header)
+        require(header, step=int)
+        if self.worker is None:
+            raise ProtocolError("this peer hosts no stage")
+        stage = self.worker.index
+        if header["step"] == 0 and header.get("source") == "init":
+            self.worker = await self.compute(self._build, stage)
+            self.omega = 0.0
+        else:
+            blob = await self._snapshot_blob(stage, header)
+            self.omega = await self.compute(self._load_bytes, self.worker, blob)
+        self._set_run(None)
+        self._finished = None
+        return {"ok": True}, []
+
     async def _on_get_weights(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         require(header, part=str)
@@ -407,6 +535,7 @@ class PeerDaemon:
     async def _on_run_step(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         require(header, step=int, attempt=int, peers=dict, evaluate=bool)
+        self._check_coordinator(peer, RPC.RUN_STEP)
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         old = self.run_state
@@ -547,23 +676,33 @@ class PeerDaemon:
                                 f"not to this peer's stage {self.stage}")
         return mb, idx
 
+    def _check_payload(self, header: dict, tensors: list, what: str) -> torch.Tensor:
+        """What can be checked without the step, before waiting for it: a malformed message is
+        refused at once with its actual fault (not after rpc_timeout as a 'missing step')."""
+        self._check_run(header)
+        require(header, step=int, attempt=int, mb=int, hop=int)
+        return self._check_activation(tensors, what)
+
     async def _on_forward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        x = self._check_payload(header, tensors, "activation")
         run = await self._current(header)
         mb, idx = self._check_hop(run, header)
-        x = self._check_activation(tensors, "activation")
         self._spawn(run, self._forward_task(run, mb, idx, x))
         return {"ok": True}, []
 
     async def _on_backward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        g = self._check_payload(header, tensors, "gradient")
         run = await self._current(header)
         mb, idx = self._check_hop(run, header)
         if run.evaluate:
             raise ProtocolError("an evaluation has no backward pass")
-        g = self._check_activation(tensors, "gradient")
         self._spawn(run, self._backward_task(run, mb, idx, g))
         return {"ok": True}, []
 
     async def _on_commit(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        self._check_run(header)
+        require(header, step=int, attempt=int)
+        self._check_coordinator(peer, RPC.COMMIT)
         run = await self._current(header)
         if not run.done.is_set() or run.error is not None or run.evaluate:
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
@@ -578,6 +717,7 @@ class PeerDaemon:
 
     async def _on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
+        self._check_coordinator(peer, RPC.ABORT)
         run = self.run_state
         if run is not None:
             run.fail("aborted by the coordinator")

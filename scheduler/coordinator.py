@@ -26,7 +26,7 @@ from checkfree.net.transport import (RemoteError, TransportError, announce, live
                                      stop_transport)
 from checkfree.protocol import (READY_COORDINATOR, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
                                 plan_to_wire, require)
-from checkfree.recovery import UnrecoverableFailure, get_rule, plan_recovery
+from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
 from checkfree.rundir import RunWriter
 from checkfree.simulator import recovery_fields
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, SOFT_ERROR_MARK
@@ -35,6 +35,15 @@ __all__ = ["CoordinatorOptions", "Coordinator"]
 
 log = logging.getLogger(__name__)
 CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
+ROLLBACK_STRATEGIES = ("checkpoint", "gemini")  # rollback strategies that run for real in the swarm
+
+
+class Rollback(Exception):
+    """Every stage was rolled back; training resumes at `step`."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"rolled back to step {step}")
+        self.step = step
 EVAL_ATTEMPT = 10_000
 
 
@@ -65,7 +74,20 @@ class Member:
 class Coordinator:
     def __init__(self, cfg: RunConfig, opts: CoordinatorOptions) -> None:
         self.cfg, self.opts, self.t = cfg, opts, opts.timeouts
-        self.rule = get_rule(cfg.recovery.strategy)
+        from checkfree.strategies import build_strategy
+
+        name = cfg.recovery.strategy
+        if name not in RECOVERY_RULES and name not in ROLLBACK_STRATEGIES:
+            raise ValueError(f"strategy {name!r} runs in the simulator only; the distributed runtime supports "
+                             f"{sorted(RECOVERY_RULES)} and {list(ROLLBACK_STRATEGIES)}")
+        self.strategy = build_strategy(cfg)
+        self.plus = self.strategy.plus
+        self.snap_step = 0  # gemini: step of the last complete in-memory snapshot
+        self.snap_holders: dict[int, list[str]] = {}  # stage -> peers holding its snapshot
+        self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
+        self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
+        self._chaos_done: set[int] = set()
+        self.iteration = 0  # executed steps, re-runs after a rollback included (the chaos clock)
         self.members: dict[str, Member] = {}
         self.stage_peer: dict[int, str] = {}
         self.reported: set[str] = set()
@@ -208,6 +230,8 @@ class Coordinator:
             self.members[pid].stage = -1
             self.members[pid].leaving = True
             self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
+        if strategy in ROLLBACK_STRATEGIES:
+            await self._rollback(step, failed)
         try:
             plans = plan_recovery(failed, self.cfg.num_stages, strategy, self.cfg.recovery.fallback)
         except UnrecoverableFailure as e:
@@ -235,6 +259,78 @@ class Coordinator:
             kind = "fallback" if plan.fallback else "recovery"
             extra = {"fallback": plan.fallback, "reason": plan.reason} if plan.fallback else {}
             self._event(kind, step=step, stage=plan.stage, strategy=strategy, **extra, **fields)
+
+    # ---- rollback strategies (checkpoint, gemini): real snapshots in peers' memory / files
+    async def _protect(self, step: int) -> None:
+        """After committing `step`: take the strategy's snapshot / checkpoint when due. A
+        snapshot counts only once every stage has completed it; the previous one is kept until then."""
+        st, name, nxt = self.cfg.strategy, self.cfg.recovery.strategy, step + 1
+        if name == "gemini" and nxt % st.snapshot_every == 0:
+            from checkfree.strategies.gemini import placement
+
+            holders = {s: [self.stage_peer[h] for h in hs]
+                       for s, hs in enumerate(placement(self.cfg.num_stages, st.gemini_replicas))}
+            if await self._snapshot_all(nxt, lambda s: {"holders": holders[s]}):
+                self.snap_step, self.snap_holders = nxt, holders
+        if (name == "checkpoint" or st.storage_fallback) and nxt % st.checkpoint_every == 0:
+            if await self._snapshot_all(nxt, lambda s: {"storage": self.storage_dir}):
+                self.ckpt_step = nxt
+
+    async def _snapshot_all(self, step: int, extra) -> bool:
+        t0 = time.perf_counter()
+        calls = [self._call(p, RPC.SNAPSHOT, {"step": step, **extra(s)}, self.t.step_timeout)
+                 for s, p in sorted(self.stage_peer.items())]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, Exception)]
+        kind = "storage" if "storage" in extra(0) else "memory"
+        self._event("snapshot", step=step, kind=kind, complete=not errors, seconds=round(time.perf_counter() - t0, 6),
+                    bytes=sum(r[0]["bytes"] for r in results if not isinstance(r, Exception)),
+                    sent=sum(r[0].get("sent", 0) for r in results if not isinstance(r, Exception)))
+        return not errors
+
+    async def _rollback(self, step: int, failed: set[int]) -> None:
+        """Roll every stage back to the last complete snapshot; replacements fetch the lost
+        stages' copies from a live holder (gemini) or from storage (checkpoint)."""
+        name, strategy = self.cfg.recovery.strategy, self.cfg.recovery.strategy
+        live = set(self.stage_peer.values())
+        source: dict[int, dict] = {}
+        target = self.ckpt_step if name == "checkpoint" else self.snap_step
+        if name == "gemini":
+            lost = [s for s in failed if self.snap_step and not any(h in live for h in self.snap_holders.get(s, []))]
+            if lost and self.cfg.strategy.storage_fallback:
+                name, target = "checkpoint", self.ckpt_step  # a whole group is gone: fall back to storage
+                self._event("fallback", step=step, stage=min(lost), strategy=strategy, fallback="checkpoint",
+                            reason=f"every holder of stage(s) {sorted(lost)} failed")
+            elif lost:
+                reason = f"every holder of stage(s) {sorted(lost)} failed and no storage fallback is configured"
+                self._event("fallback", step=step, stage=min(lost), strategy=strategy, fallback="abort", reason=reason)
+                raise UnrecoverableFailure(reason)
+        for s in range(self.cfg.num_stages):
+            if target == 0:
+                source[s] = {"source": "init"}
+            elif name == "checkpoint":
+                source[s] = {"storage": self.storage_dir}
+            elif s in failed:
+                source[s] = {"source": next(h for h in self.snap_holders[s] if h in live)}
+            else:
+                source[s] = {"source": self.stage_peer[s]}
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self._call(p, RPC.RESTORE, {"step": target, **source[s]}, self.t.step_timeout)
+                               for s, p in self.stage_peer.items()))
+        for s in sorted(failed):
+            while True:
+                pid = await self._take_standby(f"replace stage {s}")
+                try:
+                    reply = await self._assign(s, pid, {"mode": "restore", "step": target, **source[s]})
+                    break
+                except CALL_ERRORS as e:
+                    self.reported.add(pid)
+                    self._event("recovery_retry", step=step, stage=s, peer_id=pid, reason=str(e)[:300])
+            self.norms[s] = float(reply.get("omega", 0.0))
+            self._event("recovery", step=step, stage=s, strategy=strategy, method="rollback", rollback_to=target,
+                        lost_steps=step - target, source=source[s].get("source", "storage"), peer_id=pid,
+                        bytes=reply.get("bytes", 0), recovery_time_s=round(time.perf_counter() - t0, 6))
+        raise Rollback(target)
 
     # ---- steps ------------------------------------------------------------------------
     async def _all(self, name: str, header: dict, timeout: float) -> dict[int, dict | Exception]:
@@ -302,7 +398,11 @@ class Coordinator:
 
     async def _chaos(self, step: int) -> None:
         """Local swarm only: ask the launcher to SIGKILL the scheduled stages, then wait until
-        the kill is observable, so that the failure lands at the start of this step."""
+        the kill is observable, so that the failure lands at the start of this step. `step`
+        is the iteration (executed steps, re-runs included), as in the simulator."""
+        if step in self._chaos_done:  # each scheduled failure fires once, even if the iteration is retried
+            return
+        self._chaos_done.add(step)
         for stage in sorted(self.opts.chaos.at(step)) if self.opts.chaos else []:
             pid = self.stage_peer.get(stage)
             if pid is None:
@@ -316,12 +416,18 @@ class Coordinator:
     async def _train(self) -> dict:
         cfg, writer = self.cfg, self.writer
         last_loss, last_val = math.nan, math.nan
-        for step in range(cfg.train.num_steps):
+        step = 0
+        while step < cfg.train.num_steps:
             self.step = step
-            await self._chaos(step)
+            await self._chaos(self.iteration)
             t0 = time.perf_counter()
-            results = await self._run_step(step)
+            try:
+                results = await self._run_step(step)
+            except Rollback as r:
+                step = r.step
+                continue
             commits = await self._commit(step)
+            self.iteration += 1
             attempts = self._last_attempt + 1
             loss = sum(float(v) for r in results.values() for v in r["losses"].values())
             post = [commits[s].get("post", math.nan) if isinstance(commits[s], dict) else math.nan
@@ -338,8 +444,14 @@ class Coordinator:
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
                       "live_peers": len(self.stage_peer),
                       "wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in results.values())}
+            await self._protect(step)
             if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step == cfg.train.num_steps - 1:
-                ev = await self._run_step(step, evaluate=True)
+                try:
+                    ev = await self._run_step(step, evaluate=True)
+                except Rollback as r:
+                    writer.metric(record)
+                    step = r.step
+                    continue
                 losses = [float(v) for r in ev.values() for v in r["losses"].values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
             writer.metric(record)
@@ -349,6 +461,7 @@ class Coordinator:
             print(f"step {step}: loss {loss:.4f}{val}, {record['step_time_s'] * 1000:.0f} ms, peers "
                   f"{len(self.stage_peer)}+{len(self._standbys())}, failures {c['failures']}, recoveries "
                   f"{c['recoveries']}, fallbacks {c['fallbacks']}", flush=True)
+            step += 1
         return {"steps": cfg.train.num_steps, "final_loss": last_loss, "final_val_loss": last_val}
 
     async def _gather_final(self) -> None:

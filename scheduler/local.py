@@ -201,14 +201,14 @@ def run_local(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from checkfree.data import build_data
-    from checkfree.recovery import get_rule
+    from checkfree.strategies import build_strategy
 
     print("preparing data (tokenizer and token cache shared by all peers)...", flush=True)
     build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
     config_path = out / "swarm_config.json"
     config_path.write_text(cfg.to_json())
-    sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps, get_rule(cfg.recovery.strategy).plus)
+    sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps, build_strategy(cfg).fails_edges)
     chaos_path = out / "chaos_trace.csv"
     write_trace(chaos_path, sched.events)
     if args.write_trace:
