@@ -267,7 +267,8 @@ class Simulator:
         loss, stats = self.train_step(step)
         record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
                   "step_time_s": round(time.perf_counter() - t0, 6)}
-        figs = self.strategy.after_step(self.ctx, step)
+        # a rollback from inside the step (soft-error escalation) left nothing to protect
+        figs = self.strategy.after_step(self.ctx, step) if self.resume_at is None else Figures()
         self.totals = self.totals + figs
         self.sim_time_s += self.cost.step_s() + figs.stall_s
         self.iterations += 1
