@@ -178,13 +178,24 @@ def _unpack_envelope(raw: memoryview) -> tuple[dict, list[tuple[str, torch.dtype
         for d in shape:
             if not isinstance(d, int) or isinstance(d, bool) or d < 0:
                 raise WireError(f"tensor {i}: shape dims must be non-negative ints, got {shape!r}"[:300])
+        # a zero-element tensor carries no payload to check its shape against, but torch still computes
+        # strides from its dims (a non-empty one is checked against the payload size in decode_body)
+        if 0 in shape and math.prod(max(d, 1) for d in shape) * _DTYPES[name].itemsize >= 1 << 63:
+            raise WireError(f"tensor {i}: shape {shape!r} is too large (its strides overflow int64)"[:300])
         parsed.append((name, _DTYPES[name], shape))
     return header, parsed
 
 
+def _byte_view(data: Any, what: str) -> memoryview:
+    try:
+        return memoryview(data).cast("B")
+    except TypeError as e:  # not a buffer (str, int, ...), or a non-contiguous one
+        raise WireError(f"{what} must be a contiguous bytes-like object, got {type(data).__name__} ({e})") from e
+
+
 def decode_body(body: Buffer) -> tuple[dict, list[torch.Tensor]]:
     """Decode a message body (everything after the 8-byte prefix); see the module docstring."""
-    view = memoryview(body).cast("B")
+    view = _byte_view(body, "message body")
     total = view.nbytes
     if total < HEADER_LEN_BYTES:
         raise WireError(f"truncated frame: body has {total} bytes, header length needs {HEADER_LEN_BYTES}")
@@ -228,11 +239,11 @@ def decode_message(
 ) -> tuple[dict, list[torch.Tensor]]:
     """Decode a full message (prefix included): one bytes-like object or a sequence of frames (joined)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
-        buf = memoryview(data).cast("B")
-    elif isinstance(data, Sequence) and len(data) == 1:
-        buf = memoryview(data[0]).cast("B")
-    elif isinstance(data, Sequence):
-        buf = memoryview(bytearray(b"".join(data)))
+        buf = _byte_view(data, "message")
+    elif isinstance(data, Sequence) and not isinstance(data, str) and len(data) == 1:
+        buf = _byte_view(data[0], "frame 0")
+    elif isinstance(data, Sequence) and not isinstance(data, str):
+        buf = memoryview(bytearray().join(_byte_view(f, f"frame {i}") for i, f in enumerate(data)))
     else:
         raise WireError(f"expected a bytes-like object or a sequence of frames, got {type(data).__name__}")
     length = body_length(buf[:PREFIX_BYTES], max_message_bytes=max_message_bytes)
