@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
@@ -108,11 +109,12 @@ async def _write_frames(writer: asyncio.StreamWriter, frames: Sequence[bytes | m
 async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int) -> tuple[dict, list[torch.Tensor]]:
     """Read one length-prefixed message into a fresh writable buffer and decode it.
 
-    The declared length is checked against ``max_message_bytes`` before the buffer is allocated, so a
-    peer can make us allocate at most that much per concurrent request.
+    The declared length is checked against ``max_message_bytes`` before the buffer is allocated. The
+    buffer is not zero-filled (unlike ``bytearray(length)``), so its pages are only committed as bytes
+    arrive: a peer that declares a large message and stalls costs address space, not memory.
     """
     length = body_length(await reader.readexactly(PREFIX_BYTES), max_message_bytes=max_message_bytes)
-    body = bytearray(length)
+    body = np.empty(length, dtype=np.uint8)
     view = memoryview(body)
     pos = 0
     while pos < length:
