@@ -263,7 +263,7 @@ class PeerDaemon:
         key = coordinator_key(self.opts.run_id)
         deadline = time.monotonic() + self.t.join_timeout
         while time.monotonic() < deadline and not self.stop.is_set():
-            found = await live_members_async(self.dht, key)
+            found = await self._unless_stopped(live_members_async(self.dht, key)) or {}
             for value in found.values():
                 if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
                     return value["peer_id"]
@@ -273,6 +273,19 @@ class PeerDaemon:
         raise TransportError(f"no coordinator for run {self.opts.run_id!r} found in the DHT within "
                              f"join_timeout={self.t.join_timeout:g} s: is `checkfree scheduler --run-id "
                              f"{self.opts.run_id}` running and reachable from --initial-peers?")
+
+    async def _unless_stopped(self, coro):
+        """Await `coro`, or give up (None) once this peer is told to stop: a signal to the whole
+        process group also ends the DHT process, whose replies would then never come."""
+        task, stop = asyncio.ensure_future(coro), asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            return None
+        return task.result()
 
     async def _join(self) -> None:
         self.coordinator = await self._find_coordinator()
