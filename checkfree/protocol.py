@@ -50,6 +50,7 @@ class RPC:
     STORE_SNAPSHOT = "cf.store_snapshot"  # hold another stage's snapshot in memory (gemini)
     FETCH_SNAPSHOT = "cf.fetch_snapshot"  # hand a held snapshot to a replacement
     RESTORE = "cf.restore"  # roll back to a snapshot (own memory or storage) or to the initial state
+    GET_STATE = "cf.get_state"  # full state now (weights + optimizer): a leaving peer's lossless handover
     PING = "cf.ping"
     SHUTDOWN = "cf.shutdown"
     # served by the coordinator

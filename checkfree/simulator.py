@@ -170,6 +170,7 @@ class Simulator:
         self.guards = [make_guard(cfg, s) for s in range(cfg.num_stages)]
         self.soft_skips = [0] * cfg.num_stages  # consecutive steps skipped because of each stage
         self.resume_at: int | None = None  # a rollback requested from inside a step
+        self.pending_failed: set[int] = set()  # stages found broken (non-finite weights) in the last step
         self.workers = [self.new_worker(s) for s in range(cfg.num_stages)]
         self.norms = [0.0] * cfg.num_stages
         self.writer = RunWriter(out, cfg.to_json())
@@ -226,6 +227,9 @@ class Simulator:
         sync_components(self.workers, self.plus)
         stats = [w.step(step) for w in self.workers]
         for i, st in enumerate(stats):
+            if not st.weights_finite:
+                self.writer.event("nonfinite_weights", step=step, stage=i, strategy=self.cfg.recovery.strategy)
+                self.pending_failed.add(i)  # treated as failed: recovered before the next step
             if st.skipped:
                 self.writer.event("skipped_step", step=step, stage=i, strategy=self.cfg.recovery.strategy,
                                   reason="non-finite gradient")
@@ -241,7 +245,8 @@ class Simulator:
         step = 0
         try:
             while step < t.num_steps:
-                failed = self.failures.at(self.iterations)
+                failed = self.failures.at(self.iterations) | self.pending_failed
+                self.pending_failed = set()
                 if failed:
                     step = self.recover(step, failed, self.iterations)
                 record = self._iteration(step)

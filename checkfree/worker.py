@@ -60,6 +60,7 @@ class StepStats:
     grad_norm_post: float  # main group, after clipping (<= max_grad_norm)
     lr: float
     skipped: bool = False  # a non-finite gradient: no update was applied
+    weights_finite: bool = True  # False: the stage's weights hold NaN/Inf and it must be recovered
 
 
 class StageWorker:
@@ -189,7 +190,8 @@ class StageWorker:
             return StepStats(pre, post, lr, skipped=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(pre, post, lr)
+        finite = all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
+        return StepStats(pre, post, lr, weights_finite=finite)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach() for k, v in self.module.state_dict().items()}

@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_network_arguments(p)
     p.add_argument("--device", help="device for this peer's stage (default: the run's, 'auto')")
     p.add_argument("--threads", type=int, help="torch threads for this peer (default: torch's)")
+    p.add_argument("--leave-deadline", type=float, default=30.0,
+                   help="on SIGTERM, seconds to wait for a lossless handover to a standby before leaving")
     p.add_argument("--dump-recovery", metavar="DIR", help="save the weights served and rebuilt in recoveries (debugging)")
     p.set_defaults(func=run_peer)
 
@@ -30,7 +32,7 @@ def run_peer(args: argparse.Namespace) -> int:
 
         resolve_device(args.device)
     opts = PeerOptions(**network_options(args), device=args.device, threads=args.threads,
-                       dump_dir=args.dump_recovery)
+                       dump_dir=args.dump_recovery, leave_deadline=args.leave_deadline)
     try:
         return asyncio.run(PeerDaemon(opts).run())
     except TransportError as e:

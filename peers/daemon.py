@@ -75,6 +75,7 @@ class PeerOptions:
     device: str | None = None  # overrides the run's device for this peer
     threads: int | None = None  # torch intra-op threads
     dump_dir: str | None = None  # debugging/tests: save weights served and rebuilt during recoveries
+    leave_deadline: float = 30.0  # SIGTERM: how long to wait for a lossless handover before leaving
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -254,6 +255,7 @@ class PeerDaemon:
                     RPC.COMPONENT_GRAD: self._on_component_grad, RPC.GET_WEIGHTS: self._on_get_weights,
                     RPC.SNAPSHOT: self._on_snapshot, RPC.STORE_SNAPSHOT: self._on_store_snapshot,
                     RPC.FETCH_SNAPSHOT: self._on_fetch_snapshot, RPC.RESTORE: self._on_restore,
+                    RPC.GET_STATE: self._on_get_state,
                     RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown}
         for name, handler in handlers.items():
             await self.transport.register(name, handler)
@@ -307,15 +309,35 @@ class PeerDaemon:
         log.info("joined run %s as standby", self.opts.run_id)
 
     async def _leave(self) -> None:
+        """Graceful leave (SIGTERM, e.g. a spot preemption notice): tell the coordinator; if
+        it has a replacement ready, keep serving until our exact state has been handed over
+        (the coordinator then sends SHUTDOWN) or `leave_deadline` passes."""
         self.state = PeerState.LEAVING
         if self.coordinator is None:
             return
         try:
-            await self.transport.call(self.coordinator, RPC.LEAVE,
-                                      {"run": self.opts.run_id, "peer_id": str(self.transport.peer_id)},
-                                      timeout=min(5.0, self.t.rpc_timeout))
+            reply, _ = await self.transport.call(self.coordinator, RPC.LEAVE,
+                                                 {"run": self.opts.run_id, "peer_id": str(self.transport.peer_id)},
+                                                 timeout=min(5.0, self.t.rpc_timeout))
         except (TransportError, RemoteError) as e:
             log.info("could not announce leave to the coordinator: %s", e)
+            return
+        if reply.get("handover") and self.worker is not None:
+            log.info("handing stage %d over before leaving (deadline %.0f s)", self.stage, self.opts.leave_deadline)
+            self.stop.clear()
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.opts.leave_deadline)
+            except asyncio.TimeoutError:
+                log.warning("no handover within %.0f s; leaving anyway", self.opts.leave_deadline)
+
+    async def _on_get_state(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """This stage's full state now (weights, Adam, LR scale, omega): a lossless handover."""
+        self._check_run(header)
+        require(header, step=int)
+        if self.worker is None:
+            raise ProtocolError("this peer hosts no stage")
+        blob = await self.compute(self._capture_bytes, header["step"])
+        return {"stage": self.stage}, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
 
     # ---- assignment and recovery ------------------------------------------------------
     def _needs_data(self, stage: int) -> bool:
@@ -355,6 +377,13 @@ class PeerDaemon:
             reply.update(await self._recover(worker, header))
         elif header["mode"] == "restore":
             reply.update(await self._restore_new(worker, header))
+        elif header["mode"] == "handover":
+            require(header, source=str, step=int)
+            _, (blob,) = await self.transport.call(header["source"], RPC.GET_STATE,
+                                                   {"run": self.opts.run_id, "step": header["step"]},
+                                                   timeout=self.t.step_timeout)
+            reply["omega"] = await self.compute(self._load_bytes, worker, blob.numpy().tobytes())
+            reply["bytes"] = blob.numel()
         elif header["mode"] != "fresh":
             raise ProtocolError(f"unknown assign mode {header['mode']!r}")
         self.worker = worker
@@ -726,6 +755,7 @@ class PeerDaemon:
         self._set_run(None)
         return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "lr": stats.lr,
                 "skipped": stats.skipped, "omega": self.omega, "stage": self.stage,
+                "weights_finite": stats.weights_finite,
                 "soft_errors": guard_counts([self.worker.guard])}, []
 
     async def _on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:

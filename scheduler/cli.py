@@ -19,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
     add_network_arguments(p)
     p.add_argument("--chaos-trace", help="(local swarm) ask the launcher to SIGKILL these `step,stage` failures")
+    p.add_argument("--preempt-trace", help="(local swarm) ask the launcher to SIGTERM these `step,stage` peers")
     p.add_argument("--shutdown-peers", action="store_true", help="tell peers to exit when the run ends")
     p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
     p.set_defaults(func=run_scheduler)
@@ -31,7 +32,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     chaos = FailureSchedule(read_trace(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
-    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, shutdown_peers=args.shutdown_peers,
+    preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
+    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt, shutdown_peers=args.shutdown_peers,
                               max_attempts=args.max_attempts)
     try:
         summary = asyncio.run(Coordinator(cfg, opts).run())

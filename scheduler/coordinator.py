@@ -58,6 +58,7 @@ class CoordinatorOptions:
     startup_timeout: float = 30.0
     timeouts: Timeouts = field(default_factory=Timeouts)
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
+    preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
     shutdown_peers: bool = False  # tell peers to exit when the run ends
     max_attempts: int = 5  # attempts of one step before the run gives up
     save_final: bool = True  # gather every stage into final_weights.safetensors at the end
@@ -69,6 +70,7 @@ class Member:
     joined: float
     stage: int = -1
     leaving: bool = False
+    handover: bool = False  # leaving gracefully, waiting to hand its exact state to a standby
 
 
 class Coordinator:
@@ -87,6 +89,7 @@ class Coordinator:
         self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
         self._chaos_done: set[int] = set()
+        self._retired: set[str] = set()  # failed peers already told to shut down
         self.iteration = 0  # executed steps, re-runs after a rollback included (the chaos clock)
         self.members: dict[str, Member] = {}
         self.stage_peer: dict[int, str] = {}
@@ -136,8 +139,9 @@ class Coordinator:
         if m is None:
             raise ProtocolError(f"unknown peer {peer}")
         m.leaving = True
-        self._event("leave", peer_id=m.peer_id, stage=m.stage)
-        return {"ok": True}, []
+        m.handover = m.stage >= 0 and bool(self._standbys())
+        self._event("leave", peer_id=m.peer_id, stage=m.stage, handover=m.handover)
+        return {"ok": True, "handover": m.handover}, []
 
     async def _on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
@@ -214,12 +218,38 @@ class Coordinator:
             log.warning("reading heartbeats failed: %r", e)
             live = None
         failed = set()
-        for stage, pid in self.stage_peer.items():
+        for stage, pid in list(self.stage_peer.items()):
             m = self.members[pid]
+            if m.handover and await self._handover(stage, pid):
+                continue
             suspect = m.leaving or pid in self.reported or (live is not None and pid not in live)
             if suspect and (m.leaving or not await self._alive(pid)):
                 failed.add(stage)
         return failed
+
+    async def _handover(self, stage: int, pid: str) -> bool:
+        """A peer leaving gracefully hands its exact state (weights and optimizer) to a standby:
+        no recovery, nothing lost. False: it could not be done; the stage is then recovered."""
+        self.members[pid].handover = False
+        standbys = self._standbys()
+        if not standbys:
+            return False
+        new = standbys[0]
+        t0 = time.perf_counter()
+        try:
+            reply, _ = await self._call(new, RPC.ASSIGN, {"stage": stage, "mode": "handover", "source": pid,
+                                                       "step": self.step}, timeout=self.t.step_timeout)
+        except CALL_ERRORS as e:
+            log.warning("handover of stage %d from %s to %s failed: %s", stage, pid, new, e)
+            self.reported.add(new)
+            return False
+        self.members[new].stage, self.stage_peer[stage] = stage, new
+        self.members[pid].stage = -1
+        self.norms[stage] = float(reply.get("omega", self.norms[stage]))
+        self._event("handover", step=self.step, stage=stage, strategy=self.cfg.recovery.strategy, source_peer=pid,
+                    peer_id=new, bytes=reply.get("bytes", 0), handover_s=round(time.perf_counter() - t0, 6))
+        await asyncio.gather(self._call(pid, RPC.SHUTDOWN, {}, timeout=5.0), return_exceptions=True)
+        return True
 
     # ---- recovery ---------------------------------------------------------------------
     async def _recover(self, step: int, failed: set[int]) -> None:
@@ -230,6 +260,11 @@ class Coordinator:
             self.members[pid].stage = -1
             self.members[pid].leaving = True
             self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
+        # a failed peer may still be running (broken weights, soft errors, partition): retire it
+        await asyncio.gather(*(self._call(self.members[p].peer_id, RPC.SHUTDOWN, {}, timeout=2.0)
+                               for p in self.members if self.members[p].leaving and p not in self._retired),
+                             return_exceptions=True)
+        self._retired.update(p for p in self.members if self.members[p].leaving)
         if strategy in ROLLBACK_STRATEGIES:
             await self._rollback(step, failed)
         try:
@@ -412,6 +447,14 @@ class Coordinator:
             while await self._alive(pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             self.reported.add(pid)
+        for stage in sorted(self.opts.preempt.at(step)) if self.opts.preempt else []:
+            pid = self.stage_peer.get(stage)
+            if pid is None:
+                continue
+            print(f"CHAOS term step={step} stage={stage} peer={pid}", flush=True)
+            deadline = time.monotonic() + self.t.rpc_timeout
+            while not self.members[pid].leaving and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the preempted peer announces its leave
 
     async def _train(self) -> dict:
         cfg, writer = self.cfg, self.writer
@@ -437,6 +480,9 @@ class Coordinator:
                 if isinstance(r, dict):
                     self.norms[s] = float(r["omega"])
                     self.soft_counts[self.stage_peer[s]] = r.get("soft_errors", {})
+                    if not r.get("weights_finite", True):  # numeric guard: a broken stage is a failed stage
+                        self._event("nonfinite_weights", step=step, stage=s, peer_id=self.stage_peer[s])
+                        self.members[self.stage_peer[s]].leaving = True
                     if r.get("skipped"):
                         self._event("skipped_step", step=step, stage=s, reason="non-finite gradient")
             lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)

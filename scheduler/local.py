@@ -45,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--join-timeout", type=float, default=120.0)
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for a process to print its ready line")
     p.add_argument("--run-id", help="run name (default: derived from --out)")
+    p.add_argument("--preempt-trace", metavar="FILE",
+                   help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
     p.add_argument("--dump-recovery", metavar="DIR", help="peers save the weights served and rebuilt in recoveries")
     p.set_defaults(func=run_local)
 
@@ -59,6 +61,7 @@ class SwarmOptions:
     progress: bool = True
     timeout_flags: list[str] = field(default_factory=list)
     peer_flags: list[str] = field(default_factory=list)
+    coordinator_flags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +95,7 @@ class LocalSwarm:
         self.peers: list[Proc] = []
         self.addr = ""
         self.kills = 0
+        self.preempted = 0
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         self._n = 0
 
@@ -140,11 +144,22 @@ class LocalSwarm:
         self.kills += 1
         self.start_peer()
 
+    def preempt_peer(self, peer_id: str) -> None:
+        """SIGTERM a peer (a spot preemption notice): it leaves by itself, handing its stage
+        over if it can. A fresh spare is started in its place."""
+        proc = next((p for p in self.peers if p.peer_id == peer_id), None)
+        if proc is None:
+            print(f"swarm: asked to preempt unknown peer {peer_id}", flush=True)
+            return
+        proc.popen.send_signal(signal.SIGTERM)
+        self.preempted += 1
+        self.start_peer()
+
     def run(self) -> int:
         o = self.opts
         self.coordinator = self._spawn("coordinator", [
             "scheduler", "--config", str(self.config_path), "--out", str(o.out), "--run-id", o.run_id,
-            "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.timeout_flags])
+            "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.timeout_flags, *o.coordinator_flags])
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
         cfg = json.loads(self.config_path.read_text())
@@ -162,6 +177,8 @@ class LocalSwarm:
             while (line := self.coordinator.lines.get()) is not None:
                 if line.startswith("CHAOS kill"):
                     self.kill_peer(re.search(r"peer=(\S+)", line).group(1))
+                elif line.startswith("CHAOS term"):
+                    self.preempt_peer(re.search(r"peer=(\S+)", line).group(1))
                 elif (m := STEP_LINE.match(line)) is not None:
                     bar.n = int(m.group(1)) + 1
                     bar.set_postfix(loss=m.group(2), live=m.group(4), spare=m.group(5), failures=m.group(6),
@@ -223,7 +240,8 @@ def run_local(args: argparse.Namespace) -> int:
     swarm = LocalSwarm(config_path, chaos_path, SwarmOptions(
         out=out, run_id=run_id, spares=args.spares, threads_per_peer=args.threads_per_peer,
         ready_timeout=args.ready_timeout, progress=not args.no_progress, timeout_flags=flags,
-        peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else []))
+        peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
+        coordinator_flags=["--preempt-trace", args.preempt_trace] if args.preempt_trace else []))
     print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
           f"logs in {out / 'logs'}", flush=True)
     try:
@@ -233,5 +251,5 @@ def run_local(args: argparse.Namespace) -> int:
     summary = out / "summary.json"
     if summary.exists():
         print(summary.read_text())
-    print(f"swarm: {swarm.kills} peers SIGKILLed; run directory {out}", flush=True)
+    print(f"swarm: {swarm.kills} peers SIGKILLed, {swarm.preempted} SIGTERMed; run directory {out}", flush=True)
     return code

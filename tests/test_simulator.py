@@ -100,3 +100,28 @@ def test_loss_falls_on_tiny(tiny_cfg, tmp_path, strategy, rate):
     assert summary["final_val_loss"] < 4.8
     if rate:
         assert summary["failures"] > 0
+
+
+def test_stage_with_non_finite_weights_is_treated_as_failed_and_recovered(tiny_cfg, tmp_path):
+    tiny_cfg.train.num_steps = 5
+    sim = Simulator(tiny_cfg, tmp_path / "r", progress=False)
+    broken = sim.workers[2]
+    real_step = broken.optimizer.step
+
+    def corrupting_step(*a, **kw):  # a memory fault after the update of step 2
+        out = real_step(*a, **kw)
+        if corrupting_step.calls == 2:
+            with torch.no_grad():
+                broken.module.blocks[0].mlp.w1.weight[0, 0] = float("nan")
+        corrupting_step.calls += 1
+        return out
+
+    corrupting_step.calls = 0
+    broken.optimizer.step = corrupting_step
+    summary = sim.run()
+    events = read_jsonl(tmp_path / "r" / "events.jsonl")
+    assert [(e["event"], e["step"], e["stage"]) for e in events if e["event"] in ("nonfinite_weights", "failure")] \
+        == [("nonfinite_weights", 2, 2), ("failure", 3, 2)]
+    assert summary["recoveries"] == 1
+    for w in sim.workers:
+        assert all(torch.isfinite(v).all() for v in w.state_dict().values())

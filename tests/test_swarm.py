@@ -67,11 +67,12 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache):
 
 
 def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache):
+    """Also: a SIGTERM (preemption notice) of stage 1 at step 3 is a lossless handover, not a failure."""
     dump = tmp_path / "dump"
     proc, out = _local(tmp_path, "kill", "--steps", "12", "--trace", _trace(tmp_path, [(6, 2)]),
-                       "--dump-recovery", str(dump), cache=cache)
+                       "--preempt-trace", _trace(tmp_path, [(3, 1)]), "--dump-recovery", str(dump), cache=cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "1 peers SIGKILLed" in proc.stdout
+    assert "1 peers SIGKILLed, 1 SIGTERMed" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failures"] == 1 and summary["recoveries"] == 1 and math.isfinite(summary["final_loss"])
     events = read_jsonl(out / "events.jsonl")
@@ -94,6 +95,10 @@ def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache):
     assert rec["coefficients"] == pytest.approx([b / (a + b), a / (a + b)])
     losses = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
     assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    (leave,) = [e for e in events if e["event"] == "leave"]
+    (hand,) = [e for e in events if e["event"] == "handover"]
+    assert leave["handover"] and (hand["step"], hand["stage"]) == (3, 1) and hand["bytes"] > 0
+    assert hand["source_peer"] == leave["peer_id"] and hand["peer_id"] != leave["peer_id"]
 
 
 def test_sigkill_first_and_last_stage_under_checkfree_plus(tmp_path, cache):
