@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "peer": "peers.cli:add_parser",
     "export": "scheduler.export:add_parser",
     "experiment": "experiments.cli:add_parser",
+    "chaos": "scheduler.chaos:add_parser",
 }
 
 

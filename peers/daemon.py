@@ -125,8 +125,7 @@ class PeerDaemon:
         self.plus = False
         self._run_changed = asyncio.Event()
         self.snapshots: dict[int, tuple[int, bytes]] = {}
-        self.secret = load_secret(opts.secret_file)
-        self.allowed: set[str] = set()  # members the coordinator vouched for (used with a secret)  # stage -> (step, serialized full state)
+        self.secret = load_secret(opts.secret_file)  # stage -> (step, serialized full state)
         self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
         self._seq = 0
         self._pump: asyncio.Task | None = None
@@ -227,6 +226,9 @@ class PeerDaemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
         hb = None
+        if self.secret is not None:  # every request this peer makes carries its membership token
+            self.transport.extra_header = {"token": join_token(self.secret, self.opts.run_id,
+                                                               str(self.transport.peer_id))}
         try:
             await self._register()
             addrs = ",".join(str(a) for a in await self.transport.p2p.get_visible_maddrs())
@@ -268,17 +270,16 @@ class PeerDaemon:
             await self.transport.register(name, handler)
 
     def _authorized(self, handler, *, coordinator_only: bool):
-        """With a run secret: control RPCs only from the coordinator, data RPCs only from the
-        members the coordinator listed (libp2p authenticates the caller's peer id)."""
+        """With a run secret: control RPCs only from the coordinator; data RPCs only from
+        callers whose request carries the run token bound to their own peer id (libp2p
+        authenticates the caller's peer id, the token proves it holds the secret)."""
 
         async def wrapped(header: dict, tensors: list, peer) -> tuple[dict, list]:
             if self.secret is not None:
                 caller = str(peer)
-                if self.coordinator is None or (caller != self.coordinator and
-                                                (coordinator_only or caller not in self.allowed)):
+                member = verify(join_token(self.secret, self.opts.run_id, caller), header.get("token"))
+                if self.coordinator is None or (caller != self.coordinator and (coordinator_only or not member)):
                     raise ProtocolError(f"peer {caller} is not authorized for this run")
-            if isinstance(header.get("members"), list) and str(peer) == self.coordinator:
-                self.allowed = {str(m) for m in header["members"]}
             return await handler(header, tensors, peer)
 
         return wrapped
@@ -483,6 +484,7 @@ class PeerDaemon:
         write it to `storage` as a file."""
         self._check_run(header)
         require(header, step=int)
+        self._check_coordinator(peer, RPC.SNAPSHOT)  # it names a directory to write and peers to send to
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         t0 = time.perf_counter()
@@ -506,6 +508,9 @@ class PeerDaemon:
     async def _on_store_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         require(header, owner=int, step=int)
+        if self.cfg is None or not 0 <= header["owner"] < self.cfg.num_stages:  # at most one blob per stage
+            raise ProtocolError(f"snapshot of stage {header['owner']} out of range for "
+                                f"{self.cfg.num_stages if self.cfg else '?'} stages")
         if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
             raise ProtocolError("a snapshot is one 1-D uint8 tensor")
         self.snapshots[header["owner"]] = (header["step"], tensors[0].numpy().tobytes())
@@ -550,6 +555,7 @@ class PeerDaemon:
         to its initial state for step 0 with source "init"."""
         self._check_run(header)
         require(header, step=int)
+        self._check_coordinator(peer, RPC.RESTORE)
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         stage = self.worker.index

@@ -20,6 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_network_arguments(p)
     p.add_argument("--chaos-trace", help="(local swarm) ask the launcher to SIGKILL these `step,stage` failures")
     p.add_argument("--preempt-trace", help="(local swarm) ask the launcher to SIGTERM these `step,stage` peers")
+    p.add_argument("--chaos-recovery-kills", default="", help="(local swarm) comma-separated iterations at which "
+                   "the peer chosen to rebuild a failed stage is killed before it finishes")
     p.add_argument("--shutdown-peers", action="store_true", help="tell peers to exit when the run ends")
     p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
     p.set_defaults(func=run_scheduler)
@@ -33,7 +35,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     chaos = FailureSchedule(read_trace(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
     preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
-    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt, shutdown_peers=args.shutdown_peers,
+    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt,
+                              chaos_recovery_kills=frozenset(int(x) for x in args.chaos_recovery_kills.split(",") if x), shutdown_peers=args.shutdown_peers,
                               max_attempts=args.max_attempts)
     try:
         summary = asyncio.run(Coordinator(cfg, opts).run())

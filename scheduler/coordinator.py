@@ -60,6 +60,7 @@ class CoordinatorOptions:
     timeouts: Timeouts = field(default_factory=Timeouts)
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
+    chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
     shutdown_peers: bool = False  # tell peers to exit when the run ends
     max_attempts: int = 5  # attempts of one step before the run gives up
     save_final: bool = True
@@ -92,6 +93,7 @@ class Coordinator:
         self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
         self._chaos_done: set[int] = set()
+        self._recovery_killed: set[int] = set()
         self._retired: set[str] = set()  # failed peers already told to shut down
         self.secret = load_secret(opts.secret_file)
         self.iteration = 0  # executed steps, re-runs after a rollback included (the chaos clock)
@@ -172,8 +174,6 @@ class Coordinator:
                 if m.stage < 0 and not m.leaving and not m.observer and m.peer_id not in self.reported]
 
     async def _call(self, pid: str, name: str, header: dict, timeout: float, tensors=()):
-        if name in (RPC.ASSIGN, RPC.RUN_STEP, RPC.RESTORE, RPC.SNAPSHOT):  # keep peers' allowlists current
-            header = {**header, "members": [m for m in self.members if m not in self._retired]}
         return await self.transport.call(pid, name, {"run": self.opts.run_id, **header}, tensors, timeout=timeout)
 
     async def _alive(self, pid: str) -> bool:
@@ -292,6 +292,7 @@ class Coordinator:
             sources = {str(s): self.stage_peer[s] for s in (*plan.sources, *plan.edge_sources.values())}
             while True:
                 pid = await self._take_standby(f"replace stage {plan.stage}")
+                await self._chaos_replacement(pid, plan.stage)
                 t0 = time.perf_counter()
                 try:
                     reply = await self._assign(plan.stage, pid, {"mode": "recover", "plan": plan_to_wire(plan),
@@ -446,6 +447,16 @@ class Coordinator:
             if isinstance(r, Exception):  # dies between ready and commit: its replacement rebuilds next step
                 self.reported.add(self.stage_peer[s])
         return results
+
+    async def _chaos_replacement(self, pid: str, stage: int) -> None:
+        """Local swarm chaos: kill the peer just chosen to rebuild `stage` (a failure during recovery)."""
+        if self.iteration not in self.opts.chaos_recovery_kills or self.iteration in self._recovery_killed:
+            return
+        self._recovery_killed.add(self.iteration)
+        print(f"CHAOS kill step={self.iteration} stage={stage} peer={pid} during-recovery", flush=True)
+        deadline = time.monotonic() + self.t.join_timeout
+        while await self._alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _chaos(self, step: int) -> None:
         """Local swarm only: ask the launcher to SIGKILL the scheduled stages, then wait until

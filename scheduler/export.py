@@ -41,8 +41,9 @@ async def export_live(opts: dict, output: Path) -> Path:
             raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT")
         coord = next(iter(found.values()))["peer_id"]
         secret = load_secret(opts.get("secret_file"))
-        if secret is not None:  # join as an observer so that the coordinator and the peers let us read
+        if secret is not None:  # join as an observer; the token in every request lets the peers serve us
             me = str(transport.peer_id)
+            transport.extra_header = {"token": join_token(secret, opts["run_id"], me)}
             await transport.call(coord, RPC.JOIN, {"run": opts["run_id"], "peer_id": me, "role": "observer",
                                                    "token": join_token(secret, opts["run_id"], me)},
                                  timeout=t.rpc_timeout)

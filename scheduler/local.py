@@ -49,6 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", help="run name (default: derived from --out)")
     p.add_argument("--preempt-trace", metavar="FILE",
                    help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
+    p.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
+                   help="comma-separated iterations at which the chosen replacement is killed during its recovery")
     p.add_argument("--dump-recovery", metavar="DIR", help="peers save the weights served and rebuilt in recoveries")
     p.set_defaults(func=run_local)
 
@@ -245,7 +247,8 @@ def run_local(args: argparse.Namespace) -> int:
         out=out, run_id=run_id, spares=args.spares, threads_per_peer=args.threads_per_peer,
         ready_timeout=args.ready_timeout, progress=not args.no_progress, timeout_flags=flags,
         peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
-        coordinator_flags=["--preempt-trace", args.preempt_trace] if args.preempt_trace else []))
+        coordinator_flags=(["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
+        + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])))
     print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
           f"logs in {out / 'logs'}", flush=True)
     try:

@@ -154,6 +154,7 @@ class Transport:
         self.linger_timeout = linger_timeout
         self.owns_p2p = owns_p2p
         self._handlers: dict[str, Handler] = {}
+        self.extra_header: dict = {}  # merged into every request (e.g. the run membership token)
 
     @property
     def peer_id(self) -> PeerID:
@@ -217,6 +218,8 @@ class Transport:
         and ``WireError`` (locally, before sending) for tensors/headers that cannot be encoded.
         """
         peer = _as_peer_id(peer_id)
+        if self.extra_header:
+            header = {**self.extra_header, **header}
         frames = encode_message(header, tensors)
         try:
             reply_header, reply_tensors = await asyncio.wait_for(self._call(peer, name, frames), timeout)
