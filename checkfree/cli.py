@@ -64,6 +64,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, help="steps between validation evaluations")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast of the forward pass")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pipeline schedule in the swarm (default gpipe)")
+    g.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of activations/gradients sent between peers (default float32)")
     g.add_argument("--data", help="'shakespeare' (default), a text file or directory, or hf:<dataset>[:<data_files>]")
     g.add_argument("--tokenizer", help="tokenizer.json path or HF tokenizer name (default: train a BPE)")
     f = p.add_argument_group("failures")
@@ -125,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         (t, [("num_steps", args.steps), ("num_microbatches", args.microbatches),
              ("microbatch_size", args.microbatch_size), ("lr", args.lr), ("lr_schedule", args.lr_schedule),
              ("warmup_steps", args.warmup_steps), ("seed", args.seed), ("eval_every", args.eval_every),
-             ("device", args.device)]),
+             ("device", args.device), ("schedule", args.schedule), ("wire_dtype", args.wire_dtype)]),
         (d, [("source", args.data), ("tokenizer", args.tokenizer)]),
         (f, [("rate", args.failure_rate), ("hourly_rate", args.hourly_failure_rate),
              ("iteration_time_s", args.iteration_time), ("trace", args.trace), ("seed", args.failure_seed)]),

@@ -56,6 +56,9 @@ def _write_atomic(path: Path, blob: bytes) -> None:
     os.replace(tmp, path)
 
 
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class PeerState(Enum):
     JOINING = "joining"
     STANDBY = "standby"
@@ -211,7 +214,7 @@ class PeerDaemon:
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ProtocolError(f"{what} has dtype {x.dtype}, expected a float tensor")
         check_finite([x])
-        return x
+        return x.float()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -673,6 +676,7 @@ class PeerDaemon:
 
     async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
         header = {"run": self.opts.run_id, "step": run.step, "attempt": run.attempt, **header}
+        tensor = tensor.to(WIRE_DTYPES[self.cfg.train.wire_dtype])  # optional half-precision on the wire
         run.bytes_sent += tensor.numel() * tensor.element_size()
         try:
             await self.transport.call(run.peers[stage], name, header, [tensor], timeout=self.t.rpc_timeout)
