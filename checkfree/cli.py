@@ -49,6 +49,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model/training preset (default tiny)")
     g.add_argument("--stages", type=int, help="pipeline stages S (default: the preset's)")
     g.add_argument("--layers", type=int, help="override the preset's number of layers")
+    g.add_argument("--d-model", type=int, help="override the preset's residual width")
+    g.add_argument("--heads", type=int, help="override the preset's attention heads")
     g.add_argument("--strategy", help=f"recovery strategy: {', '.join(strategy_names())} (default checkfree)")
     g.add_argument("--fallback", choices=FALLBACKS, help="what an unrecoverable failure does (default abort)")
     g.add_argument("--lr-scale", type=float, help="LR multiplier of a recovered stage (default 1.1)")
@@ -117,6 +119,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg, "num_stages", args.stages)
     if args.layers is not None:
         cfg.model.num_layers = args.layers
+    if args.d_model is not None or args.heads is not None:
+        import dataclasses
+
+        cfg.model = dataclasses.replace(cfg.model, d_model=args.d_model or cfg.model.d_model,
+                                        num_heads=args.heads or cfg.model.num_heads)  # re-validated
     r, t, d, f, st = cfg.recovery, cfg.train, cfg.data, cfg.failures, cfg.strategy
     for obj, pairs in (
         (st, [("checkpoint_every", args.checkpoint_every), ("storage_dir", args.storage_dir),

@@ -340,6 +340,8 @@ class PeerDaemon:
         self.worker_cfg = worker_config(self.cfg, strategy)  # routes/replicas of the strategy's pipeline
         self.state = PeerState.STANDBY
         log.info("joined run %s as standby", self.opts.run_id)
+        # pay torch's one-off lazy initialisation (~3 s on a CPU) now, not inside a recovery
+        asyncio.create_task(self.compute(StageWorker, self.worker_cfg, self.cfg.num_stages - 1))
 
     async def _leave(self) -> None:
         """Graceful leave (SIGTERM, e.g. a spot preemption notice): tell the coordinator; if

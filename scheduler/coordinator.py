@@ -470,6 +470,7 @@ class Coordinator:
             if pid is None:
                 continue
             print(f"CHAOS kill step={step} stage={stage} peer={pid}", flush=True)
+            self._event("chaos_kill", step=step, stage=stage, peer_id=pid)
             deadline = time.monotonic() + self.t.join_timeout
             while await self._alive(pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
