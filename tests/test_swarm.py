@@ -121,6 +121,7 @@ def test_sigkill_first_and_last_stage_under_checkfree_plus(tmp_path, cache):
     assert summary["recoveries"] == 2 and summary["fallbacks"] == 0 and math.isfinite(summary["final_loss"])
 
 
+@pytest.mark.timeout(700)
 def test_rollback_strategies_run_for_real_and_lose_nothing(tmp_path, cache):
     """gemini: snapshots really travel into other peers' memory; checkpoint: real files. A
     SIGKILL rolls every stage back and the lost steps are recomputed: the run ends with the
