@@ -1,22 +1,34 @@
 """Echo throughput: checkfree.net.transport (hivemind P2P binary streams) vs a raw asyncio TCP socket on loopback.
 
-Each round sends one float32 tensor and gets it echoed back; three paths are interleaved per round:
+Each round sends one float32 tensor and gets it echoed back; the paths are interleaved per round:
 ``Transport.call`` (wire format, one libp2p stream per call), hivemind's bare ``send_raw_data`` /
-``receive_raw_data`` on a stream (the floor of anything that goes through p2pd), and a persistent
-length-prefixed asyncio TCP connection. Both p2pd daemons and both ends run on this one machine.
+``receive_raw_data`` on a stream (the floor of anything that goes through p2pd), a persistent
+length-prefixed asyncio TCP connection, and, when py-libp2p is installed (``pip install
+'checkfree[libp2p]'``; ``--no-libp2p`` skips it), ``Libp2pTransport.call`` (checkfree.net.libp2p_transport:
+py-libp2p TCP + noise + yamux in a trio thread, same wire format, one yamux stream per call). Both p2pd
+daemons, both libp2p hosts and all ends run on this one machine.
 
-Latest results (2-core VM, torch 2.13 CPU, hivemind 1.1.12; load average 3.4-4.4 from other jobs):
+Latest results (2-core VM, torch 2.13 CPU, hivemind 1.1.12, libp2p 0.8.1 with protobuf 6.33.6;
+load average 5-7.5 from other jobs during both runs, so every column is lower than in quieter runs):
 
     cd /work/main && python -m benchmarks.transport        # --sizes 1 4 16 64 --reps 7
 
     MiB/s = 2 x payload MiB / median round-trip time (payload sent and echoed back)
-    | payload MiB | transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | ratio transport/raw |
-    |---|---|---|---|---|
-    | 1 | 227 | 220 | 1506 | 0.15 |
-    | 4 | 239 | 212 | 641 | 0.37 |
-    | 16 | 281 | 193 | 659 | 0.43 |
-    | 64 | 229 | 148 | 280 | 0.82 |
+    | payload MiB | transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | ratio transport/raw | libp2p MiB/s | ratio libp2p/raw |
+    |---|---|---|---|---|---|---|
+    | 1 | 188 | 200 | 1158 | 0.16 | 50 | 0.04 |
+    | 4 | 231 | 197 | 526 | 0.44 | 43 | 0.08 |
+    | 16 | 165 | 129 | 295 | 0.56 | 28 | 0.09 |
+    | 64 | 93 | 89 | 109 | 0.85 | 22 | 0.21 |
 
+    previous run of the same command, 3 minutes earlier:
+    | 1 | 84 | 106 | 1059 | 0.08 | 26 | 0.02 |
+    | 4 | 111 | 93 | 415 | 0.27 | 27 | 0.07 |
+    | 16 | 120 | 97 | 349 | 0.35 | 30 | 0.09 |
+    | 64 | 145 | 104 | 130 | 1.12 | 33 | 0.25 |
+
+Earlier run without libp2p (load average 3.4-4.4): transport 227/239/281/229, hivemind raw
+220/212/193/148, raw TCP 1506/641/659/280 MiB/s at 1/4/16/64 MiB.
 Runs vary by +-30 % with background load; the raw TCP column varies most (570-1500 MiB/s at 1-4 MiB).
 
 Profile (ratio < 0.5): the transport matches or beats hivemind's own raw stream, so the gap is p2pd.
@@ -28,7 +40,18 @@ StreamReader limit (within noise, private attribute: dropped); reusing pooled st
 stale pooled stream makes retries ambiguous: dropped); zero-copy reads/writes through a dup()ed socket fd
 (+10-30 %, relies on asyncio internals and broke a 64 MiB transfer once: dropped). First calls on a
 fresh libp2p connection are 2-5x slower (window/RTT warm-up), hence the untimed warm-up rounds.
+
+libp2p (3-5x slower than the hivemind transport here): the cost is py-libp2p itself, in pure Python.
+The asyncio<->trio bridge costs ~5 %: a trio-native echo of 16 MiB over the same hosts (same framing,
+no thread hop) gave 31-32 MiB/s against 30 MiB/s through ``Libp2pTransport.call``, measured
+back to back. A cProfile of a trio-native transfer is dominated by trio scheduling and yamux/noise
+per-frame work: py-libp2p sends 64 KiB yamux frames (``yamux.MAX_MESSAGE_SIZE``), each through
+Python-level locks, a noise ChaCha20-Poly1305 frame and a socket send. An experiment that raised
+``libp2p.stream_muxer.yamux.yamux.MAX_MESSAGE_SIZE`` to 1 MiB (a process-wide monkeypatch of a
+library constant) gave 62-96 MiB/s for the same 16 MiB echo; not adopted, since it patches
+py-libp2p's internals for every user in the process.
 """
+
 
 from __future__ import annotations
 
@@ -43,7 +66,14 @@ from hivemind.p2p import P2P, PeerID
 
 from checkfree.net.transport import Transport
 
-__all__ = ["RawClient", "main", "run", "transport_roundtrip"]
+try:  # optional: the py-libp2p transport (pip install 'checkfree[libp2p]')
+    from checkfree.net import libp2p_transport as _libp2p
+
+    HAVE_LIBP2P = _libp2p.LIBP2P_IMPORT_ERROR is None
+except ImportError:
+    HAVE_LIBP2P = False
+
+__all__ = ["HAVE_LIBP2P", "RawClient", "main", "run", "transport_roundtrip"]
 
 WARMUP = 5  # untimed 4 MiB rounds before measuring
 RAW_READER_LIMIT = 8 << 20  # the default 64 KiB StreamReader limit makes the baseline itself slow at 64 MiB
@@ -122,13 +152,20 @@ async def hivemind_raw_roundtrip(p2p: P2P, server_id: PeerID, payload: torch.Ten
     return elapsed
 
 
-async def run(sizes_mb: list[int], reps: int) -> list[tuple[int, float, float, float]]:
-    """Median MB/s per size; transport and raw rounds are interleaved so background load hits both alike."""
+async def run(
+    sizes_mb: list[int], reps: int, *, libp2p: bool = HAVE_LIBP2P
+) -> list[tuple[int, float, float, float, float | None]]:
+    """Median MB/s per size: (MiB, transport, hivemind raw, raw TCP, libp2p transport or None).
+
+    All paths' rounds are interleaved so background load hits them alike. ``libp2p``: also measure
+    ``Libp2pTransport.call`` (py-libp2p, TCP + noise + yamux, trio thread) when it is installed.
+    """
     p2p_a = await P2P.create()
     p2p_b = await P2P.create(initial_peers=[str(m) for m in await p2p_a.get_visible_maddrs()])
     server, client = Transport(p2p_a), Transport(p2p_b)
     raw = RawClient()
     await raw.start()
+    lp_server = lp_client = None
 
     async def echo(header: dict, tensors: list[torch.Tensor], peer: PeerID) -> tuple[dict, list[torch.Tensor]]:
         return header, tensors
@@ -137,22 +174,35 @@ async def run(sizes_mb: list[int], reps: int) -> list[tuple[int, float, float, f
     await p2p_a.add_binary_stream_handler("raw-echo", _hivemind_raw_echo)
     rows = []
     try:
+        if libp2p:
+            lp_server = await _libp2p.start_libp2p_transport()
+            lp_client = await _libp2p.start_libp2p_transport(initial_peers=lp_server.get_visible_maddrs())
+            await lp_server.register("echo", echo)
         warm = torch.randn(1 << 20)
         for _ in range(WARMUP):  # the first calls on a fresh libp2p connection are 2-5x slower
             await transport_roundtrip(client, p2p_a.peer_id, warm)
             await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, warm)
             await raw.roundtrip(warm)
+            if lp_client is not None:
+                await transport_roundtrip(lp_client, lp_server.peer_id, warm)  # yamux window warm-up
         for mb in sizes_mb:
             payload = torch.randn(mb * (1 << 20) // 4)
-            t_rt, t_hm, t_raw = [], [], []
+            t_rt, t_hm, t_raw, t_lp = [], [], [], []
             for _ in range(reps):
                 t_rt.append(await transport_roundtrip(client, p2p_a.peer_id, payload))
                 t_hm.append(await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, payload))
                 t_raw.append(await raw.roundtrip(payload))
-            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_hm, t_raw))))
+                if lp_client is not None:
+                    t_lp.append(await transport_roundtrip(lp_client, lp_server.peer_id, payload))
+            lp = 2 * mb / statistics.median(t_lp) if t_lp else None
+            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_hm, t_raw)), lp))
     finally:
         await raw.stop()
         await server.shutdown()
+        if lp_client is not None:
+            await lp_client.shutdown()
+        if lp_server is not None:
+            await lp_server.shutdown()
         await p2p_b.shutdown()
         await p2p_a.shutdown()
     return rows
@@ -162,13 +212,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="payload sizes in MiB")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per size (median reported)")
+    parser.add_argument(
+        "--no-libp2p", action="store_true", help="skip the py-libp2p column even if libp2p is installed"
+    )
     args = parser.parse_args()
-    rows = asyncio.run(run(args.sizes, args.reps))
+    libp2p = HAVE_LIBP2P and not args.no_libp2p
+    rows = asyncio.run(run(args.sizes, args.reps, libp2p=libp2p))
     print("MiB/s = 2 x payload MiB / median round-trip time (payload sent and echoed back)")
-    print("| payload MiB | transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | ratio transport/raw |")
-    print("|---|---|---|---|---|")
-    for mb, rt, hm, raw in rows:
-        print(f"| {mb} | {rt:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} |")
+    extra = " libp2p MiB/s | ratio libp2p/raw |" if libp2p else ""
+    print(f"| payload MiB | transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | ratio transport/raw |{extra}")
+    print("|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
+    for mb, rt, hm, raw, lp in rows:
+        tail = f" {lp:.0f} | {lp / raw:.2f} |" if lp is not None else ""
+        print(f"| {mb} | {rt:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} |{tail}")
 
 
 if __name__ == "__main__":

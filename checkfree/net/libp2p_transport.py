@@ -1,0 +1,690 @@
+"""The ``Transport`` request/response interface on py-libp2p (pure Python, no p2pd daemon).
+
+Selectable alternative to ``checkfree.net.transport.Transport`` (hivemind's go-libp2p daemon). Same
+async API, same wire format, same error semantics:
+
+- ``peer_id`` (base58 string), ``await register(name, handler)``, ``await unregister(name)``,
+  ``await call(peer_id, name, header, tensors, *, timeout) -> (header, tensors)``, ``await shutdown()``;
+- one call = one yamux stream on protocol ``/checkfree/<name>/1.0.0``: the caller writes one
+  ``checkfree.net.wire`` message (8-byte length prefix, read with ``body_length`` then ``decode_body``),
+  the server answers with one message and both sides half-close (yamux has a real FIN, so no linger
+  trick is needed for the reply to arrive);
+- any failure while reading, decoding or handling a request is answered with
+  ``{"error": "<ExceptionType>: <message>"}`` and the server keeps serving; ``call`` raises the same
+  ``RemoteError`` / ``TransportTimeout`` / ``TransportError`` classes as ``Transport`` (imported from
+  there), and ``WireError`` locally for tensors or headers that cannot be encoded.
+
+Handlers have the ``Transport`` signature ``async handler(header, tensors, peer)`` and run on the asyncio
+loop that started the transport; ``peer`` is the caller's peer id as a base58 string.
+
+Threading: py-libp2p is trio-based and cannot share hivemind's asyncio loop, so the libp2p host runs
+``trio.run`` in a dedicated daemon thread. asyncio -> trio: jobs are started in the trio thread with
+``TrioToken.run_sync_soon`` and their results come back through ``loop.call_soon_threadsafe`` into an
+asyncio future; cancelling that future (e.g. a timeout) cancels the trio job, which resets its stream.
+trio -> asyncio (incoming requests): the body is read in the trio thread, then the handler runs on the
+asyncio loop via ``run_coroutine_threadsafe`` and the encoded reply frames go back to the trio thread.
+
+Addresses: a peer is reachable once its multiaddr is known. ``t.maddrs`` lists this transport's full
+listen multiaddrs (``/ip4/127.0.0.1/tcp/PORT/p2p/<peer id>``) to hand to others. A caller can
+(a) pass such a full multiaddr string as ``peer_id`` to ``call`` (its address is remembered), (b)
+``t.add_peer_address(maddr)`` once and then call by bare peer id, (c) ``await t.connect(maddr)`` to dial
+eagerly (also done for ``initial_peers`` at start), or (d) call back a peer that dialed us: an existing
+connection needs no address.
+
+Fixed ports: py-libp2p listens with SO_REUSEPORT (for hole punching), so a second libp2p host on the
+same fixed port does not fail to start; the kernel then splits incoming connections between both.
+A port held by an ordinary socket does fail (``TransportError``).
+
+protobuf: hivemind's ``crypto.proto`` and py-libp2p's ``libp2p/crypto/pb/crypto.proto`` both define
+``crypto.pb.KeyType/PublicKey/PrivateKey``, so importing both packages into protobuf's single default
+descriptor pool fails ("duplicate symbol 'crypto.pb.KeyType'"), whichever comes first. Importing this
+module installs a router that gives the generated ``*_pb2`` modules of the ``libp2p`` package a private
+descriptor pool (everyone else keeps the default one), so both coexist in one process. Import libp2p
+through this module (or after importing it): a bare ``import libp2p`` before it breaks hivemind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import torch
+
+from checkfree.net.transport import Handler, RemoteError, TransportError, TransportTimeout
+from checkfree.net.wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PREFIX_BYTES,
+    WireError,
+    body_length,
+    decode_body,
+    encode_message,
+)
+
+__all__ = [
+    "LIBP2P_IMPORT_ERROR",
+    "Libp2pTransport",
+    "RemoteError",
+    "TransportError",
+    "TransportTimeout",
+    "protocol_id",
+    "start_libp2p_transport",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LISTEN_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+WRITE_CHUNK_BYTES = 1 << 20
+READ_CHUNK_BYTES = 4 << 20
+
+
+# ---------------------------------------------------------------- protobuf isolation (see module docstring)
+
+
+def _isolate_libp2p_protobufs() -> None:
+    """Route ``descriptor_pool.Default()`` calls made by ``libp2p.*`` modules to a private pool. Idempotent."""
+    try:
+        from google.protobuf import descriptor_pool
+    except ImportError:  # no protobuf: libp2p cannot be imported either
+        return
+    if getattr(descriptor_pool.Default, "_checkfree_libp2p_router", False):
+        return
+    if "libp2p" in sys.modules:
+        logger.warning(
+            "libp2p was imported before checkfree.net.libp2p_transport: its protobufs live in the default "
+            "descriptor pool and importing hivemind in this process will fail (duplicate crypto.pb symbols)"
+        )
+    original = descriptor_pool.Default
+    private = descriptor_pool.DescriptorPool()
+
+    def default() -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "libp2p" or caller.startswith("libp2p."):
+            return private
+        return original()
+
+    default._checkfree_libp2p_router = True  # type: ignore[attr-defined]
+    default._checkfree_private_pool = private  # type: ignore[attr-defined]
+    descriptor_pool.Default = default
+
+
+_isolate_libp2p_protobufs()
+
+try:
+    import multiaddr
+    import trio
+    from libp2p import generate_new_ed25519_identity, new_host
+    from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerstore import PERMANENT_ADDR_TTL
+    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+    from libp2p.security.noise.transport import Transport as NoiseTransport
+
+    LIBP2P_IMPORT_ERROR: ImportError | None = None
+except ImportError as _e:  # optional dependency: pip install 'checkfree[libp2p]'
+    LIBP2P_IMPORT_ERROR = _e
+
+
+def protocol_id(name: str) -> str:
+    """The libp2p protocol id that serves handler ``name``."""
+    return f"/checkfree/{name}/1.0.0"
+
+
+class _IncompleteRead(Exception):
+    """The stream ended (EOF or reset) before a whole message arrived."""
+
+
+# ---------------------------------------------------------------- trio-side stream helpers
+
+
+async def _t_read_exactly(stream: Any, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await _t_read_some(stream, n - len(buf))
+        buf += chunk
+    return bytes(buf)
+
+
+async def _t_read_some(stream: Any, n: int) -> bytes:
+    """One read of at most ``n`` bytes (may return fewer); EOF/reset become ``_IncompleteRead``."""
+    try:
+        chunk = await stream.read(n)
+    except trio.Cancelled:
+        raise
+    except Exception as e:  # StreamEOF, StreamReset, StreamError, connection errors
+        raise _IncompleteRead(f"{type(e).__name__}: {e}") from e
+    if not chunk:
+        raise _IncompleteRead("end of stream")
+    return chunk
+
+
+async def _t_read_body(stream: Any, max_message_bytes: int) -> bytearray:
+    """Read one length-prefixed message body into a fresh writable buffer (no decoding here).
+
+    The declared length is checked (``WireError``) before the buffer is allocated. Reads return whatever
+    has arrived, so the body is assembled from as many reads as it takes.
+    """
+    length = body_length(await _t_read_exactly(stream, PREFIX_BYTES), max_message_bytes=max_message_bytes)
+    body = bytearray(length)
+    view = memoryview(body)
+    pos = 0
+    while pos < length:
+        chunk = await _t_read_some(stream, min(length - pos, READ_CHUNK_BYTES))
+        view[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    return body
+
+
+async def _t_write_frames(stream: Any, frames: Sequence[bytes | memoryview]) -> None:
+    for frame in frames:
+        view = memoryview(frame).cast("B")
+        for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
+            await stream.write(view[start : start + WRITE_CHUNK_BYTES])
+
+
+async def _t_reset(stream: Any) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(2):
+        with contextlib.suppress(Exception):
+            await stream.reset()
+
+
+async def _t_close(stream: Any) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(2):
+        with contextlib.suppress(Exception):
+            await stream.close()
+
+
+def _error_text(e: BaseException) -> str:
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_error_text(x) for x in e.exceptions)
+    cause = e.__cause__ or e.__context__
+    text = f"{type(e).__name__}: {e}"
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({type(cause).__name__}: {cause})"
+    return text
+
+
+class _Job:
+    """Cancellation handle shared by an asyncio future and the trio task computing it (trio-thread state)."""
+
+    __slots__ = ("cancelled", "scope")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.scope: Any = None
+
+    def cancel(self) -> None:  # runs in the trio thread
+        self.cancelled = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class Libp2pTransport:
+    """Request/response RPC over a py-libp2p host (TCP + noise + yamux) running in its own trio thread.
+
+    Create with ``await start_libp2p_transport(...)``; stop with ``await t.shutdown()``.
+    ``max_message_bytes`` caps requests and replies; ``read_timeout`` bounds how long the server waits
+    for a (possibly stalled) request body; ``linger_timeout`` bounds how long it drains a stream after
+    replying, waiting for the caller to close.
+    """
+
+    def __init__(
+        self,
+        listen_maddrs: Sequence[str] = DEFAULT_LISTEN_MADDRS,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        read_timeout: float = 120.0,
+        linger_timeout: float = 10.0,
+        shutdown_timeout: float = 10.0,
+        key_pair: Any = None,
+    ) -> None:
+        if LIBP2P_IMPORT_ERROR is not None:
+            raise TransportError(
+                f"py-libp2p is not available ({LIBP2P_IMPORT_ERROR}); install it with pip install 'checkfree[libp2p]'"
+            ) from LIBP2P_IMPORT_ERROR
+        self.listen_maddrs = [multiaddr.Multiaddr(str(m)) for m in listen_maddrs]
+        self.max_message_bytes = max_message_bytes
+        self.read_timeout = read_timeout
+        self.linger_timeout = linger_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self._key_pair = key_pair if key_pair is not None else generate_new_ed25519_identity()
+        self._handlers: dict[str, Handler] = {}
+        self._addresses: dict[str, list[str]] = {}  # peer id -> transport addrs (without /p2p)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._token: Any = None
+        self._nursery: Any = None
+        self._host: Any = None
+        self._stop: Any = None
+        self._closed = False
+        self._peer_id = ID.from_pubkey(self._key_pair.public_key).to_base58()
+        self.maddrs: list[str] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self, startup_timeout: float = 15.0) -> None:
+        """Start the trio thread and the libp2p host; fill ``self.maddrs``. Raises ``TransportError``."""
+        if self._thread is not None:
+            raise TransportError("libp2p transport already started")
+        self._loop = asyncio.get_running_loop()
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(ready,), name=f"libp2p-trio-{self._peer_id[-6:]}", daemon=True
+        )
+        self._thread.start()
+        try:
+            self.maddrs = await asyncio.wait_for(asyncio.wrap_future(ready), startup_timeout)
+        except Exception as e:
+            self._closed = True
+            if self._token is not None:
+                with contextlib.suppress(Exception):
+                    self._token.run_sync_soon(self._request_stop)
+            await self._join_thread()
+            if isinstance(e, asyncio.TimeoutError):
+                raise TransportError(
+                    f"libp2p host did not start within startup_timeout={startup_timeout:g} s"
+                ) from None
+            raise TransportError(
+                f"libp2p host failed to listen on {[str(m) for m in self.listen_maddrs]}: {_error_text(e)}"
+            ) from e
+
+    def _thread_main(self, ready: concurrent.futures.Future) -> None:
+        try:
+            trio.run(self._trio_main, ready)
+        except BaseException as e:  # noqa: BLE001 - reported to the starter or logged, never lost
+            if not ready.done():
+                ready.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            else:
+                logger.warning("libp2p trio thread ended with %s", _error_text(e))
+
+    async def _trio_main(self, ready: concurrent.futures.Future) -> None:
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        noise = NoiseTransport(self._key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
+        host = new_host(
+            key_pair=self._key_pair,
+            sec_opt={NOISE_PROTOCOL_ID: noise},
+            muxer_preference="YAMUX",
+            listen_addrs=self.listen_maddrs,
+        )
+        async with host.run(listen_addrs=self.listen_maddrs):
+            async with trio.open_nursery() as nursery:
+                self._host, self._nursery = host, nursery
+                if not host.get_transport_addrs():
+                    raise TransportError(
+                        "no listener came up (address already in use, or not an address of this machine? "
+                        "libp2p logged the reason)"
+                    )
+                ready.set_result([str(m) for m in host.get_addrs()])
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
+            self._nursery = None
+            with trio.move_on_after(self.shutdown_timeout / 2) as scope:
+                scope.shield = True
+                await host.close()
+
+    def _request_stop(self) -> None:  # trio thread
+        if self._stop is not None:
+            self._stop.set()
+
+    async def _join_thread(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, self.shutdown_timeout)
+            if thread.is_alive():
+                logger.warning("libp2p trio thread did not stop within %.1f s", self.shutdown_timeout)
+
+    async def shutdown(self) -> None:
+        """Unregister all handlers, close all connections and stop the trio thread (idempotent)."""
+        if self._closed:
+            return
+        for name in list(self._handlers):
+            try:
+                await self.unregister(name)
+            except Exception as e:
+                logger.debug("unregister %s failed: %r", name, e)
+        self._closed = True
+        if self._token is not None:
+            with contextlib.suppress(Exception):  # trio.RunFinishedError: already stopped
+                self._token.run_sync_soon(self._request_stop)
+        await self._join_thread()
+
+    # ------------------------------------------------------------ asyncio -> trio bridge
+
+    def _submit(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> asyncio.Future:
+        """Run ``await fn(*args)`` as a task in the trio thread; the returned asyncio future gets its result.
+
+        Cancelling the future cancels the trio task.
+        """
+        if self._closed or self._token is None:
+            raise TransportError("libp2p transport is not running (shut down or not started)")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        job = _Job()
+
+        def resolve(result: Any = None, exc: BaseException | None = None) -> None:  # trio thread
+            with contextlib.suppress(RuntimeError):  # the asyncio loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(_settle, fut, result, exc)
+
+        async def run() -> None:
+            with trio.CancelScope() as scope:
+                job.scope = scope
+                if job.cancelled:
+                    scope.cancel()
+                try:
+                    result = await fn(*args)
+                except trio.Cancelled:
+                    resolve(exc=TransportError("libp2p transport is shutting down"))
+                    raise
+                except BaseException as e:  # noqa: BLE001 - handed over to the asyncio side
+                    resolve(exc=e)
+                else:
+                    resolve(result)
+                    return
+            if scope.cancelled_caught:
+                resolve(exc=TransportError("cancelled"))
+
+        def start() -> None:  # trio thread
+            if self._nursery is None:
+                resolve(exc=TransportError("libp2p transport is shutting down"))
+            else:
+                self._nursery.start_soon(run)
+
+        def on_done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                with contextlib.suppress(Exception):
+                    self._token.run_sync_soon(job.cancel)
+
+        try:
+            self._token.run_sync_soon(start)
+        except Exception as e:  # trio.RunFinishedError
+            raise TransportError("libp2p transport is not running") from e
+        fut.add_done_callback(on_done)
+        return fut
+
+    # ------------------------------------------------------------ trio -> asyncio bridge
+
+    async def _t_run_on_loop(self, coro: Awaitable[Any]) -> Any:
+        """From the trio thread: run ``coro`` on the asyncio loop and wait for its result."""
+        assert self._loop is not None
+        cfut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # RuntimeError if the loop is closed
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: concurrent.futures.Future) -> None:
+            with contextlib.suppress(Exception):  # trio.RunFinishedError
+                token.run_sync_soon(done.set)
+
+        cfut.add_done_callback(wake)
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            cfut.cancel()
+            raise
+        return cfut.result()
+
+    # ------------------------------------------------------------ addresses
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    def get_visible_maddrs(self) -> list[str]:
+        """Full listen multiaddrs of this transport, ``/ip4/.../tcp/PORT/p2p/<peer id>``, for others to dial."""
+        return list(self.maddrs)
+
+    def add_peer_address(self, maddr: str, peer_id: str | None = None) -> str:
+        """Remember an address of a peer; returns its peer id.
+
+        ``maddr`` is a full multiaddr with ``/p2p/<id>``, or a transport address plus ``peer_id``.
+        """
+        addr = multiaddr.Multiaddr(str(maddr))
+        try:
+            embedded = addr.value_for_protocol("p2p")
+        except Exception:
+            embedded = None
+        if embedded:
+            if peer_id is not None and str(peer_id) != embedded:
+                raise TransportError(f"multiaddr {maddr} names peer {embedded}, not {peer_id}")
+            peer_id = embedded
+            addr = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{embedded}"))
+        if not peer_id:
+            raise TransportError(f"multiaddr {maddr!r} has no /p2p/<peer id> and no peer_id was given")
+        try:
+            ID.from_base58(str(peer_id))
+        except Exception as e:
+            raise TransportError(f"invalid peer id {peer_id!r}: {e}") from e
+        known = self._addresses.setdefault(str(peer_id), [])
+        if str(addr) not in known:
+            known.append(str(addr))
+        return str(peer_id)
+
+    def _target(self, peer: Any) -> tuple[str, list[str]]:
+        text = str(peer)
+        if text.startswith("/"):
+            text = self.add_peer_address(text)
+        return text, list(self._addresses.get(text, ()))
+
+    async def connect(self, maddr: str, *, timeout: float = 30.0) -> str:
+        """Dial a peer at a full multiaddr now (and remember its address); returns its peer id."""
+        peer, addrs = self._target(maddr)
+        try:
+            await asyncio.wait_for(self._submit(self._t_connect, peer, addrs), timeout)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(f"connecting to {maddr} timed out after {timeout:g} s") from None
+        return peer
+
+    def _t_remember(self, peer: str, addrs: Sequence[str]) -> Any:
+        pid = ID.from_base58(peer)
+        if addrs:
+            self._host.get_peerstore().add_addrs(pid, [multiaddr.Multiaddr(a) for a in addrs], PERMANENT_ADDR_TTL)
+        return pid
+
+    async def _t_connect(self, peer: str, addrs: Sequence[str]) -> None:
+        from libp2p.peer.peerinfo import PeerInfo
+
+        pid = self._t_remember(peer, addrs)
+        try:
+            await self._host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a) for a in addrs]))
+        except Exception as e:
+            raise TransportError(f"cannot connect to peer {peer} at {addrs}: {_error_text(e)}") from e
+
+    # ------------------------------------------------------------ server side
+
+    async def register(self, name: str, handler: Handler) -> None:
+        """Serve ``handler`` under protocol ``/checkfree/<name>/1.0.0``; each incoming stream is its own task."""
+        self._handlers[name] = handler
+
+        async def install() -> None:
+            self._host.set_stream_handler(protocol_id(name), functools.partial(self._t_on_stream, name))
+
+        await self._submit(install)
+
+    async def unregister(self, name: str) -> None:
+        self._handlers.pop(name, None)
+
+        async def remove() -> None:
+            self._host.remove_stream_handler(protocol_id(name))
+
+        await self._submit(remove)
+
+    async def _t_on_stream(self, name: str, stream: Any) -> None:
+        try:
+            peer = str(stream.muxed_conn.peer_id)
+        except Exception:
+            peer = "?"
+        try:
+            try:
+                with trio.fail_after(self.read_timeout):
+                    body = await _t_read_body(stream, self.max_message_bytes)
+            except _IncompleteRead as e:
+                logger.debug("%s: peer %s closed the stream mid-request: %s", name, peer, e)
+                await _t_reset(stream)
+                return
+            except (WireError, trio.TooSlowError) as e:
+                if isinstance(e, trio.TooSlowError):
+                    e = TimeoutError(f"request body not received within read_timeout={self.read_timeout:g} s")
+                logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
+                frames = encode_message({"error": f"{type(e).__name__}: {e}"})
+            else:
+                try:
+                    frames = await self._t_run_on_loop(self._handle(name, body, peer))
+                except Exception as e:  # the asyncio loop is gone
+                    frames = encode_message({"error": f"{type(e).__name__}: {e}"})
+            await _t_write_frames(stream, frames)
+            await stream.close()  # yamux half-close: FIN after the reply, the read side stays open
+            with trio.move_on_after(self.linger_timeout):  # drain until the caller closes its side
+                while True:
+                    await _t_read_some(stream, READ_CHUNK_BYTES)
+            await _t_reset(stream)  # the caller never closed: drop the stream
+        except _IncompleteRead:  # the caller closed its side (normal end) or reset the stream
+            await _t_close(stream)
+        except trio.Cancelled:
+            await _t_reset(stream)
+            raise
+        except Exception as e:
+            logger.debug("%s: stream to %s broke while replying: %s", name, peer, _error_text(e))
+            await _t_reset(stream)
+
+    async def _handle(self, name: str, body: bytearray, peer: str) -> list[bytes | memoryview]:
+        """asyncio side of an incoming request: decode, run the handler, encode the reply (or the error)."""
+        try:
+            handler = self._handlers.get(name)
+            if handler is None:
+                raise TransportError(f"no handler registered for '{name}'")
+            header, tensors = decode_body(body)
+            reply_header, reply_tensors = await handler(header, tensors, peer)
+            return encode_message(reply_header, reply_tensors)
+        except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
+            if isinstance(e, WireError):
+                logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
+            else:
+                logger.exception("%s: handler failed for request from %s", name, peer)
+            return encode_message({"error": f"{type(e).__name__}: {e}"})
+
+    # ------------------------------------------------------------ client side
+
+    async def call(
+        self,
+        peer_id: Any,
+        name: str,
+        header: dict,
+        tensors: Sequence[torch.Tensor] = (),
+        *,
+        timeout: float,
+    ) -> tuple[dict, list[torch.Tensor]]:
+        """Send one request to ``name`` on ``peer_id`` and return its reply ``(header, tensors)``.
+
+        ``peer_id``: a base58 peer id whose address is known (see the module docstring) or a full
+        multiaddr ``/ip4/.../tcp/PORT/p2p/<id>``. Raises ``RemoteError`` if the remote side answered with an
+        error, ``TransportTimeout`` after ``timeout`` seconds, ``TransportError`` for unreachable peers,
+        unknown protocols, broken streams or invalid replies, and ``WireError`` (locally, before sending)
+        for tensors/headers that cannot be encoded.
+        """
+        peer, addrs = self._target(peer_id)
+        frames = encode_message(header, tensors)
+        try:
+            body = await asyncio.wait_for(self._submit(self._t_call, peer, addrs, name, frames), timeout)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
+        try:
+            reply_header, reply_tensors = decode_body(body)
+        except WireError as e:
+            raise TransportError(f"invalid reply from peer {peer} for '{name}': {e}") from e
+        if "error" in reply_header:
+            raise RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]))
+        return reply_header, reply_tensors
+
+    async def _t_open(self, peer: str, addrs: Sequence[str], name: str) -> Any:
+        pid = self._t_remember(peer, addrs)
+        try:
+            return await self._host.new_stream(pid, [protocol_id(name)])
+        except Exception as e:
+            text = _error_text(e)
+            if "protocols not supported" in text or "protocol not supported" in text:
+                raise TransportError(
+                    f"peer {peer} does not serve '{name}' (protocols not supported: {protocol_id(name)}): {text}"
+                ) from e
+            if "No known addresses" in text:
+                text += (
+                    " -- its address is unknown: call it by full multiaddr (/ip4/.../tcp/PORT/p2p/<id>), "
+                    "or add_peer_address()/connect() it first"
+                )
+            raise TransportError(f"cannot open stream '{name}' to peer {peer}: {text}") from e
+
+    async def _t_call(self, peer: str, addrs: Sequence[str], name: str, frames: list) -> bytearray:
+        stream = await self._t_open(peer, addrs, name)
+        try:
+            await _t_write_frames(stream, frames)
+            body = await _t_read_body(stream, self.max_message_bytes)
+        except BaseException as e:
+            await _t_reset(stream)
+            if isinstance(e, _IncompleteRead):
+                raise TransportError(f"peer {peer} closed stream '{name}' before a full reply ({e})") from e
+            if isinstance(e, WireError):
+                raise TransportError(f"invalid reply from peer {peer} for '{name}': {e}") from e
+            if isinstance(e, Exception) and not isinstance(e, TransportError):
+                raise TransportError(f"stream '{name}' to peer {peer} failed: {_error_text(e)}") from e
+            raise
+        await _t_close(stream)
+        return body
+
+    # ------------------------------------------------------------ raw access (tests, benchmarks)
+
+    async def raw_exchange(self, peer_id: Any, name: str, data: bytes, *, timeout: float) -> bytearray:
+        """Write raw ``data`` on a new stream to ``name`` and return the body of the one reply message."""
+        peer, addrs = self._target(peer_id)
+
+        async def run() -> bytearray:
+            stream = await self._t_open(peer, addrs, name)
+            try:
+                await stream.write(data)
+                return await _t_read_body(stream, self.max_message_bytes)
+            finally:
+                await _t_close(stream)
+
+        try:
+            return await asyncio.wait_for(self._submit(run), timeout)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(f"raw exchange with {peer} timed out after {timeout:g} s") from None
+
+
+async def start_libp2p_transport(
+    listen_maddrs: Sequence[str] = DEFAULT_LISTEN_MADDRS,
+    initial_peers: Sequence[str] = (),
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    startup_timeout: float = 15.0,
+    connect_timeout: float = 30.0,
+    **kwargs: Any,
+) -> Libp2pTransport:
+    """Start a ``Libp2pTransport`` listening on ``listen_maddrs`` (default loopback TCP, port 0).
+
+    ``initial_peers`` are full multiaddrs (with ``/p2p/<id>``) dialed right away; any of them failing
+    raises ``TransportError`` (after shutting the new transport down). Other keyword arguments go to
+    ``Libp2pTransport`` (``read_timeout``, ``linger_timeout``, ``shutdown_timeout``, ``key_pair``).
+    """
+    transport = Libp2pTransport(listen_maddrs, max_message_bytes=max_message_bytes, **kwargs)
+    await transport.start(startup_timeout)
+    try:
+        for maddr in initial_peers:
+            await transport.connect(str(maddr), timeout=connect_timeout)
+    except BaseException:
+        await transport.shutdown()
+        raise
+    return transport
