@@ -9,6 +9,8 @@ fallback (``recovery.fallback``) to the lost stages after rolling the others bac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from checkfree.config import RunConfig
 from checkfree.strategies.averaging import declared_fallback
 from checkfree.strategies.base import FailureOutcome, Figures, Strategy, StrategyContext
@@ -48,7 +50,7 @@ class InMemoryStrategy(Strategy):
         return 0
 
     def lost_copies(self, ctx: StrategyContext, step: int, failed: set[int], lost: set[int], reason: str,
-                    recover_rest) -> FailureOutcome:
+                    recover_rest: Callable[[], FailureOutcome]) -> FailureOutcome:
         """`lost`: failed stages with no surviving copy. Storage rollback if configured, else
         `recover_rest()` (the strategy's own recovery of everything but `lost`) followed by
         the declared fallback for `lost`."""
