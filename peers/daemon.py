@@ -490,7 +490,6 @@ class PeerDaemon:
         self._check_run(header)
         require(header, step=int)
         self._check_coordinator(peer, RPC.SNAPSHOT)  # it names a directory to write and peers to send to
-        self._check_coordinator(peer, RPC.SNAPSHOT)  # it names a directory to write and peers to send to
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         t0 = time.perf_counter()
@@ -561,7 +560,6 @@ class PeerDaemon:
         to its initial state for step 0 with source "init"."""
         self._check_run(header)
         require(header, step=int)
-        self._check_coordinator(peer, RPC.RESTORE)
         self._check_coordinator(peer, RPC.RESTORE)
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
