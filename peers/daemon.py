@@ -624,6 +624,10 @@ class PeerDaemon:
         if old is not None and not old.done.is_set():
             old.fail("superseded by a new step")
         routes = self._routes(header["step"], header["evaluate"])
+        announced = header.get("routes")
+        if announced is not None and announced != [[h.stage for h in hops] for hops in routes]:
+            raise ProtocolError(f"the coordinator's route table for step {header['step']} differs from this peer's "
+                                "(different strategy or config?)")
         run = StepRun(header["step"], header["attempt"], header["evaluate"],
                       {int(k): str(v) for k, v in header["peers"].items()}, routes, remaining=len(routes))
         self._set_run(run)

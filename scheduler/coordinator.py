@@ -23,6 +23,7 @@ from checkfree.config import RunConfig
 from checkfree.export import save_export
 from checkfree.failures import FailureSchedule
 from checkfree.model import plan_stages
+from checkfree.pipeline import route
 from checkfree.net.transport import (RemoteError, TransportError, announce, live_members_async, start_transport,
                                      stop_transport)
 from checkfree.protocol import (READY_COORDINATOR, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
@@ -391,10 +392,18 @@ class Coordinator:
                                        return_exceptions=True)
         return {s: (r if isinstance(r, Exception) else r[0]) for s, r in zip(stages, results)}
 
+    def _route_table(self, step: int, evaluate: bool) -> list[list[int]]:
+        """Stage order of every microbatch of the step, CheckFree+ swaps included (announced so
+        that peers can check they agree; evaluation runs the plain route)."""
+        s, m = self.cfg.num_stages, self.cfg.train.num_microbatches
+        if evaluate:
+            return [list(range(s))] * self.cfg.train.eval_batches
+        return [[h.stage for h in route(s, self.plus, step, mb, m)] for mb in range(m)]
+
     async def _attempt(self, step: int, attempt: int, evaluate: bool) -> dict[int, dict] | None:
         """One attempt: RUN_STEP on every stage; the first error aborts the attempt everywhere."""
         header = {"step": step, "attempt": attempt, "evaluate": evaluate,
-                  "peers": {str(s): p for s, p in self.stage_peer.items()}}
+                  "peers": {str(s): p for s, p in self.stage_peer.items()}, "routes": self._route_table(step, evaluate)}
         tasks = {s: asyncio.create_task(self._call(p, RPC.RUN_STEP, header, self.t.step_timeout + self.t.rpc_timeout))
                  for s, p in self.stage_peer.items()}
         done, pending = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
