@@ -8,6 +8,11 @@ import uuid
 
 import pytest
 
+# One torch thread per test process (and its children): on 2 busy cores, two intra-op threads
+# per process thrash (seen: 15 tiny steps 142 s at 2 threads, 1.4 s at 1), and one thread keeps
+# float results independent of the machine's core count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # Every process this test session starts inherits this marker, so the leftover check below
 # sees our own daemons (orphans included, whose parent is gone) and nobody else's.
@@ -25,6 +30,13 @@ def _ours(pid: int) -> bool:
 def _p2pd_pids() -> set[int]:
     out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
     return {int(x) for x in out.split() if _ours(int(x))}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
