@@ -14,6 +14,7 @@ free to answer pings, heartbeats and weight requests while a stage computes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -292,7 +293,15 @@ class PeerDaemon:
         key = coordinator_key(self.opts.run_id)
         deadline = time.monotonic() + self.t.join_timeout
         while time.monotonic() < deadline and not self.stop.is_set():
-            found = await self._unless_stopped(live_members_async(self.dht, key)) or {}
+            try:
+                found = await self._unless_stopped(live_members_async(self.dht, key)) or {}
+            except (ConnectionError, OSError, EOFError) as e:
+                # a signal to the whole process group can end the DHT process a moment before our
+                # own handler sets `stop`: give the signal a second to arrive before retrying
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 1.0)
+                log.debug("DHT lookup of the coordinator failed: %r", e)
+                found = {}
             for value in found.values():
                 if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
                     return value["peer_id"]
