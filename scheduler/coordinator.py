@@ -291,18 +291,9 @@ class Coordinator:
             raise
         for plan in plans:
             sources = {str(s): self.stage_peer[s] for s in (*plan.sources, *plan.edge_sources.values())}
-            while True:
-                pid = await self._take_standby(f"replace stage {plan.stage}")
-                await self._chaos_replacement(pid, plan.stage)
-                t0 = time.perf_counter()
-                try:
-                    reply = await self._assign(plan.stage, pid, {"mode": "recover", "plan": plan_to_wire(plan),
-                                                                 "sources": sources, "step": step})
-                    break
-                except CALL_ERRORS as e:
-                    log.warning("replacement %s died while recovering stage %d: %s", pid, plan.stage, e)
-                    self.reported.add(pid)
-                    self._event("recovery_retry", step=step, stage=plan.stage, peer_id=pid, reason=str(e)[:300])
+            pid, reply, t0 = await self._assign_replacement(
+                step, plan.stage, {"mode": "recover", "plan": plan_to_wire(plan), "sources": sources, "step": step},
+                chaos=True)
             self.norms[plan.stage] = 0.0
             fields = recovery_fields(plan, dict(zip(plan.sources, reply.get("coefficients", []))))
             fields.update(peer_id=pid, norms=reply.get("norms", []), transfer_s=reply.get("transfer_s"),
@@ -312,6 +303,22 @@ class Coordinator:
             kind = "fallback" if plan.fallback else "recovery"
             extra = {"fallback": plan.fallback, "reason": plan.reason} if plan.fallback else {}
             self._event(kind, step=step, stage=plan.stage, strategy=strategy, **extra, **fields)
+
+    async def _assign_replacement(self, step: int, stage: int, header: dict,
+                                  chaos: bool = False) -> tuple[str, dict, float]:
+        """Give `stage` to a standby; a standby that dies while taking it over is reported and the
+        next one is tried. Returns (peer, reply, time the successful assignment started)."""
+        while True:
+            pid = await self._take_standby(f"replace stage {stage}")
+            if chaos:
+                await self._chaos_replacement(pid, stage)
+            t0 = time.perf_counter()
+            try:
+                return pid, await self._assign(stage, pid, header), t0
+            except CALL_ERRORS as e:
+                log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
+                self.reported.add(pid)
+                self._event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
 
     # ---- rollback strategies (checkpoint, gemini): real snapshots in peers' memory / files
     async def _protect(self, step: int) -> None:
@@ -371,14 +378,7 @@ class Coordinator:
         await asyncio.gather(*(self._call(p, RPC.RESTORE, {"step": target, **source[s]}, self.t.step_timeout)
                                for s, p in self.stage_peer.items()))
         for s in sorted(failed):
-            while True:
-                pid = await self._take_standby(f"replace stage {s}")
-                try:
-                    reply = await self._assign(s, pid, {"mode": "restore", "step": target, **source[s]})
-                    break
-                except CALL_ERRORS as e:
-                    self.reported.add(pid)
-                    self._event("recovery_retry", step=step, stage=s, peer_id=pid, reason=str(e)[:300])
+            pid, reply, _ = await self._assign_replacement(step, s, {"mode": "restore", "step": target, **source[s]})
             self.norms[s] = float(reply.get("omega", 0.0))
             self._event("recovery", step=step, stage=s, strategy=strategy, method="rollback", rollback_to=target,
                         lost_steps=step - target, source=source[s].get("source", "storage"), peer_id=pid,
@@ -463,6 +463,10 @@ class Coordinator:
             return
         self._recovery_killed.add(self.iteration)
         print(f"CHAOS kill step={self.iteration} stage={stage} peer={pid} during-recovery", flush=True)
+        await self._wait_dead(pid)
+
+    async def _wait_dead(self, pid: str) -> None:
+        """Until a peer the launcher was asked to kill stops answering (bounded by join_timeout)."""
         deadline = time.monotonic() + self.t.join_timeout
         while await self._alive(pid) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -480,9 +484,7 @@ class Coordinator:
                 continue
             print(f"CHAOS kill step={step} stage={stage} peer={pid}", flush=True)
             self._event("chaos_kill", step=step, stage=stage, peer_id=pid)
-            deadline = time.monotonic() + self.t.join_timeout
-            while await self._alive(pid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await self._wait_dead(pid)
             self.reported.add(pid)
         for stage in sorted(self.opts.preempt.at(step)) if self.opts.preempt else []:
             pid = self.stage_peer.get(stage)
