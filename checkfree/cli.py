@@ -15,10 +15,11 @@ from pathlib import Path
 
 from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
 from checkfree.failures import schedule_from_config, write_trace
+from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loaded
 from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure, get_rule
 
-__all__ = ["main", "add_run_arguments", "config_from_args", "add_network_arguments", "network_options",
-           "SUBCOMMANDS"]
+__all__ = ["main", "add_run_arguments", "config_from_args", "add_network_arguments", "add_transport_arguments",
+           "network_options", "SUBCOMMANDS"]
 
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
 # does not pay for hivemind's import.
@@ -200,11 +201,25 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
                    "the swarm is open to anyone who can reach it")
     g.add_argument("--startup-timeout", type=float, default=30.0,
                    help="seconds to wait for the p2p daemon (raise it if you see 'Daemon failed to start')")
+    add_transport_arguments(g)
     t = p.add_argument_group("timeouts (heartbeat-ttl < rpc-timeout < step-timeout < join-timeout)")
     t.add_argument("--heartbeat-ttl", type=float, default=4.0, help="a silent peer is declared failed after this")
     t.add_argument("--rpc-timeout", type=float, default=30.0, help="one forward/backward/weight transfer call")
     t.add_argument("--step-timeout", type=float, default=300.0, help="one whole step")
     t.add_argument("--join-timeout", type=float, default=600.0, help="waiting for peers or a replacement")
+
+
+def add_transport_arguments(g: argparse._ActionsContainer, port: bool = True) -> None:
+    """--transport and (``port``) --libp2p-port: the network commands, and `checkfree local` (no fixed port)."""
+    g.add_argument("--transport", default="hivemind", choices=TRANSPORTS,
+                   help="RPC transport between peers: hivemind (go-libp2p daemon, default) or libp2p (py-libp2p in "
+                        "a thread; pip install 'checkfree[libp2p]'). Every process of a run must use the same one; "
+                        "membership stays on the hivemind DHT either way")
+    if not port:
+        return
+    g.add_argument("--libp2p-port", type=int, default=0, metavar="PORT",
+                   help="--transport libp2p: TCP port of the libp2p listener, on the IPs of --host-maddrs "
+                        "(default 0: any free port; open/forward it on real machines)")
 
 
 def network_options(args: argparse.Namespace) -> dict:
@@ -213,7 +228,8 @@ def network_options(args: argparse.Namespace) -> dict:
 
     return dict(run_id=args.run_id, initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs),
                 announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                startup_timeout=args.startup_timeout, secret_file=args.secret_file,
+                startup_timeout=args.startup_timeout, secret_file=args.secret_file, transport=args.transport,
+                libp2p_port=args.libp2p_port,
                 timeouts=Timeouts(heartbeat_ttl=args.heartbeat_ttl, rpc_timeout=args.rpc_timeout,
                                   step_timeout=args.step_timeout, join_timeout=args.join_timeout))
 

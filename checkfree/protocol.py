@@ -27,7 +27,8 @@ from checkfree.pipeline import Hop
 from checkfree.recovery import RecoveryPlan
 
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
-           "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR"]
+           "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "coordinator_record",
+           "coordinator_from_records"]
 
 DHT_PREFIX = "checkfree"
 READY_PEER = "peer ready:"
@@ -82,6 +83,26 @@ class Timeouts:
 
 def coordinator_key(run_id: str) -> str:
     return f"{DHT_PREFIX}/{run_id}/coordinator"
+
+
+def coordinator_record(peer_id: str, transport: str) -> dict[str, str]:
+    """What the coordinator announces under `coordinator_key`: its RPC peer id and the transport serving it."""
+    return {"peer_id": peer_id, "transport": transport}
+
+
+def coordinator_from_records(found: dict, transport: str, run_id: str) -> str | None:
+    """The coordinator's peer id from the live records under `coordinator_key` (None if there is none yet).
+
+    ProtocolError when the coordinator runs another `--transport` than `transport`: the two could never
+    reach each other, so say so instead of waiting. (A record without `transport` is a hivemind one.)"""
+    for value in found.values():
+        if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
+            theirs = value.get("transport", "hivemind")
+            if theirs != transport:
+                raise ProtocolError(f"the coordinator of run {run_id!r} uses --transport {theirs}, this process "
+                                    f"--transport {transport}: start every process of a run with the same --transport")
+            return value["peer_id"]
+    return None
 
 
 def members_key(run_id: str) -> str:

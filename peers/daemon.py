@@ -32,12 +32,12 @@ import torch
 
 from checkfree.config import RunConfig, config_from_dict
 from checkfree.data import TokenData, build_data
-from checkfree.net.transport import (RemoteError, Transport, TransportError, announce, live_members_async,
-                                     start_transport, stop_transport)
+from checkfree.net.transport import (RemoteError, Transport, TransportError, announce, dht_maddrs,
+                                     live_members_async, rpc_note, start_transport, stop_transport)
 from checkfree.net.wire import check_finite
 from checkfree.pipeline import Hop, edge_holders, route
-from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
-                                plan_from_wire, require)
+from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_from_records,
+                                coordinator_key, members_key, plan_from_wire, require)
 from checkfree.recovery import omega, rebuild_stage
 from checkfree.auth import coordinator_proof, join_token, load_secret, verify
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
@@ -77,6 +77,8 @@ class PeerOptions:
     announce_maddrs: list[str] | None = None
     identity_path: str | None = None
     startup_timeout: float = 30.0
+    transport: str = "hivemind"  # RPC transport: hivemind (p2pd) or libp2p (py-libp2p); the coordinator's
+    libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
     device: str | None = None  # overrides the run's device for this peer
     threads: int | None = None  # torch intra-op threads
     dump_dir: str | None = None  # debugging/tests: save weights served and rebuilt during recoveries
@@ -224,7 +226,7 @@ class PeerDaemon:
             torch.set_num_threads(self.opts.threads)
         self.dht, self.transport = await start_transport(
             self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
-            self.opts.startup_timeout)
+            self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port)
         # only now: the DHT process forked above would inherit asyncio's handlers and then ignore the
         # SIGTERM that DHT.shutdown / multiprocessing's exit send it, hanging this peer's exit forever
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -235,8 +237,9 @@ class PeerDaemon:
                                                                str(self.transport.peer_id))}
         try:
             await self._register()
-            addrs = ",".join(str(a) for a in await self.transport.p2p.get_visible_maddrs())
-            print(f"{READY_PEER} peer_id={self.transport.peer_id} run={self.opts.run_id} addrs={addrs}", flush=True)
+            addrs = ",".join(await dht_maddrs(self.dht))
+            print(f"{READY_PEER} peer_id={self.transport.peer_id} run={self.opts.run_id} addrs={addrs}"
+                  f"{rpc_note(self.transport)}", flush=True)
             hb = asyncio.create_task(self._heartbeat())
             await self._join()
             await self.stop.wait()
@@ -302,9 +305,9 @@ class PeerDaemon:
                     await asyncio.wait_for(self.stop.wait(), 1.0)
                 log.debug("DHT lookup of the coordinator failed: %r", e)
                 found = {}
-            for value in found.values():
-                if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
-                    return value["peer_id"]
+            coordinator = coordinator_from_records(found, self.transport.kind, self.opts.run_id)
+            if coordinator is not None:
+                return coordinator
             await asyncio.sleep(0.2)
         if self.stop.is_set():
             return None

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkfree.cli import add_transport_arguments
 from checkfree.failures import write_trace
 from checkfree.rundir import read_jsonl
 
@@ -40,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fallback", default="copy", choices=("random", "copy"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/chaos")
+    add_transport_arguments(p, port=False)
     p.set_defaults(func=run_chaos)
 
 
@@ -87,7 +89,8 @@ def run_chaos(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
            "--layers", str(args.layers), "--steps", str(args.steps), "--strategy", "checkfree+", "--fallback",
            args.fallback, "--trace", str(out / "chaos_input.csv"), "--spares", str(args.spares),
-           "--chaos-recovery-kills", ",".join(map(str, rec)), "--out", str(out / "run"), "--eval-every", "0"]
+           "--chaos-recovery-kills", ",".join(map(str, rec)), "--out", str(out / "run"), "--eval-every", "0",
+           "--transport", args.transport]
     print(f"chaos: {len(trace)} SIGKILLs by trace + replacements killed during recovery at iterations {rec}")
     code = subprocess.run(cmd).returncode
     summary = tally(out / "run")

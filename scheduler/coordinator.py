@@ -24,10 +24,10 @@ from checkfree.export import save_export
 from checkfree.failures import FailureSchedule
 from checkfree.model import plan_stages
 from checkfree.pipeline import route
-from checkfree.net.transport import (RemoteError, TransportError, announce, live_members_async, start_transport,
-                                     stop_transport)
-from checkfree.protocol import (READY_COORDINATOR, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
-                                plan_to_wire, require)
+from checkfree.net.transport import (RemoteError, TransportError, announce, dht_maddrs, live_members_async,
+                                     rpc_note, start_transport, stop_transport)
+from checkfree.protocol import (READY_COORDINATOR, RPC, ProtocolError, Timeouts, coordinator_key, coordinator_record,
+                                members_key, plan_to_wire, require)
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
 from checkfree.rundir import RunWriter
 from checkfree.simulator import recovery_fields
@@ -58,6 +58,8 @@ class CoordinatorOptions:
     announce_maddrs: list[str] | None = None
     identity_path: str | None = None
     startup_timeout: float = 30.0
+    transport: str = "hivemind"  # RPC transport: hivemind (p2pd) or libp2p (py-libp2p); every peer must use the same
+    libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
     timeouts: Timeouts = field(default_factory=Timeouts)
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
@@ -563,7 +565,7 @@ class Coordinator:
         self._last_attempt = 0
         self.dht, self.transport = await start_transport(
             self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
-            self.opts.startup_timeout)
+            self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port)
         announcer = None
         status = "failed"
         summary: dict = {"steps": 0, "final_loss": math.nan, "final_val_loss": math.nan}
@@ -573,8 +575,9 @@ class Coordinator:
                 await self.transport.register(name, h)
             pid = str(self.transport.peer_id)
             announcer = asyncio.create_task(self._announce(pid))
-            addrs = [str(a) for a in await self.transport.p2p.get_visible_maddrs()]
-            print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={','.join(addrs)}", flush=True)
+            addrs = ",".join(await dht_maddrs(self.dht))
+            print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}{rpc_note(self.transport)}",
+                  flush=True)
             await self._fill_initial()
             summary = await self._train()
             if self.opts.save_final:
@@ -599,8 +602,8 @@ class Coordinator:
     async def _announce(self, pid: str) -> None:
         while True:
             try:
-                await announce(self.dht, coordinator_key(self.opts.run_id), "main", {"peer_id": pid},
-                               ttl=self.t.heartbeat_ttl * 3)
+                await announce(self.dht, coordinator_key(self.opts.run_id), "main",
+                               coordinator_record(pid, self.transport.kind), ttl=self.t.heartbeat_ttl * 3)
             except Exception as e:
                 log.warning("announcing the coordinator failed: %r", e)
             await asyncio.sleep(self.t.heartbeat_ttl)

@@ -30,16 +30,17 @@ async def export_live(opts: dict, output: Path) -> Path:
     from checkfree.config import config_from_dict
     from checkfree.export import save_export
     from checkfree.net.transport import TransportError, live_members_async, start_transport, stop_transport
-    from checkfree.protocol import RPC, coordinator_key
+    from checkfree.protocol import RPC, coordinator_from_records, coordinator_key
 
     t = opts["timeouts"]
     dht, transport = await start_transport(opts["initial_peers"], opts["host_maddrs"], opts["announce_maddrs"],
-                                           opts["identity_path"], opts["startup_timeout"])
+                                           opts["identity_path"], opts["startup_timeout"],
+                                           transport=opts["transport"], libp2p_port=opts["libp2p_port"])
     try:
         found = await live_members_async(dht, coordinator_key(opts["run_id"]))
-        if not found:
+        coord = coordinator_from_records(found, transport.kind, opts["run_id"])
+        if coord is None:
             raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT")
-        coord = next(iter(found.values()))["peer_id"]
         secret = load_secret(opts.get("secret_file"))
         if secret is not None:  # join as an observer; the token in every request lets the peers serve us
             me = str(transport.peer_id)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.auth import SECRET_ENV
-from checkfree.cli import add_run_arguments, config_from_args
+from checkfree.cli import add_run_arguments, add_transport_arguments, config_from_args
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.protocol import READY_COORDINATOR, READY_PEER
 
@@ -52,6 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the chosen replacement is killed during its recovery")
     p.add_argument("--dump-recovery", metavar="DIR", help="peers save the weights served and rebuilt in recoveries")
+    add_transport_arguments(p, port=False)
     p.set_defaults(func=run_local)
 
 
@@ -63,7 +64,7 @@ class SwarmOptions:
     threads_per_peer: int = 1
     ready_timeout: float = 120.0
     progress: bool = True
-    timeout_flags: list[str] = field(default_factory=list)
+    shared_flags: list[str] = field(default_factory=list)
     peer_flags: list[str] = field(default_factory=list)
     coordinator_flags: list[str] = field(default_factory=list)
 
@@ -130,7 +131,7 @@ class LocalSwarm:
         """Start a peer process; it becomes a standby once it has joined (no waiting here)."""
         self._n += 1
         proc = self._spawn(f"peer{self._n}", ["peer", "--run-id", self.opts.run_id, "--initial-peers", self.addr,
-                                              "--threads", str(self.opts.threads_per_peer), *self.opts.timeout_flags,
+                                              "--threads", str(self.opts.threads_per_peer), *self.opts.shared_flags,
                                               *self.opts.peer_flags])
         self.peers.append(proc)
         return proc
@@ -165,7 +166,7 @@ class LocalSwarm:
         o = self.opts
         self.coordinator = self._spawn("coordinator", [
             "scheduler", "--config", str(self.config_path), "--out", str(o.out), "--run-id", o.run_id,
-            "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.timeout_flags, *o.coordinator_flags])
+            "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.shared_flags, *o.coordinator_flags])
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
         cfg = json.loads(self.config_path.read_text())
@@ -220,6 +221,12 @@ class LocalSwarm:
 
 
 def run_local(args: argparse.Namespace) -> int:
+    from checkfree.net.transport import TransportError, check_transport
+
+    try:
+        check_transport(args.transport)  # before any process starts
+    except TransportError as e:
+        raise ValueError(str(e)) from e
     cfg = config_from_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,16 +248,17 @@ def run_local(args: argparse.Namespace) -> int:
     Timeouts(heartbeat_ttl=args.heartbeat_ttl, rpc_timeout=args.rpc_timeout, step_timeout=args.step_timeout,
              join_timeout=args.join_timeout)  # validate the hierarchy before any process starts
     flags = ["--heartbeat-ttl", str(args.heartbeat_ttl), "--rpc-timeout", str(args.rpc_timeout),
-             "--step-timeout", str(args.step_timeout), "--join-timeout", str(args.join_timeout)]
+             "--step-timeout", str(args.step_timeout), "--join-timeout", str(args.join_timeout),
+             "--transport", args.transport]
     run_id = args.run_id or f"local-{abs(hash(str(out.resolve()))) % 10**8}-{os.getpid()}"
     swarm = LocalSwarm(config_path, chaos_path, SwarmOptions(
         out=out, run_id=run_id, spares=args.spares, threads_per_peer=args.threads_per_peer,
-        ready_timeout=args.ready_timeout, progress=not args.no_progress, timeout_flags=flags,
+        ready_timeout=args.ready_timeout, progress=not args.no_progress, shared_flags=flags,
         peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
         coordinator_flags=(["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])))
     print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
-          f"logs in {out / 'logs'}", flush=True)
+          f"transport {args.transport}, logs in {out / 'logs'}", flush=True)
     try:
         code = swarm.run()
     finally:

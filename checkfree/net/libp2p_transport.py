@@ -28,8 +28,10 @@ Addresses: a peer is reachable once its multiaddr is known. ``t.maddrs`` lists t
 listen multiaddrs (``/ip4/127.0.0.1/tcp/PORT/p2p/<peer id>``) to hand to others. A caller can
 (a) pass such a full multiaddr string as ``peer_id`` to ``call`` (its address is remembered), (b)
 ``t.add_peer_address(maddr)`` once and then call by bare peer id, (c) ``await t.connect(maddr)`` to dial
-eagerly (also done for ``initial_peers`` at start), or (d) call back a peer that dialed us: an existing
-connection needs no address.
+eagerly (also done for ``initial_peers`` at start), (d) call back a peer that dialed us: an existing
+connection needs no address, or (e) set ``address_resolver``, asked once per peer called by bare id whose
+address is unknown (the runtime looks the address up in the hivemind DHT: see
+``checkfree.net.transport.start_transport``).
 
 Fixed ports: py-libp2p listens with SO_REUSEPORT (for hole punching), so a second libp2p host on the
 same fixed port does not fail to start; the kernel then splits incoming connections between both.
@@ -243,6 +245,8 @@ class Libp2pTransport:
     replying, waiting for the caller to close.
     """
 
+    kind = "libp2p"  # the --transport name
+
     def __init__(
         self,
         listen_maddrs: Sequence[str] = DEFAULT_LISTEN_MADDRS,
@@ -274,6 +278,10 @@ class Libp2pTransport:
         self._closed = False
         self._peer_id = ID.from_pubkey(self._key_pair.public_key).to_base58()
         self.maddrs: list[str] = []
+        self.extra_header: dict = {}  # merged into every request (e.g. the run membership token)
+        # asked for the addresses of a peer called by bare id when none are known (e.g. a DHT lookup)
+        self.address_resolver: Callable[[str], Awaitable[Sequence[str]]] | None = None
+        self.tasks: set[asyncio.Task] = set()  # asyncio tasks that live as long as the transport (cancelled at shutdown)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -353,6 +361,8 @@ class Libp2pTransport:
         """Unregister all handlers, close all connections and stop the trio thread (idempotent)."""
         if self._closed:
             return
+        for task in self.tasks:
+            task.cancel()
         for name in list(self._handlers):
             try:
                 await self.unregister(name)
@@ -597,9 +607,16 @@ class Libp2pTransport:
         for tensors/headers that cannot be encoded.
         """
         peer, addrs = self._target(peer_id)
+        if self.extra_header:
+            header = {**self.extra_header, **header}
         frames = encode_message(header, tensors)
+
+        async def exchange() -> bytearray:
+            known = await self._resolve(peer, addrs)
+            return await self._submit(self._t_call, peer, known, name, frames)
+
         try:
-            body = await asyncio.wait_for(self._submit(self._t_call, peer, addrs, name, frames), timeout)
+            body = await asyncio.wait_for(exchange(), timeout)
         except asyncio.TimeoutError:
             raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
         try:
@@ -609,6 +626,26 @@ class Libp2pTransport:
         if "error" in reply_header:
             raise RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]))
         return reply_header, reply_tensors
+
+    async def _resolve(self, peer: str, addrs: list[str]) -> list[str]:
+        """``addrs``, or, when no address of ``peer`` is known, what ``address_resolver`` finds (remembered).
+
+        A failed or empty lookup is not an error here: an existing connection (the peer dialed us) needs no
+        address, and without one the call fails with the usual "No known addresses" ``TransportError``.
+        """
+        if addrs or self.address_resolver is None:
+            return addrs
+        try:
+            found = await self.address_resolver(peer)
+        except Exception as e:  # noqa: BLE001 - the dial below reports the unreachable peer
+            logger.debug("address lookup of %s failed: %r", peer, e)
+            return addrs
+        for maddr in found:
+            try:
+                self.add_peer_address(str(maddr), peer)
+            except Exception as e:  # a malformed or foreign record: skip it
+                logger.debug("ignoring address %r found for %s: %r", maddr, peer, e)
+        return list(self._addresses.get(peer, ()))
 
     async def _t_open(self, peer: str, addrs: Sequence[str], name: str) -> Any:
         pid = self._t_remember(peer, addrs)

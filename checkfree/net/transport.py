@@ -32,6 +32,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from checkfree.net import TRANSPORTS
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PREFIX_BYTES,
@@ -42,15 +43,19 @@ from checkfree.net.wire import (
 )
 
 __all__ = [
+    "TRANSPORTS",
     "Handler",
     "RemoteError",
     "Transport",
     "TransportError",
     "TransportTimeout",
     "announce",
+    "check_transport",
+    "dht_maddrs",
     "heartbeat",
     "live_members",
     "live_members_async",
+    "rpc_note",
     "start_transport",
     "stop_transport",
 ]
@@ -58,6 +63,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[dict, list[torch.Tensor], PeerID], Awaitable[tuple[dict, Sequence[torch.Tensor]]]]
+
+RPC_ADDRS_TTL = 60.0  # libp2p: lifetime of a process's address record in the DHT (refreshed every ttl/3)
 
 WRITE_CHUNK_BYTES = 1 << 20
 WRITE_HIGH_WATER = 4 << 20
@@ -138,6 +145,8 @@ class Transport:
     server waits for a (possibly stalled) request body; ``linger_timeout`` bounds how long it keeps a
     stream open after replying, waiting for the caller to close.
     """
+
+    kind = "hivemind"  # the --transport name
 
     def __init__(
         self,
@@ -269,6 +278,65 @@ def _check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
     return peers
 
 
+def check_transport(kind: str) -> None:
+    """``TransportError`` for an unknown transport name, or for ``libp2p`` when py-libp2p cannot be imported."""
+    if kind not in TRANSPORTS:
+        raise TransportError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORTS)}")
+    if kind == "libp2p":
+        from checkfree.net.libp2p_transport import LIBP2P_IMPORT_ERROR
+
+        if LIBP2P_IMPORT_ERROR is not None:
+            raise TransportError(f"--transport libp2p needs py-libp2p, which cannot be imported "
+                                 f"({LIBP2P_IMPORT_ERROR}): pip install 'checkfree[libp2p]'")
+
+
+def rpc_addrs_key(peer_id: str) -> str:
+    """DHT key under which a libp2p-transport process publishes its RPC multiaddrs."""
+    return f"checkfree/rpc-addrs/{peer_id}"
+
+
+def _ips(maddrs: Sequence[str]) -> list[tuple[str, str]]:
+    """The distinct (ip4|ip6, address) pairs of ``maddrs``, in order."""
+    found = []
+    for m in maddrs:
+        for proto in ("ip4", "ip6"):
+            with contextlib.suppress(Exception):
+                found.append((proto, Multiaddr(str(m))[proto]))
+    return list(dict.fromkeys(found))
+
+
+async def _start_libp2p_rpc(dht: DHT, host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
+                            port: int, startup_timeout: float, max_message_bytes: int) -> Any:
+    """A ``Libp2pTransport`` beside the DHT: listens on the IPs of ``host_maddrs`` at TCP ``port`` (0: any),
+    publishes its multiaddrs in the DHT (the IPs of ``announce_maddrs`` if given, at the bound port) and
+    looks up the addresses of peers it calls there."""
+    from checkfree.net.libp2p_transport import start_libp2p_transport
+
+    listen = [f"/{proto}/{ip}/tcp/{port}" for proto, ip in _ips(host_maddrs)] or [f"/ip4/127.0.0.1/tcp/{port}"]
+    t = await start_libp2p_transport(listen, max_message_bytes=max_message_bytes, startup_timeout=startup_timeout)
+    try:
+        if announce_maddrs:
+            bound = Multiaddr(t.maddrs[0])["tcp"]
+            t.maddrs = [f"/{proto}/{ip}/tcp/{bound}/p2p/{t.peer_id}" for proto, ip in _ips(announce_maddrs)]
+        elif any(ip in ("0.0.0.0", "::") for _, ip in _ips(t.maddrs)):
+            logger.warning("libp2p transport listens on all interfaces but announces %s: remote peers cannot dial "
+                           "that; give --announce-maddrs with this machine's public address", t.maddrs)
+        key = rpc_addrs_key(t.peer_id)
+        if not await announce(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL):
+            raise TransportError("could not publish this process's libp2p addresses in the DHT")
+        t.tasks.add(asyncio.create_task(heartbeat(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL)))
+
+        async def resolve(peer_id: str) -> list[str]:
+            found = await live_members_async(dht, rpc_addrs_key(peer_id))
+            return [a for v in found.values() if isinstance(v, list) for a in v if isinstance(a, str)]
+
+        t.address_resolver = resolve
+    except BaseException:
+        await t.shutdown()
+        raise
+    return t
+
+
 async def start_transport(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
@@ -276,14 +344,19 @@ async def start_transport(
     identity_path: str | None = None,
     startup_timeout: float = 15.0,
     *,
+    transport: str = "hivemind",
+    libp2p_port: int = 0,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     **dht_kwargs: Any,
-) -> tuple[DHT, Transport]:
-    """Start a hivemind DHT (own process and p2pd) and a Transport on its P2P daemon.
+) -> tuple[DHT, Any]:
+    """Start a hivemind DHT (own process and p2pd) and an RPC transport: ``hivemind`` (a ``Transport`` on the
+    DHT's P2P daemon) or ``libp2p`` (a ``Libp2pTransport``, py-libp2p in a trio thread, listening on
+    ``libp2p_port``; its peer id is a different one than the DHT's, and the DHT carries its addresses).
 
     Fails within ~``startup_timeout`` (+ DHT bootstrap time) with an actionable ``TransportError`` when the
     daemon does not start or no initial peer can be reached. Stop with ``await stop_transport(dht, t)``.
     """
+    check_transport(transport)
     peers = _check_initial_peers(initial_peers)
     dht = DHT(
         initial_peers=peers or None,
@@ -316,14 +389,29 @@ async def start_transport(
             hint = "hivemind DHT failed to start"
         raise TransportError(f"{hint} ({type(e).__name__}: {text})") from e
     try:
-        p2p = await dht.replicate_p2p()
-    except Exception:
+        if transport == "libp2p":
+            return dht, await _start_libp2p_rpc(dht, host_maddrs, announce_maddrs, libp2p_port, startup_timeout,
+                                                max_message_bytes)
+        return dht, Transport(await dht.replicate_p2p(), max_message_bytes=max_message_bytes, owns_p2p=True)
+    except BaseException:
         dht.shutdown()
         raise
-    return dht, Transport(p2p, max_message_bytes=max_message_bytes, owns_p2p=True)
 
 
-async def stop_transport(dht: DHT, transport: Transport) -> None:
+async def dht_maddrs(dht: DHT) -> list[str]:
+    """The DHT's visible multiaddrs: what other processes pass as ``initial_peers``."""
+    return [str(m) for m in await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)]
+
+
+def rpc_note(transport: Any) -> str:
+    """The ready line's suffix naming a non-default RPC transport and its own addresses ("" for hivemind,
+    whose RPC shares the DHT's peer id and addresses)."""
+    if transport.kind == "hivemind":
+        return ""
+    return f" transport={transport.kind} rpc={','.join(transport.get_visible_maddrs())}"
+
+
+async def stop_transport(dht: DHT, transport: Any) -> None:
     """Shut down a pair created by ``start_transport`` (handlers, P2P replica, DHT process and its p2pd)."""
     try:
         await transport.shutdown()
