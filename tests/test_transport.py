@@ -368,3 +368,25 @@ def test_start_transport_dht_heartbeats_and_bad_bootstrap() -> None:
             await stop_transport(dht_a, t_a)
 
     asyncio.run(main())
+
+
+def test_coordinator_record_names_its_transport() -> None:
+    """A process of another --transport than the coordinator's gets a clear error instead of a hang."""
+    from checkfree.protocol import ProtocolError, coordinator_from_records, coordinator_record
+
+    found = {"main": coordinator_record("12D3KooWcoord", "libp2p")}
+    assert coordinator_from_records(found, "libp2p", "r") == "12D3KooWcoord"
+    assert coordinator_from_records({}, "libp2p", "r") is None
+    assert coordinator_from_records({"main": {"peer_id": "Qm"}}, "hivemind", "r") == "Qm"  # older records
+    with pytest.raises(ProtocolError, match="run 'r' uses --transport libp2p, this process --transport hivemind"):
+        coordinator_from_records(found, "hivemind", "r")
+
+
+def test_bad_transport_flag_is_a_clear_cli_error() -> None:
+    import sys
+
+    for command in ("peer", "scheduler", "local"):
+        proc = subprocess.run([sys.executable, "-m", "checkfree.cli", command, "--transport", "tcp"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert "argument --transport: invalid choice: 'tcp' (choose from 'hivemind', 'libp2p')" in proc.stderr
