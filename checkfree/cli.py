@@ -196,7 +196,8 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to listen (default loopback only; on a server: /ip4/0.0.0.0/tcp/31337)")
     g.add_argument("--announce-maddrs", nargs="*", metavar="MADDR",
                    help="public addresses to announce (behind NAT: the public IP and forwarded port)")
-    g.add_argument("--identity-path", help="file with this peer's private key (a stable peer id across restarts)")
+    g.add_argument("--identity-path", help="file with this peer's private key (a stable peer id across restarts; "
+                   "--transport libp2p keeps the RPC key in FILE.libp2p)")
     g.add_argument("--secret-file", help="file holding the run secret (or set $CHECKFREE_SECRET); without one "
                    "the swarm is open to anyone who can reach it")
     g.add_argument("--startup-timeout", type=float, default=30.0,

@@ -310,7 +310,7 @@ def test_hivemind_and_libp2p_coexist_in_one_process(first: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_start_transport_libp2p_finds_peers_through_the_dht() -> None:
+def test_start_transport_libp2p_finds_peers_through_the_dht(tmp_path) -> None:
     """`start_transport(transport="libp2p")`: RPC over py-libp2p beside the hivemind DHT, which carries each
     process's libp2p addresses, so a peer is called by its bare peer id; announce addresses are published."""
     from checkfree.net.transport import check_transport, dht_maddrs, live_members_async, rpc_addrs_key
@@ -319,11 +319,18 @@ def test_start_transport_libp2p_finds_peers_through_the_dht() -> None:
     with pytest.raises(TransportError, match="unknown transport 'carrier-pigeon'; choose one of hivemind, libp2p"):
         check_transport("carrier-pigeon")
 
+    key = tmp_path / "coordinator.key"
+    stable = Libp2pTransport(key_pair=lt.identity_key_pair(f"{key}.libp2p")).peer_id  # made and kept
+    (tmp_path / "bad.libp2p").write_bytes(b"not a key")
+    with pytest.raises(TransportError, match="cannot read the libp2p identity"):
+        lt.identity_key_pair(str(tmp_path / "bad.libp2p"))
+
     async def main() -> None:
-        dht_a, a = await start_transport(startup_timeout=30, transport="libp2p")
+        dht_a, a = await start_transport(startup_timeout=30, transport="libp2p", identity_path=str(key))
         dht_b = b = None
         try:
-            assert a.kind == "libp2p" and a.peer_id not in str(dht_a.peer_id)  # its own identity, not the DHT's
+            assert a.kind == "libp2p" and a.peer_id == stable  # its own identity, not the DHT's
+            assert a.peer_id != str(dht_a.peer_id)
             dht_b, b = await start_transport(await dht_maddrs(dht_a), ["/ip4/0.0.0.0/tcp/0"], ["/ip4/127.0.0.1/tcp/9"],
                                              startup_timeout=30, transport="libp2p")
             (visible,) = b.get_visible_maddrs()  # the announced IP at the port actually bound

@@ -52,6 +52,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -75,6 +76,7 @@ __all__ = [
     "RemoteError",
     "TransportError",
     "TransportTimeout",
+    "identity_key_pair",
     "protocol_id",
     "start_libp2p_transport",
 ]
@@ -122,6 +124,8 @@ try:
     import multiaddr
     import trio
     from libp2p import generate_new_ed25519_identity, new_host
+    from libp2p.crypto.ed25519 import Ed25519PrivateKey
+    from libp2p.crypto.keys import KeyPair
     from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
     from libp2p.peer.id import ID
     from libp2p.peer.peerstore import PERMANENT_ADDR_TTL
@@ -131,6 +135,20 @@ try:
     LIBP2P_IMPORT_ERROR: ImportError | None = None
 except ImportError as _e:  # optional dependency: pip install 'checkfree[libp2p]'
     LIBP2P_IMPORT_ERROR = _e
+
+
+def identity_key_pair(path: str) -> Any:
+    """The ed25519 key pair kept in file ``path`` (made there, mode 0600, if missing): a stable peer id."""
+    try:
+        with open(path, "rb") as f:
+            private = Ed25519PrivateKey.from_bytes(f.read())
+    except FileNotFoundError:
+        private = generate_new_ed25519_identity().private_key
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(private.to_bytes())
+    except Exception as e:
+        raise TransportError(f"cannot read the libp2p identity in {path}: {type(e).__name__}: {e}") from e
+    return KeyPair(private, private.get_public_key())
 
 
 def protocol_id(name: str) -> str:

@@ -306,14 +306,18 @@ def _ips(maddrs: Sequence[str]) -> list[tuple[str, str]]:
 
 
 async def _start_libp2p_rpc(dht: DHT, host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
-                            port: int, startup_timeout: float, max_message_bytes: int) -> Any:
+                            identity_path: str | None, port: int, startup_timeout: float,
+                            max_message_bytes: int) -> Any:
     """A ``Libp2pTransport`` beside the DHT: listens on the IPs of ``host_maddrs`` at TCP ``port`` (0: any),
     publishes its multiaddrs in the DHT (the IPs of ``announce_maddrs`` if given, at the bound port) and
-    looks up the addresses of peers it calls there."""
-    from checkfree.net.libp2p_transport import start_libp2p_transport
+    looks up the addresses of peers it calls there. With ``identity_path``, its key is kept in
+    ``<identity_path>.libp2p`` (a stable peer id across restarts)."""
+    from checkfree.net.libp2p_transport import identity_key_pair, start_libp2p_transport
 
     listen = [f"/{proto}/{ip}/tcp/{port}" for proto, ip in _ips(host_maddrs)] or [f"/ip4/127.0.0.1/tcp/{port}"]
-    t = await start_libp2p_transport(listen, max_message_bytes=max_message_bytes, startup_timeout=startup_timeout)
+    key_pair = identity_key_pair(f"{identity_path}.libp2p") if identity_path else None
+    t = await start_libp2p_transport(listen, max_message_bytes=max_message_bytes, startup_timeout=startup_timeout,
+                                     key_pair=key_pair)
     try:
         if announce_maddrs:
             bound = Multiaddr(t.maddrs[0])["tcp"]
@@ -351,7 +355,8 @@ async def start_transport(
 ) -> tuple[DHT, Any]:
     """Start a hivemind DHT (own process and p2pd) and an RPC transport: ``hivemind`` (a ``Transport`` on the
     DHT's P2P daemon) or ``libp2p`` (a ``Libp2pTransport``, py-libp2p in a trio thread, listening on
-    ``libp2p_port``; its peer id is a different one than the DHT's, and the DHT carries its addresses).
+    ``libp2p_port``; its peer id is a different one than the DHT's, kept in ``<identity_path>.libp2p`` when
+    ``identity_path`` is given, and the DHT carries its addresses).
 
     Fails within ~``startup_timeout`` (+ DHT bootstrap time) with an actionable ``TransportError`` when the
     daemon does not start or no initial peer can be reached. Stop with ``await stop_transport(dht, t)``.
@@ -390,8 +395,8 @@ async def start_transport(
         raise TransportError(f"{hint} ({type(e).__name__}: {text})") from e
     try:
         if transport == "libp2p":
-            return dht, await _start_libp2p_rpc(dht, host_maddrs, announce_maddrs, libp2p_port, startup_timeout,
-                                                max_message_bytes)
+            return dht, await _start_libp2p_rpc(dht, host_maddrs, announce_maddrs, identity_path, libp2p_port,
+                                                startup_timeout, max_message_bytes)
         return dht, Transport(await dht.replicate_p2p(), max_message_bytes=max_message_bytes, owns_p2p=True)
     except BaseException:
         dht.shutdown()
