@@ -1,15 +1,28 @@
-"""Echo throughput: checkfree.net.transport (hivemind P2P binary streams) vs a raw asyncio TCP socket on loopback.
+"""Echo throughput of the runtime's RPC paths (--transport hivemind, libp2p) vs a raw TCP socket on loopback.
 
 Each round sends one float32 tensor and gets it echoed back; the paths are interleaved per round:
-``Transport.call`` (wire format, one libp2p stream per call), hivemind's bare ``send_raw_data`` /
-``receive_raw_data`` on a stream (the floor of anything that goes through p2pd), a persistent
-length-prefixed asyncio TCP connection, and, when py-libp2p is installed (``pip install
-'checkfree[libp2p]'``; ``--no-libp2p`` skips it), ``Libp2pTransport.call`` (checkfree.net.libp2p_transport:
-py-libp2p TCP + noise + yamux in a trio thread, same wire format, one yamux stream per call). Both p2pd
-daemons, both libp2p hosts and all ends run on this one machine.
+``Transport.call`` (the ``--transport hivemind`` runtime path: wire format, one p2pd stream per call),
+hivemind's bare ``send_raw_data`` / ``receive_raw_data`` on a stream (the floor of anything that goes
+through p2pd), a persistent length-prefixed asyncio TCP connection, and, when py-libp2p is installed
+(``pip install 'checkfree[libp2p]'``; ``--no-libp2p`` skips it), ``Libp2pTransport.call`` (the
+``--transport libp2p`` runtime path, checkfree.net.libp2p_transport: py-libp2p TCP + noise + yamux in a
+trio thread, same wire format, one yamux stream per call; the runtime looks a peer's address up in the
+DHT once, before its first call, which is not timed here). Both p2pd daemons, both libp2p hosts and all
+ends run on this one machine.
 
-Latest results (2-core VM, torch 2.13 CPU, hivemind 1.1.12, libp2p 0.8.1 with protobuf 6.33.6;
-load average 5-7.5 from other jobs during both runs, so every column is lower than in quieter runs):
+Latest results (2-core VM, torch 2.13 CPU, hivemind 1.1.12, libp2p 0.8.1 with protobuf 6.33.6; load
+average 9.7 at the start, 9.1 at the end, from other jobs):
+
+    python -m benchmarks.transport        # --sizes 1 4 16 64 --reps 7
+
+    | payload MiB | hivemind transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | ratio hivemind/raw | libp2p transport MiB/s | ratio libp2p/raw |
+    |---|---|---|---|---|---|---|
+    | 1 | 179 | 209 | 1173 | 0.15 | 20 | 0.02 |
+    | 4 | 253 | 209 | 623 | 0.41 | 45 | 0.07 |
+    | 16 | 273 | 225 | 408 | 0.67 | 46 | 0.11 |
+    | 64 | 213 | 90 | 113 | 1.88 | 32 | 0.28 |
+
+Earlier runs (load average 5-7.5 during both, columns named "transport" / "libp2p" then):
 
     cd /work/main && python -m benchmarks.transport        # --sizes 1 4 16 64 --reps 7
 
@@ -219,8 +232,9 @@ def main() -> None:
     libp2p = HAVE_LIBP2P and not args.no_libp2p
     rows = asyncio.run(run(args.sizes, args.reps, libp2p=libp2p))
     print("MiB/s = 2 x payload MiB / median round-trip time (payload sent and echoed back)")
-    extra = " libp2p MiB/s | ratio libp2p/raw |" if libp2p else ""
-    print(f"| payload MiB | transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | ratio transport/raw |{extra}")
+    extra = " libp2p transport MiB/s | ratio libp2p/raw |" if libp2p else ""
+    print(f"| payload MiB | hivemind transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | "
+          f"ratio hivemind/raw |{extra}")
     print("|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
     for mb, rt, hm, raw, lp in rows:
         tail = f" {lp:.0f} | {lp / raw:.2f} |" if lp is not None else ""
