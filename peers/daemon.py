@@ -1,4 +1,4 @@
-"""The peer daemon: hosts one stage and serves forward/backward over hivemind P2P.
+"""The peer daemon: hosts one stage and serves forward/backward over P2P RPC (hivemind or py-libp2p).
 
 Lifecycle: start the DHT + P2P transport and print the ready line; find the run's
 coordinator in the DHT and join (the coordinator answers with the run's config); wait as
@@ -77,7 +77,7 @@ class PeerOptions:
     announce_maddrs: list[str] | None = None
     identity_path: str | None = None
     startup_timeout: float = 30.0
-    transport: str = "hivemind"  # RPC transport: hivemind (p2pd) or libp2p (py-libp2p); the coordinator's
+    transport: str = "hivemind"  # RPC transport: hivemind (p2pd) or libp2p (py-libp2p); must be the coordinator's
     libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
     device: str | None = None  # overrides the run's device for this peer
     threads: int | None = None  # torch intra-op threads

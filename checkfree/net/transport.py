@@ -13,6 +13,10 @@ request; the server lingers until the caller closes so that no reply bytes are l
 
 Membership helpers (``announce``, ``heartbeat``, ``live_members``) store DHT sub-keys with an expiry:
 an entry disappears ~ttl seconds after its owner stops refreshing it.
+
+``start_transport(..., transport="libp2p")`` keeps the DHT but serves RPC with
+``checkfree.net.libp2p_transport.Libp2pTransport`` (same interface) instead: each process publishes its
+libp2p multiaddrs under ``rpc_addrs_key(peer_id)`` and looks a peer's up there before its first call.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ __all__ = [
     "heartbeat",
     "live_members",
     "live_members_async",
+    "rpc_addrs_key",
     "rpc_note",
     "start_transport",
     "stop_transport",
