@@ -134,6 +134,8 @@ class PeerDaemon:
         self._seq = 0
         self._pump: asyncio.Task | None = None
         self._finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
+        self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
+        self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
 
     # ---- helpers ---------------------------------------------------------------------
     async def compute(self, fn, *args, priority: int = 1):
@@ -267,6 +269,7 @@ class PeerDaemon:
                     RPC.FETCH_SNAPSHOT: self._on_fetch_snapshot, RPC.RESTORE: self._on_restore,
                     RPC.GET_STATE: self._on_get_state,
                     RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown}
+        await self.transport.register(RPC.ADOPT, self._on_adopt)  # authorizes the new coordinator itself
         control = {RPC.ASSIGN, RPC.RUN_STEP, RPC.COMMIT, RPC.ABORT, RPC.SNAPSHOT, RPC.RESTORE, RPC.SHUTDOWN}
         for name, handler in handlers.items():
             if name != RPC.PING:
@@ -326,14 +329,28 @@ class PeerDaemon:
         return task.result()
 
     async def _join(self) -> None:
-        self.coordinator = await self._find_coordinator()
-        if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
-            return
         me = str(self.transport.peer_id)
         request = {"run": self.opts.run_id, "peer_id": me}
         if self.secret is not None:
             request["token"] = join_token(self.secret, self.opts.run_id, me)
-        header, _ = await self.transport.call(self.coordinator, RPC.JOIN, request, timeout=self.t.rpc_timeout)
+        deadline = time.monotonic() + self.t.join_timeout
+        while True:
+            self.coordinator = await self._find_coordinator()
+            if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
+                return
+            try:
+                header, _ = await self.transport.call(self.coordinator, RPC.JOIN, request, timeout=self.t.rpc_timeout)
+                break
+            except (TransportError, asyncio.TimeoutError, OSError, RemoteError) as e:
+                # the DHT may still name a coordinator that died (its record outlives it by up to
+                # 3 heartbeat TTLs), or a new one may still be taking over: look again
+                retry = not isinstance(e, RemoteError) or "taking over" in str(e)
+                if not retry or time.monotonic() > deadline:
+                    raise
+                log.info("joining coordinator %s failed (%s); looking for the coordinator again", self.coordinator, e)
+                self.coordinator = None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 1.0)
         if self.secret is not None and not verify(
                 coordinator_proof(self.secret, self.opts.run_id, self.coordinator, me), header.get("proof")):
             raise TransportError(f"the coordinator {self.coordinator} found in the DHT failed authentication: "
@@ -432,6 +449,7 @@ class PeerDaemon:
             raise ProtocolError(f"unknown assign mode {header['mode']!r}")
         self.worker = worker
         self.omega = reply.pop("omega", 0.0)
+        self.next_step = header.get("step", 0) if isinstance(header.get("step", 0), int) else 0
         self.state = PeerState.SERVING
         reply["assign_s"] = time.perf_counter() - t0
         log.info("serving stage %d (%s)", stage, header["mode"])
@@ -581,6 +599,7 @@ class PeerDaemon:
             self.omega = await self.compute(self._load_bytes, self.worker, blob)
         self._set_run(None)
         self._finished = None
+        self.next_step = header["step"]
         return {"ok": True}, []
 
     async def _on_get_weights(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
@@ -806,6 +825,9 @@ class PeerDaemon:
         if not stats.skipped:
             rc = self.cfg.recovery
             self.omega = omega(stats.grad_norm_pre, stats.grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
+        self.next_step = run.step + 1
+        self.last_commit = {"step": run.step, "losses": {str(k): v for k, v in run.losses.items()},
+                            "lr": stats.lr, "post": stats.grad_norm_post, "bytes_sent": run.bytes_sent}
         self._set_run(None)
         return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "lr": stats.lr,
                 "skipped": stats.skipped, "omega": self.omega, "stage": self.stage,
@@ -815,15 +837,56 @@ class PeerDaemon:
     async def _on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         self._check_coordinator(peer, RPC.ABORT)
+        await self._drop_run("aborted by the coordinator")
+        return {"ok": True}, []
+
+    async def _drop_run(self, reason: str) -> None:
+        """End the current step attempt here: its tasks, activations and gradients are dropped."""
         run = self.run_state
         if run is not None:
-            run.fail("aborted by the coordinator")
+            run.fail(reason)
             for task in list(run.tasks):
                 task.cancel()
         self._set_run(None)
         if self.worker is not None:
             await self.compute(self.worker.drop_inflight)
-        return {"ok": True}, []
+
+    async def _on_adopt(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """A new coordinator takes over the run. Accepted only if it proves it holds the run
+        secret (when there is one) and this peer's current coordinator no longer answers (no
+        split brain: a live coordinator keeps its peers). An unfinished step is dropped; a
+        finished one is kept so that the new coordinator can commit it if other stages
+        already did. The reply is everything the coordinator needs to rebuild its state."""
+        self._check_run(header)
+        new, me = str(peer), str(self.transport.peer_id)
+        if self.secret is not None and not verify(coordinator_proof(self.secret, self.opts.run_id, new, me),
+                                                  header.get("proof")):
+            raise ProtocolError(f"peer {new} is not authorized to coordinate this run (no valid coordinator proof)")
+        old = self.coordinator
+        if old is not None and old != new:
+            try:
+                await self.transport.call(old, RPC.STATUS, {"run": self.opts.run_id}, timeout=self.t.rpc_timeout)
+            except (TransportError, asyncio.TimeoutError, OSError):
+                pass  # gone: the takeover may proceed
+            except RemoteError:  # it answers, if only with an error: alive
+                raise ProtocolError(f"coordinator {old} of run {self.opts.run_id!r} is alive; takeover by {new} "
+                                    "refused") from None
+            else:
+                raise ProtocolError(f"coordinator {old} of run {self.opts.run_id!r} is alive; takeover by {new} refused")
+        run = self.run_state
+        if run is not None and (not run.done.is_set() or run.error is not None or run.evaluate):
+            await self._drop_run("dropped: the coordinator changed")
+            run = None
+        self.coordinator = new
+        log.info("coordinator %s took over run %s (previous: %s)", new, self.opts.run_id, old)
+        return {"stage": self.stage, "state": self.state.value, "next_step": self.next_step, "omega": self.omega,
+                "config": self.cfg.to_json() if self.cfg is not None else None,
+                "ready": None if run is None else {"step": run.step, "attempt": run.attempt,
+                                                   "losses": {str(k): v for k, v in run.losses.items()},
+                                                   "bytes_sent": run.bytes_sent},
+                "finished": list(self._finished) if self._finished is not None else None,
+                "last_commit": self.last_commit,
+                "snapshots": {str(k): v[0] for k, v in self.snapshots.items()}}, []
 
     async def _on_ping(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
