@@ -35,13 +35,14 @@ from checkfree.data import TokenData, build_data
 from checkfree.net.transport import (RemoteError, Transport, TransportError, announce, live_members_async,
                                      start_transport, stop_transport)
 from checkfree.net.wire import check_finite
-from checkfree.pipeline import Hop, edge_holders, route
+from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
 from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_key, members_key,
                                 plan_from_wire, require)
-from checkfree.recovery import omega, rebuild_stage
+from checkfree.recovery import omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, verify
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
-from checkfree.strategies.state import capture_worker, restore_worker
+from checkfree.strategies.state import (capture_worker, optim_from_wire, optim_to_wire, restore_worker,
+                                        state_nbytes)
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.worker import StageWorker, resolve_device
 
@@ -79,7 +80,7 @@ class PeerOptions:
     startup_timeout: float = 30.0
     device: str | None = None  # overrides the run's device for this peer
     threads: int | None = None  # torch intra-op threads
-    dump_dir: str | None = None  # debugging/tests: save weights served and rebuilt during recoveries
+    dump_dir: str | None = None  # debugging/tests: weights served and rebuilt in recoveries, final state
     secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
     leave_deadline: float = 30.0  # SIGTERM: how long to wait for a lossless handover before leaving
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -466,14 +467,23 @@ class PeerDaemon:
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path / f"{name}.safetensors"))
         (path / f"{name}.json").write_text(json.dumps(meta))
 
-    async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float]:
+    def _dump_final(self) -> None:
+        """--dump-recovery: the weights and Adam state this stage ends the run with."""
+        keys, tensors = optim_to_wire(self.worker.optimizer_state())
+        self._dump(f"final-stage{self.stage}", self.worker.state_dict(), {"omega": self.omega})
+        self._dump(f"final-stage{self.stage}-optim", {"/".join(k): t for k, t in zip(keys, tensors)},
+                   {"lr_scale": self.worker.lr_scale})
+
+    async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
+        """A live stage's weights of `part`, its omega, and (for a component) its Adam state."""
         h, ts = await self.transport.call(peer_id, RPC.GET_WEIGHTS,
                                           {"run": self.opts.run_id, "part": part, "step": step},
                                           timeout=self.t.rpc_timeout)
-        keys = h["keys"]
-        if len(keys) != len(ts):
-            raise ProtocolError(f"weights reply has {len(keys)} keys but {len(ts)} tensors")
-        return dict(zip(keys, ts)), float(h["omega"])
+        keys, okeys = h["keys"], h.get("optim", [])
+        if not isinstance(okeys, list) or len(keys) + len(okeys) != len(ts):
+            raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
+                                f"but {len(ts)} tensors")
+        return dict(zip(keys, ts)), float(h["omega"]), optim_from_wire(okeys, ts[len(keys):])
 
     async def _recover(self, worker: StageWorker, header: dict) -> dict:
         """Pull the sources' weights and norms, apply the library's rebuild, reset the optimizer."""
@@ -481,19 +491,17 @@ class PeerDaemon:
         plan = plan_from_wire(header["plan"])
         peers = {int(k): v for k, v in header["sources"].items()}
         t0 = time.perf_counter()
-        blocks, norms, edges = {}, {}, {}
-        nbytes = 0
+        blocks, norms, edges, edge_optim = {}, {}, {}, {}
         for s in plan.sources:
-            blocks[s], norms[s] = await self._fetch(peers[s], "blocks", header["step"])
+            blocks[s], norms[s], _ = await self._fetch(peers[s], "blocks", header["step"])
         for comp, s in plan.edge_sources.items():
-            edges[comp], _ = await self._fetch(peers[s], comp, header["step"])
-        for sd in [*blocks.values(), *edges.values()]:
-            nbytes += sum(t.numel() * t.element_size() for t in sd.values())
+            edges[comp], _, edge_optim[comp] = await self._fetch(peers[s], comp, header["step"])
+        nbytes = state_nbytes([*blocks.values(), *edges.values(), *edge_optim.values()])
         t1 = time.perf_counter()
         rc = self.cfg.recovery
         state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
                                       seed=self.cfg.train.seed + header["step"], std=self.cfg.model.init_std)
-        await self.compute(worker.load_recovered, state, rc.lr_scale)
+        await self.compute(worker.load_recovered, state, rc.lr_scale, recovered_optimizer_state(plan, edge_optim))
         t2 = time.perf_counter()
         reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
                  "norms": [norms[s] for s in plan.sources], "transfer_s": t1 - t0, "rebuild_s": t2 - t1,
@@ -617,8 +625,12 @@ class PeerDaemon:
             raise ProtocolError(f"stage {self.stage} holds no {part!r} weights")
         if isinstance(header.get("step"), int):
             self._dump(f"served-step{header['step']}-stage{self.stage}-{part}", dict(items), {"omega": self.omega})
-        return ({"keys": [k for k, _ in items], "omega": self.omega, "stage": self.stage},
-                [v for _, v in items])
+        reply = {"keys": [k for k, _ in items], "omega": self.omega, "stage": self.stage}
+        tensors = [v for _, v in items]
+        if part in COMPONENTS:  # a replica is recovered exactly: its Adam state comes with it
+            reply["optim"], optim = optim_to_wire(await self.compute(self.worker.optimizer_state, part + "."))
+            tensors += optim
+        return reply, tensors
 
     # ---- steps -----------------------------------------------------------------------
     def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
@@ -897,5 +909,7 @@ class PeerDaemon:
         if self.coordinator is not None and str(peer) != self.coordinator:
             raise ProtocolError("only the run's coordinator may shut this peer down")
         self.coordinator = None  # no leave announcement needed: the coordinator asked
+        if self.worker is not None and self.opts.dump_dir:
+            await self.compute(self._dump_final)
         asyncio.get_running_loop().call_later(0.1, self.stop.set)
         return {"ok": True}, []

@@ -51,7 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
     p.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the chosen replacement is killed during its recovery")
-    p.add_argument("--dump-recovery", metavar="DIR", help="peers save the weights served and rebuilt in recoveries")
+    p.add_argument("--dump-recovery", metavar="DIR",
+                   help="peers save the weights served and rebuilt in recoveries, and their final state")
     p.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
                    help="SIGKILL the coordinator once it has finished step STEP-1 (coordinator failover test)")
     p.add_argument("--coordinator-failover", choices=("standby", "restart"), default="standby",
