@@ -27,12 +27,13 @@ from checkfree.pipeline import Hop
 from checkfree.recovery import RecoveryPlan
 
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
-           "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "coordinator_record",
-           "coordinator_from_records"]
+           "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
+           "coordinator_record", "coordinator_from_records"]
 
 DHT_PREFIX = "checkfree"
 READY_PEER = "peer ready:"
 READY_COORDINATOR = "coordinator ready:"
+READY_STANDBY = "coordinator standby:"
 
 
 class RPC:
@@ -52,6 +53,7 @@ class RPC:
     FETCH_SNAPSHOT = "cf.fetch_snapshot"  # hand a held snapshot to a replacement
     RESTORE = "cf.restore"  # roll back to a snapshot (own memory or storage) or to the initial state
     GET_STATE = "cf.get_state"  # full state now (weights + optimizer): a leaving peer's lossless handover
+    ADOPT = "cf.adopt"  # a new coordinator takes over the run (the old one is gone): report this peer's state
     PING = "cf.ping"
     SHUTDOWN = "cf.shutdown"
     # served by the coordinator

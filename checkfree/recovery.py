@@ -8,7 +8,9 @@ CheckFree (intermediate stage i, neighbours i-1 and i+1, their gradient norms om
     W_i = (a * W_{i+1} + b * W_{i-1}) / (a + b),   a = omega_{i+1} + eps,  b = omega_{i-1} + eps
 
 CheckFree+ additionally recovers stage 0 by copying stage 1's blocks and stage S-1 by
-copying stage S-2's, and restores the embedding / head exactly from their replicas.
+copying stage S-2's, and restores the embedding / head exactly from their replicas —
+weights (`rebuild_stage`) and Adam state (`recovered_optimizer_state`), so the replacement
+continues the replica's steps exactly. The recovery LR scale is for the rebuilt blocks only.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "RecoveryPlan",
     "plan_recovery",
     "rebuild_stage",
+    "recovered_optimizer_state",
     "is_finite_state",
 ]
 
@@ -281,6 +284,21 @@ def _with_edges(plan: RecoveryPlan, template: Mapping[str, Tensor], state: State
         else:
             state.update(random_init({k: template[k] for k in keys}, seed=derive_seed(seed, "recovery", comp), std=std))
     return state
+
+
+def recovered_optimizer_state(plan: RecoveryPlan, edge_optim: Mapping[str, Mapping[str, Mapping[str, Tensor]]]
+                              ) -> dict[str, dict[str, Tensor]]:
+    """The optimizer state the rebuilt stage starts with, by parameter name: each component
+    copied from a live replica takes that replica's Adam state exactly (moments and step
+    count); everything else starts fresh (no entry). edge_optim: per component of
+    `plan.edge_sources`, the holder's state of that component's parameters."""
+    out: dict[str, dict[str, Tensor]] = {}
+    for comp in plan.edge_sources:
+        for name, st in edge_optim[comp].items():
+            if not name.startswith(comp + "."):
+                raise ValueError(f"optimizer state of {name!r} sent as part of the {comp!r} replica")
+            out[name] = {k: v.detach().clone() for k, v in st.items()}
+    return out
 
 
 def is_finite_state(state: Mapping[str, Tensor]) -> bool:

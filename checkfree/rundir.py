@@ -37,10 +37,20 @@ class RunWriter:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(config_json)
         mode = "a" if resume else "w"
+        if resume:
+            for name in ("metrics.jsonl", "events.jsonl"):
+                _drop_partial_line(self.out / name)
         self._metrics = open(self.out / "metrics.jsonl", mode, buffering=1)
         self._events = open(self.out / "events.jsonl", mode, buffering=1)
         self.counts = {"failures": 0, "recoveries": 0, "fallbacks": 0}
         self.started = time.time()
+
+    def restore_counts(self) -> None:
+        """Resuming a run directory: count the failures/recoveries/fallbacks already logged."""
+        for e in read_jsonl(self.out / "events.jsonl"):
+            key = {"failure": "failures", "recovery": "recoveries", "fallback": "fallbacks"}.get(e.get("event"))
+            if key:
+                self.counts[key] += 1
 
     def metric(self, record: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(_clean(record)) + "\n")
@@ -60,6 +70,15 @@ class RunWriter:
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
+
+
+def _drop_partial_line(path: Path) -> None:
+    """A process killed mid-write can leave a cut last line; appending after it would corrupt the next."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -137,13 +137,17 @@ class SimContext:
     def norm(self, stage: int) -> float:
         return self.sim.norms[stage]
 
+    def optimizer_state(self, stage: int, comp: str) -> dict[str, dict[str, torch.Tensor]]:
+        return self.sim.workers[stage].optimizer_state(comp + ".")
+
     def template(self, stage: int) -> StateDict:
         self._fresh[stage] = self.sim.new_worker(stage)
         return self._fresh[stage].state_dict()
 
-    def load_recovered(self, stage: int, state: StateDict, lr_scale: float) -> None:
+    def load_recovered(self, stage: int, state: StateDict, lr_scale: float,
+                       optim: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         fresh = self._fresh.pop(stage, None) or self.sim.new_worker(stage)
-        fresh.load_recovered(state, lr_scale)
+        fresh.load_recovered(state, lr_scale, optim)
         self.sim.workers[stage] = fresh
         self.sim.norms[stage] = 0.0
 

@@ -9,11 +9,16 @@ Under CheckFree+ the embedding and head are shared by two holders; they are clip
 their own groups so that both holders, applying the same summed gradient, take
 bit-identical steps. omega (the norm CheckFree weights by) is the norm of the stage's
 main group: its blocks, plus in plain mode its own embedding / head.
+
+The same groups are the optimizer's parameter groups. Only "main" takes a recovered
+stage's LR scale: a replicated component is recovered exactly, with its partner's Adam
+state (`load_recovered(..., optim=...)`), and must keep taking the partner's steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 
@@ -98,21 +103,61 @@ class StageWorker:
         """Forget one microbatch's saved activations (it will be recomputed)."""
         self._saved.pop(key, None)
 
+    def named_groups(self) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+        """(name, parameter) per group: "main" (clipped for omega, LR x lr_scale after a
+        recovery) and, under CheckFree+, each replicated component held here."""
+        named = list(self.module.named_parameters())
+        if not self.plus:
+            return {"main": named}
+        groups = {"main": [(n, p) for n, p in named if n.startswith("blocks.")]}
+        for comp in self.components:
+            groups[comp] = [(n, p) for n, p in named if n.startswith(comp + ".")]
+        return groups
+
+    @property
+    def param_names(self) -> list[str]:
+        """Parameter names in the optimizer's index order."""
+        return [n for group in self.named_groups().values() for n, _ in group]
+
     def _new_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train
-        return torch.optim.Adam(self.module.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        groups = [{"params": [p for _, p in g], "name": name} for name, g in self.named_groups().items()]
+        return torch.optim.Adam(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
     def clip_groups(self) -> dict[str, list[torch.nn.Parameter]]:
         """Parameter groups clipped separately; "main" gives omega."""
-        m = self.module
-        if not self.plus:
-            return {"main": list(m.parameters())}
-        groups = {"main": list(m.blocks.parameters())}
-        if m.embed is not None:
-            groups["embed"] = list(m.embed.parameters())
-        if m.head is not None:
-            groups["head"] = list(m.head.parameters())
-        return groups
+        return {name: [p for _, p in g] for name, g in self.named_groups().items()}
+
+    def optimizer_state(self, prefix: str = "") -> dict[str, dict[str, Tensor]]:
+        """A copy of the Adam state of the parameters whose names start with `prefix`, by name."""
+        names = self.param_names
+        return {names[i]: copy.deepcopy(st) for i, st in self.optimizer.state_dict()["state"].items()
+                if names[i].startswith(prefix)}
+
+    def load_optimizer_state(self, state: dict[str, dict[str, Tensor]], groups: list[dict] | None = None) -> None:
+        """Replace the Adam state by `state` (by parameter name; a parameter not named has
+        none), and the groups' hyperparameters by `groups` (matched by name). Copies: the
+        given tensors are never updated in place."""
+        params = dict(self.module.named_parameters())
+        for name, st in state.items():
+            if name not in params:
+                raise ValueError(f"optimizer state for {name!r}, which stage {self.index} does not have")
+            for field_name, v in st.items():
+                if not isinstance(v, Tensor):
+                    raise ValueError(f"optimizer state {name}.{field_name} is a {type(v).__name__}, not a tensor")
+                if v.ndim and v.shape != params[name].shape:
+                    raise ValueError(f"optimizer state {name}.{field_name} has shape {tuple(v.shape)}, "
+                                     f"expected {tuple(params[name].shape)}")
+                if not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"optimizer state {name}.{field_name} is not finite")
+        sd = self.optimizer.state_dict()
+        saved = {g.get("name", "main"): g for g in groups or []}
+        for g in sd["param_groups"]:
+            g.update({k: v for k, v in saved.get(g["name"], saved.get("main", {})).items() if k != "params"})
+        # deepcopy: Optimizer.load_state_dict keeps same-dtype tensors as they are, and Adam
+        # updates them in place, which would corrupt the caller's copy
+        sd["state"] = {i: copy.deepcopy(state[n]) for i, n in enumerate(self.param_names) if n in state}
+        self.optimizer.load_state_dict(sd)
 
     def _autocast(self):
         if self.cfg.train.autocast_bf16:
@@ -175,8 +220,8 @@ class StageWorker:
     def step(self, step: int) -> StepStats:
         """Clip each group, apply Adam, and report the main group's gradient norms."""
         lr = lr_at(self.cfg, step) * self.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # a replicated component keeps its partner's LR
+            group["lr"] = lr if group["name"] == "main" else lr_at(self.cfg, step)
         stats = {}
         for name, params in self.clip_groups().items():
             grads = [p.grad for p in params if p.grad is not None]
@@ -196,10 +241,15 @@ class StageWorker:
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach() for k, v in self.module.state_dict().items()}
 
-    def load_recovered(self, state: dict[str, Tensor], lr_scale: float) -> None:
-        """Take a rebuilt state, with a fresh optimizer at LR x lr_scale (not compounding)."""
+    def load_recovered(self, state: dict[str, Tensor], lr_scale: float,
+                       optim: dict[str, dict[str, Tensor]] | None = None) -> None:
+        """Take a rebuilt state, with a fresh optimizer at LR x lr_scale (not compounding)
+        for the main group; `optim`: the Adam state copied with replicated components
+        (`checkfree.recovery.recovered_optimizer_state`), whose groups keep the plain LR."""
         self.module.load_state_dict(state)
         self.optimizer = self._new_optimizer()
+        if optim:
+            self.load_optimizer_state(optim)
         self.lr_scale = lr_scale
         self._saved.clear()
 

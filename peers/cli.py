@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch threads for this peer (default: torch's)")
     p.add_argument("--leave-deadline", type=float, default=30.0,
                    help="on SIGTERM, seconds to wait for a lossless handover to a standby before leaving")
-    p.add_argument("--dump-recovery", metavar="DIR", help="save the weights served and rebuilt in recoveries (debugging)")
+    p.add_argument("--dump-recovery", metavar="DIR",
+                   help="save the weights served and rebuilt in recoveries, and the final state (debugging)")
     p.set_defaults(func=run_peer)
 
 

@@ -35,13 +35,14 @@ from checkfree.data import TokenData, build_data
 from checkfree.net.transport import (RemoteError, Transport, TransportError, announce, dht_maddrs,
                                      live_members_async, rpc_note, start_transport, stop_transport)
 from checkfree.net.wire import check_finite
-from checkfree.pipeline import Hop, edge_holders, route
+from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
 from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_from_records,
                                 coordinator_key, members_key, plan_from_wire, require)
-from checkfree.recovery import omega, rebuild_stage
+from checkfree.recovery import omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, verify
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
-from checkfree.strategies.state import capture_worker, restore_worker
+from checkfree.strategies.state import (capture_worker, optim_from_wire, optim_to_wire, restore_worker,
+                                        state_nbytes)
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.worker import StageWorker, resolve_device
 
@@ -81,7 +82,7 @@ class PeerOptions:
     libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
     device: str | None = None  # overrides the run's device for this peer
     threads: int | None = None  # torch intra-op threads
-    dump_dir: str | None = None  # debugging/tests: save weights served and rebuilt during recoveries
+    dump_dir: str | None = None  # debugging/tests: weights served and rebuilt in recoveries, final state
     secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
     leave_deadline: float = 30.0  # SIGTERM: how long to wait for a lossless handover before leaving
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -136,6 +137,8 @@ class PeerDaemon:
         self._seq = 0
         self._pump: asyncio.Task | None = None
         self._finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
+        self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
+        self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
 
     # ---- helpers ---------------------------------------------------------------------
     async def compute(self, fn, *args, priority: int = 1):
@@ -270,6 +273,7 @@ class PeerDaemon:
                     RPC.FETCH_SNAPSHOT: self._on_fetch_snapshot, RPC.RESTORE: self._on_restore,
                     RPC.GET_STATE: self._on_get_state,
                     RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown}
+        await self.transport.register(RPC.ADOPT, self._on_adopt)  # authorizes the new coordinator itself
         control = {RPC.ASSIGN, RPC.RUN_STEP, RPC.COMMIT, RPC.ABORT, RPC.SNAPSHOT, RPC.RESTORE, RPC.SHUTDOWN}
         for name, handler in handlers.items():
             if name != RPC.PING:
@@ -329,14 +333,28 @@ class PeerDaemon:
         return task.result()
 
     async def _join(self) -> None:
-        self.coordinator = await self._find_coordinator()
-        if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
-            return
         me = str(self.transport.peer_id)
         request = {"run": self.opts.run_id, "peer_id": me}
         if self.secret is not None:
             request["token"] = join_token(self.secret, self.opts.run_id, me)
-        header, _ = await self.transport.call(self.coordinator, RPC.JOIN, request, timeout=self.t.rpc_timeout)
+        deadline = time.monotonic() + self.t.join_timeout
+        while True:
+            self.coordinator = await self._find_coordinator()
+            if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
+                return
+            try:
+                header, _ = await self.transport.call(self.coordinator, RPC.JOIN, request, timeout=self.t.rpc_timeout)
+                break
+            except (TransportError, asyncio.TimeoutError, OSError, RemoteError) as e:
+                # the DHT may still name a coordinator that died (its record outlives it by up to
+                # 3 heartbeat TTLs), or a new one may still be taking over: look again
+                retry = not isinstance(e, RemoteError) or "taking over" in str(e)
+                if not retry or time.monotonic() > deadline:
+                    raise
+                log.info("joining coordinator %s failed (%s); looking for the coordinator again", self.coordinator, e)
+                self.coordinator = None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 1.0)
         if self.secret is not None and not verify(
                 coordinator_proof(self.secret, self.opts.run_id, self.coordinator, me), header.get("proof")):
             raise TransportError(f"the coordinator {self.coordinator} found in the DHT failed authentication: "
@@ -435,6 +453,7 @@ class PeerDaemon:
             raise ProtocolError(f"unknown assign mode {header['mode']!r}")
         self.worker = worker
         self.omega = reply.pop("omega", 0.0)
+        self.next_step = header.get("step", 0) if isinstance(header.get("step", 0), int) else 0
         self.state = PeerState.SERVING
         reply["assign_s"] = time.perf_counter() - t0
         log.info("serving stage %d (%s)", stage, header["mode"])
@@ -451,14 +470,23 @@ class PeerDaemon:
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path / f"{name}.safetensors"))
         (path / f"{name}.json").write_text(json.dumps(meta))
 
-    async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float]:
+    def _dump_final(self) -> None:
+        """--dump-recovery: the weights and Adam state this stage ends the run with."""
+        keys, tensors = optim_to_wire(self.worker.optimizer_state())
+        self._dump(f"final-stage{self.stage}", self.worker.state_dict(), {"omega": self.omega})
+        self._dump(f"final-stage{self.stage}-optim", {"/".join(k): t for k, t in zip(keys, tensors)},
+                   {"lr_scale": self.worker.lr_scale})
+
+    async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
+        """A live stage's weights of `part`, its omega, and (for a component) its Adam state."""
         h, ts = await self.transport.call(peer_id, RPC.GET_WEIGHTS,
                                           {"run": self.opts.run_id, "part": part, "step": step},
                                           timeout=self.t.rpc_timeout)
-        keys = h["keys"]
-        if len(keys) != len(ts):
-            raise ProtocolError(f"weights reply has {len(keys)} keys but {len(ts)} tensors")
-        return dict(zip(keys, ts)), float(h["omega"])
+        keys, okeys = h["keys"], h.get("optim", [])
+        if not isinstance(okeys, list) or len(keys) + len(okeys) != len(ts):
+            raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
+                                f"but {len(ts)} tensors")
+        return dict(zip(keys, ts)), float(h["omega"]), optim_from_wire(okeys, ts[len(keys):])
 
     async def _recover(self, worker: StageWorker, header: dict) -> dict:
         """Pull the sources' weights and norms, apply the library's rebuild, reset the optimizer."""
@@ -466,19 +494,17 @@ class PeerDaemon:
         plan = plan_from_wire(header["plan"])
         peers = {int(k): v for k, v in header["sources"].items()}
         t0 = time.perf_counter()
-        blocks, norms, edges = {}, {}, {}
-        nbytes = 0
+        blocks, norms, edges, edge_optim = {}, {}, {}, {}
         for s in plan.sources:
-            blocks[s], norms[s] = await self._fetch(peers[s], "blocks", header["step"])
+            blocks[s], norms[s], _ = await self._fetch(peers[s], "blocks", header["step"])
         for comp, s in plan.edge_sources.items():
-            edges[comp], _ = await self._fetch(peers[s], comp, header["step"])
-        for sd in [*blocks.values(), *edges.values()]:
-            nbytes += sum(t.numel() * t.element_size() for t in sd.values())
+            edges[comp], _, edge_optim[comp] = await self._fetch(peers[s], comp, header["step"])
+        nbytes = state_nbytes([*blocks.values(), *edges.values(), *edge_optim.values()])
         t1 = time.perf_counter()
         rc = self.cfg.recovery
         state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
                                       seed=self.cfg.train.seed + header["step"], std=self.cfg.model.init_std)
-        await self.compute(worker.load_recovered, state, rc.lr_scale)
+        await self.compute(worker.load_recovered, state, rc.lr_scale, recovered_optimizer_state(plan, edge_optim))
         t2 = time.perf_counter()
         reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
                  "norms": [norms[s] for s in plan.sources], "transfer_s": t1 - t0, "rebuild_s": t2 - t1,
@@ -584,6 +610,7 @@ class PeerDaemon:
             self.omega = await self.compute(self._load_bytes, self.worker, blob)
         self._set_run(None)
         self._finished = None
+        self.next_step = header["step"]
         return {"ok": True}, []
 
     async def _on_get_weights(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
@@ -601,8 +628,12 @@ class PeerDaemon:
             raise ProtocolError(f"stage {self.stage} holds no {part!r} weights")
         if isinstance(header.get("step"), int):
             self._dump(f"served-step{header['step']}-stage{self.stage}-{part}", dict(items), {"omega": self.omega})
-        return ({"keys": [k for k, _ in items], "omega": self.omega, "stage": self.stage},
-                [v for _, v in items])
+        reply = {"keys": [k for k, _ in items], "omega": self.omega, "stage": self.stage}
+        tensors = [v for _, v in items]
+        if part in COMPONENTS:  # a replica is recovered exactly: its Adam state comes with it
+            reply["optim"], optim = optim_to_wire(await self.compute(self.worker.optimizer_state, part + "."))
+            tensors += optim
+        return reply, tensors
 
     # ---- steps -----------------------------------------------------------------------
     def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
@@ -809,6 +840,9 @@ class PeerDaemon:
         if not stats.skipped:
             rc = self.cfg.recovery
             self.omega = omega(stats.grad_norm_pre, stats.grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
+        self.next_step = run.step + 1
+        self.last_commit = {"step": run.step, "losses": {str(k): v for k, v in run.losses.items()},
+                            "lr": stats.lr, "post": stats.grad_norm_post, "bytes_sent": run.bytes_sent}
         self._set_run(None)
         return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "lr": stats.lr,
                 "skipped": stats.skipped, "omega": self.omega, "stage": self.stage,
@@ -818,15 +852,56 @@ class PeerDaemon:
     async def _on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         self._check_coordinator(peer, RPC.ABORT)
+        await self._drop_run("aborted by the coordinator")
+        return {"ok": True}, []
+
+    async def _drop_run(self, reason: str) -> None:
+        """End the current step attempt here: its tasks, activations and gradients are dropped."""
         run = self.run_state
         if run is not None:
-            run.fail("aborted by the coordinator")
+            run.fail(reason)
             for task in list(run.tasks):
                 task.cancel()
         self._set_run(None)
         if self.worker is not None:
             await self.compute(self.worker.drop_inflight)
-        return {"ok": True}, []
+
+    async def _on_adopt(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """A new coordinator takes over the run. Accepted only if it proves it holds the run
+        secret (when there is one) and this peer's current coordinator no longer answers (no
+        split brain: a live coordinator keeps its peers). An unfinished step is dropped; a
+        finished one is kept so that the new coordinator can commit it if other stages
+        already did. The reply is everything the coordinator needs to rebuild its state."""
+        self._check_run(header)
+        new, me = str(peer), str(self.transport.peer_id)
+        if self.secret is not None and not verify(coordinator_proof(self.secret, self.opts.run_id, new, me),
+                                                  header.get("proof")):
+            raise ProtocolError(f"peer {new} is not authorized to coordinate this run (no valid coordinator proof)")
+        old = self.coordinator
+        if old is not None and old != new:
+            try:
+                await self.transport.call(old, RPC.STATUS, {"run": self.opts.run_id}, timeout=self.t.rpc_timeout)
+            except (TransportError, asyncio.TimeoutError, OSError):
+                pass  # gone: the takeover may proceed
+            except RemoteError:  # it answers, if only with an error: alive
+                raise ProtocolError(f"coordinator {old} of run {self.opts.run_id!r} is alive; takeover by {new} "
+                                    "refused") from None
+            else:
+                raise ProtocolError(f"coordinator {old} of run {self.opts.run_id!r} is alive; takeover by {new} refused")
+        run = self.run_state
+        if run is not None and (not run.done.is_set() or run.error is not None or run.evaluate):
+            await self._drop_run("dropped: the coordinator changed")
+            run = None
+        self.coordinator = new
+        log.info("coordinator %s took over run %s (previous: %s)", new, self.opts.run_id, old)
+        return {"stage": self.stage, "state": self.state.value, "next_step": self.next_step, "omega": self.omega,
+                "config": self.cfg.to_json() if self.cfg is not None else None,
+                "ready": None if run is None else {"step": run.step, "attempt": run.attempt,
+                                                   "losses": {str(k): v for k, v in run.losses.items()},
+                                                   "bytes_sent": run.bytes_sent},
+                "finished": list(self._finished) if self._finished is not None else None,
+                "last_commit": self.last_commit,
+                "snapshots": {str(k): v[0] for k, v in self.snapshots.items()}}, []
 
     async def _on_ping(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
@@ -837,5 +912,7 @@ class PeerDaemon:
         if self.coordinator is not None and str(peer) != self.coordinator:
             raise ProtocolError("only the run's coordinator may shut this peer down")
         self.coordinator = None  # no leave announcement needed: the coordinator asked
+        if self.worker is not None and self.opts.dump_dir:
+            await self.compute(self._dump_final)
         asyncio.get_running_loop().call_later(0.1, self.stop.set)
         return {"ok": True}, []

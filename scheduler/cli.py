@@ -22,8 +22,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preempt-trace", help="(local swarm) ask the launcher to SIGTERM these `step,stage` peers")
     p.add_argument("--chaos-recovery-kills", default="", help="(local swarm) comma-separated iterations at which "
                    "the peer chosen to rebuild a failed stage is killed before it finishes")
+    p.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
+                   "process group after it has committed half of the stages of step STEP (failover test)")
     p.add_argument("--shutdown-peers", action="store_true", help="tell peers to exit when the run ends")
     p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
+    f = p.add_argument_group("coordinator failover (the run's config then comes from its peers; config flags are "
+                             "ignored)").add_mutually_exclusive_group()
+    f.add_argument("--takeover", action="store_true",
+                   help="take over a running run whose coordinator died: adopt its peers (give any live peer's "
+                        "address as --initial-peers), rebuild the state from them, continue from their step")
+    f.add_argument("--standby", action="store_true",
+                   help="hot standby: watch the run's coordinator (give its address as --initial-peers) and take "
+                        "over when it stops answering")
     p.set_defaults(func=run_scheduler)
 
 
@@ -33,13 +43,19 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler.coordinator import Coordinator, CoordinatorOptions
 
     cfg = config_from_args(args)
+    failover = args.takeover or args.standby
+    if failover and not args.initial_peers:
+        raise ValueError("--takeover/--standby need --initial-peers: the address of a live peer of the run "
+                         "(or, for --standby, of its coordinator)")
     chaos = FailureSchedule(read_trace(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
     preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
     opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt,
-                              chaos_recovery_kills=frozenset(int(x) for x in args.chaos_recovery_kills.split(",") if x), shutdown_peers=args.shutdown_peers,
-                              max_attempts=args.max_attempts)
+                              chaos_recovery_kills=frozenset(int(x) for x in args.chaos_recovery_kills.split(",") if x),
+                              shutdown_peers=args.shutdown_peers,
+                              max_attempts=args.max_attempts, takeover=args.takeover, standby=args.standby,
+                              die_in_commit=args.chaos_die_in_commit)
     try:
-        summary = asyncio.run(Coordinator(cfg, opts).run())
+        summary = asyncio.run(Coordinator(None if failover else cfg, opts).run())
     except TransportError as e:
         raise ValueError(str(e)) from e
     print(json.dumps(summary), flush=True)

@@ -12,24 +12,28 @@ again after recovery; nothing is committed until every stage is ready.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.auth import coordinator_proof, join_token, load_secret, verify
-from checkfree.config import RunConfig
+from checkfree.config import RunConfig, config_from_dict
 from checkfree.export import save_export
 from checkfree.failures import FailureSchedule
 from checkfree.model import plan_stages
 from checkfree.pipeline import route
 from checkfree.net.transport import (RemoteError, TransportError, announce, dht_maddrs, live_members_async,
                                      rpc_note, start_transport, stop_transport)
-from checkfree.protocol import (READY_COORDINATOR, RPC, ProtocolError, Timeouts, coordinator_key, coordinator_record,
-                                members_key, plan_to_wire, require)
+from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, ProtocolError, Timeouts,
+                                coordinator_from_records, coordinator_key, coordinator_record, members_key,
+                                plan_to_wire, require)
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
-from checkfree.rundir import RunWriter
+from checkfree.rundir import RunWriter, read_jsonl
 from checkfree.simulator import recovery_fields
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, SOFT_ERROR_MARK
 
@@ -66,8 +70,11 @@ class CoordinatorOptions:
     chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
     shutdown_peers: bool = False  # tell peers to exit when the run ends
     max_attempts: int = 5  # attempts of one step before the run gives up
-    save_final: bool = True
-    secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)  # gather every stage into final_weights.safetensors at the end
+    save_final: bool = True  # gather every stage into final_weights.safetensors at the end
+    secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
+    takeover: bool = False  # take over a running run whose coordinator is gone (state from the DHT and peers)
+    standby: bool = False  # watch the run's coordinator; take over when it stops answering
+    die_in_commit: int | None = None  # local swarm chaos: SIGKILL own process group half-way through this commit
 
 
 @dataclass
@@ -80,9 +87,34 @@ class Member:
     observer: bool = False  # joined to read (export), never assigned a stage
 
 
+class CoordinatorAlive(RuntimeError):
+    """A takeover was refused: the run's coordinator still answers its peers."""
+
+
 class Coordinator:
-    def __init__(self, cfg: RunConfig, opts: CoordinatorOptions) -> None:
-        self.cfg, self.opts, self.t = cfg, opts, opts.timeouts
+    def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
+        """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
+        self.opts, self.t = opts, opts.timeouts
+        self.secret = load_secret(opts.secret_file)
+        self.members: dict[str, Member] = {}
+        self.stage_peer: dict[int, str] = {}
+        self.reported: set[str] = set()
+        self.writer: RunWriter | None = None
+        self.transport = None
+        self.dht = None
+        self.step = 0
+        self.iteration = 0  # executed steps, re-runs after a rollback included (the chaos clock)
+        self.member_event = asyncio.Event()
+        self.cfg: RunConfig | None = None
+        self._attempt_floor: dict[int, int] = {}  # step -> first attempt number (after a takeover)
+        if cfg is not None:
+            self._configure(cfg)
+        elif not (opts.takeover or opts.standby):
+            raise ValueError("a coordinator needs a config unless it takes over a running run")
+
+    def _configure(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        opts = self.opts
         from checkfree.strategies import build_strategy
 
         name = cfg.recovery.strategy
@@ -98,17 +130,7 @@ class Coordinator:
         self._chaos_done: set[int] = set()
         self._recovery_killed: set[int] = set()
         self._retired: set[str] = set()  # failed peers already told to shut down
-        self.secret = load_secret(opts.secret_file)
-        self.iteration = 0  # executed steps, re-runs after a rollback included (the chaos clock)
-        self.members: dict[str, Member] = {}
-        self.stage_peer: dict[int, str] = {}
-        self.reported: set[str] = set()
         self.norms = [0.0] * cfg.num_stages
-        self.writer: RunWriter | None = None
-        self.transport = None
-        self.dht = None
-        self.step = 0
-        self.member_event = asyncio.Event()
         self.soft_skips: dict[int, int] = {}  # stage -> consecutive attempts lost to soft errors
         self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
         plan_stages(cfg.model.num_layers, cfg.num_stages)
@@ -122,6 +144,8 @@ class Coordinator:
     async def _on_join(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         require(header, peer_id=str)
+        if self.cfg is None:
+            raise ProtocolError("this coordinator is taking over the run; retry in a moment")
         pid = str(peer)
         if header["peer_id"] != pid:
             raise ProtocolError(f"peer {pid} tried to join as {header['peer_id']}")
@@ -162,8 +186,11 @@ class Coordinator:
 
     async def _on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
-        if self.secret is not None and str(peer) not in self.members:
+        if self.secret is not None and str(peer) not in self.members and not verify(
+                join_token(self.secret, self.opts.run_id, str(peer)), header.get("token")):
             raise ProtocolError(f"unknown peer {peer}: status is for members only")
+        if self.cfg is None:
+            raise ProtocolError("this coordinator is not running the run (standby or taking over)")
         return {"step": self.step, "stages": {str(s): p for s, p in self.stage_peer.items()},
                 "standby": self._standbys(), "config": self.cfg.to_json()}, []
 
@@ -244,7 +271,8 @@ class Coordinator:
             suspect = m.leaving or pid in self.reported or (live is not None and pid not in live)
             if suspect and (m.leaving or not await self._alive(pid)):
                 failed.add(stage)
-        return failed
+        # a stage nobody serves (its peer died while no coordinator was there to see it)
+        return failed | (set(range(self.cfg.num_stages)) - set(self.stage_peer))
 
     async def _handover(self, stage: int, pid: str) -> bool:
         """A peer leaving gracefully hands its exact state (weights and optimizer) to a standby:
@@ -275,9 +303,10 @@ class Coordinator:
         strategy = self.cfg.recovery.strategy
         detected = time.time()
         for s in sorted(failed):
-            pid = self.stage_peer.pop(s)
-            self.members[pid].stage = -1
-            self.members[pid].leaving = True
+            pid = self.stage_peer.pop(s, None)
+            if pid is not None:
+                self.members[pid].stage = -1
+                self.members[pid].leaving = True
             self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
         # a failed peer may still be running (broken weights, soft errors, partition): retire it
         await asyncio.gather(*(self._call(self.members[p].peer_id, RPC.SHUTDOWN, {}, timeout=2.0)
@@ -439,7 +468,7 @@ class Coordinator:
         """Run a step (or an evaluation) to completion: recover failed stages, abort and retry
         an interrupted attempt. Evaluation attempts are numbered from EVAL_ATTEMPT so their
         messages never mix with the training step's."""
-        base = EVAL_ATTEMPT if evaluate else 0
+        base = EVAL_ATTEMPT if evaluate else self._attempt_floor.get(step, 0)
         for attempt in range(base, base + self.opts.max_attempts):
             failed = await self._detect()
             if failed:
@@ -453,6 +482,13 @@ class Coordinator:
                            "check the peers' logs (slow peers: raise --step-timeout)")
 
     async def _commit(self, step: int) -> dict[int, dict]:
+        if step == self.opts.die_in_commit:  # chaos: half of the stages commit, then this coordinator is gone
+            half = sorted(self.stage_peer)[: self.cfg.num_stages // 2]
+            await asyncio.gather(*(self._call(self.stage_peer[s], RPC.COMMIT, {"step": step,
+                                                                             "attempt": self._last_attempt},
+                                              self.t.rpc_timeout) for s in half))
+            print(f"CHAOS coordinator dies in the commit of step {step} (stages {half} committed)", flush=True)
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         results = await self._all(RPC.COMMIT, {"step": step, "attempt": self._last_attempt}, self.t.rpc_timeout)
         for s, r in results.items():
             if isinstance(r, Exception):  # dies between ready and commit: its replacement rebuilds next step
@@ -500,7 +536,7 @@ class Coordinator:
     async def _train(self) -> dict:
         cfg, writer = self.cfg, self.writer
         last_loss, last_val = math.nan, math.nan
-        step = 0
+        step = self.step  # 0, or where a takeover found the run
         while step < cfg.train.num_steps:
             self.step = step
             await self._chaos(self.iteration)
@@ -561,11 +597,13 @@ class Coordinator:
 
     # ---- main -------------------------------------------------------------------------
     async def run(self) -> dict:
-        self.writer = RunWriter(self.opts.out, self.cfg.to_json())
         self._last_attempt = 0
         self.dht, self.transport = await start_transport(
             self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
             self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port)
+        pid = str(self.transport.peer_id)
+        if self.secret is not None:  # lets a standby read the coordinator's STATUS
+            self.transport.extra_header = {"token": join_token(self.secret, self.opts.run_id, pid)}
         announcer = None
         status = "failed"
         summary: dict = {"steps": 0, "final_loss": math.nan, "final_val_loss": math.nan}
@@ -573,12 +611,18 @@ class Coordinator:
             for name, h in ((RPC.JOIN, self._on_join), (RPC.REPORT, self._on_report), (RPC.LEAVE, self._on_leave),
                             (RPC.STATUS, self._on_status)):
                 await self.transport.register(name, h)
-            pid = str(self.transport.peer_id)
+            addrs = ",".join(await dht_maddrs(self.dht)) + rpc_note(self.transport)
+            if self.opts.standby:
+                print(f"{READY_STANDBY} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
+                await self._watch()
+            if self.opts.takeover or self.opts.standby:
+                await self._take_over()
+            else:
+                self.writer = RunWriter(self.opts.out, self.cfg.to_json())
             announcer = asyncio.create_task(self._announce(pid))
-            addrs = ",".join(await dht_maddrs(self.dht))
-            print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}{rpc_note(self.transport)}",
-                  flush=True)
-            await self._fill_initial()
+            print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
+            if not (self.opts.takeover or self.opts.standby):
+                await self._fill_initial()
             summary = await self._train()
             if self.opts.save_final:
                 await self._gather_final()
@@ -589,15 +633,203 @@ class Coordinator:
             summary["error"] = str(e)
             raise
         finally:
-            soft = {k: sum(int(c.get(k, 0)) for c in self.soft_counts.values())
-                    for k in ("injected", "detected", "corrected", "escalated")}
-            self.writer.summary(**summary, status=status, run_id=self.opts.run_id, soft_errors=soft)
-            self.writer.close()
+            if self.writer is not None:
+                soft = {k: sum(int(c.get(k, 0)) for c in self.soft_counts.values())
+                        for k in ("injected", "detected", "corrected", "escalated")}
+                self.writer.summary(**summary, status=status, run_id=self.opts.run_id, soft_errors=soft)
+                self.writer.close()
             if announcer is not None:
                 announcer.cancel()
-            if self.opts.shutdown_peers:
+            if self.opts.shutdown_peers and self.cfg is not None:
                 await self._shutdown_peers()
             await stop_transport(self.dht, self.transport)
+
+    # ---- coordinator failover ---------------------------------------------------------
+    async def _watch(self) -> None:
+        """Standby: poll the run's coordinator (found in the DHT) every heartbeat_ttl/2;
+        return once it has failed to answer twice in a row."""
+        key, watched, misses = coordinator_key(self.opts.run_id), None, 0
+        deadline = time.monotonic() + self.t.join_timeout
+        while True:
+            try:
+                found = await live_members_async(self.dht, key) or {}
+            except Exception as e:  # the DHT read is advisory: the STATUS call decides
+                log.debug("DHT lookup of the coordinator failed: %r", e)
+                found = {}
+            others = {k: v for k, v in found.items()
+                      if not (isinstance(v, dict) and v.get("peer_id") == str(self.transport.peer_id))}
+            current = coordinator_from_records(others, self.transport.kind, self.opts.run_id)
+            if current is not None and current != watched:
+                watched, misses = current, 0
+                print(f"standby: watching coordinator {watched}", flush=True)
+            if watched is None:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"no coordinator of run {self.opts.run_id!r} found in the DHT within "
+                                         f"join_timeout={self.t.join_timeout:g} s: nothing to stand by for")
+            else:
+                try:
+                    await self._call(watched, RPC.STATUS, {}, timeout=min(5.0, self.t.rpc_timeout))
+                    misses = 0
+                except CALL_ERRORS as e:
+                    misses += 1
+                    log.info("coordinator %s did not answer (%d): %s", watched, misses, e)
+                if misses >= 2:
+                    print(f"standby: coordinator {watched} stopped answering; taking over", flush=True)
+                    return
+            await asyncio.sleep(self.t.heartbeat_ttl / 2)
+
+    async def _take_over(self) -> None:
+        """Rebuild the run's state from its peers (found by their DHT heartbeats) and continue
+        from the step they are at. Peers report their stage, the step their weights are ready
+        for, their norm, and a finished but uncommitted step: if the old coordinator died
+        half-way through a commit, the stages it did not reach commit now, so every stage
+        is at the same step; an unfinished step is dropped and run again. A stage nobody
+        serves is recovered by the run's strategy like any failure."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                replies = await self._adopt_peers()
+                break
+            except CoordinatorAlive as e:
+                if not self.opts.standby:
+                    raise
+                print(f"standby: {e}; standing by again", flush=True)
+                await self._watch()
+        configs = {r["config"] for r in replies.values() if r.get("config")}
+        if len(configs) != 1:
+            raise RuntimeError(f"cannot take over run {self.opts.run_id!r}: its peers report "
+                               f"{'no' if not configs else 'different'} run configs")
+        cfg = config_from_dict(json.loads(configs.pop()))
+        self._configure(cfg)
+        metrics = Path(self.opts.out) / "metrics.jsonl"
+        resume = metrics.exists()
+        self.writer = RunWriter(self.opts.out, cfg.to_json(), resume=resume)
+        if resume:  # the same run directory: keep counting where the old coordinator stopped
+            self.writer.restore_counts()
+        holders: dict[int, list[tuple[str, dict]]] = {}
+        for i, (pid, r) in enumerate(replies.items()):
+            self.members[pid] = Member(pid, time.time() + i * 1e-6)
+            if r["stage"] >= 0:
+                holders.setdefault(r["stage"], []).append((pid, r))
+        step = max((r["next_step"] for hs in holders.values() for _, r in hs), default=0)
+        to_commit: dict[int, tuple[str, dict]] = {}
+        lagging = []
+        for stage, hs in sorted(holders.items()):
+            hs.sort(key=lambda x: -x[1]["next_step"])
+            for pid, _ in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
+                self.members[pid].leaving = True
+            pid, r = hs[0]
+            self.members[pid].stage, self.stage_peer[stage] = stage, pid
+            self.norms[stage] = float(r["omega"])
+            ready = r.get("ready")
+            if r["next_step"] == step:
+                continue
+            if r["next_step"] == step - 1 and ready and ready["step"] == step - 1:
+                to_commit[stage] = (pid, ready)
+            else:  # its weights are behind the others: a failed stage
+                lagging.append(stage)
+                self.members[pid].leaving = True
+        commits = await asyncio.gather(*(self._call(pid, RPC.COMMIT, {"step": ready["step"], "attempt": ready["attempt"]},
+                                                    self.t.rpc_timeout) for pid, ready in to_commit.values()),
+                                       return_exceptions=True)
+        for (stage, (pid, _)), c in zip(to_commit.items(), commits):
+            if isinstance(c, Exception):
+                lagging.append(stage)
+                self.members[pid].leaving = True
+            else:
+                self.norms[stage] = float(c[0]["omega"])
+                replies[pid]["last_commit"] = {"step": step - 1, "losses": to_commit[stage][1]["losses"],
+                                               "lr": c[0]["lr"], "post": c[0]["post"],
+                                               "bytes_sent": to_commit[stage][1].get("bytes_sent", 0)}
+        await self._all(RPC.ABORT, {}, self.t.rpc_timeout)  # drop finished-but-uncommitted work of `step`
+        seen = [r["finished"] for r in replies.values() if r.get("finished")]  # [step, attempt]
+        seen += [[r["ready"]["step"], r["ready"]["attempt"]] for r in replies.values() if r.get("ready")]
+        # the re-run of `step` must not reuse an attempt number its peers saw (they refuse stale attempts)
+        self._attempt_floor[step] = max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1
+        self.step = self.iteration = step
+        self._rebuild_protection(replies)
+        recorded = self._record_missing_step(step - 1, replies, metrics if resume else None)
+        self._event("coordinator_takeover", step=step, peers=len(replies), stages=len(self.stage_peer),
+                    committed_stages=sorted(to_commit), lagging_stages=sorted(lagging),
+                    missing_stages=sorted(set(range(cfg.num_stages)) - set(self.stage_peer)),
+                    recorded_step=recorded, takeover_s=round(time.perf_counter() - t0, 6))
+        print(f"status: took over run {self.opts.run_id!r} at step {step}: {len(self.stage_peer)}/{cfg.num_stages} "
+              f"stages served, {len(self._standbys())} standby, {len(to_commit)} commits completed, "
+              f"{len(lagging)} lagging stage(s)", flush=True)
+
+    async def _adopt_peers(self) -> dict[str, dict]:
+        """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat
+        TTLs pass with at least one stage served; bounded by join_timeout)."""
+        start = time.monotonic()
+        replies: dict[str, dict] = {}
+        refused: dict[str, str] = {}
+        me = str(self.transport.peer_id)
+        while True:
+            try:
+                live = await live_members_async(self.dht, members_key(self.opts.run_id)) or {}
+            except Exception as e:
+                log.warning("reading heartbeats failed: %r", e)
+                live = {}
+            new = [p for p in live if p not in replies and p != me]
+
+            async def adopt(p: str):
+                header = {}
+                if self.secret is not None:
+                    header["proof"] = coordinator_proof(self.secret, self.opts.run_id, me, p)
+                return await self._call(p, RPC.ADOPT, header, timeout=self.t.rpc_timeout)
+
+            for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
+                if isinstance(r, RemoteError) and "is alive" in str(r):
+                    refused[p] = str(r)
+                elif not isinstance(r, Exception):
+                    replies[p] = r[0]
+            if refused and not replies:
+                raise CoordinatorAlive(next(iter(refused.values())))
+            served = {r["stage"] for r in replies.values() if r.get("stage", -1) >= 0}
+            cfg = next((r["config"] for r in replies.values() if r.get("config")), None)
+            stages = json.loads(cfg)["num_stages"] if cfg else None
+            waited = time.monotonic() - start
+            if stages is not None and (len(served) >= stages or (served and waited > 2 * self.t.heartbeat_ttl)):
+                return replies
+            if waited > self.t.join_timeout:
+                raise TransportError(f"no peer of run {self.opts.run_id!r} answered within join_timeout="
+                                     f"{self.t.join_timeout:g} s: nothing to take over")
+            await asyncio.sleep(0.2)
+
+    def _rebuild_protection(self, replies: dict[str, dict]) -> None:
+        """Rollback strategies after a takeover: the newest snapshot every stage has a live
+        holder of (gemini, in peers' memory) and the newest complete checkpoint in storage."""
+        by_step: dict[int, dict[int, list[str]]] = {}
+        for pid, r in replies.items():
+            for stage, st in (r.get("snapshots") or {}).items():
+                by_step.setdefault(int(st), {}).setdefault(int(stage), []).append(pid)
+        full = [st for st, hs in by_step.items() if len(hs) == self.cfg.num_stages]
+        if full:
+            self.snap_step = max(full)
+            self.snap_holders = by_step[self.snap_step]
+        steps: dict[int, set[int]] = {}
+        for f in Path(self.storage_dir).glob("stage*-step*.pt"):
+            stage, _, st = f.stem[len("stage"):].partition("-step")
+            if stage.isdigit() and st.isdigit():
+                steps.setdefault(int(st), set()).add(int(stage))
+        complete = [st for st, ss in steps.items() if len(ss) == self.cfg.num_stages and st <= self.step]
+        self.ckpt_step = max(complete, default=0)
+
+    def _record_missing_step(self, step: int, replies: dict[str, dict], metrics: Path | None) -> bool:
+        """The step the old coordinator committed but did not record (it died in between):
+        its record is rebuilt from the peers' last commits when every stage has one."""
+        if step < 0 or (metrics is not None and any(m.get("step") == step for m in read_jsonl(metrics))):
+            return False
+        last = {r["stage"]: r["last_commit"] for r in replies.values()
+                if r.get("stage", -1) >= 0 and (r.get("last_commit") or {}).get("step") == step}
+        if len(last) != self.cfg.num_stages:
+            return False
+        self.writer.metric({"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
+                            "lr": next(iter(last.values()))["lr"], "attempts": None,
+                            "grad_norms": [last[s]["post"] for s in range(self.cfg.num_stages)],
+                            "live_peers": len(self.stage_peer), "recorded_by": "takeover",
+                            "wire_bytes": sum(int(c.get("bytes_sent", 0)) for c in last.values())})
+        return True
 
     async def _announce(self, pid: str) -> None:
         while True:

@@ -26,7 +26,7 @@ from pathlib import Path
 from checkfree.auth import SECRET_ENV
 from checkfree.cli import add_run_arguments, add_transport_arguments, config_from_args
 from checkfree.failures import schedule_from_config, write_trace
-from checkfree.protocol import READY_COORDINATOR, READY_PEER
+from checkfree.protocol import READY_COORDINATOR, READY_PEER, READY_STANDBY
 
 __all__ = ["add_parser", "LocalSwarm", "SwarmOptions"]
 
@@ -51,7 +51,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
     p.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the chosen replacement is killed during its recovery")
-    p.add_argument("--dump-recovery", metavar="DIR", help="peers save the weights served and rebuilt in recoveries")
+    p.add_argument("--dump-recovery", metavar="DIR",
+                   help="peers save the weights served and rebuilt in recoveries, and their final state")
+    p.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
+                   help="SIGKILL the coordinator once it has finished step STEP-1 (coordinator failover test)")
+    p.add_argument("--coordinator-failover", choices=("standby", "restart"), default="standby",
+                   help="after --kill-coordinator-at: a hot standby coordinator started with the run takes over "
+                        "(default), or a new coordinator is started with --takeover")
+    p.add_argument("--kill-coordinator-in", choices=("step", "commit"), default="step",
+                   help="where the coordinator dies: between steps (SIGKILL by the launcher), or half-way through "
+                        "committing step STEP (it SIGKILLs itself after committing half of the stages)")
     add_transport_arguments(p, port=False)
     p.set_defaults(func=run_local)
 
@@ -67,6 +76,9 @@ class SwarmOptions:
     shared_flags: list[str] = field(default_factory=list)
     peer_flags: list[str] = field(default_factory=list)
     coordinator_flags: list[str] = field(default_factory=list)
+    kill_coordinator_at: int | None = None
+    failover: str = "standby"  # standby | restart
+    kill_coordinator_in: str = "step"  # step | commit
 
 
 @dataclass
@@ -75,6 +87,7 @@ class Proc:
     lines: queue.Queue
     log: Path
     peer_id: str = ""
+    addrs: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
 
 
@@ -83,12 +96,21 @@ def _reader(proc: "Proc") -> None:
     with open(proc.log, "a", buffering=1) as log:
         for line in proc.popen.stdout:
             log.write(line)
-            if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+)", line)):
-                proc.peer_id = m.group(1)
+            if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
+                proc.peer_id, proc.addrs = m.group(1), m.group(2)
                 proc.ready.set()
             proc.lines.put(line.rstrip("\n"))
     proc.lines.put(None)
     proc.ready.set()
+
+
+def _kill_group(proc: Proc) -> None:
+    """SIGKILL a process's whole group (its DHT process and p2pd too), like a machine vanishing."""
+    try:
+        os.killpg(proc.popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.popen.wait()
 
 
 class LocalSwarm:
@@ -97,6 +119,8 @@ class LocalSwarm:
     def __init__(self, config_path: Path, chaos_path: Path, opts: SwarmOptions) -> None:
         self.config_path, self.chaos_path, self.opts = config_path, chaos_path, opts
         self.coordinator: Proc | None = None
+        self.standby: Proc | None = None
+        self.old_coordinators: list[Proc] = []
         self.peers: list[Proc] = []
         self.addr = ""
         self.secret = secrets.token_hex(16)  # every local swarm is authenticated
@@ -142,11 +166,7 @@ class LocalSwarm:
         if proc is None:
             print(f"swarm: asked to kill unknown peer {peer_id}", flush=True)
             return
-        try:
-            os.killpg(proc.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.popen.wait()
+        _kill_group(proc)
         self.peers.remove(proc)
         self.kills += 1
         self.start_peer()
@@ -162,13 +182,24 @@ class LocalSwarm:
         self.preempted += 1
         self.start_peer()
 
+    def _coordinator_args(self, *extra: str) -> list[str]:
+        o = self.opts
+        return ["scheduler", "--config", str(self.config_path), "--out", str(o.out), "--run-id", o.run_id,
+                "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.shared_flags, *o.coordinator_flags,
+                *extra]
+
     def run(self) -> int:
         o = self.opts
-        self.coordinator = self._spawn("coordinator", [
-            "scheduler", "--config", str(self.config_path), "--out", str(o.out), "--run-id", o.run_id,
-            "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.shared_flags, *o.coordinator_flags])
+        extra = []
+        if o.kill_coordinator_at is not None and o.kill_coordinator_in == "commit":
+            extra = ["--chaos-die-in-commit", str(o.kill_coordinator_at)]
+        self.coordinator = self._spawn("coordinator", self._coordinator_args(*extra))
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
+        if o.kill_coordinator_at is not None and o.failover == "standby":
+            self.standby = self._spawn("coordinator-standby", self._coordinator_args("--standby", "--initial-peers",
+                                                                                     self.addr))
+            self._await_ready(self.standby, READY_STANDBY)
         cfg = json.loads(self.config_path.read_text())
         first = [self.start_peer() for _ in range(cfg["num_stages"] + o.spares)]
         for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
@@ -181,7 +212,15 @@ class LocalSwarm:
 
         bar = tqdm(total=num_steps, desc="swarm", unit="step", disable=not self.opts.progress, dynamic_ncols=True)
         try:
-            while (line := self.coordinator.lines.get()) is not None:
+            while True:
+                if (line := self.coordinator.lines.get()) is None:
+                    if self.opts.kill_coordinator_at is not None and self.coordinator.popen.wait() == -signal.SIGKILL:
+                        self.kill_coordinator()  # it died in its commit, as asked
+                        continue
+                    break
+                if (self.opts.kill_coordinator_in == "step" and (m := STEP_LINE.match(line)) is not None
+                        and int(m.group(1)) + 1 == self.opts.kill_coordinator_at):
+                    self.kill_coordinator()
                 if line.startswith("CHAOS kill"):
                     self.kill_peer(re.search(r"peer=(\S+)", line).group(1))
                 elif line.startswith("CHAOS term"):
@@ -197,9 +236,25 @@ class LocalSwarm:
         finally:
             bar.close()
 
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator's process group; the standby takes over, or a new coordinator
+        is started with --takeover, bootstrapping from live peers."""
+        old = self.coordinator
+        _kill_group(old)
+        self.old_coordinators.append(old)
+        self.opts.kill_coordinator_at = None
+        live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]
+        self.addr = live[0]  # later peers bootstrap from a live peer
+        print(f"swarm: coordinator SIGKILLed; {self.opts.failover} coordinator takes over", flush=True)
+        if self.standby is not None:
+            self.coordinator, self.standby = self.standby, None
+        else:
+            self.coordinator = self._spawn("coordinator-takeover",
+                                           self._coordinator_args("--takeover", "--initial-peers", *live[:2]))
+
     def teardown(self) -> None:
         """SIGTERM everything, then SIGKILL whole process groups that did not exit."""
-        procs = [p for p in [self.coordinator, *self.peers] if p is not None]
+        procs = [p for p in [self.coordinator, self.standby, *self.old_coordinators, *self.peers] if p is not None]
         for p in procs:
             if p.popen.poll() is None:
                 try:
@@ -236,6 +291,9 @@ def run_local(args: argparse.Namespace) -> int:
     print("preparing data (tokenizer and token cache shared by all peers)...", flush=True)
     build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
+    if args.kill_coordinator_at is not None and not 1 <= args.kill_coordinator_at < cfg.train.num_steps:
+        raise ValueError(f"--kill-coordinator-at must be a step in 1..{cfg.train.num_steps - 1}, "
+                         f"got {args.kill_coordinator_at}")
     config_path = out / "swarm_config.json"
     config_path.write_text(cfg.to_json())
     sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps, build_strategy(cfg).fails_edges)
@@ -256,7 +314,9 @@ def run_local(args: argparse.Namespace) -> int:
         ready_timeout=args.ready_timeout, progress=not args.no_progress, shared_flags=flags,
         peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
         coordinator_flags=(["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
-        + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])))
+        + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else []),
+        kill_coordinator_at=args.kill_coordinator_at, failover=args.coordinator_failover,
+        kill_coordinator_in=args.kill_coordinator_in))
     print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
           f"transport {args.transport}, logs in {out / 'logs'}", flush=True)
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkfree.auth import coordinator_proof
 from checkfree.net.transport import RemoteError, start_transport, stop_transport
 from checkfree.protocol import READY_COORDINATOR, READY_PEER, RPC
 
@@ -118,6 +119,14 @@ def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path, r
                         await t.call(peer_id, name, {"run": "auth", **header}, tensors, timeout=5)
                 with pytest.raises(RemoteError, match="members only|not authorized|unknown peer"):
                     await t.call(coord_id, RPC.STATUS, {"run": "auth"}, timeout=5)
+                # a coordinator takeover needs the secret (a proof bound to both peer ids) ...
+                for proof in (None, "0" * 64, coordinator_proof(SECRET.encode(), "auth", me, coord_id)):
+                    with pytest.raises(RemoteError, match="not authorized to coordinate"):
+                        await t.call(peer_id, RPC.ADOPT, {"run": "auth", "proof": proof}, timeout=5)
+                # ... and even with it, a peer whose coordinator still answers refuses (no split brain)
+                with pytest.raises(RemoteError, match="is alive; takeover .* refused"):
+                    await t.call(peer_id, RPC.ADOPT, {"run": "auth", "proof": coordinator_proof(
+                        SECRET.encode(), "auth", me, peer_id)}, timeout=15)
                 h, _ = await t.call(peer_id, RPC.PING, {"run": "auth"}, timeout=5)
                 assert h["stage"] == 0  # still serving
             finally:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from checkfree.recovery import (UnrecoverableFailure, checkfree_average, omega, plan_recovery, random_init,
-                                rebuild_stage, uniform_average)
+                                rebuild_stage, recovered_optimizer_state, uniform_average)
 
 
 def test_checkfree_average_hand_computed():
@@ -103,3 +103,18 @@ def test_unknown_strategy_and_fallback():
         plan_recovery({1}, 4, "bogus")
     with pytest.raises(ValueError, match="unknown fallback"):
         plan_recovery({1}, 4, "checkfree", fallback="pray")
+
+
+def test_recovered_optimizer_state_copies_replicas_only():
+    g = torch.Generator().manual_seed(2)
+    st = {"step": torch.tensor(7.0), "exp_avg": torch.randn(4, 2, generator=g),
+          "exp_avg_sq": torch.rand(4, 2, generator=g)}
+    (plan,) = plan_recovery({0}, 4, "checkfree+")
+    out = recovered_optimizer_state(plan, {"embed": {"embed.weight": st}})
+    assert out.keys() == {"embed.weight"} and out["embed.weight"].keys() == st.keys()
+    for k, v in st.items():
+        assert torch.equal(out["embed.weight"][k], v) and out["embed.weight"][k].data_ptr() != v.data_ptr()
+    with pytest.raises(ValueError, match="sent as part of the 'embed' replica"):
+        recovered_optimizer_state(plan, {"embed": {"blocks.0.w": st}})
+    (plain,) = plan_recovery({0}, 4, "random")  # no live replica: the component starts fresh
+    assert plain.edges_reinit == ("embed",) and recovered_optimizer_state(plain, {}) == {}

@@ -9,6 +9,7 @@ from checkfree.failures import write_trace
 from checkfree.recovery import UnrecoverableFailure
 from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
+from checkfree.strategies.state import capture_worker
 
 
 def _run(cfg, out, **over):
@@ -125,3 +126,59 @@ def test_stage_with_non_finite_weights_is_treated_as_failed_and_recovered(tiny_c
     assert summary["recoveries"] == 1
     for w in sim.workers:
         assert all(torch.isfinite(v).all() for v in w.state_dict().values())
+
+
+def _component_optim(worker, comp):
+    """The worker's Adam state of one component, by parameter name."""
+    return {n: st for n, st in capture_worker(worker, 0, 0.0)["optim"]["state"].items() if n.startswith(comp + ".")}
+
+
+def _assert_same_component(a, b, comp, label):
+    for (k, x), y in zip(getattr(a.module, comp).state_dict().items(), getattr(b.module, comp).state_dict().values()):
+        assert torch.equal(x, y), f"{label}: {comp} weight {k} differs"
+    oa, ob = _component_optim(a, comp), _component_optim(b, comp)
+    assert oa.keys() == ob.keys() and oa, f"{label}: {comp} Adam state on {sorted(oa)} vs {sorted(ob)}"
+    for name in oa:
+        assert oa[name].keys() == ob[name].keys()
+        for field in oa[name]:
+            assert torch.equal(oa[name][field], ob[name][field]), f"{label}: Adam {field} of {name} differs"
+
+
+@pytest.mark.parametrize("stage,partner,comp", [(0, 1, "embed"), (3, 2, "head"), (1, 0, "embed")])
+def test_checkfree_plus_recovery_continues_the_replica_exactly(tiny_cfg, tmp_path, stage, partner, comp):
+    """A replicated component (embedding / head) is copied exactly on recovery, with its
+    partner's Adam state and no recovery LR scale, so the two replicas stay bit-identical;
+    the rebuilt blocks still train at LR x lr_scale with a fresh optimizer."""
+    tiny_cfg.recovery.strategy = "checkfree+"
+    sim = Simulator(tiny_cfg, tmp_path / "r", progress=False)
+    try:
+        for step in range(7):
+            if step == 3:
+                assert sim.recover(step, {stage}) == step
+                _assert_same_component(sim.workers[stage], sim.workers[partner], comp, "right after recovery")
+                blocks = {n for n in capture_worker(sim.workers[stage], 0, 0.0)["optim"]["state"]
+                          if n.startswith("blocks.")}
+                assert not blocks, "the rebuilt blocks start with a fresh optimizer"
+            _, stats = sim.train_step(step)
+            assert not any(s.skipped for s in stats)
+            _assert_same_component(sim.workers[stage], sim.workers[partner], comp, f"after step {step}")
+        lrs = {g["name"]: g["lr"] for g in sim.workers[stage].optimizer.param_groups}
+        assert lrs["main"] == pytest.approx(tiny_cfg.train.lr * tiny_cfg.recovery.lr_scale)
+        assert lrs[comp] == pytest.approx(tiny_cfg.train.lr)
+        assert stats[stage].lr == pytest.approx(tiny_cfg.train.lr * tiny_cfg.recovery.lr_scale)
+        for g in sim.workers[partner].optimizer.param_groups:
+            assert g["lr"] == pytest.approx(tiny_cfg.train.lr)
+    finally:
+        sim.writer.close()
+
+
+def test_checkfree_plus_edge_failure_in_a_full_run_keeps_replicas(tiny_cfg, tmp_path):
+    trace = tmp_path / "t.csv"
+    write_trace(trace, [(2, 0), (4, 3)])
+    tiny_cfg.recovery.strategy = "checkfree+"
+    tiny_cfg.train.num_steps = 7
+    tiny_cfg.failures.trace = str(trace)
+    sim, summary = _run(tiny_cfg, tmp_path / "r")
+    assert summary["recoveries"] == 2 and summary["fallbacks"] == 0
+    _assert_same_component(sim.workers[0], sim.workers[1], "embed", "end of run")
+    _assert_same_component(sim.workers[2], sim.workers[3], "head", "end of run")

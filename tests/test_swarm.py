@@ -124,6 +124,21 @@ def test_sigkill_first_and_last_stage_under_checkfree_plus(tmp_path, cache):
     assert all(torch.equal(last[k], v) for k, v in head.items()) and len(head) == 2
     summary = json.loads((out / "summary.json").read_text())
     assert summary["recoveries"] == 2 and summary["fallbacks"] == 0 and math.isfinite(summary["final_loss"])
+    # the replacement took the replica's Adam state too and no LR bump for it: at the end of the
+    # run both holders still hold bit-identical weights and Adam state of each component
+    for comp, holders in (("embed", (0, 1)), ("head", (2, 3))):
+        w = [load_file(str(dump / f"final-stage{h}.safetensors")) for h in holders]
+        o = [load_file(str(dump / f"final-stage{h}-optim.safetensors")) for h in holders]
+        keys = sorted(k for k in w[0] if k.startswith(comp + "."))
+        assert keys and keys == sorted(k for k in w[1] if k.startswith(comp + "."))
+        for k in keys:
+            assert torch.equal(w[0][k], w[1][k]), f"{comp} replicas differ at the end: {k}"
+        okeys = sorted(k for k in o[0] if k.startswith(comp + "."))
+        assert okeys == sorted(k for k in o[1] if k.startswith(comp + ".")) and len(okeys) == 3 * len(keys)
+        for k in okeys:
+            assert torch.equal(o[0][k], o[1][k]), f"{comp} Adam state differs at the end: {k}"
+    for s in (0, 3):  # the rebuilt blocks train at LR x lr_scale
+        assert json.loads((dump / f"final-stage{s}-optim.json").read_text())["lr_scale"] == pytest.approx(1.1)
 
 
 @pytest.mark.timeout(700)

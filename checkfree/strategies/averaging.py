@@ -13,8 +13,9 @@ import time
 from checkfree.config import RunConfig
 from checkfree.pipeline import edge_holders
 from checkfree.recovery import (RecoveryPlan, StateDict, UnrecoverableFailure, get_rule, plan_recovery,
-                                rebuild_stage)
+                                rebuild_stage, recovered_optimizer_state)
 from checkfree.strategies.base import FailureOutcome, Figures, Strategy, StrategyContext
+from checkfree.strategies.state import state_nbytes
 
 __all__ = ["recovery_fields", "apply_plans", "declared_fallback", "AveragingStrategy"]
 
@@ -31,7 +32,8 @@ def _nbytes(sd: StateDict) -> int:
 
 
 def apply_plans(ctx: StrategyContext, strategy: str, step: int, plans: list[RecoveryPlan]) -> tuple[int, float]:
-    """Rebuild every planned stage on a new peer from live stages' weights.
+    """Rebuild every planned stage on a new peer from live stages' weights (and a
+    replicated component's Adam state, copied with it).
 
     Returns (bytes moved, seconds of the slowest transfer); sources send in parallel."""
     rc, moved, slowest = ctx.cfg.recovery, 0, 0.0
@@ -40,11 +42,12 @@ def apply_plans(ctx: StrategyContext, strategy: str, step: int, plans: list[Reco
         blocks = {s: {k: v for k, v in ctx.weights(s).items() if k.startswith("blocks.")} for s in plan.sources}
         edges = {c: {k: v for k, v in ctx.weights(h).items() if k.startswith(c + ".")}
                  for c, h in plan.edge_sources.items()}
+        edge_optim = {c: ctx.optimizer_state(h, c) for c, h in plan.edge_sources.items()}
         state, coeffs = rebuild_stage(plan, ctx.template(plan.stage), blocks, {s: ctx.norm(s) for s in plan.sources},
                                       edges, eps=rc.eps, seed=ctx.cfg.train.seed + step, std=ctx.cfg.model.init_std)
-        ctx.load_recovered(plan.stage, state, rc.lr_scale)
-        sends = [(s, _nbytes(sd)) for s, sd in blocks.items()] + [(plan.edge_sources[c], _nbytes(sd))
-                                                                  for c, sd in edges.items()]
+        ctx.load_recovered(plan.stage, state, rc.lr_scale, recovered_optimizer_state(plan, edge_optim))
+        sends = [(s, _nbytes(sd)) for s, sd in blocks.items()] + [
+            (plan.edge_sources[c], _nbytes(sd) + state_nbytes(edge_optim[c])) for c, sd in edges.items()]
         moved += sum(n for _, n in sends)
         slowest = max([slowest] + [ctx.cost.transfer_s(n, s, plan.stage) for s, n in sends])
         fields = recovery_fields(plan, coeffs)

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from torch import Tensor
+
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
 from checkfree.recovery import StateDict
@@ -89,11 +91,16 @@ class StrategyContext(Protocol):
     def norm(self, stage: int) -> float:
         """The stage's last gradient norm (omega)."""
 
+    def optimizer_state(self, stage: int, comp: str) -> dict[str, dict[str, Tensor]]:
+        """A copy of the stage's Adam state of component `comp` ("embed" / "head"), by name."""
+
     def template(self, stage: int) -> StateDict:
         """A new peer's freshly initialised state dict for `stage` (keys and shapes)."""
 
-    def load_recovered(self, stage: int, state: StateDict, lr_scale: float) -> None:
-        """Put rebuilt weights on the new peer of `stage`, with a fresh optimizer."""
+    def load_recovered(self, stage: int, state: StateDict, lr_scale: float,
+                       optim: dict[str, dict[str, Tensor]] | None = None) -> None:
+        """Put rebuilt weights on the new peer of `stage`, with a fresh optimizer holding
+        only `optim` (replicated components' Adam state)."""
 
     def reset(self, stage: int) -> None:
         """Put `stage` back at its initial state (step 0), on a new peer."""

@@ -1,38 +1,36 @@
 """A stage's full training state as a plain dict, portable across processes and files.
 
-    {"model": {name: tensor}, "optim": {"state": {param name: {...}}, "groups": [{...}]},
+    {"model": {name: tensor}, "optim": {"state": {param name: {...}}, "groups": [{"name": ..., ...}]},
      "lr_scale": float, "step": int, "rng": uint8 tensor, "norm": float}
 
 `step` is the next step the stage will run (the data position: batches are a pure function
 of the step). Optimizer state is keyed by parameter name, not index, so that the state of
-a replicated component (CheckFree+'s embedding / head) can move between holders.
+a replicated component (CheckFree+'s embedding / head) can move between holders; the
+groups are the worker's named parameter groups (`StageWorker.named_groups`).
 Everything is a copy: later training never changes a captured state, and restoring never
 aliases it.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from checkfree.worker import StageWorker
 
-__all__ = ["StageState", "capture_worker", "restore_worker", "state_nbytes", "unit_of", "unit_nbytes"]
+__all__ = ["StageState", "capture_worker", "restore_worker", "optim_to_wire", "optim_from_wire", "state_nbytes",
+           "unit_of", "unit_nbytes"]
 
 StageState = dict[str, Any]
 
 
 def capture_worker(worker: StageWorker, step: int, norm: float) -> StageState:
     """A deep copy of everything `worker` needs to resume at `step`."""
-    names = [n for n, _ in worker.module.named_parameters()]
-    sd = worker.optimizer.state_dict()
-    assert len(sd["param_groups"]) == 1, "stage optimizers have one parameter group"
     return {
         "model": {k: v.detach().clone() for k, v in worker.module.state_dict().items()},
-        "optim": {"state": {names[i]: copy.deepcopy(st) for i, st in sd["state"].items()},
-                  "groups": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]},
+        "optim": {"state": worker.optimizer_state(),
+                  "groups": [{k: v for k, v in g.items() if k != "params"} for g in worker.optimizer.param_groups]},
         "lr_scale": float(worker.lr_scale),
         "step": int(step),
         "rng": torch.get_rng_state(),
@@ -41,19 +39,37 @@ def capture_worker(worker: StageWorker, step: int, norm: float) -> StageState:
 
 
 def restore_worker(worker: StageWorker, state: StageState) -> None:
-    """Load a captured state into `worker` (weights, Adam state, LR scale, RNG)."""
+    """Load a captured state into `worker` (weights, Adam state and groups, LR scale, RNG)."""
     worker.module.load_state_dict(state["model"])
-    names = [n for n, _ in worker.module.named_parameters()]
-    optim = state["optim"]
-    worker.optimizer.load_state_dict({
-        # deepcopy: Optimizer.load_state_dict keeps same-dtype tensors as they are, and Adam
-        # updates them in place, which would corrupt the captured state
-        "state": {i: copy.deepcopy(optim["state"][n]) for i, n in enumerate(names) if n in optim["state"]},
-        "param_groups": [{**optim["groups"][0], "params": list(range(len(names)))}],
-    })
+    worker.load_optimizer_state(state["optim"]["state"], state["optim"]["groups"])
     worker.lr_scale = state["lr_scale"]
     worker.drop_inflight()
     torch.set_rng_state(state["rng"])
+
+
+def optim_to_wire(state: dict[str, dict[str, torch.Tensor]]) -> tuple[list[list[str]], list[torch.Tensor]]:
+    """Per-parameter optimizer state as ([parameter, field] keys, tensors) for one message."""
+    keys, tensors = [], []
+    for name in sorted(state):
+        for field_name in sorted(state[name]):
+            keys.append([name, field_name])
+            tensors.append(state[name][field_name].detach().cpu().contiguous())
+    return keys, tensors
+
+
+def optim_from_wire(keys: Any, tensors: list[torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Inverse of `optim_to_wire`; malformed keys raise ValueError."""
+    if not isinstance(keys, list) or len(keys) != len(tensors):
+        raise ValueError(f"optimizer state has {len(keys) if isinstance(keys, list) else keys!r} keys "
+                         f"for {len(tensors)} tensors")
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in zip(keys, tensors):
+        if not (isinstance(key, list) and len(key) == 2 and all(isinstance(x, str) for x in key)):
+            raise ValueError(f"optimizer state key {key!r} is not [parameter, field]")
+        if key[1] in out.setdefault(key[0], {}):
+            raise ValueError(f"optimizer state key {key!r} appears twice")
+        out[key[0]][key[1]] = t
+    return out
 
 
 def _nbytes(obj: Any) -> int:
