@@ -382,11 +382,23 @@ def test_coordinator_record_names_its_transport() -> None:
         coordinator_from_records(found, "hivemind", "r")
 
 
-def test_bad_transport_flag_is_a_clear_cli_error() -> None:
-    import sys
+def test_bad_transport_flag_is_a_clear_cli_error(capsys) -> None:
+    from checkfree.cli import main
 
-    for command in ("peer", "scheduler", "local"):
-        proc = subprocess.run([sys.executable, "-m", "checkfree.cli", command, "--transport", "tcp"],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2
-        assert "argument --transport: invalid choice: 'tcp' (choose from 'hivemind', 'libp2p')" in proc.stderr
+    for command in ("peer", "scheduler", "local", "export", "chaos"):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--transport", "tcp"])
+        assert exit_.value.code == 2
+        assert "argument --transport: invalid choice: 'tcp' (choose from 'hivemind', 'libp2p')" in capsys.readouterr().err
+
+
+def test_transport_check_says_what_to_install(monkeypatch) -> None:
+    from checkfree.net import libp2p_transport
+    from checkfree.net.transport import check_transport
+
+    check_transport("hivemind")
+    monkeypatch.setattr(libp2p_transport, "LIBP2P_IMPORT_ERROR", ImportError("No module named 'libp2p'"))
+    with pytest.raises(TransportError, match=r"needs py-libp2p.*No module named 'libp2p'.*checkfree\[libp2p\]"):
+        check_transport("libp2p")
+    with pytest.raises(TransportError, match="unknown transport 'tcp'; choose one of hivemind, libp2p"):
+        check_transport("tcp")
