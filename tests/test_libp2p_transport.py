@@ -313,11 +313,7 @@ def test_hivemind_and_libp2p_coexist_in_one_process(first: str) -> None:
 def test_start_transport_libp2p_finds_peers_through_the_dht(tmp_path) -> None:
     """`start_transport(transport="libp2p")`: RPC over py-libp2p beside the hivemind DHT, which carries each
     process's libp2p addresses, so a peer is called by its bare peer id; announce addresses are published."""
-    from checkfree.net.transport import check_transport, dht_maddrs, live_members_async, rpc_addrs_key
-    from checkfree.net.transport import start_transport, stop_transport
-
-    with pytest.raises(TransportError, match="unknown transport 'carrier-pigeon'; choose one of hivemind, libp2p"):
-        check_transport("carrier-pigeon")
+    from checkfree.net.transport import dht_maddrs, live_members_async, rpc_addrs_key, start_transport, stop_transport
 
     key = tmp_path / "coordinator.key"
     stable = Libp2pTransport(key_pair=lt.identity_key_pair(f"{key}.libp2p")).peer_id  # made and kept
