@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from checkfree.auth import coordinator_proof, join_token, load_secret, verify
+from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok, sign_record, verify
 from checkfree.config import RunConfig, config_from_dict
 from checkfree.export import save_export
 from checkfree.failures import FailureSchedule
@@ -256,7 +256,7 @@ class Coordinator:
     async def _detect(self) -> set[int]:
         """Stages whose peer is gone: expired heartbeat, a report confirmed by a failed ping, or a leave."""
         try:
-            live = await live_members_async(self.dht, members_key(self.opts.run_id))
+            live = await self._heartbeats()
         except Exception as e:  # the DHT read is advisory: pings decide
             log.warning("reading heartbeats failed: %r", e)
             live = None
@@ -270,6 +270,11 @@ class Coordinator:
                 failed.add(stage)
         # a stage nobody serves (its peer died while no coordinator was there to see it)
         return failed | (set(range(self.cfg.num_stages)) - set(self.stage_peer))
+
+    async def _heartbeats(self) -> dict[str, dict]:
+        """Peers with a live DHT heartbeat (with a run secret: only records a member signed)."""
+        found = await live_members_async(self.dht, members_key(self.opts.run_id)) or {}
+        return {p: v for p, v in found.items() if record_ok(self.secret, self.opts.run_id, "member", p, v)}
 
     async def _handover(self, stage: int, pid: str) -> bool:
         """A peer leaving gracefully hands its exact state (weights and optimizer) to a standby:
@@ -654,8 +659,8 @@ class Coordinator:
                 log.debug("DHT lookup of the coordinator failed: %r", e)
                 found = {}
             current = next((v["peer_id"] for v in found.values() if isinstance(v, dict)
-                            and isinstance(v.get("peer_id"), str) and v["peer_id"] != str(self.transport.peer_id)),
-                           None)
+                            and record_ok(self.secret, self.opts.run_id, "coordinator", v.get("peer_id"), v)
+                            and v["peer_id"] != str(self.transport.peer_id)), None)
             if current is not None and current != watched:
                 watched, misses = current, 0
                 print(f"standby: watching coordinator {watched}", flush=True)
@@ -763,7 +768,7 @@ class Coordinator:
         me = str(self.transport.peer_id)
         while True:
             try:
-                live = await live_members_async(self.dht, members_key(self.opts.run_id)) or {}
+                live = await self._heartbeats()
             except Exception as e:
                 log.warning("reading heartbeats failed: %r", e)
                 live = {}
@@ -778,8 +783,12 @@ class Coordinator:
             for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
                 if isinstance(r, RemoteError) and "is alive" in str(r):
                     refused[p] = str(r)
-                elif not isinstance(r, Exception):
+                elif isinstance(r, Exception):
+                    continue
+                elif self.secret is None or verify(join_token(self.secret, self.opts.run_id, p), r[0].get("token")):
                     replies[p] = r[0]
+                else:  # a stranger answering for a forged heartbeat must not hand us a stage
+                    self._event("join_refused", peer_id=p, reason="ADOPT reply without a valid run token")
             if refused and not replies:
                 raise CoordinatorAlive(next(iter(refused.values())))
             served = {r["stage"] for r in replies.values() if r.get("stage", -1) >= 0}
@@ -831,7 +840,8 @@ class Coordinator:
     async def _announce(self, pid: str) -> None:
         while True:
             try:
-                await announce(self.dht, coordinator_key(self.opts.run_id), "main", {"peer_id": pid},
+                await announce(self.dht, coordinator_key(self.opts.run_id), "main",
+                               sign_record(self.secret, self.opts.run_id, "coordinator", pid, {"peer_id": pid}),
                                ttl=self.t.heartbeat_ttl * 3)
             except Exception as e:
                 log.warning("announcing the coordinator failed: %r", e)

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 async def export_live(opts: dict, output: Path) -> Path:
     """Ask the coordinator for the stage table, then each stage's peer for its weights."""
-    from checkfree.auth import join_token, load_secret
+    from checkfree.auth import join_token, load_secret, record_ok
     from checkfree.config import config_from_dict
     from checkfree.export import save_export
     from checkfree.net.transport import TransportError, live_members_async, start_transport, stop_transport
@@ -36,11 +36,12 @@ async def export_live(opts: dict, output: Path) -> Path:
     dht, transport = await start_transport(opts["initial_peers"], opts["host_maddrs"], opts["announce_maddrs"],
                                            opts["identity_path"], opts["startup_timeout"])
     try:
-        found = await live_members_async(dht, coordinator_key(opts["run_id"]))
+        secret = load_secret(opts.get("secret_file"))
+        found = [v["peer_id"] for v in (await live_members_async(dht, coordinator_key(opts["run_id"])) or {}).values()
+                 if isinstance(v, dict) and record_ok(secret, opts["run_id"], "coordinator", v.get("peer_id"), v)]
         if not found:
             raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT")
-        coord = next(iter(found.values()))["peer_id"]
-        secret = load_secret(opts.get("secret_file"))
+        coord = found[0]
         if secret is not None:  # join as an observer; the token in every request lets the peers serve us
             me = str(transport.peer_id)
             transport.extra_header = {"token": join_token(secret, opts["run_id"], me)}
