@@ -10,8 +10,12 @@ the Noise/TLS handshake proved), so what remains is *whether that peer belongs t
   RPCs (activations, gradients, weights, snapshots) only from peers the coordinator listed
   as members; the coordinator accepts reports, leaves and status requests only from
   members. A stranger can neither join nor inject activations, gradients or weights.
-* DHT heartbeats are advisory (a missing heartbeat only triggers a ping; assignment needs
-  an authenticated join), so a forged heartbeat can neither admit a peer nor hide a failure.
+* DHT records carry a MAC bound to the writer's peer id (`sign_record` / `record_ok`): peers'
+  heartbeats and the coordinator's address record. Readers with the secret ignore records
+  without a valid one, so a stranger cannot announce itself as a member or as the coordinator.
+  A copied record only repeats what a member said; heartbeats are advisory anyway (a missing
+  one only triggers a ping; assignment needs an authenticated join), so no forged or replayed
+  record can admit a peer or hide a failure.
 
 The secret comes from `--secret-file` or the CHECKFREE_SECRET environment variable (never
 the command line, where other users could read it); `checkfree local` makes a random one.
@@ -24,7 +28,7 @@ import hmac
 import os
 from pathlib import Path
 
-__all__ = ["load_secret", "join_token", "coordinator_proof", "verify", "SECRET_ENV"]
+__all__ = ["load_secret", "join_token", "coordinator_proof", "verify", "sign_record", "record_ok", "SECRET_ENV"]
 
 SECRET_ENV = "CHECKFREE_SECRET"
 
@@ -59,3 +63,15 @@ def coordinator_proof(secret: bytes, run_id: str, coordinator_id: str, peer_id: 
 
 def verify(expected: str, given: object) -> bool:
     return isinstance(given, str) and hmac.compare_digest(expected, given)
+
+
+def sign_record(secret: bytes | None, run_id: str, kind: str, peer_id: str, value: dict) -> dict:
+    """A DHT record `value` written by `peer_id`, with its MAC when the run has a secret."""
+    return value if secret is None else {**value, "mac": _mac(secret, "record", kind, run_id, peer_id)}
+
+
+def record_ok(secret: bytes | None, run_id: str, kind: str, peer_id: object, value: object) -> bool:
+    """Whether a DHT record read back was written by a holder of the secret (always, without one)."""
+    if not isinstance(value, dict) or not isinstance(peer_id, str):
+        return False
+    return secret is None or verify(_mac(secret, "record", kind, run_id, peer_id), value.get("mac"))

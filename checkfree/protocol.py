@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from checkfree.auth import record_ok, sign_record
 from checkfree.pipeline import Hop
 from checkfree.recovery import RecoveryPlan
 
@@ -87,23 +88,34 @@ def coordinator_key(run_id: str) -> str:
     return f"{DHT_PREFIX}/{run_id}/coordinator"
 
 
-def coordinator_record(peer_id: str, transport: str) -> dict[str, str]:
-    """What the coordinator announces under `coordinator_key`: its RPC peer id and the transport serving it."""
-    return {"peer_id": peer_id, "transport": transport}
+def coordinator_record(secret: bytes | None, run_id: str, peer_id: str, transport: str) -> dict:
+    """What the coordinator announces under `coordinator_key`: its RPC peer id and the transport serving it,
+    signed with the run secret (if any) together: a record whose transport was altered fails the MAC."""
+    return sign_record(secret, run_id, f"coordinator/{transport}", peer_id, {"peer_id": peer_id, "transport": transport})
 
 
-def coordinator_from_records(found: dict, transport: str, run_id: str) -> str | None:
-    """The coordinator's peer id from the live records under `coordinator_key` (None if there is none yet).
+def coordinator_from_records(found: dict, secret: bytes | None, run_id: str, transport: str, *,
+                             unsigned_ok: bool = False, exclude: str | None = None) -> str | None:
+    """The coordinator's peer id from the live records under `coordinator_key` (None if none fits yet).
 
-    ProtocolError when the coordinator runs another `--transport` than `transport`: the two could never
-    reach each other, so say so instead of waiting. (A record without `transport` is a hivemind one.)"""
-    for value in found.values():
-        if isinstance(value, dict) and isinstance(value.get("peer_id"), str):
-            theirs = value.get("transport", "hivemind")
-            if theirs != transport:
-                raise ProtocolError(f"the coordinator of run {run_id!r} uses --transport {theirs}, this process "
-                                    f"--transport {transport}: start every process of a run with the same --transport")
-            return value["peer_id"]
+    Only records signed with the run secret count (any, without one), unless `unsigned_ok`: then they come
+    first and others after (a peer with a wrong secret still reaches the coordinator and is told why it
+    is refused). `exclude`: a peer id to pass over (a standby's own). ProtocolError when a signed record
+    names another `--transport` than `transport`: the two could never reach each other, so say so instead
+    of waiting. (A record without `transport` is a hivemind one.)"""
+    def signed(v: dict) -> bool:
+        return record_ok(secret, run_id, f"coordinator/{v.get('transport', 'hivemind')}", v["peer_id"], v)
+
+    records = [v for v in found.values() if isinstance(v, dict) and isinstance(v.get("peer_id"), str)
+               and v["peer_id"] != exclude]
+    records.sort(key=lambda v: not signed(v))
+    for v in records:
+        theirs = v.get("transport", "hivemind")
+        if theirs == transport and (unsigned_ok or signed(v)):
+            return v["peer_id"]
+        if theirs != transport and signed(v):
+            raise ProtocolError(f"the coordinator of run {run_id!r} uses --transport {theirs}, this process "
+                                f"--transport {transport}: start every process of a run with the same --transport")
     return None
 
 

@@ -39,7 +39,7 @@ from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
 from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_from_records,
                                 coordinator_key, members_key, plan_from_wire, require)
 from checkfree.recovery import omega, rebuild_stage, recovered_optimizer_state
-from checkfree.auth import coordinator_proof, join_token, load_secret, verify
+from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
 from checkfree.strategies.state import (capture_worker, optim_from_wire, optim_to_wire, restore_worker,
                                         state_nbytes)
@@ -259,7 +259,8 @@ class PeerDaemon:
         key, me = members_key(self.opts.run_id), str(self.transport.peer_id)
         while True:
             try:
-                await announce(self.dht, key, me, {"stage": self.stage, "state": self.state.value},
+                value = {"stage": self.stage, "state": self.state.value}
+                await announce(self.dht, key, me, sign_record(self.secret, self.opts.run_id, "member", me, value),
                                self.t.heartbeat_ttl)
             except Exception as e:  # a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
@@ -309,7 +310,10 @@ class PeerDaemon:
                     await asyncio.wait_for(self.stop.wait(), 1.0)
                 log.debug("DHT lookup of the coordinator failed: %r", e)
                 found = {}
-            coordinator = coordinator_from_records(found, self.transport.kind, self.opts.run_id)
+            # a record signed with our secret first; else any (its JOIN reply must still prove the
+            # secret, and a peer with the wrong secret then hears why it is refused)
+            coordinator = coordinator_from_records(found, self.secret, self.opts.run_id, self.transport.kind,
+                                                   unsigned_ok=True)
             if coordinator is not None:
                 return coordinator
             await asyncio.sleep(0.2)
@@ -895,6 +899,7 @@ class PeerDaemon:
         self.coordinator = new
         log.info("coordinator %s took over run %s (previous: %s)", new, self.opts.run_id, old)
         return {"stage": self.stage, "state": self.state.value, "next_step": self.next_step, "omega": self.omega,
+                "token": join_token(self.secret, self.opts.run_id, me) if self.secret is not None else None,
                 "config": self.cfg.to_json() if self.cfg is not None else None,
                 "ready": None if run is None else {"step": run.step, "attempt": run.attempt,
                                                    "losses": {str(k): v for k, v in run.losses.items()},

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from checkfree.auth import coordinator_proof, join_token, load_secret, verify
+from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok, verify
 from checkfree.config import RunConfig, config_from_dict
 from checkfree.export import save_export
 from checkfree.failures import FailureSchedule
@@ -259,7 +259,7 @@ class Coordinator:
     async def _detect(self) -> set[int]:
         """Stages whose peer is gone: expired heartbeat, a report confirmed by a failed ping, or a leave."""
         try:
-            live = await live_members_async(self.dht, members_key(self.opts.run_id))
+            live = await self._heartbeats()
         except Exception as e:  # the DHT read is advisory: pings decide
             log.warning("reading heartbeats failed: %r", e)
             live = None
@@ -273,6 +273,11 @@ class Coordinator:
                 failed.add(stage)
         # a stage nobody serves (its peer died while no coordinator was there to see it)
         return failed | (set(range(self.cfg.num_stages)) - set(self.stage_peer))
+
+    async def _heartbeats(self) -> dict[str, dict]:
+        """Peers with a live DHT heartbeat (with a run secret: only records a member signed)."""
+        found = await live_members_async(self.dht, members_key(self.opts.run_id)) or {}
+        return {p: v for p, v in found.items() if record_ok(self.secret, self.opts.run_id, "member", p, v)}
 
     async def _handover(self, stage: int, pid: str) -> bool:
         """A peer leaving gracefully hands its exact state (weights and optimizer) to a standby:
@@ -656,9 +661,8 @@ class Coordinator:
             except Exception as e:  # the DHT read is advisory: the STATUS call decides
                 log.debug("DHT lookup of the coordinator failed: %r", e)
                 found = {}
-            others = {k: v for k, v in found.items()
-                      if not (isinstance(v, dict) and v.get("peer_id") == str(self.transport.peer_id))}
-            current = coordinator_from_records(others, self.transport.kind, self.opts.run_id)
+            current = coordinator_from_records(found, self.secret, self.opts.run_id, self.transport.kind,
+                                               exclude=str(self.transport.peer_id))
             if current is not None and current != watched:
                 watched, misses = current, 0
                 print(f"standby: watching coordinator {watched}", flush=True)
@@ -766,7 +770,7 @@ class Coordinator:
         me = str(self.transport.peer_id)
         while True:
             try:
-                live = await live_members_async(self.dht, members_key(self.opts.run_id)) or {}
+                live = await self._heartbeats()
             except Exception as e:
                 log.warning("reading heartbeats failed: %r", e)
                 live = {}
@@ -781,8 +785,12 @@ class Coordinator:
             for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
                 if isinstance(r, RemoteError) and "is alive" in str(r):
                     refused[p] = str(r)
-                elif not isinstance(r, Exception):
+                elif isinstance(r, Exception):
+                    continue
+                elif self.secret is None or verify(join_token(self.secret, self.opts.run_id, p), r[0].get("token")):
                     replies[p] = r[0]
+                else:  # a stranger answering for a forged heartbeat must not hand us a stage
+                    self._event("join_refused", peer_id=p, reason="ADOPT reply without a valid run token")
             if refused and not replies:
                 raise CoordinatorAlive(next(iter(refused.values())))
             served = {r["stage"] for r in replies.values() if r.get("stage", -1) >= 0}
@@ -835,7 +843,8 @@ class Coordinator:
         while True:
             try:
                 await announce(self.dht, coordinator_key(self.opts.run_id), "main",
-                               coordinator_record(pid, self.transport.kind), ttl=self.t.heartbeat_ttl * 3)
+                               coordinator_record(self.secret, self.opts.run_id, pid, self.transport.kind),
+                               ttl=self.t.heartbeat_ttl * 3)
             except Exception as e:
                 log.warning("announcing the coordinator failed: %r", e)
             await asyncio.sleep(self.t.heartbeat_ttl)

@@ -37,11 +37,11 @@ async def export_live(opts: dict, output: Path) -> Path:
                                            opts["identity_path"], opts["startup_timeout"],
                                            transport=opts["transport"], libp2p_port=opts["libp2p_port"])
     try:
+        secret = load_secret(opts.get("secret_file"))
         found = await live_members_async(dht, coordinator_key(opts["run_id"]))
-        coord = coordinator_from_records(found, transport.kind, opts["run_id"])
+        coord = coordinator_from_records(found, secret, opts["run_id"], transport.kind)
         if coord is None:
             raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT")
-        secret = load_secret(opts.get("secret_file"))
         if secret is not None:  # join as an observer; the token in every request lets the peers serve us
             me = str(transport.peer_id)
             transport.extra_header = {"token": join_token(secret, opts["run_id"], me)}

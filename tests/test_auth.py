@@ -138,3 +138,22 @@ def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path, r
     finally:
         for p in procs:
             _kill(p)
+
+
+def test_dht_records_are_signed_for_the_run():
+    """Heartbeats and the coordinator's record carry a MAC bound to the writer's peer id: a
+    stranger's record (no MAC, a made-up one, or a member's MAC copied under its own id) is ignored."""
+    from checkfree.auth import record_ok, sign_record
+
+    secret, other = SECRET.encode(), b"another-secret-of-16+chars"
+    rec = sign_record(secret, "auth", "member", "peerA", {"stage": 1})
+    assert rec["stage"] == 1 and record_ok(secret, "auth", "member", "peerA", rec)
+    assert not record_ok(secret, "auth", "member", "peerB", rec)  # copied under another id
+    assert not record_ok(secret, "auth", "coordinator", "peerA", rec)  # another kind of record
+    assert not record_ok(secret, "other-run", "member", "peerA", rec)
+    assert not record_ok(other, "auth", "member", "peerA", rec)
+    assert not record_ok(secret, "auth", "member", "peerA", {"stage": 1})  # unsigned
+    assert not record_ok(secret, "auth", "member", "peerA", {**rec, "mac": "0" * 64})
+    assert not record_ok(secret, "auth", "member", None, rec) and not record_ok(secret, "auth", "member", "p", [1])
+    assert sign_record(None, "auth", "member", "peerA", {"stage": 1}) == {"stage": 1}  # an open swarm
+    assert record_ok(None, "auth", "member", "peerA", {"stage": 1})

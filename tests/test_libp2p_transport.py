@@ -350,3 +350,45 @@ def test_start_transport_libp2p_finds_peers_through_the_dht(tmp_path) -> None:
             await stop_transport(dht_a, a)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_address_resolver_is_asked_once_and_again_after_a_failed_dial() -> None:
+    async def main() -> None:
+        server = await start_libp2p_transport()
+        client = await start_libp2p_transport()  # not connected: it needs an address
+        try:
+            await server.register("echo", _echo)
+            asked = []
+            stale = f"/ip4/127.0.0.1/tcp/1/p2p/{server.peer_id}"
+            answers = [server.get_visible_maddrs(), [stale], server.get_visible_maddrs()]
+
+            async def resolve(peer_id: str) -> list[str]:
+                asked.append(peer_id)
+                return answers[len(asked) - 1]
+
+            client.address_resolver = resolve
+            for k in range(2):
+                header, _ = await client.call(server.peer_id, "echo", {"k": k}, timeout=30)
+                assert header["k"] == k
+            assert asked == [server.peer_id]  # asked once, then remembered
+            client._addresses.pop(server.peer_id)  # as if never known: the next lookup finds a stale address
+            await client.call(server.peer_id, "echo", {}, timeout=30)  # the open connection still serves
+            assert client._addresses[server.peer_id] == ["/ip4/127.0.0.1/tcp/1"]
+
+            async def stored() -> list[str]:
+                return [str(a) for a in client._host.get_peerstore().addrs(lt.ID.from_base58(server.peer_id))]
+
+            assert await client._submit(stored) == ["/ip4/127.0.0.1/tcp/1"]  # the stale address replaced the good one
+            await client._submit(lambda: client._host.disconnect(lt.ID.from_base58(server.peer_id)))
+            with pytest.raises(TransportError):  # dialing the stale address fails ...
+                await client.call(server.peer_id, "echo", {}, timeout=30)
+            assert server.peer_id not in client._addresses  # ... so it is forgotten and looked up again
+            with pytest.raises(TransportError, match="negative cache"):  # (py-libp2p refuses redials for 60 s)
+                await client.call(server.peer_id, "echo", {}, timeout=30)
+            assert len(asked) == 3 and await client._submit(stored) == [server.get_visible_maddrs()[0].rsplit("/p2p/")[0]]
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())

@@ -371,15 +371,26 @@ def test_start_transport_dht_heartbeats_and_bad_bootstrap() -> None:
 
 
 def test_coordinator_record_names_its_transport() -> None:
-    """A process of another --transport than the coordinator's gets a clear error instead of a hang."""
+    """A process of another --transport than the coordinator's gets a clear error instead of a hang; with a
+    run secret the transport is signed with the record, so only a genuine record can cause that error."""
     from checkfree.protocol import ProtocolError, coordinator_from_records, coordinator_record
 
-    found = {"main": coordinator_record("12D3KooWcoord", "libp2p")}
-    assert coordinator_from_records(found, "libp2p", "r") == "12D3KooWcoord"
-    assert coordinator_from_records({}, "libp2p", "r") is None
-    assert coordinator_from_records({"main": {"peer_id": "Qm"}}, "hivemind", "r") == "Qm"  # older records
-    with pytest.raises(ProtocolError, match="run 'r' uses --transport libp2p, this process --transport hivemind"):
-        coordinator_from_records(found, "hivemind", "r")
+    secret = b"a-run-secret-of-16+chars"
+    for key in (None, secret):
+        found = {"main": coordinator_record(key, "r", "12D3KooWcoord", "libp2p")}
+        assert coordinator_from_records(found, key, "r", "libp2p") == "12D3KooWcoord"
+        assert coordinator_from_records(found, key, "r", "libp2p", exclude="12D3KooWcoord") is None
+        assert coordinator_from_records({}, key, "r", "libp2p") is None
+        with pytest.raises(ProtocolError, match="run 'r' uses --transport libp2p, this process --transport hivemind"):
+            coordinator_from_records(found, key, "r", "hivemind")
+    assert coordinator_from_records({"main": {"peer_id": "Qm"}}, None, "r", "hivemind") == "Qm"  # no transport field
+    flipped = {"main": {**coordinator_record(secret, "r", "12D3KooWcoord", "libp2p"), "transport": "hivemind"}}
+    assert coordinator_from_records(flipped, secret, "r", "hivemind") is None  # fails the MAC: ignored, no error
+    assert coordinator_from_records(flipped, secret, "r", "hivemind", unsigned_ok=True) == "12D3KooWcoord"
+    unsigned = {"x": {"peer_id": "stranger", "transport": "libp2p"},
+                "main": coordinator_record(secret, "r", "12D3KooWcoord", "libp2p")}
+    assert coordinator_from_records(unsigned, secret, "r", "libp2p", unsigned_ok=True) == "12D3KooWcoord"
+    assert coordinator_from_records(unsigned, b"wrong-secret-of-16+chars", "r", "libp2p") is None
 
 
 def test_bad_transport_flag_is_a_clear_cli_error(capsys) -> None:

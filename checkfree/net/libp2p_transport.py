@@ -518,9 +518,13 @@ class Libp2pTransport:
         return peer
 
     def _t_remember(self, peer: str, addrs: Sequence[str]) -> Any:
+        """The peer's ID; its dialable addresses become exactly ``addrs`` (if any are given): py-libp2p dials
+        only the first TCP address it holds for a peer, so a stale one must not stay in front."""
         pid = ID.from_base58(peer)
         if addrs:
-            self._host.get_peerstore().add_addrs(pid, [multiaddr.Multiaddr(a) for a in addrs], PERMANENT_ADDR_TTL)
+            store = self._host.get_peerstore()
+            store.clear_addrs(pid)
+            store.add_addrs(pid, [multiaddr.Multiaddr(a) for a in addrs], PERMANENT_ADDR_TTL)
         return pid
 
     async def _t_connect(self, peer: str, addrs: Sequence[str]) -> None:
@@ -637,6 +641,10 @@ class Libp2pTransport:
             body = await asyncio.wait_for(exchange(), timeout)
         except asyncio.TimeoutError:
             raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
+        except TransportError:
+            if self.address_resolver is not None:  # look the address up again next time (moved, or a bad record)
+                self._addresses.pop(peer, None)
+            raise
         try:
             reply_header, reply_tensors = decode_body(body)
         except WireError as e:
