@@ -37,7 +37,7 @@ def parse_slow(specs: list[str], num_stages: int) -> dict[int, tuple[float, int]
     """`STAGE:SECONDS[@STEP]` -> {stage: (seconds, step)}."""
     out = {}
     for spec in specs:
-        m = re.fullmatch(r"(\d+):([0-9.]+)(?:@(\d+))?", spec.strip())
+        m = re.fullmatch(r"(\d+):(\d+(?:\.\d*)?|\.\d+)(?:@(\d+))?", spec.strip())
         if m is None or not int(m.group(1)) < num_stages:
             raise ValueError(f"--chaos-slow {spec!r}: expected STAGE:SECONDS[@STEP] with STAGE < {num_stages}")
         out[int(m.group(1))] = (float(m.group(2)), int(m.group(3) or 0))
