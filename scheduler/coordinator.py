@@ -220,8 +220,17 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass
 
-    async def _assign(self, stage: int, pid: str, header: dict) -> dict:
-        reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header}, timeout=self.t.step_timeout)
+    async def _assign(self, stage: int, pid: str, header: dict, timeout: float | None = None) -> dict:
+        """Give `stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
+        assignment fails is passed over and, in case it is merely slow and goes on to host the stage
+        anyway, retired."""
+        try:
+            reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header},
+                                        timeout=timeout or self.t.step_timeout)
+        except CALL_ERRORS:
+            self.reported.add(pid)
+            self.members[pid].leaving = True
+            raise
         self.members[pid].stage = stage
         self.stage_peer[stage] = pid
         return reply
@@ -230,12 +239,12 @@ class Coordinator:
         for stage in range(self.cfg.num_stages):
             while stage not in self.stage_peer:
                 pid = await self._take_standby(f"serve stage {stage}")
-                try:
-                    await self._assign(stage, pid, {"mode": "fresh", **self._slow_header(stage)})
+                try:  # a peer starting up may take long to build its first stage: part of joining
+                    await self._assign(stage, pid, {"mode": "fresh", **self._slow_header(stage)},
+                                       timeout=self.t.join_timeout)
                     self._event("assign", step=0, stage=stage, peer_id=pid, mode="fresh")
                 except CALL_ERRORS as e:
                     log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
-                    self.reported.add(pid)
 
     def _slow_header(self, stage: int) -> dict:
         """Diagnostic (local swarm, --chaos-slow): the first peer of `stage` computes slowly."""
@@ -352,7 +361,6 @@ class Coordinator:
                 return pid, await self._assign(stage, pid, header), t0
             except CALL_ERRORS as e:
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
-                self.reported.add(pid)
                 self._event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
 
     # ---- rollback strategies (checkpoint, gemini): real snapshots in peers' memory / files
