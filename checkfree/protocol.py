@@ -17,8 +17,8 @@ Timeout hierarchy (each one a flag of `checkfree peer`, `checkfree scheduler` an
 * step_timeout: a whole step (all microbatches' forward and backward) must finish in it; a
   peer that spent most of a timed-out step computing names itself a straggler
   (STRAGGLER_MARK) and is replaced like a failed one.
-* join_timeout: how long a run waits for peers to join (or a replacement to appear)
-  before it gives up with a clear message.
+* join_timeout: how long a run waits for peers to join and build their first stage (or for a
+  replacement to appear) before it gives up with a clear message.
 
 Each is smaller than the next because each failure it detects must be settled inside the next
 wait: a dead peer's heartbeat expires before a call to it times out, a call times out (and the
