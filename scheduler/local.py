@@ -111,8 +111,12 @@ class NetLab:
         self.hub = f"{self.tag}-hub"
         self.spaces: list[str] = []
         self._ip("netns", "add", self.hub)
-        self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        self._ip("-n", self.hub, "link", "set", "br0", "up")
+        try:
+            self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            self._ip("-n", self.hub, "link", "set", "br0", "up")
+        except RuntimeError:
+            self.close()
+            raise
 
     @staticmethod
     def unavailable() -> str | None:
@@ -135,8 +139,8 @@ class NetLab:
         """A new namespace linked to the bridge: (link number, command prefix, its address)."""
         n = len(self.spaces) + 1
         ns, addr = f"{self.tag}-{n}", f"10.213.{n // 200}.{n % 200 + 1}"
-        self.spaces.append(ns)
         self._ip("netns", "add", ns)
+        self.spaces.append(ns)  # deleted by close() from here on
         self._ip("link", "add", "lab0", "netns", ns, "type", "veth", "peer", "name", f"p{n}", "netns", self.hub)
         self._ip("-n", ns, "addr", "add", f"{addr}/16", "dev", "lab0")
         for dev in ("lo", "lab0"):
