@@ -19,7 +19,7 @@ from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loade
 from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure, get_rule
 
 __all__ = ["main", "add_run_arguments", "config_from_args", "add_network_arguments", "add_transport_arguments",
-           "network_options", "SUBCOMMANDS"]
+           "network_options", "add_timeout_arguments", "timeouts_from_args", "SUBCOMMANDS"]
 
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
 # does not pay for hivemind's import.
@@ -203,11 +203,31 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=30.0,
                    help="seconds to wait for the p2p daemon (raise it if you see 'Daemon failed to start')")
     add_transport_arguments(g)
+    add_timeout_arguments(p)
+
+
+TIMEOUT_FLAGS = ("heartbeat_ttl", "rpc_timeout", "step_timeout", "join_timeout")
+
+
+def add_timeout_arguments(p: argparse.ArgumentParser, *, step_timeout: float = 300.0,
+                          join_timeout: float = 600.0) -> None:
+    """The timeout hierarchy (checkfree.protocol.Timeouts) as flags: peer, scheduler and local."""
     t = p.add_argument_group("timeouts (heartbeat-ttl < rpc-timeout < step-timeout < join-timeout)")
-    t.add_argument("--heartbeat-ttl", type=float, default=4.0, help="a silent peer is declared failed after this")
-    t.add_argument("--rpc-timeout", type=float, default=30.0, help="one forward/backward/weight transfer call")
-    t.add_argument("--step-timeout", type=float, default=300.0, help="one whole step")
-    t.add_argument("--join-timeout", type=float, default=600.0, help="waiting for peers or a replacement")
+    t.add_argument("--heartbeat-ttl", type=float, default=4.0,
+                   help="a peer whose DHT heartbeat is this old is pinged, and declared failed if the ping fails")
+    t.add_argument("--rpc-timeout", type=float, default=30.0,
+                   help="one forward/backward/weight-transfer/abort call")
+    t.add_argument("--step-timeout", type=float, default=step_timeout,
+                   help=f"one whole step; a peer slower than this is replaced as a straggler (default {step_timeout:g})")
+    t.add_argument("--join-timeout", type=float, default=join_timeout,
+                   help=f"waiting for peers or a replacement before giving up (default {join_timeout:g})")
+
+
+def timeouts_from_args(args: argparse.Namespace):
+    """A validated checkfree.protocol.Timeouts from the timeout flags."""
+    from checkfree.protocol import Timeouts
+
+    return Timeouts(**{name: getattr(args, name) for name in TIMEOUT_FLAGS})
 
 
 def add_transport_arguments(g: argparse._ActionsContainer, port: bool = True) -> None:
@@ -225,14 +245,10 @@ def add_transport_arguments(g: argparse._ActionsContainer, port: bool = True) ->
 
 def network_options(args: argparse.Namespace) -> dict:
     """The keyword arguments shared by PeerOptions and CoordinatorOptions."""
-    from checkfree.protocol import Timeouts
-
     return dict(run_id=args.run_id, initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs),
                 announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
                 startup_timeout=args.startup_timeout, secret_file=args.secret_file, transport=args.transport,
-                libp2p_port=args.libp2p_port,
-                timeouts=Timeouts(heartbeat_ttl=args.heartbeat_ttl, rpc_timeout=args.rpc_timeout,
-                                  step_timeout=args.step_timeout, join_timeout=args.join_timeout))
+                libp2p_port=args.libp2p_port, timeouts=timeouts_from_args(args))
 
 
 def add_simulate(sub: argparse._SubParsersAction) -> None:

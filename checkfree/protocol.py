@@ -5,16 +5,24 @@ Every header names the run (`run`); a request for another run is refused. Reques
 belong to a step also carry `step` and `attempt`: a step interrupted by a failure is
 aborted and re-run as the next attempt, and messages of an aborted attempt are refused.
 
-Timeout hierarchy (each one a flag of `checkfree peer` / `checkfree scheduler`):
+Timeout hierarchy (each one a flag of `checkfree peer`, `checkfree scheduler` and `checkfree local`):
 
     heartbeat_ttl < rpc_timeout < step_timeout < join_timeout
 
 * heartbeat_ttl: a peer's DHT heartbeat expires this long after its last refresh
-  (refreshed every ttl/3); a silent peer is declared failed after it.
-* rpc_timeout: one call (a forward, a backward, a weight transfer) must answer within it.
-* step_timeout: a whole step (all microbatches' forward and backward) must finish in it.
-* join_timeout: how long a run waits for peers to join (or a replacement to appear)
-  before it gives up with a clear message.
+  (refreshed every ttl/3); a silent peer (frozen, partitioned, dead) is a suspect after it,
+  and is declared failed when a ping (bounded by min(5 s, rpc_timeout)) fails too.
+* rpc_timeout: one call (a forward, a backward, a weight transfer, an abort) must answer
+  within it; a neighbour whose call fails is reported to the coordinator.
+* step_timeout: a whole step (all microbatches' forward and backward) must finish in it; a
+  peer that spent most of a timed-out step computing names itself a straggler
+  (STRAGGLER_MARK) and is replaced like a failed one.
+* join_timeout: how long a run waits for peers to join and build their first stage (or for a
+  replacement to appear) before it gives up with a clear message.
+
+Each is smaller than the next because each failure it detects must be settled inside the next
+wait: a dead peer's heartbeat expires before a call to it times out, a call times out (and the
+attempt is aborted) before the step does, and a step is re-run before the run gives up.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ from checkfree.recovery import RecoveryPlan
 
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
            "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
-           "coordinator_record", "coordinator_from_records"]
+           "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK"]
 
 DHT_PREFIX = "checkfree"
 READY_PEER = "peer ready:"
 READY_COORDINATOR = "coordinator ready:"
 READY_STANDBY = "coordinator standby:"
+STEP_TIMEOUT_MARK = "step timeout:"  # starts a peer's RUN_STEP error when its step ran over step_timeout
+STRAGGLER_MARK = "[straggler]"  # ...and ends it when the peer's own computing filled most of the step
 
 
 class RPC:

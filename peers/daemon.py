@@ -36,8 +36,8 @@ from checkfree.net.transport import (RemoteError, Transport, TransportError, ann
                                      live_members_async, rpc_note, start_transport, stop_transport)
 from checkfree.net.wire import check_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
-from checkfree.protocol import (READY_PEER, RPC, ProtocolError, Timeouts, coordinator_from_records,
-                                coordinator_key, members_key, plan_from_wire, require)
+from checkfree.protocol import (READY_PEER, RPC, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
+                                coordinator_from_records, coordinator_key, members_key, plan_from_wire, require)
 from checkfree.recovery import omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
@@ -139,6 +139,10 @@ class PeerDaemon:
         self._finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
         self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
+        self._busy_s = 0.0  # time the compute thread has spent computing, finished work
+        self._busy_since: float | None = None  # start of the computation running now
+        self.inject_delay: tuple[float, int] | None = None  # diagnostic slowness: (s per compute, from step)
+        self._told_to_stop = False  # the coordinator sent SHUTDOWN
 
     # ---- helpers ---------------------------------------------------------------------
     async def compute(self, fn, *args, priority: int = 1):
@@ -158,6 +162,7 @@ class PeerDaemon:
             _, _, fn, args, fut = self._queue.get_nowait()
             if fut.cancelled():
                 continue
+            self._busy_since = time.monotonic()
             try:
                 result = await loop.run_in_executor(self.pool, fn, *args)
             except BaseException as e:  # handed to the awaiting caller
@@ -166,6 +171,26 @@ class PeerDaemon:
             else:
                 if not fut.done():
                     fut.set_result(result)
+            finally:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+
+    def busy(self) -> float:
+        """Seconds the compute thread has spent computing so far (the running computation included)."""
+        return self._busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
+
+    def _slowed(self, fn, step: int):
+        """`fn`, preceded on the compute thread by the diagnostic delay (`--chaos-slow`) from its step on:
+        a slow GPU or an overloaded host, while the event loop keeps answering pings and heartbeats."""
+        if self.inject_delay is None or step < self.inject_delay[1]:
+            return fn
+        delay = self.inject_delay[0]
+
+        def slow(*args):
+            time.sleep(delay)
+            return fn(*args)
+
+        return slow
 
     @property
     def stage(self) -> int:
@@ -382,7 +407,7 @@ class PeerDaemon:
         it has a replacement ready, keep serving until our exact state has been handed over
         (the coordinator then sends SHUTDOWN) or `leave_deadline` passes."""
         self.state = PeerState.LEAVING
-        if self.coordinator is None:
+        if self.coordinator is None or self._told_to_stop:
             return
         try:
             reply, _ = await self.transport.call(self.coordinator, RPC.LEAVE,
@@ -455,6 +480,9 @@ class PeerDaemon:
             reply["bytes"] = blob.numel()
         elif header["mode"] != "fresh":
             raise ProtocolError(f"unknown assign mode {header['mode']!r}")
+        if isinstance(header.get("inject_delay"), list):  # diagnostic (--chaos-slow): [seconds, from step]
+            self.inject_delay = (float(header["inject_delay"][0]), int(header["inject_delay"][1]))
+            log.warning("diagnostic: %.3g s delay per forward/backward from step %d", *self.inject_delay)
         self.worker = worker
         self.omega = reply.pop("omega", 0.0)
         self.next_step = header.get("step", 0) if isinstance(header.get("step", 0), int) else 0
@@ -682,12 +710,17 @@ class PeerDaemon:
         window = len(run.pending_starts)
         if self.cfg.train.schedule == "1f1b" and not run.evaluate:
             window = self.cfg.num_stages  # at most S microbatches in flight from this first hop
+        busy0 = self.busy()
         for _ in range(min(window, len(run.pending_starts))):
             self._start_next(run)
         try:
             await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
         except asyncio.TimeoutError:
-            run.fail(f"step {run.step} timed out after {self.t.step_timeout:g} s on stage {self.stage}")
+            # the peer whose own computing filled most of the step is the straggler; the others were waiting
+            busy = self.busy() - busy0
+            mark = f" {STRAGGLER_MARK}" if busy >= self.t.step_timeout / 2 else ""
+            run.fail(f"{STEP_TIMEOUT_MARK} step {run.step} timed out after {self.t.step_timeout:g} s on stage "
+                     f"{self.stage}, {busy:.1f} s of it computing{mark}")
         if run.error is None and self.plus and not run.evaluate:
             await self._sync_components(run)
         if run.error is not None:
@@ -780,7 +813,7 @@ class PeerDaemon:
         uncorrectable fault fails the step with a SOFT_ERROR marker the coordinator counts."""
         for attempt in range(2):
             try:
-                return await self.compute(self.worker.forward, key, x, hop, targets)
+                return await self.compute(self._slowed(self.worker.forward, key[0]), key, x, hop, targets)
             except UncorrectableSoftError as e:
                 await self.compute(self.worker.drop_microbatch, key)
                 if attempt == 1:
@@ -789,7 +822,8 @@ class PeerDaemon:
 
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
         try:
-            grad_in = await self.compute(self.worker.backward, (run.step, run.attempt, mb), grad, priority=0)
+            grad_in = await self.compute(self._slowed(self.worker.backward, run.step), (run.step, run.attempt, mb),
+                                         grad, priority=0)
             self._mb_done(run)
             if idx == 0 and self.cfg.train.schedule == "1f1b":
                 self._start_next(run)  # one microbatch finished here: admit the next
@@ -810,6 +844,16 @@ class PeerDaemon:
                                 f"not to this peer's stage {self.stage}")
         return mb, idx
 
+    @staticmethod
+    def _check_sender(run: StepRun, peer, mb: int, idx: int) -> None:
+        """Activations and gradients of a step are accepted only from the peer that this step's table
+        lists for the sending hop: a retired peer (partitioned, replaced) is refused even if it holds the
+        run token."""
+        expect = run.peers.get(run.routes[mb][idx].stage)
+        if str(peer) != expect:
+            raise ProtocolError(f"peer {peer} does not serve stage {run.routes[mb][idx].stage} in step {run.step} "
+                                f"attempt {run.attempt}")
+
     def _check_payload(self, header: dict, tensors: list, what: str) -> torch.Tensor:
         """What can be checked without the step, before waiting for it: a malformed message is
         refused at once with its actual fault (not after rpc_timeout as a 'missing step')."""
@@ -821,6 +865,8 @@ class PeerDaemon:
         x = self._check_payload(header, tensors, "activation")
         run = await self._current(header)
         mb, idx = self._check_hop(run, header)
+        if idx > 0:
+            self._check_sender(run, peer, mb, idx - 1)
         self._spawn(run, self._forward_task(run, mb, idx, x))
         return {"ok": True}, []
 
@@ -830,6 +876,8 @@ class PeerDaemon:
         mb, idx = self._check_hop(run, header)
         if run.evaluate:
             raise ProtocolError("an evaluation has no backward pass")
+        if idx + 1 < len(run.routes[mb]):
+            self._check_sender(run, peer, mb, idx + 1)
         self._spawn(run, self._backward_task(run, mb, idx, g))
         return {"ok": True}, []
 
@@ -916,7 +964,10 @@ class PeerDaemon:
         self._check_run(header)
         if self.coordinator is not None and str(peer) != self.coordinator:
             raise ProtocolError("only the run's coordinator may shut this peer down")
-        self.coordinator = None  # no leave announcement needed: the coordinator asked
+        # no leave announcement needed: the coordinator asked (and may ask again: a request delayed by a
+        # partition and its retry both arrive once the partition heals; both are answered)
+        self._told_to_stop = True
+        log.info("told to shut down by the coordinator")
         if self.worker is not None and self.opts.dump_dir:
             await self.compute(self._dump_final)
         asyncio.get_running_loop().call_later(0.1, self.stop.set)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 
 from checkfree.cli import add_network_arguments, add_run_arguments, config_from_args, network_options
 
@@ -24,6 +25,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the peer chosen to rebuild a failed stage is killed before it finishes")
     p.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group after it has committed half of the stages of step STEP (failover test)")
+    p.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
+                   "off the network for one iteration")
+    p.add_argument("--chaos-slow", action="append", default=[], metavar="STAGE:SECONDS[@STEP]",
+                   help="(diagnostic) the first peer of STAGE sleeps SECONDS before each forward and backward, from "
+                        "STEP on (default 0); repeatable")
     p.add_argument("--shutdown-peers", action="store_true", help="tell peers to exit when the run ends")
     p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
     f = p.add_argument_group("coordinator failover (the run's config then comes from its peers; config flags are "
@@ -35,6 +41,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="hot standby: watch the run's coordinator (give its address as --initial-peers) and take "
                         "over when it stops answering")
     p.set_defaults(func=run_scheduler)
+
+
+def parse_slow(specs: list[str], num_stages: int) -> dict[int, tuple[float, int]]:
+    """`STAGE:SECONDS[@STEP]` -> {stage: (seconds, step)}."""
+    out = {}
+    for spec in specs:
+        m = re.fullmatch(r"(\d+):(\d+(?:\.\d*)?|\.\d+)(?:@(\d+))?", spec.strip())
+        if m is None or not int(m.group(1)) < num_stages:
+            raise ValueError(f"--chaos-slow {spec!r}: expected STAGE:SECONDS[@STEP] with STAGE < {num_stages}")
+        out[int(m.group(1))] = (float(m.group(2)), int(m.group(3) or 0))
+    return out
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
@@ -49,11 +66,12 @@ def run_scheduler(args: argparse.Namespace) -> int:
                          "(or, for --standby, of its coordinator)")
     chaos = FailureSchedule(read_trace(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
     preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
+    partition = FailureSchedule(read_trace(args.partition_trace, cfg.num_stages)) if args.partition_trace else None
     opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt,
                               chaos_recovery_kills=frozenset(int(x) for x in args.chaos_recovery_kills.split(",") if x),
-                              shutdown_peers=args.shutdown_peers,
-                              max_attempts=args.max_attempts, takeover=args.takeover, standby=args.standby,
-                              die_in_commit=args.chaos_die_in_commit)
+                              shutdown_peers=args.shutdown_peers, max_attempts=args.max_attempts, partition=partition,
+                              slow=parse_slow(args.chaos_slow, cfg.num_stages), takeover=args.takeover,
+                              standby=args.standby, die_in_commit=args.chaos_die_in_commit)
     try:
         summary = asyncio.run(Coordinator(None if failover else cfg, opts).run())
     except TransportError as e:

@@ -3,7 +3,8 @@
 It holds the config, admits peers (JOIN), assigns stages (waiting peers fill empty stages,
 the rest wait as standbys), drives each step (RUN_STEP on every stage peer, then COMMIT
 once all are ready), detects failures (expired DHT heartbeats, failure reports from peers
-whose call to a neighbour failed, failed pings), orders recoveries (which standby rebuilds
+whose call to a neighbour failed, failed pings, stragglers that ran over step_timeout), retires
+failed peers that may still be running (a healed partition), orders recoveries (which standby rebuilds
 which stage from which live neighbours), and writes the same run directory as the
 simulator. A step interrupted by a failure is aborted (partial gradients dropped) and run
 again after recovery; nothing is committed until every stage is ready.
@@ -17,6 +18,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +31,9 @@ from checkfree.model import plan_stages
 from checkfree.pipeline import route
 from checkfree.net.transport import (RemoteError, TransportError, announce, dht_maddrs, live_members_async,
                                      rpc_note, start_transport, stop_transport)
-from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, ProtocolError, Timeouts,
-                                coordinator_from_records, coordinator_key, coordinator_record, members_key,
-                                plan_to_wire, require)
+from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, STEP_TIMEOUT_MARK, STRAGGLER_MARK,
+                                ProtocolError, Timeouts, coordinator_from_records, coordinator_key,
+                                coordinator_record, members_key, plan_to_wire, require)
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
 from checkfree.rundir import RunWriter, read_jsonl
 from checkfree.simulator import recovery_fields
@@ -68,6 +70,8 @@ class CoordinatorOptions:
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
     chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
+    partition: FailureSchedule | None = None  # local swarm (--netns): cut these (step, stage) peers off the network
+    slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
     shutdown_peers: bool = False  # tell peers to exit when the run ends
     max_attempts: int = 5  # attempts of one step before the run gives up
     save_final: bool = True  # gather every stage into final_weights.safetensors at the end
@@ -107,6 +111,10 @@ class Coordinator:
         self.member_event = asyncio.Event()
         self.cfg: RunConfig | None = None
         self._attempt_floor: dict[int, int] = {}  # step -> first attempt number (after a takeover)
+        self._retired: set[str] = set()  # failed peers already told to shut down
+        self._partitioned: list[str] = []  # local swarm: peers cut off the network, healed at the next iteration
+        self._retire_task: asyncio.Task | None = None
+        self._stdin: asyncio.StreamReader | None = None  # local swarm: the launcher's acknowledgements
         if cfg is not None:
             self._configure(cfg)
         elif not (opts.takeover or opts.standby):
@@ -129,7 +137,6 @@ class Coordinator:
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
         self._chaos_done: set[int] = set()
         self._recovery_killed: set[int] = set()
-        self._retired: set[str] = set()  # failed peers already told to shut down
         self.norms = [0.0] * cfg.num_stages
         self.soft_skips: dict[int, int] = {}  # stage -> consecutive attempts lost to soft errors
         self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
@@ -167,8 +174,11 @@ class Coordinator:
     async def _on_report(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         require(header, stage=int, peer_id=str, reason=str)
-        if str(peer) not in self.members:
+        reporter = self.members.get(str(peer))
+        if reporter is None:
             raise ProtocolError(f"unknown peer {peer}: reports are accepted from members only")
+        if reporter.leaving and reporter.stage < 0:  # e.g. a partitioned peer's report arriving after it was replaced
+            raise ProtocolError(f"peer {peer} was retired from the run: its report is ignored")
         if self.stage_peer.get(header["stage"]) == header["peer_id"]:
             self.reported.add(header["peer_id"])
             log.info("peer %s reports stage %d unreachable: %s", peer, header["stage"], header["reason"][:200])
@@ -239,8 +249,17 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass
 
-    async def _assign(self, stage: int, pid: str, header: dict) -> dict:
-        reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header}, timeout=self.t.step_timeout)
+    async def _assign(self, stage: int, pid: str, header: dict, timeout: float | None = None) -> dict:
+        """Give `stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
+        assignment fails is passed over and, in case it is merely slow and goes on to host the stage
+        anyway, retired."""
+        try:
+            reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header},
+                                        timeout=timeout or self.t.step_timeout)
+        except CALL_ERRORS:
+            self.reported.add(pid)
+            self.members[pid].leaving = True
+            raise
         self.members[pid].stage = stage
         self.stage_peer[stage] = pid
         return reply
@@ -249,12 +268,19 @@ class Coordinator:
         for stage in range(self.cfg.num_stages):
             while stage not in self.stage_peer:
                 pid = await self._take_standby(f"serve stage {stage}")
-                try:
-                    await self._assign(stage, pid, {"mode": "fresh"})
+                try:  # a peer starting up may take long to build its first stage: part of joining
+                    await self._assign(stage, pid, {"mode": "fresh", **self._slow_header(stage)},
+                                       timeout=self.t.join_timeout)
                     self._event("assign", step=0, stage=stage, peer_id=pid, mode="fresh")
                 except CALL_ERRORS as e:
                     log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
-                    self.reported.add(pid)
+
+    def _slow_header(self, stage: int) -> dict:
+        """Diagnostic (local swarm, --chaos-slow): the first peer of `stage` computes slowly."""
+        if stage not in self.opts.slow:
+            return {}
+        delay, start = self.opts.slow[stage]
+        return {"inject_delay": [delay, start]}
 
     async def _detect(self) -> set[int]:
         """Stages whose peer is gone: expired heartbeat, a report confirmed by a failed ping, or a leave."""
@@ -271,6 +297,11 @@ class Coordinator:
             suspect = m.leaving or pid in self.reported or (live is not None and pid not in live)
             if suspect and (m.leaving or not await self._alive(pid)):
                 failed.add(stage)
+            elif suspect:
+                self.reported.discard(pid)  # a false report (e.g. from a partitioned neighbour): it answers
+        back = live is not None and any(p in live for p in self._unretired())
+        if back and (self._retire_task is None or self._retire_task.done()):
+            self._retire_task = asyncio.create_task(self._retire())  # a retired peer is back: tell it again
         # a stage nobody serves (its peer died while no coordinator was there to see it)
         return failed | (set(range(self.cfg.num_stages)) - set(self.stage_peer))
 
@@ -278,6 +309,21 @@ class Coordinator:
         """Peers with a live DHT heartbeat (with a run secret: only records a member signed)."""
         found = await live_members_async(self.dht, members_key(self.opts.run_id)) or {}
         return {p: v for p, v in found.items() if record_ok(self.secret, self.opts.run_id, "member", p, v)}
+
+    def _unretired(self) -> list[str]:
+        return [p for p, m in self.members.items() if m.leaving and m.stage < 0 and p not in self._retired]
+
+    async def _retire(self) -> None:
+        """Tell failed peers to shut down: a failed peer may still be running (broken weights, soft
+        errors, a straggler, a partition). One that cannot be reached now is told again when its
+        heartbeat reappears (a healed partition: see _detect) and when the run ends."""
+        pids = self._unretired()
+        results = await asyncio.gather(*(self._call(p, RPC.SHUTDOWN, {}, timeout=2.0) for p in pids),
+                                       return_exceptions=True)
+        for pid, r in zip(pids, results):
+            if not isinstance(r, Exception) and pid not in self._retired:
+                self._retired.add(pid)
+                self._event("retired", step=self.step, peer_id=pid)
 
     async def _handover(self, stage: int, pid: str) -> bool:
         """A peer leaving gracefully hands its exact state (weights and optimizer) to a standby:
@@ -300,7 +346,9 @@ class Coordinator:
         self.norms[stage] = float(reply.get("omega", self.norms[stage]))
         self._event("handover", step=self.step, stage=stage, strategy=self.cfg.recovery.strategy, source_peer=pid,
                     peer_id=new, bytes=reply.get("bytes", 0), handover_s=round(time.perf_counter() - t0, 6))
-        await asyncio.gather(self._call(pid, RPC.SHUTDOWN, {}, timeout=5.0), return_exceptions=True)
+        (done,) = await asyncio.gather(self._call(pid, RPC.SHUTDOWN, {}, timeout=5.0), return_exceptions=True)
+        if not isinstance(done, Exception):
+            self._retired.add(pid)
         return True
 
     # ---- recovery ---------------------------------------------------------------------
@@ -313,11 +361,7 @@ class Coordinator:
                 self.members[pid].stage = -1
                 self.members[pid].leaving = True
             self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
-        # a failed peer may still be running (broken weights, soft errors, partition): retire it
-        await asyncio.gather(*(self._call(self.members[p].peer_id, RPC.SHUTDOWN, {}, timeout=2.0)
-                               for p in self.members if self.members[p].leaving and p not in self._retired),
-                             return_exceptions=True)
-        self._retired.update(p for p in self.members if self.members[p].leaving)
+        await self._retire()
         if strategy in ROLLBACK_STRATEGIES:
             await self._rollback(step, failed)
         try:
@@ -353,7 +397,6 @@ class Coordinator:
                 return pid, await self._assign(stage, pid, header), t0
             except CALL_ERRORS as e:
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
-                self.reported.add(pid)
                 self._event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
 
     # ---- rollback strategies (checkpoint, gemini): real snapshots in peers' memory / files
@@ -446,8 +489,14 @@ class Coordinator:
         errors = {s: t.exception() for s, t in tasks.items() if t in done and t.exception() is not None}
         if not errors:
             return {s: t.result()[0] for s, t in tasks.items()}
+        if pending and any(STEP_TIMEOUT_MARK in str(e) for e in errors.values()):
+            # every peer's step deadline passes at about the same time: hear them all before aborting,
+            # since only the straggler itself can tell that its own computing filled the step
+            _, pending = await asyncio.wait(pending, timeout=self.t.rpc_timeout)
+            errors = {s: t.exception() for s, t in tasks.items() if t.done() and t.exception() is not None}
         await self._all(RPC.ABORT, {}, self.t.rpc_timeout)  # makes the others' RUN_STEP return at once
-        await asyncio.wait(pending, timeout=self.t.rpc_timeout)
+        if pending:  # (asyncio.wait refuses an empty set: every call may have failed at once)
+            await asyncio.wait(pending, timeout=self.t.rpc_timeout)
         for t in pending:
             t.cancel()
         log.warning("step %d attempt %d failed: %s", step, attempt,
@@ -457,6 +506,10 @@ class Coordinator:
                 self.reported.add(self.stage_peer[s])
             elif SOFT_ERROR_MARK in str(e):
                 self._soft_error(step, s)
+            elif STRAGGLER_MARK in str(e):  # slower than step_timeout: treated as failed, recovered before the retry
+                pid = self.stage_peer[s]
+                self._event("straggler", step=step, stage=s, peer_id=pid, reason=e.remote_message[:300])
+                self.members[pid].leaving = True
         return None
 
     def _soft_error(self, step: int, stage: int) -> None:
@@ -508,31 +561,51 @@ class Coordinator:
         print(f"CHAOS kill step={self.iteration} stage={stage} peer={pid} during-recovery", flush=True)
         await self._wait_dead(pid)
 
+    async def _launcher_ack(self) -> None:
+        """Local swarm: wait (up to rpc_timeout) for the launcher's line on stdin saying it has acted."""
+        loop = asyncio.get_running_loop()
+        if self._stdin is None:
+            self._stdin = asyncio.StreamReader()
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self._stdin), sys.stdin)
+        try:
+            await asyncio.wait_for(self._stdin.readline(), self.t.rpc_timeout)
+        except asyncio.TimeoutError:
+            log.warning("no acknowledgement from the launcher within rpc_timeout; going on")
+
     async def _wait_dead(self, pid: str) -> None:
         """Until a peer the launcher was asked to kill stops answering (bounded by join_timeout)."""
         deadline = time.monotonic() + self.t.join_timeout
         while await self._alive(pid) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    def _scheduled(self, schedule: FailureSchedule | None, step: int) -> list[tuple[int, str]]:
+        """(stage, peer) of the stages `schedule` names at `step` that have a peer."""
+        stages = sorted(schedule.at(step)) if schedule else []
+        return [(s, self.stage_peer[s]) for s in stages if s in self.stage_peer]
+
     async def _chaos(self, step: int) -> None:
-        """Local swarm only: ask the launcher to SIGKILL the scheduled stages, then wait until
-        the kill is observable, so that the failure lands at the start of this step. `step`
-        is the iteration (executed steps, re-runs included), as in the simulator."""
+        """Local swarm only: ask the launcher to SIGKILL, SIGTERM or cut off the network (--netns) the
+        scheduled stages' peers, then wait until that is in effect, so that the failure lands at the
+        start of this step. `step` is the iteration (executed steps, re-runs included), as in the
+        simulator. A partition is healed at the next iteration, once its stage has been recovered."""
         if step in self._chaos_done:  # each scheduled failure fires once, even if the iteration is retried
             return
         self._chaos_done.add(step)
-        for stage in sorted(self.opts.chaos.at(step)) if self.opts.chaos else []:
-            pid = self.stage_peer.get(stage)
-            if pid is None:
-                continue
+        for pid in self._partitioned:
+            print(f"CHAOS heal step={step} peer={pid}", flush=True)
+            self._event("chaos_heal", step=step, peer_id=pid)
+        self._partitioned.clear()
+        for stage, pid in self._scheduled(self.opts.partition, step):
+            print(f"CHAOS partition step={step} stage={stage} peer={pid}", flush=True)
+            self._event("chaos_partition", step=step, stage=stage, peer_id=pid)
+            await self._launcher_ack()  # the link is cut now; detecting it is left to timeouts and heartbeats
+            self._partitioned.append(pid)
+        for stage, pid in self._scheduled(self.opts.chaos, step):
             print(f"CHAOS kill step={step} stage={stage} peer={pid}", flush=True)
             self._event("chaos_kill", step=step, stage=stage, peer_id=pid)
             await self._wait_dead(pid)
             self.reported.add(pid)
-        for stage in sorted(self.opts.preempt.at(step)) if self.opts.preempt else []:
-            pid = self.stage_peer.get(stage)
-            if pid is None:
-                continue
+        for stage, pid in self._scheduled(self.opts.preempt, step):
             print(f"CHAOS term step={step} stage={stage} peer={pid}", flush=True)
             deadline = time.monotonic() + self.t.rpc_timeout
             while not self.members[pid].leaving and time.monotonic() < deadline:
@@ -646,6 +719,7 @@ class Coordinator:
             if announcer is not None:
                 announcer.cancel()
             if self.opts.shutdown_peers and self.cfg is not None:
+                await self._retire()  # failed peers that came back since (a healed partition)
                 await self._shutdown_peers()
             await stop_transport(self.dht, self.transport)
 

@@ -10,6 +10,7 @@ shows live progress, and on exit or Ctrl-C tears everything down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -24,11 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.auth import SECRET_ENV
-from checkfree.cli import add_run_arguments, add_transport_arguments, config_from_args
+from checkfree.cli import (TIMEOUT_FLAGS, add_run_arguments, add_timeout_arguments, add_transport_arguments,
+                           config_from_args, timeouts_from_args)
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.protocol import READY_COORDINATOR, READY_PEER, READY_STANDBY
 
-__all__ = ["add_parser", "LocalSwarm", "SwarmOptions"]
+__all__ = ["add_parser", "LocalSwarm", "SwarmOptions", "NetLab"]
 
 STEP_LINE = re.compile(r"^step (\d+): loss ([-+\w.]+)(?:, val ([-+\w.]+))?.*peers (\d+)\+(\d+), failures (\d+), "
                        r"recoveries (\d+), fallbacks (\d+)")
@@ -41,10 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
     p.add_argument("--spares", type=int, default=2, help="standby peers kept running (default 2)")
     p.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer process (default 1)")
-    p.add_argument("--heartbeat-ttl", type=float, default=4.0)
-    p.add_argument("--rpc-timeout", type=float, default=30.0)
-    p.add_argument("--step-timeout", type=float, default=90.0)
-    p.add_argument("--join-timeout", type=float, default=120.0)
+    add_timeout_arguments(p, step_timeout=90.0, join_timeout=120.0)
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for a process to print its ready line")
     p.add_argument("--run-id", help="run name (default: derived from --out)")
     p.add_argument("--preempt-trace", metavar="FILE",
@@ -62,6 +61,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where the coordinator dies: between steps (SIGKILL by the launcher), or half-way through "
                         "committing step STEP (it SIGKILLs itself after committing half of the stages)")
     add_transport_arguments(p, port=False)
+    p.add_argument("--netns", action="store_true",
+                   help="run every process in a network namespace of its own, wired to one bridge (needs root and "
+                        "iproute2), so that --partition-trace can cut a peer's link")
+    p.add_argument("--partition-trace", metavar="FILE",
+                   help="`step,stage` lines: cut these stages' peers off the network (alive but unreachable) at these "
+                        "steps; the link comes back one iteration later (needs --netns)")
+    p.add_argument("--chaos-slow", action="append", default=[], metavar="STAGE:SECONDS[@STEP]",
+                   help="diagnostic: the first peer of STAGE sleeps SECONDS before each forward and backward from STEP "
+                        "on (a slow GPU); slower than --step-timeout, it is replaced as a straggler")
     p.set_defaults(func=run_local)
 
 
@@ -79,6 +87,7 @@ class SwarmOptions:
     kill_coordinator_at: int | None = None
     failover: str = "standby"  # standby | restart
     kill_coordinator_in: str = "step"  # step | commit
+    netns: bool = False  # every process in its own network namespace (NetLab)
 
 
 @dataclass
@@ -89,6 +98,7 @@ class Proc:
     peer_id: str = ""
     addrs: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
+    link: int = 0  # NetLab link number (0: no lab)
 
 
 def _reader(proc: "Proc") -> None:
@@ -104,6 +114,65 @@ def _reader(proc: "Proc") -> None:
     proc.ready.set()
 
 
+class NetLab:
+    """`--netns`: every process of a swarm in a network namespace of its own, all wired by veth pairs to
+    one bridge in a hub namespace. A partition is a real cut of one peer's link: the process keeps
+    running, but nothing gets in or out until the link is back up (connections stall, as on a real
+    network, rather than being refused). Needs root and iproute2. The addresses live only inside
+    this lab's own namespaces: nothing reaches, or comes from, any other network."""
+
+    def __init__(self) -> None:
+        self.tag = f"cf{os.getpid()}x{secrets.token_hex(2)}"
+        self.hub = f"{self.tag}-hub"
+        self.spaces: list[str] = []
+        self._ip("netns", "add", self.hub)
+        try:
+            self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            self._ip("-n", self.hub, "link", "set", "br0", "up")
+        except RuntimeError:
+            self.close()
+            raise
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why a lab cannot be built here (None: it can)."""
+        if os.name != "posix" or os.geteuid() != 0:
+            return "network namespaces need root"
+        try:
+            subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"iproute2's `ip netns` does not work here ({e})"
+        return None
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+
+    def add(self) -> tuple[int, list[str], str]:
+        """A new namespace linked to the bridge: (link number, command prefix, its address)."""
+        n = len(self.spaces) + 1
+        ns, addr = f"{self.tag}-{n}", f"10.213.{n // 200}.{n % 200 + 1}"
+        self._ip("netns", "add", ns)
+        self.spaces.append(ns)  # deleted by close() from here on
+        self._ip("link", "add", "lab0", "netns", ns, "type", "veth", "peer", "name", f"p{n}", "netns", self.hub)
+        self._ip("-n", ns, "addr", "add", f"{addr}/16", "dev", "lab0")
+        for dev in ("lo", "lab0"):
+            self._ip("-n", ns, "link", "set", dev, "up")
+        self._ip("-n", self.hub, "link", "set", f"p{n}", "master", "br0", "up")
+        return n, ["ip", "netns", "exec", ns], addr
+
+    def cut(self, n: int) -> None:
+        self._ip("-n", self.hub, "link", "set", f"p{n}", "down")
+
+    def heal(self, n: int) -> None:
+        self._ip("-n", self.hub, "link", "set", f"p{n}", "up")
+
+    def close(self) -> None:
+        for ns in [*self.spaces, self.hub]:
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+        self.spaces.clear()
 def _kill_group(proc: Proc) -> None:
     """SIGKILL a process's whole group (its DHT process and p2pd too), like a machine vanishing."""
     try:
@@ -126,15 +195,22 @@ class LocalSwarm:
         self.secret = secrets.token_hex(16)  # every local swarm is authenticated
         self.kills = 0
         self.preempted = 0
+        self.partitioned = 0
+        self.lab = NetLab() if opts.netns else None
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         self._n = 0
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], stdin=subprocess.DEVNULL) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
                SECRET_ENV: self.secret}
-        popen = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log")
+        link, prefix = 0, []
+        if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
+            link, prefix, addr = self.lab.add()
+            args = [*args, "--host-maddrs", f"/ip4/{addr}/tcp/0"]
+        popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree.cli", *args], stdin=stdin,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                 start_new_session=True)
+        proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log", link=link)
         threading.Thread(target=_reader, args=(proc,), daemon=True).start()
         return proc
 
@@ -188,17 +264,39 @@ class LocalSwarm:
                 "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.shared_flags, *o.coordinator_flags,
                 *extra]
 
+    def _spawn_coordinator(self, name: str, *extra: str) -> Proc:
+        return self._spawn(name, self._coordinator_args(*extra),
+                           stdin=subprocess.PIPE)  # the launcher acknowledges partitions on it
+
+    def partition_peer(self, peer_id: str, heal: bool = False) -> None:
+        """Cut a peer's link (it stays alive but unreachable) and start a spare in its place, then tell the
+        coordinator (on its stdin) that the cut is in effect; or heal the link."""
+        proc = next((p for p in self.peers if p.peer_id == peer_id), None)
+        if proc is None or self.lab is None:
+            print(f"swarm: cannot partition peer {peer_id} (unknown, or no --netns)", flush=True)
+        elif heal:
+            self.lab.heal(proc.link)
+            state = "alive" if proc.popen.poll() is None else f"exited {proc.popen.returncode}"
+            print(f"swarm: partition of peer {peer_id} healed (process {state})", flush=True)
+        else:
+            self.lab.cut(proc.link)
+            self.partitioned += 1
+            self.start_peer()
+        if not heal:
+            with contextlib.suppress(OSError):  # the coordinator waits for this line
+                self.coordinator.popen.stdin.write("partitioned\n")
+                self.coordinator.popen.stdin.flush()
+
     def run(self) -> int:
         o = self.opts
         extra = []
         if o.kill_coordinator_at is not None and o.kill_coordinator_in == "commit":
             extra = ["--chaos-die-in-commit", str(o.kill_coordinator_at)]
-        self.coordinator = self._spawn("coordinator", self._coordinator_args(*extra))
+        self.coordinator = self._spawn_coordinator("coordinator", *extra)
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
         if o.kill_coordinator_at is not None and o.failover == "standby":
-            self.standby = self._spawn("coordinator-standby", self._coordinator_args("--standby", "--initial-peers",
-                                                                                     self.addr))
+            self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
             self._await_ready(self.standby, READY_STANDBY)
         cfg = json.loads(self.config_path.read_text())
         first = [self.start_peer() for _ in range(cfg["num_stages"] + o.spares)]
@@ -225,6 +323,8 @@ class LocalSwarm:
                     self.kill_peer(re.search(r"peer=(\S+)", line).group(1))
                 elif line.startswith("CHAOS term"):
                     self.preempt_peer(re.search(r"peer=(\S+)", line).group(1))
+                elif line.startswith(("CHAOS partition", "CHAOS heal")):
+                    self.partition_peer(re.search(r"peer=(\S+)", line).group(1), heal=line.startswith("CHAOS heal"))
                 elif (m := STEP_LINE.match(line)) is not None:
                     bar.n = int(m.group(1)) + 1
                     bar.set_postfix(loss=m.group(2), live=m.group(4), spare=m.group(5), failures=m.group(6),
@@ -249,8 +349,8 @@ class LocalSwarm:
         if self.standby is not None:
             self.coordinator, self.standby = self.standby, None
         else:
-            self.coordinator = self._spawn("coordinator-takeover",
-                                           self._coordinator_args("--takeover", "--initial-peers", *live[:2]))
+            self.coordinator = self._spawn_coordinator("coordinator-takeover", "--takeover", "--initial-peers",
+                                                       *live[:2])
 
     def teardown(self) -> None:
         """SIGTERM everything, then SIGKILL whole process groups that did not exit."""
@@ -273,6 +373,8 @@ class LocalSwarm:
             except (ProcessLookupError, PermissionError):
                 pass
             p.popen.wait()
+        if self.lab is not None:
+            self.lab.close()
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -301,20 +403,26 @@ def run_local(args: argparse.Namespace) -> int:
     write_trace(chaos_path, sched.events)
     if args.write_trace:
         write_trace(args.write_trace, sched.events)
-    from checkfree.protocol import Timeouts
+    timeouts_from_args(args)  # validate the hierarchy before any process starts
+    flags = [x for name in TIMEOUT_FLAGS for x in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
+    flags += ["--transport", args.transport]
+    if args.partition_trace and not args.netns:
+        raise ValueError("--partition-trace needs --netns (a partition cuts a peer's link in its network namespace)")
+    if args.netns and (why := NetLab.unavailable()):
+        raise ValueError(f"--netns: {why}")
+    from scheduler.cli import parse_slow
 
-    Timeouts(heartbeat_ttl=args.heartbeat_ttl, rpc_timeout=args.rpc_timeout, step_timeout=args.step_timeout,
-             join_timeout=args.join_timeout)  # validate the hierarchy before any process starts
-    flags = ["--heartbeat-ttl", str(args.heartbeat_ttl), "--rpc-timeout", str(args.rpc_timeout),
-             "--step-timeout", str(args.step_timeout), "--join-timeout", str(args.join_timeout),
-             "--transport", args.transport]
+    parse_slow(args.chaos_slow, cfg.num_stages)  # refuse a bad spec before any process starts
     run_id = args.run_id or f"local-{abs(hash(str(out.resolve()))) % 10**8}-{os.getpid()}"
     swarm = LocalSwarm(config_path, chaos_path, SwarmOptions(
         out=out, run_id=run_id, spares=args.spares, threads_per_peer=args.threads_per_peer,
         ready_timeout=args.ready_timeout, progress=not args.no_progress, shared_flags=flags,
         peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
+        netns=args.netns,
         coordinator_flags=(["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
-        + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else []),
+        + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])
+        + (["--partition-trace", args.partition_trace] if args.partition_trace else [])
+        + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)],
         kill_coordinator_at=args.kill_coordinator_at, failover=args.coordinator_failover,
         kill_coordinator_in=args.kill_coordinator_in))
     print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
@@ -326,5 +434,6 @@ def run_local(args: argparse.Namespace) -> int:
     summary = out / "summary.json"
     if summary.exists():
         print(summary.read_text())
-    print(f"swarm: {swarm.kills} peers SIGKILLed, {swarm.preempted} SIGTERMed; run directory {out}", flush=True)
+    print(f"swarm: {swarm.kills} peers SIGKILLed, {swarm.preempted} SIGTERMed, {swarm.partitioned} partitioned; "
+          f"run directory {out}", flush=True)
     return code

@@ -13,19 +13,19 @@ import sys
 import pytest
 
 from checkfree.rundir import read_jsonl
-from test_swarm import _local, _trace, cache  # noqa: F401  (cache is a fixture)
+from swarmrun import events, local as _local, simulate, trace as _trace
 
 pytestmark = pytest.mark.timeout(400)
 FAST = ["--heartbeat-ttl", "2", "--rpc-timeout", "10", "--step-timeout", "60", "--join-timeout", "120"]
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
 def _simulated(tmp_path, cache, *args):
-    out = tmp_path / "sim"
-    sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(out), "--no-progress",
-                          *args], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "CHECKFREE_CACHE": cache})
-    assert sim.returncode == 0, sim.stderr[-2000:]
-    return read_jsonl(out / "metrics.jsonl")
+    return simulate(tmp_path, "sim", *args, cache=cache)
 
 
 def _check_lossless(out, sim, steps):
@@ -33,7 +33,7 @@ def _check_lossless(out, sim, steps):
     assert [m["step"] for m in metrics] == list(range(steps))  # every step recorded exactly once
     for x, y in zip(metrics, sim):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-5), x["step"]
-    (takeover,) = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "coordinator_takeover"]
+    (takeover,) = events(out, "coordinator_takeover")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and math.isfinite(summary["final_loss"])
     assert (out / "final_weights.safetensors").exists()
@@ -62,7 +62,7 @@ def test_restarted_coordinator_completes_a_half_done_commit_then_recovers(tmp_pa
     assert takeover["step"] == 5 and takeover["committed_stages"] == [2, 3] and takeover["recorded_step"]
     assert metrics[4]["recorded_by"] == "takeover"
     assert summary["failures"] == 1 and summary["recoveries"] == 1
-    (rec,) = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovery"]
+    (rec,) = events(out, "recovery")
     assert rec["step"] == 7 and rec["sources"] == [1, 3]
 
 

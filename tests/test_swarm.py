@@ -8,7 +8,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,28 +15,14 @@ from safetensors.torch import load_file
 
 from checkfree.recovery import checkfree_average
 from checkfree.rundir import read_jsonl
+from swarmrun import local as _local, trace as _trace
 
 pytestmark = pytest.mark.timeout(400)
-
-
-
-def _local(tmp_path: Path, name: str, *args: str, cache: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path / name
-    env = {**__import__("os").environ, "CHECKFREE_CACHE": cache}
-    proc = subprocess.run([sys.executable, "-m", "checkfree.cli", "local", "--out", str(out), "--no-progress",
-                           "--spares", "2", *args], capture_output=True, text=True, timeout=360, env=env)
-    return proc, out
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
-
-
-def _trace(tmp_path: Path, lines: list[tuple[int, int]]) -> str:
-    p = tmp_path / f"trace-{len(lines)}-{lines[0][0]}-{lines[0][1]}.csv"
-    p.write_text("step,stage\n" + "".join(f"{a},{b}\n" for a, b in lines))
-    return str(p)
 
 
 def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport):

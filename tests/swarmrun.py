@@ -1,0 +1,42 @@
+"""Helpers of the swarm integration tests: `checkfree local` / `checkfree simulate` as subprocesses
+(real processes, real network on loopback), failure traces, and run-directory readers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from checkfree.rundir import read_jsonl
+
+
+def local(tmp_path: Path, name: str, *args: str, cache: str, spares: int = 2,
+          timeout: float = 360) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run `checkfree local` into tmp_path/name; returns the finished process and the run directory."""
+    out = tmp_path / name
+    env = {**os.environ, "CHECKFREE_CACHE": cache}
+    proc = subprocess.run([sys.executable, "-m", "checkfree.cli", "local", "--out", str(out), "--no-progress",
+                           "--spares", str(spares), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return proc, out
+
+
+def simulate(tmp_path: Path, name: str, *args: str, cache: str, timeout: float = 300) -> list[dict]:
+    """Run `checkfree simulate` into tmp_path/name; returns its metrics lines."""
+    out = tmp_path / name
+    sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(out), "--no-progress", *args],
+                         capture_output=True, text=True, timeout=timeout, env={**os.environ, "CHECKFREE_CACHE": cache})
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    return read_jsonl(out / "metrics.jsonl")
+
+
+def trace(tmp_path: Path, lines: list[tuple[int, int]]) -> str:
+    """A `step,stage` trace file of these failures."""
+    p = tmp_path / f"trace-{len(lines)}-{lines[0][0]}-{lines[0][1]}.csv"
+    p.write_text("step,stage\n" + "".join(f"{a},{b}\n" for a, b in lines))
+    return str(p)
+
+
+def events(out: Path, *kinds: str) -> list[dict]:
+    """The run's events of these kinds, in order."""
+    return [e for e in read_jsonl(out / "events.jsonl") if e["event"] in kinds]
