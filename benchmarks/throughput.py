@@ -67,13 +67,18 @@ def simulator(cfg, steps: int, warmup: int, out: Path) -> float:
     return statistics.median(m["step_time_s"] for m in read_jsonl(out / "metrics.jsonl")[warmup:-1])
 
 
+def swarm_command(args, strategy: str, steps: int, out: Path, extra: list[str] = ()) -> list[str]:
+    """`checkfree local` for a failure-free run of `args.preset` (no spares, no evaluation)."""
+    return [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
+            "--microbatches", str(args.microbatches), "--steps", str(steps), "--eval-every", "0",
+            "--strategy", strategy, "--spares", "0", "--threads-per-peer", str(args.threads_per_peer),
+            "--out", str(out), "--no-progress", *extra]
+
+
 def swarm(args, strategy: str, steps: int, warmup: int, out: Path) -> tuple[float, float]:
     """Median step seconds of a failure-free swarm run, and the bytes its last step moved."""
-    cmd = [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
-           "--microbatches", str(args.microbatches), "--steps", str(steps + warmup), "--eval-every", "0",
-           "--strategy", strategy, "--spares", "0", "--threads-per-peer", str(args.threads_per_peer),
-           "--out", str(out), "--no-progress"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+    subprocess.run(swarm_command(args, strategy, steps + warmup, out), check=True, capture_output=True, text=True,
+                   timeout=3600)
     metrics = read_jsonl(out / "metrics.jsonl")
     times = [m["step_time_s"] for m in metrics[warmup:-1]]
     return statistics.median(times), float(metrics[-1].get("wire_bytes", float("nan")))
