@@ -4,7 +4,8 @@ growing number of stages S at a fixed model and for a growing model at a fixed S
 For every configuration, side by side in one run:
 
 * single: the unsplit model's plain training loop (`benchmarks.throughput.single_process`) in a
-  child process with `--threads` torch threads; its peak resident memory (ru_maxrss);
+  child process with `--threads` torch threads (default 1): seconds and CPU seconds per step, and its
+  peak resident memory (ru_maxrss);
 * swarm: a failure-free `checkfree local` (coordinator + S peers, 1 torch thread each, no spares),
   watched from the outside through /proc by `benchmarks.swarmmon`: median step time, the tensor
   payload the peers report per step (`wire_bytes` in metrics.jsonl), CPU seconds per step of the
@@ -12,7 +13,8 @@ For every configuration, side by side in one run:
   processes, coordinator: the overhead), the bytes the p2pd daemons wrote per step, and each peer
   process's peak resident memory (VmHWM, last read before it exited).
 
-Ratios printed: swarm/single tokens/s; wire bytes / the analytic activation bytes
+Ratios printed: swarm/single tokens/s (the swarm uses every core, the single process `--threads`);
+the swarm's CPU per step / the single process's (the cost of the same work); wire bytes / the analytic activation bytes
 2 (S-1) M B T d x 4 (forward activations and backward gradients across S-1 boundaries, float32);
 overhead CPU / compute CPU; and, against the first configuration of each sweep, how much each
 cost grew divided by how much the work grew (> 1: the cost grows faster than the work).
@@ -80,8 +82,10 @@ def _single_child(spec: str) -> None:
     sh = s["shape"]
     cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads = sh["layers"], sh["d_model"], sh["heads"]
     cfg.train.num_microbatches = s["microbatches"]
-    t = single_process(cfg, s["steps"], s["warmup"])
-    print(json.dumps({"s_per_step": t, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    stats: dict = {}
+    t = single_process(cfg, s["steps"], s["warmup"], stats)
+    print(json.dumps({"s_per_step": t, "cpu_s_per_step": stats["cpu_s"],
+                      "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def swarm(preset_name: str, shape: dict, stages: int, microbatches: int, steps: int, warmup: int,
@@ -131,13 +135,16 @@ def measure(preset_name: str, shape: dict, stages: int, microbatches: int, steps
     analytic = 2 * (stages - 1) * microbatches * shape["tokens_per_microbatch"] * shape["d_model"] * 4
     row = {"stages": stages, **shape, "microbatches": microbatches, "tokens_per_step": tokens,
            "work_flops_per_step": shape["flops_per_token"] * tokens,
-           "single_tokens_s": tokens / one["s_per_step"], "single_peak_mib": one["peak_mib"],
+           "single_tokens_s": tokens / one["s_per_step"], "single_cpu_s": one["cpu_s_per_step"],
+           "single_peak_mib": one["peak_mib"],
            "swarm_tokens_s": tokens / sw["s_per_step"], **{f"swarm_{k}": v for k, v in sw.items()},
            "analytic_activation_bytes": analytic, "data_calls_per_step": 2 * (stages - 1) * microbatches,
            "loadavg": os.getloadavg()[0]}
     row["swarm_over_single"] = row["swarm_tokens_s"] / row["single_tokens_s"]
     row["wire_over_analytic"] = sw["wire_bytes"] / analytic
     row["overhead_over_compute"] = sw["cpu_overhead_s"] / max(sw["cpu_compute_s"], 1e-9)
+    row["swarm_cpu_over_single_cpu"] = (sw["cpu_compute_s"] + sw["cpu_overhead_s"]) / one["cpu_s_per_step"]
+    row["compute_cpu_over_single_cpu"] = sw["cpu_compute_s"] / one["cpu_s_per_step"]
     row["peer_peak_mib_mean"] = statistics.mean(sw["peer_peak_mib"])
     row["peers_peak_mib_sum_over_single"] = sum(sw["peer_peak_mib"]) / one["peak_mib"]
     print(f"  S={stages} d={shape['d_model']}: single {row['single_tokens_s']:.0f} tok/s, swarm "
@@ -153,12 +160,16 @@ GROWTH = [("tokens/s", lambda r: r["swarm_tokens_s"], -1), ("CPU/step", lambda r
 
 def print_tables(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
+    print("CPU-s: CPU seconds per step; compute = the peers' compute threads, overhead = everything else of the "
+          "swarm; 'swarm CPU/single' = (compute + overhead) / the single process's CPU per step")
     print(f"{'S':>2} {'d':>4} {'params':>7} {'single tok/s':>12} {'swarm tok/s':>11} {'swarm/single':>12} "
-          f"{'compute CPU-s':>13} {'overhead CPU-s':>14} {'ovh/compute':>11} {'p2pd CPU-s':>10}")
+          f"{'single CPU-s':>12} {'compute CPU-s':>13} {'overhead CPU-s':>14} {'ovh/compute':>11} {'p2pd CPU-s':>10} "
+          f"{'swarm CPU/single':>16}")
     for r in rows:
         print(f"{r['stages']:>2} {r['d_model']:>4} {r['params'] / 1e6:6.2f}M {r['single_tokens_s']:12.0f} "
-              f"{r['swarm_tokens_s']:11.0f} {r['swarm_over_single']:12.3f} {r['swarm_cpu_compute_s']:13.3f} "
-              f"{r['swarm_cpu_overhead_s']:14.3f} {r['overhead_over_compute']:11.2f} {r['swarm_cpu_p2pd_s']:10.3f}")
+              f"{r['swarm_tokens_s']:11.0f} {r['swarm_over_single']:12.3f} {r['single_cpu_s']:12.3f} "
+              f"{r['swarm_cpu_compute_s']:13.3f} {r['swarm_cpu_overhead_s']:14.3f} {r['overhead_over_compute']:11.2f} "
+              f"{r['swarm_cpu_p2pd_s']:10.3f} {r['swarm_cpu_over_single_cpu']:16.2f}")
     print(f"{'S':>2} {'d':>4} {'wire MB/step':>12} {'analytic MB':>11} {'wire/analytic':>13} {'p2pd wrote MB':>13} "
           f"{'calls/step':>10} {'peer MiB mean':>13} {'peer MiB max':>12} {'group MiB':>9} {'single MiB':>10} "
           f"{'sum peers/single':>16}")
@@ -187,7 +198,7 @@ def print_tables(title: str, rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--single-child", help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="tiny shapes, 12 steps, a 1-thread single process: checks the harness, not a result")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and 12 steps: checks the harness, not a result")
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=24, help="blocks of the model (default 24: divisible by 2,3,4,6,8)")
     p.add_argument("--d-model", type=int, default=96, help="width in the stage sweep")
@@ -197,9 +208,12 @@ def main() -> None:
     p.add_argument("--size-stages", type=int, default=4, help="S of the model-size sweep")
     p.add_argument("--size-layers", type=int, default=8, help="blocks in the model-size sweep")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=6, help="measured steps per run")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per run of the stage sweep")
+    p.add_argument("--size-steps", type=int, default=4, help="measured steps per run of the model-size sweep")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the single process")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the single process (default 1: two OpenMP threads thrash on a busy "
+                        "2-core machine; its CPU per step is the reference either way)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     if args.single_child:
@@ -208,23 +222,24 @@ def main() -> None:
     if args.quick:
         args.preset, args.layers, args.d_model, args.stages = "tiny", 6, 32, [2, 3]
         args.d_models, args.size_stages, args.size_layers, args.microbatches = [32, 64], 2, 6, 4
-        args.steps, args.warmup, args.threads = 12, 2, 1
+        args.steps, args.size_steps, args.warmup = 12, 12, 2
     load0, t0 = os.getloadavg(), time.monotonic()
-    print(f"preset={args.preset} M={args.microbatches} steps={args.steps}+{args.warmup} warm-up, single process at "
+    print(f"preset={args.preset} M={args.microbatches} steps={args.steps} (size sweep {args.size_steps}) + {args.warmup} "
+          f"warm-up, single process at "
           f"{args.threads} threads, 1 thread per peer, cores={os.cpu_count()}, load average {load0[0]:.2f}", flush=True)
     done: dict[tuple, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
 
-        def row(stages: int, layers: int, d: int) -> dict:
+        def row(stages: int, layers: int, d: int, steps: int) -> dict:
             key = (stages, layers, d)
             if key not in done:
                 shape = model_shape(args.preset, layers, d, args.heads)
-                done[key] = measure(args.preset, shape, stages, args.microbatches, args.steps, args.warmup,
+                done[key] = measure(args.preset, shape, stages, args.microbatches, steps, args.warmup,
                                     args.threads, Path(tmp))
             return done[key]
 
-        by_stages = [row(s, args.layers, args.d_model) for s in args.stages]
-        by_size = [row(args.size_stages, args.size_layers, d) for d in args.d_models]
+        by_stages = [row(s, args.layers, args.d_model, args.steps) for s in args.stages]
+        by_size = [row(args.size_stages, args.size_layers, d, args.size_steps) for d in args.d_models]
     load1 = os.getloadavg()
     print_tables(f"stages sweep: {args.layers} layers, d_model {args.d_model}", by_stages)
     print_tables(f"model-size sweep: S={args.size_stages}, {args.size_layers} layers", by_size)

@@ -38,16 +38,17 @@ from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
 
 
-def single_process(cfg, steps: int, warmup: int) -> float:
-    """Median seconds per step of a plain unsplit training loop."""
+def single_process(cfg, steps: int, warmup: int, stats: dict | None = None) -> float:
+    """Median seconds per step of a plain unsplit training loop (and, into `stats`, the median
+    CPU seconds per step of this process, all threads, as "cpu_s")."""
     torch.manual_seed(cfg.train.seed)
     model = LlamaModel(cfg.model)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
     data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
                       seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
-    times = []
+    times, cpu = [], []
     for step in range(steps + warmup):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for mb in range(cfg.train.num_microbatches):
             x, y = data.batch(step, mb)
             logits = model(x)
@@ -58,6 +59,9 @@ def single_process(cfg, steps: int, warmup: int) -> float:
         opt.zero_grad(set_to_none=True)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    if stats is not None:
+        stats["cpu_s"] = statistics.median(cpu)
     return statistics.median(times)
 
 

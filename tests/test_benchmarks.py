@@ -33,7 +33,8 @@ def test_scaling_quick_reports_every_configuration(tmp_path):
         # the peers report exactly the activations and gradients that cross the S-1 boundaries
         assert r["wire_over_analytic"] == pytest.approx(1.0)
         assert r["swarm_p2pd_written_bytes"] >= r["swarm_wire_bytes"]
-        for key in ("swarm_over_single", "overhead_over_compute", "peers_peak_mib_sum_over_single"):
+        for key in ("swarm_over_single", "overhead_over_compute", "peers_peak_mib_sum_over_single",
+                    "swarm_cpu_over_single_cpu", "single_cpu_s"):
             assert math.isfinite(r[key]) and r[key] > 0
 
 
