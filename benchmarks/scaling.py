@@ -152,10 +152,12 @@ def measure(preset_name: str, shape: dict, stages: int, microbatches: int, steps
     return row
 
 
-GROWTH = [("tokens/s", lambda r: r["swarm_tokens_s"], -1), ("CPU/step", lambda r: r["swarm_cpu_compute_s"] +
-          r["swarm_cpu_overhead_s"], 1), ("overhead CPU/step", lambda r: r["swarm_cpu_overhead_s"], 1),
-          ("wire bytes/step", lambda r: r["swarm_wire_bytes"], 1),
-          ("peer memory (sum)", lambda r: sum(r["swarm_peer_peak_mib"]), 1)]
+# costs of one step of the swarm, compared across a sweep against the work (FLOPs) of the step
+GROWTH = [("s/step", lambda r: r["swarm_s_per_step"]),
+          ("CPU/step", lambda r: r["swarm_cpu_compute_s"] + r["swarm_cpu_overhead_s"]),
+          ("overhead CPU/step", lambda r: r["swarm_cpu_overhead_s"]),
+          ("wire bytes/step", lambda r: r["swarm_wire_bytes"]),
+          ("peer memory (sum)", lambda r: sum(r["swarm_peer_peak_mib"]))]
 
 
 def print_tables(title: str, rows: list[dict]) -> None:
@@ -183,15 +185,12 @@ def print_tables(title: str, rows: list[dict]) -> None:
     if len(rows) < 2:
         return
     base = rows[0]
-    print("growth against the first row, divided by the growth of the work (FLOPs/step); > 1: the cost grows "
-          "faster than the work (tokens/s: the inverse, how much slower per unit of work)")
-    print(f"{'S':>2} {'d':>4} {'work x':>7} " + " ".join(f"{name:>18}" for name, _, _ in GROWTH))
+    print("growth of each cost against the first row, divided by the growth of the work (FLOPs/step): "
+          "> 1 where the cost grows faster than the work")
+    print(f"{'S':>2} {'d':>4} {'work x':>7} " + " ".join(f"{name:>18}" for name, _ in GROWTH))
     for r in rows:
         work = r["work_flops_per_step"] / base["work_flops_per_step"]
-        cells = []
-        for _, f, sign in GROWTH:
-            g = f(r) / f(base)
-            cells.append(f"{(work / g if sign < 0 else g / work):18.2f}")
+        cells = [f"{f(r) / f(base) / work:18.2f}" for _, f in GROWTH]
         print(f"{r['stages']:>2} {r['d_model']:>4} {work:7.2f} " + " ".join(cells))
 
 
