@@ -38,16 +38,17 @@ from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
 
 
-def single_process(cfg, steps: int, warmup: int) -> float:
-    """Median seconds per step of a plain unsplit training loop."""
+def single_process(cfg, steps: int, warmup: int, stats: dict | None = None) -> float:
+    """Median seconds per step of a plain unsplit training loop (and, into `stats`, the median
+    CPU seconds per step of this process, all threads, as "cpu_s")."""
     torch.manual_seed(cfg.train.seed)
     model = LlamaModel(cfg.model)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
     data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
                       seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
-    times = []
+    times, cpu = [], []
     for step in range(steps + warmup):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for mb in range(cfg.train.num_microbatches):
             x, y = data.batch(step, mb)
             logits = model(x)
@@ -58,6 +59,9 @@ def single_process(cfg, steps: int, warmup: int) -> float:
         opt.zero_grad(set_to_none=True)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    if stats is not None:
+        stats["cpu_s"] = statistics.median(cpu)
     return statistics.median(times)
 
 
@@ -67,13 +71,18 @@ def simulator(cfg, steps: int, warmup: int, out: Path) -> float:
     return statistics.median(m["step_time_s"] for m in read_jsonl(out / "metrics.jsonl")[warmup:-1])
 
 
+def swarm_command(args, strategy: str, steps: int, out: Path, extra: list[str] = ()) -> list[str]:
+    """`checkfree local` for a failure-free run of `args.preset` (no spares, no evaluation)."""
+    return [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
+            "--microbatches", str(args.microbatches), "--steps", str(steps), "--eval-every", "0",
+            "--strategy", strategy, "--spares", "0", "--threads-per-peer", str(args.threads_per_peer),
+            "--out", str(out), "--no-progress", *extra]
+
+
 def swarm(args, strategy: str, steps: int, warmup: int, out: Path) -> tuple[float, float]:
     """Median step seconds of a failure-free swarm run, and the bytes its last step moved."""
-    cmd = [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
-           "--microbatches", str(args.microbatches), "--steps", str(steps + warmup), "--eval-every", "0",
-           "--strategy", strategy, "--spares", "0", "--threads-per-peer", str(args.threads_per_peer),
-           "--out", str(out), "--no-progress"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+    subprocess.run(swarm_command(args, strategy, steps + warmup, out), check=True, capture_output=True, text=True,
+                   timeout=3600)
     metrics = read_jsonl(out / "metrics.jsonl")
     times = [m["step_time_s"] for m in metrics[warmup:-1]]
     return statistics.median(times), float(metrics[-1].get("wire_bytes", float("nan")))
