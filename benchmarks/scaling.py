@@ -20,7 +20,7 @@ overhead CPU / compute CPU; and, against the first configuration of each sweep, 
 cost grew divided by how much the work grew (> 1: the cost grows faster than the work).
 
     python -m benchmarks.scaling                 # S = 2,3,4,6,8 at small x 24 layers; d = 64..512 at S = 4
-    python -m benchmarks.scaling --quick         # tiny shapes, a minute: checks the harness
+    python -m benchmarks.scaling --quick         # tiny shapes, 1-5 min with load: checks the harness
 
 Latest results: see the README's "Benchmarks" section (recorded with the exact command).
 """
