@@ -27,9 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "process group after it has committed half of the stages of step STEP (failover test)")
     p.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
                    "off the network for one iteration")
-    p.add_argument("--chaos-slow", action="append", default=[], metavar="STAGE:SECONDS[@STEP]",
-                   help="(diagnostic) the first peer of STAGE sleeps SECONDS before each forward and backward, from "
-                        "STEP on (default 0); repeatable")
+    add_chaos_slow_argument(p)
     p.add_argument("--shutdown-peers", action="store_true", help="tell peers to exit when the run ends")
     p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
     f = p.add_argument_group("coordinator failover (the run's config then comes from its peers; config flags are "
@@ -52,6 +50,14 @@ def parse_slow(specs: list[str], num_stages: int) -> dict[int, tuple[float, int]
             raise ValueError(f"--chaos-slow {spec!r}: expected STAGE:SECONDS[@STEP] with STAGE < {num_stages}")
         out[int(m.group(1))] = (float(m.group(2)), int(m.group(3) or 0))
     return out
+
+
+def add_chaos_slow_argument(p: argparse.ArgumentParser) -> None:
+    """--chaos-slow, on `checkfree scheduler` and on `checkfree local` (which passes it on)."""
+    p.add_argument("--chaos-slow", action="append", default=[], metavar="STAGE:SECONDS[@STEP]",
+                   help="diagnostic: the first peer of STAGE sleeps SECONDS before each forward and backward from STEP "
+                        "on (default 0; a slow GPU); slower than --step-timeout, it is replaced as a straggler; "
+                        "repeatable")
 
 
 def run_scheduler(args: argparse.Namespace) -> int:

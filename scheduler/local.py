@@ -67,9 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partition-trace", metavar="FILE",
                    help="`step,stage` lines: cut these stages' peers off the network (alive but unreachable) at these "
                         "steps; the link comes back one iteration later (needs --netns)")
-    p.add_argument("--chaos-slow", action="append", default=[], metavar="STAGE:SECONDS[@STEP]",
-                   help="diagnostic: the first peer of STAGE sleeps SECONDS before each forward and backward from STEP "
-                        "on (a slow GPU); slower than --step-timeout, it is replaced as a straggler")
+    from scheduler.cli import add_chaos_slow_argument
+
+    add_chaos_slow_argument(p)
     p.set_defaults(func=run_local)
 
 
