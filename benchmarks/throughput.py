@@ -12,7 +12,12 @@ Ratios printed: swarm/single (target >= 0.8 for `small`), simulator/single (over
 target: simulator >= 0.9 of single, i.e. <= 10%), and plain CheckFree vs CheckFree+
 swarm throughput with no failures (target <= 3% apart) plus the bytes per step on the wire.
 
-    python -m benchmarks.throughput --preset small --stages 4 --microbatches 8 --steps 30
+    python -m benchmarks.throughput --preset small --stages 4 --microbatches 8 --steps 30 --rounds 3 --no-pool-row
+
+``--rounds R`` runs every path R times, interleaved round by round, and reports median times and the median
+of the per-round ratios (this 2-core machine's background load moves single runs by +-30 %);
+``--no-pool-row`` adds the CheckFree swarm with stream reuse turned off (one p2pd stream per call, as
+before reuse existed) to every round.
 
 Latest results: see the README's "Benchmarks" section (recorded with the exact command).
 """
@@ -79,10 +84,12 @@ def swarm_command(args, strategy: str, steps: int, out: Path, extra: list[str] =
             "--out", str(out), "--no-progress", *extra]
 
 
-def swarm(args, strategy: str, steps: int, warmup: int, out: Path) -> tuple[float, float]:
-    """Median step seconds of a failure-free swarm run, and the bytes its last step moved."""
+def swarm(args, strategy: str, steps: int, warmup: int, out: Path, pool: bool = True) -> tuple[float, float]:
+    """Median step seconds of a failure-free swarm run, and the bytes its last step moved (``pool=False``:
+    the same run with stream reuse off, ``CHECKFREE_STREAM_POOL=0``)."""
+    env = {**os.environ, "CHECKFREE_STREAM_POOL": "1" if pool else "0"}
     subprocess.run(swarm_command(args, strategy, steps + warmup, out), check=True, capture_output=True, text=True,
-                   timeout=3600)
+                   timeout=3600, env=env)
     metrics = read_jsonl(out / "metrics.jsonl")
     times = [m["step_time_s"] for m in metrics[warmup:-1]]
     return statistics.median(times), float(metrics[-1].get("wire_bytes", float("nan")))
@@ -95,31 +102,58 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every path this many times, interleaved; report medians and the median per-round ratio")
+    p.add_argument("--no-pool-row", action="store_true",
+                   help="also run the checkfree swarm with stream reuse off (CHECKFREE_STREAM_POOL=0) in every round")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the in-process loops")
     p.add_argument("--threads-per-peer", type=int, default=1)
     args = p.parse_args()
+    if args.rounds < 1 or args.steps < 2:
+        p.error("--rounds must be >= 1 and --steps >= 2")
     torch.set_num_threads(args.threads)
     cfg = preset(args.preset)
     cfg.num_stages, cfg.train.num_microbatches = args.stages, args.microbatches
     tokens = cfg.train.num_microbatches * cfg.train.microbatch_size * cfg.model.context_length
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        t_single = single_process(cfg, args.steps, args.warmup)
-        t_sim = simulator(preset_like(cfg), args.steps, args.warmup, tmp / "sim")
-        t_cf, b_cf = swarm(args, "checkfree", args.steps, args.warmup, tmp / "cf")
-        t_plus, b_plus = swarm(args, "checkfree+", args.steps, args.warmup, tmp / "plus")
-    rows = [("single process", t_single), ("simulator", t_sim), ("swarm checkfree", t_cf), ("swarm checkfree+", t_plus)]
+    names = ["single process", "simulator", "swarm checkfree", "swarm checkfree+"]
+    if args.no_pool_row:
+        names.append("swarm, no reuse")
+    times: dict[str, list[float]] = {n: [] for n in names}
+    wire: dict[str, float] = {}
+    for r in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            times["single process"].append(single_process(cfg, args.steps, args.warmup))
+            times["simulator"].append(simulator(preset_like(cfg), args.steps, args.warmup, tmp / "sim"))
+            t, wire["swarm checkfree"] = swarm(args, "checkfree", args.steps, args.warmup, tmp / "cf")
+            times["swarm checkfree"].append(t)
+            t, wire["swarm checkfree+"] = swarm(args, "checkfree+", args.steps, args.warmup, tmp / "plus")
+            times["swarm checkfree+"].append(t)
+            if args.no_pool_row:
+                t, _ = swarm(args, "checkfree", args.steps, args.warmup, tmp / "nopool", pool=False)
+                times["swarm, no reuse"].append(t)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {v[-1]:.4f} s" for n, v in times.items()),
+              file=sys.stderr, flush=True)
+
+    def ratio(a: str, b: str) -> float:
+        """Median over rounds of times[a] / times[b] (each round's paths ran minutes apart, not hours)."""
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    med = {n: statistics.median(v) for n, v in times.items()}
     print(f"preset={args.preset} S={args.stages} M={args.microbatches} tokens/step={tokens} cores={os.cpu_count()} "
-          f"threads(in-process)={args.threads} threads/peer={args.threads_per_peer} steps={args.steps}")
-    print(f"{'path':<18} {'s/step':>8} {'tokens/s':>10} {'/single':>8}")
-    for name, t in rows:
-        print(f"{name:<18} {t:8.4f} {tokens / t:10.0f} {t_single / t:8.3f}")
-    print(f"simulator overhead vs plain loop: {100 * (t_sim / t_single - 1):+.1f}% (target <= 10%)")
-    print(f"swarm/single throughput: {t_single / t_cf:.3f} (target >= 0.8)")
-    print(f"checkfree+ vs checkfree throughput: {100 * (t_cf / t_plus - 1):+.1f}% (target >= -3%); "
-          f"wire bytes/step {b_cf:,.0f} vs {b_plus:,.0f}")
-    print(json.dumps({"single_s": t_single, "simulator_s": t_sim, "swarm_checkfree_s": t_cf,
-                      "swarm_checkfree_plus_s": t_plus, "tokens_per_step": tokens}))
+          f"threads(in-process)={args.threads} threads/peer={args.threads_per_peer} steps={args.steps} "
+          f"rounds={args.rounds}")
+    print(f"{'path':<18} {'s/step':>8} {'tokens/s':>10} {'/single':>8}   (medians; /single = median per-round ratio)")
+    for name in names:
+        print(f"{name:<18} {med[name]:8.4f} {tokens / med[name]:10.0f} {ratio('single process', name):8.3f}")
+    print(f"simulator overhead vs plain loop: {100 * (ratio('simulator', 'single process') - 1):+.1f}% (target <= 10%)")
+    print(f"swarm/single throughput: {ratio('single process', 'swarm checkfree'):.3f} (target >= 0.8)")
+    print(f"checkfree+ vs checkfree throughput: {100 * (ratio('swarm checkfree', 'swarm checkfree+') - 1):+.1f}% "
+          f"(target >= -3%); wire bytes/step {wire['swarm checkfree']:,.0f} vs {wire['swarm checkfree+']:,.0f}")
+    if args.no_pool_row:
+        print(f"stream reuse: swarm throughput x{ratio('swarm, no reuse', 'swarm checkfree'):.3f} "
+              "against one stream per call")
+    print(json.dumps({"per_round_s": times, "tokens_per_step": tokens}))
 
 
 def preset_like(cfg):

@@ -132,7 +132,7 @@ class RawClient:
 
 
 async def transport_roundtrip(client: Transport, server_id: PeerID, payload: torch.Tensor) -> float:
-    """One Transport.call to an echo handler (one stream per call, as in production)."""
+    """One Transport.call to an echo handler (on a reused stream unless the client's pool is off)."""
     start = time.perf_counter()
     _, tensors = await client.call(server_id, "echo", {"op": "echo"}, [payload], timeout=120)
     elapsed = time.perf_counter() - start
@@ -167,15 +167,17 @@ async def hivemind_raw_roundtrip(p2p: P2P, server_id: PeerID, payload: torch.Ten
 
 async def run(
     sizes_mb: list[int], reps: int, *, libp2p: bool = HAVE_LIBP2P
-) -> list[tuple[int, float, float, float, float | None]]:
-    """Median MB/s per size: (MiB, transport, hivemind raw, raw TCP, libp2p transport or None).
+) -> list[tuple[int, float, float, float, float, float | None]]:
+    """Median MB/s per size: (MiB, transport, transport with one stream per call, hivemind raw, raw TCP,
+    libp2p transport or None).
 
     All paths' rounds are interleaved so background load hits them alike. ``libp2p``: also measure
     ``Libp2pTransport.call`` (py-libp2p, TCP + noise + yamux, trio thread) when it is installed.
     """
     p2p_a = await P2P.create()
     p2p_b = await P2P.create(initial_peers=[str(m) for m in await p2p_a.get_visible_maddrs()])
-    server, client = Transport(p2p_a), Transport(p2p_b)
+    server, client = Transport(p2p_a), Transport(p2p_b, pool_streams=True)
+    fresh = Transport(p2p_b, pool_streams=False)  # the runtime before stream reuse: one p2pd stream per call
     raw = RawClient()
     await raw.start()
     lp_server = lp_client = None
@@ -194,23 +196,26 @@ async def run(
         warm = torch.randn(1 << 20)
         for _ in range(WARMUP):  # the first calls on a fresh libp2p connection are 2-5x slower
             await transport_roundtrip(client, p2p_a.peer_id, warm)
+            await transport_roundtrip(fresh, p2p_a.peer_id, warm)
             await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, warm)
             await raw.roundtrip(warm)
             if lp_client is not None:
                 await transport_roundtrip(lp_client, lp_server.peer_id, warm)  # yamux window warm-up
         for mb in sizes_mb:
             payload = torch.randn(mb * (1 << 20) // 4)
-            t_rt, t_hm, t_raw, t_lp = [], [], [], []
+            t_rt, t_fresh, t_hm, t_raw, t_lp = [], [], [], [], []
             for _ in range(reps):
                 t_rt.append(await transport_roundtrip(client, p2p_a.peer_id, payload))
+                t_fresh.append(await transport_roundtrip(fresh, p2p_a.peer_id, payload))
                 t_hm.append(await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, payload))
                 t_raw.append(await raw.roundtrip(payload))
                 if lp_client is not None:
                     t_lp.append(await transport_roundtrip(lp_client, lp_server.peer_id, payload))
             lp = 2 * mb / statistics.median(t_lp) if t_lp else None
-            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_hm, t_raw)), lp))
+            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_fresh, t_hm, t_raw)), lp))
     finally:
         await raw.stop()
+        client.close_idle_streams()
         await server.shutdown()
         if lp_client is not None:
             await lp_client.shutdown()
@@ -233,12 +238,12 @@ def main() -> None:
     rows = asyncio.run(run(args.sizes, args.reps, libp2p=libp2p))
     print("MiB/s = 2 x payload MiB / median round-trip time (payload sent and echoed back)")
     extra = " libp2p transport MiB/s | ratio libp2p/raw |" if libp2p else ""
-    print(f"| payload MiB | hivemind transport MiB/s | hivemind raw stream MiB/s | raw TCP MiB/s | "
-          f"ratio hivemind/raw |{extra}")
-    print("|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
-    for mb, rt, hm, raw, lp in rows:
+    print(f"| payload MiB | hivemind transport MiB/s | same, one stream per call | hivemind raw stream MiB/s | "
+          f"raw TCP MiB/s | ratio hivemind/raw |{extra}")
+    print("|---|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
+    for mb, rt, fr, hm, raw, lp in rows:
         tail = f" {lp:.0f} | {lp / raw:.2f} |" if lp is not None else ""
-        print(f"| {mb} | {rt:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} |{tail}")
+        print(f"| {mb} | {rt:.0f} | {fr:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} |{tail}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from checkfree.net.transport import (
     live_members_async,
     start_transport,
     stop_transport,
+    stream_pool_default,
 )
 from checkfree.net.wire import (
     WireError,
@@ -300,6 +301,89 @@ def test_transport_errors_timeouts_and_dead_peer() -> None:
             assert time.monotonic() - start < 10
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_streams_are_reused_one_call_at_a_time_and_dropped_after_failures() -> None:
+    async def main() -> None:
+        async with _pair() as (server, client):
+            assert client.pool_streams  # the default
+            await server.register("echo", _echo)
+            await server.register("fail", _fail)
+            for i in range(5):  # sequential calls share one stream
+                header, out = await client.call(server.peer_id, "echo", {"i": i}, [torch.full((4,), i)], timeout=30)
+                assert header["i"] == i and torch.equal(out[0], torch.full((4,), i))
+            assert client.streams_opened == 1
+
+            arrived, release = [], asyncio.Event()
+
+            async def gate(header: dict, tensors: list[torch.Tensor], peer) -> tuple[dict, list[torch.Tensor]]:
+                arrived.append(header["i"])
+                if len(arrived) == 3:
+                    release.set()
+                await release.wait()  # all three must be in flight at once: three streams
+                return {"i": header["i"]}, []
+
+            await server.register("gate", gate)
+            before = client.streams_opened
+            results = await asyncio.gather(*(client.call(server.peer_id, "gate", {"i": i}, timeout=30) for i in range(3)))
+            assert [h["i"] for h, _ in results] == [0, 1, 2] and client.streams_opened - before == 3
+            before = client.streams_opened
+            await client.call(server.peer_id, "echo", {}, timeout=30)
+            assert client.streams_opened == before  # the idle "echo" stream again
+
+            with pytest.raises(RemoteError, match="exploded"):  # an error reply: the server closes that stream
+                await client.call(server.peer_id, "fail", {}, timeout=30)
+            with pytest.raises(RemoteError, match="exploded"):
+                await client.call(server.peer_id, "fail", {}, timeout=30)
+            assert client.streams_opened == before + 2
+
+            late = asyncio.Event()
+
+            async def slow(header: dict, tensors: list[torch.Tensor], peer) -> tuple[dict, list[torch.Tensor]]:
+                if header["i"] == 0:
+                    await late.wait()
+                return {"i": header["i"]}, [torch.full((3,), header["i"])]
+
+            await server.register("slow", slow)
+            await client.call(server.peer_id, "slow", {"i": -1}, timeout=30)  # leaves one idle "slow" stream
+            with pytest.raises(TransportTimeout):
+                await client.call(server.peer_id, "slow", {"i": 0}, timeout=0.5)  # takes it; its reply comes late
+            late.set()
+            before = client.streams_opened
+            for i in (1, 2):  # never the timed-out stream with the late reply still in it
+                header, out = await client.call(server.peer_id, "slow", {"i": i}, timeout=30)
+                assert header == {"i": i} and torch.equal(out[0], torch.full((3,), i))
+            assert client.streams_opened == before + 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_idle_streams_closed_by_the_server_are_not_reused(monkeypatch) -> None:
+    async def main() -> None:
+        async with _pair() as (server, client):
+            server.idle_timeout = 0.3  # the server drops streams idle this long; the client would keep them 30 s
+            await server.register("echo", _echo)
+            await client.call(server.peer_id, "echo", {}, timeout=30)
+            ((reader, writer, _),) = client._idle[(server.peer_id, "echo")]
+            deadline = time.monotonic() + 20
+            while not reader.at_eof():  # the server's close arrives as EOF on the idle stream
+                assert time.monotonic() < deadline, "the server never closed the idle stream"
+                await asyncio.sleep(0.05)
+            header, _ = await client.call(server.peer_id, "echo", {"after": "idle"}, timeout=30)
+            assert header["after"] == "idle" and client.streams_opened == 2
+
+            fresh = Transport(client.p2p, pool_streams=False)
+            for _ in range(3):
+                await fresh.call(server.peer_id, "echo", {}, timeout=30)
+            assert fresh.streams_opened == 3 and not fresh._idle
+
+    asyncio.run(main())
+    monkeypatch.setenv("CHECKFREE_STREAM_POOL", "0")
+    assert not stream_pool_default()
+    monkeypatch.setenv("CHECKFREE_STREAM_POOL", "1")
+    assert stream_pool_default()
 
 
 @pytest.mark.timeout(120)

@@ -1,15 +1,27 @@
 """Asyncio request/response RPC between peers over hivemind P2P binary streams.
 
-One call = one libp2p stream: the caller opens a stream to ``name`` on the remote peer, writes one
-``checkfree.net.wire`` message, reads one reply message and closes. The server side decodes the request,
-runs the registered handler and writes the reply. Any failure while decoding or handling is answered
-with the header ``{"error": "<ExceptionType>: <message>"}`` (no tensors) and the server keeps serving;
+A call is one request/reply exchange on a libp2p stream to ``name`` on the remote peer: the caller writes
+one ``checkfree.net.wire`` message and reads one reply message. The server side decodes the request, runs
+the registered handler, writes the reply and then waits for the next request on the same stream. Any
+failure while decoding or handling is answered with the header ``{"error": "<ExceptionType>: <message>"}``
+(no tensors), after which the server closes that stream (its framing may be lost) and keeps serving;
 ``Transport.call`` turns such replies into ``RemoteError``. A reply header must therefore not use the
 key ``"error"`` for anything else.
 
+Stream reuse: opening a stream costs more than sending a small activation through it (a new unix-socket
+connection to p2pd on each side, a yamux stream and protocol negotiation between the daemons), so after a
+successful call the caller keeps the stream in a per-(peer, protocol) pool of idle streams and the next
+call to the same protocol takes it (one call at a time per stream; concurrent calls open more streams). A
+pooled stream is dropped when it is idle for ``pool_idle`` seconds, when its remote end has closed it, or
+when its call fails or times out; a call never silently retries on another stream, so every request is
+delivered at most once (the same guarantee as a fresh stream). ``CHECKFREE_STREAM_POOL=0`` in the
+environment turns reuse off (one stream per call) for A/B measurements. Servers close a stream that stays
+idle for ``idle_timeout`` seconds between requests (longer than the callers' ``pool_idle``).
+
 Why binary streams: hivemind's unary protobuf RPC caps messages at 2-4 MiB, activations are bigger.
 The p2pd daemon proxy cannot half-close a stream, so the message length prefix (not EOF) delimits a
-request; the server lingers until the caller closes so that no reply bytes are lost on close.
+request; a server that answers with an error lingers until the caller closes so that no reply bytes are
+lost on close.
 
 Membership helpers (``announce``, ``heartbeat``, ``live_members``) store DHT sub-keys with an expiry:
 an entry disappears ~ttl seconds after its owner stops refreshing it.
@@ -24,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -63,6 +76,7 @@ __all__ = [
     "rpc_note",
     "start_transport",
     "stop_transport",
+    "stream_pool_default",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,6 +89,8 @@ WRITE_CHUNK_BYTES = 1 << 20
 WRITE_HIGH_WATER = 4 << 20
 READ_CHUNK_BYTES = 4 << 20
 SOCKET_SEND_BUFFER_BYTES = 4 << 20
+POOL_IDLE_SECONDS = 30.0  # a caller drops a pooled stream idle for longer (servers wait idle_timeout = 2x)
+POOL_MAX_IDLE_PER_KEY = 8  # idle streams kept per (peer, protocol); more are closed after their call
 
 
 class TransportError(Exception):
@@ -118,14 +134,18 @@ async def _write_frames(writer: asyncio.StreamWriter, frames: Sequence[bytes | m
     await writer.drain()
 
 
-async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int) -> tuple[dict, list[torch.Tensor]]:
-    """Read one length-prefixed message into a fresh writable buffer and decode it.
+async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int,
+                        prefix: bytes | None = None) -> tuple[dict, list[torch.Tensor]]:
+    """Read one length-prefixed message into a fresh writable buffer and decode it (``prefix``: its
+    8-byte length prefix, if the caller has already read it).
 
     The declared length is checked against ``max_message_bytes`` before the buffer is allocated. The
     buffer is not zero-filled (unlike ``bytearray(length)``), so its pages are only committed as bytes
     arrive: a peer that declares a large message and stalls costs address space, not memory.
     """
-    length = body_length(await reader.readexactly(PREFIX_BYTES), max_message_bytes=max_message_bytes)
+    if prefix is None:
+        prefix = await reader.readexactly(PREFIX_BYTES)
+    length = body_length(prefix, max_message_bytes=max_message_bytes)
     body = np.empty(length, dtype=np.uint8)
     view = memoryview(body)
     pos = 0
@@ -147,8 +167,11 @@ class Transport:
     """Request/response RPC on top of an existing ``hivemind.p2p.P2P`` instance.
 
     ``max_message_bytes`` caps both incoming requests and replies. ``read_timeout`` bounds how long the
-    server waits for a (possibly stalled) request body; ``linger_timeout`` bounds how long it keeps a
-    stream open after replying, waiting for the caller to close.
+    server waits for a (possibly stalled) request on a new stream and for a request's body;
+    ``idle_timeout`` how long it waits for the next request on a stream it has answered;
+    ``linger_timeout`` how long it keeps a stream open after an error reply, waiting for the caller to
+    close. ``pool_streams`` (default: on unless ``CHECKFREE_STREAM_POOL=0``) keeps a caller's streams
+    for reuse, each for at most ``pool_idle`` seconds of idleness (see the module docstring).
     """
 
     kind = "hivemind"  # the --transport name
@@ -160,14 +183,22 @@ class Transport:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         read_timeout: float = 120.0,
         linger_timeout: float = 10.0,
+        idle_timeout: float = 2 * POOL_IDLE_SECONDS,
+        pool_streams: bool | None = None,
+        pool_idle: float = POOL_IDLE_SECONDS,
         owns_p2p: bool = False,
     ) -> None:
         self.p2p = p2p
         self.max_message_bytes = max_message_bytes
         self.read_timeout = read_timeout
         self.linger_timeout = linger_timeout
+        self.idle_timeout = idle_timeout
+        self.pool_streams = stream_pool_default() if pool_streams is None else pool_streams
+        self.pool_idle = pool_idle
         self.owns_p2p = owns_p2p
         self._handlers: dict[str, Handler] = {}
+        self._idle: dict[tuple[PeerID, str], list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+        self.streams_opened = 0  # streams this caller opened (a call on a pooled stream opens none)
         self.extra_header: dict = {}  # merged into every request (e.g. the run membership token)
 
     @property
@@ -190,27 +221,47 @@ class Transport:
     async def _serve(
         self, name: str, handler: Handler, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        """Answer requests on one stream until the caller closes it, it idles for ``idle_timeout`` or a
+        request fails (after an error reply the stream is closed: its framing may be lost)."""
+        first = True
         try:
-            try:
-                header, tensors = await asyncio.wait_for(
-                    _read_message(reader, self.max_message_bytes), self.read_timeout
-                )
-                reply_header, reply_tensors = await handler(header, tensors, peer)
-                frames = encode_message(reply_header, reply_tensors)
-            except (asyncio.IncompleteReadError, ConnectionError) as e:
-                logger.debug("%s: peer %s closed the stream mid-request: %r", name, peer, e)
-                return
-            except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-                if isinstance(e, (asyncio.TimeoutError, WireError)):
-                    logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
-                else:
-                    logger.exception("%s: handler failed for request from %s", name, peer)
-                frames = encode_message({"error": f"{type(e).__name__}: {e}"})
-            await _write_frames(writer, frames)
-            try:  # wait for the caller to close (no half-close in p2pd), so no reply bytes are dropped
-                await asyncio.wait_for(_discard_until_eof(reader), self.linger_timeout)
-            except asyncio.TimeoutError:
-                pass
+            while True:
+                failed = False
+                try:
+                    try:
+                        prefix = await asyncio.wait_for(reader.readexactly(PREFIX_BYTES),
+                                                        self.read_timeout if first else self.idle_timeout)
+                    except asyncio.IncompleteReadError as e:
+                        if not e.partial:
+                            return  # the caller closed the stream between requests
+                        raise
+                    except asyncio.TimeoutError:
+                        if not first:
+                            return  # an idle pooled stream: the caller has moved on
+                        raise
+                    first = False
+                    header, tensors = await asyncio.wait_for(
+                        _read_message(reader, self.max_message_bytes, prefix), self.read_timeout
+                    )
+                    reply_header, reply_tensors = await handler(header, tensors, peer)
+                    frames = encode_message(reply_header, reply_tensors)
+                except (asyncio.IncompleteReadError, ConnectionError) as e:
+                    logger.debug("%s: peer %s closed the stream mid-request: %r", name, peer, e)
+                    return
+                except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
+                    if isinstance(e, (asyncio.TimeoutError, WireError)):
+                        logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
+                    else:
+                        logger.exception("%s: handler failed for request from %s", name, peer)
+                    frames = encode_message({"error": f"{type(e).__name__}: {e}"})
+                    failed = True
+                await _write_frames(writer, frames)
+                if failed:
+                    try:  # wait for the caller to close (no half-close in p2pd), so no reply bytes are dropped
+                        await asyncio.wait_for(_discard_until_eof(reader), self.linger_timeout)
+                    except asyncio.TimeoutError:
+                        pass
+                    return
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             logger.debug("%s: stream to %s broke while replying: %r", name, peer, e)
         finally:
@@ -244,22 +295,76 @@ class Transport:
         return reply_header, reply_tensors
 
     async def _call(self, peer: PeerID, name: str, frames: list) -> tuple[dict, list[torch.Tensor]]:
-        try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
-        except (P2PDaemonError, ConnectionError, OSError) as e:
-            raise TransportError(f"cannot open stream '{name}' to peer {peer}: {e}") from e
+        stream = self._take_idle(peer, name)
+        if stream is None:
+            try:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+            except (P2PDaemonError, ConnectionError, OSError) as e:
+                raise TransportError(f"cannot open stream '{name}' to peer {peer}: {e}") from e
+            self.streams_opened += 1
+        else:
+            reader, writer = stream
+        reusable = False
         try:
             await _write_frames(writer, frames)
-            return await _read_message(reader, self.max_message_bytes)
+            reply = await _read_message(reader, self.max_message_bytes)
+            reusable = "error" not in reply[0]  # the server closes a stream after an error reply
+            return reply
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise TransportError(f"peer {peer} closed stream '{name}' before a full reply ({e!r})") from e
         except WireError as e:
             raise TransportError(f"invalid reply from peer {peer} for '{name}': {e}") from e
-        finally:
+        finally:  # a failed, timed-out (cancelled) or refused call never leaves its stream for reuse
+            if reusable and self.pool_streams:
+                self._put_idle(peer, name, reader, writer)
+            else:
+                writer.close()
+
+    @staticmethod
+    def _usable(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        return not (reader.at_eof() or reader.exception() is not None or writer.is_closing())
+
+    def _take_idle(self, peer: PeerID, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The most recently used idle stream to ``name`` on ``peer`` that is still open, or None."""
+        idle = self._idle.get((peer, name))
+        now = time.monotonic()
+        while idle:
+            reader, writer, since = idle.pop()
+            if now - since <= self.pool_idle and self._usable(reader, writer):
+                return reader, writer
+            writer.close()
+        return None
+
+    def _put_idle(self, peer: PeerID, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Keep a stream for reuse; also drop every pooled stream that expired or was closed remotely."""
+        now = time.monotonic()
+        for key in list(self._idle):
+            kept = []
+            for entry in self._idle[key]:
+                if now - entry[2] <= self.pool_idle and self._usable(entry[0], entry[1]):
+                    kept.append(entry)
+                else:
+                    entry[1].close()
+            if kept:
+                self._idle[key] = kept
+            else:
+                del self._idle[key]
+        idle = self._idle.setdefault((peer, name), [])
+        if len(idle) < POOL_MAX_IDLE_PER_KEY:
+            idle.append((reader, writer, now))
+        else:
             writer.close()
 
+    def close_idle_streams(self) -> None:
+        """Close every pooled stream (the next calls open new ones)."""
+        for entries in self._idle.values():
+            for _, writer, _ in entries:
+                writer.close()
+        self._idle.clear()
+
     async def shutdown(self) -> None:
-        """Unregister all handlers; shut the P2P instance down too if this transport owns it."""
+        """Close pooled streams, unregister all handlers; shut the P2P instance down too if this transport owns it."""
+        self.close_idle_streams()
         for name in list(self._handlers):
             try:
                 await self.unregister(name)
@@ -281,6 +386,11 @@ def _check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
                 f"/ip4/1.2.3.4/tcp/31337/p2p/Qm... (copy it from the peer's startup log) ({e})"
             ) from e
     return peers
+
+
+def stream_pool_default() -> bool:
+    """Whether callers reuse streams: yes unless the environment sets ``CHECKFREE_STREAM_POOL=0``."""
+    return os.environ.get("CHECKFREE_STREAM_POOL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def check_transport(kind: str) -> None:
