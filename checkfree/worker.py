@@ -31,7 +31,7 @@ from checkfree.model import PipelineStage, StageSpec, init_stage, plan_stages
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders
 from checkfree.recovery import get_rule
 
-__all__ = ["StepStats", "StageWorker", "lr_at", "resolve_device", "build_workers"]
+__all__ = ["StepStats", "InFlightPeak", "StageWorker", "lr_at", "resolve_device", "build_workers"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,6 +68,14 @@ class StepStats:
     weights_finite: bool = True  # False: the stage's weights hold NaN/Inf and it must be recovered
 
 
+@dataclass
+class InFlightPeak:
+    """The most a stage held at once for in-flight microbatches (forward done, backward not yet)."""
+
+    microbatches: int = 0
+    bytes: int = 0  # distinct storages kept for their backward passes; parameters and buffers excluded
+
+
 class StageWorker:
     """Hosts one stage: module, optimizer, saved activations of in-flight microbatches."""
 
@@ -86,6 +94,8 @@ class StageWorker:
         self.lr_scale = 1.0
         self.optimizer = self._new_optimizer()
         self._saved: dict[object, tuple[Tensor, Tensor]] = {}
+        self._held: dict[object, dict[int, int]] = {}  # microbatch -> {storage address: bytes} it keeps alive
+        self._peak = InFlightPeak()
 
     @property
     def index(self) -> int:
@@ -102,6 +112,7 @@ class StageWorker:
     def drop_microbatch(self, key: object) -> None:
         """Forget one microbatch's saved activations (it will be recomputed)."""
         self._saved.pop(key, None)
+        self._held.pop(key, None)
 
     def named_groups(self) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
         """(name, parameter) per group: "main" (clipped for omega, LR x lr_scale after a
@@ -172,7 +183,8 @@ class StageWorker:
             raise ValueError(f"microbatch {key!r} is already in flight on stage {self.index}")
         x = x.to(self.device)
         inp = x if hop.embed else x.detach().requires_grad_(True)
-        with self._autocast():
+        held: dict[int, int] = {}
+        with self._autocast(), torch.autograd.graph.saved_tensors_hooks(_recorder(held), _identity):
             out = self.module(inp, embed=hop.embed, head=hop.head)
             if hop.head:
                 if targets is None:
@@ -180,7 +192,26 @@ class StageWorker:
                 loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device).flatten())
                 out = loss / self.cfg.train.num_microbatches
         self._saved[key] = (inp, out)
+        _note_storage(held, inp)
+        _note_storage(held, out)
+        for t in (*self.module.parameters(), *self.module.buffers()):  # the stage's own, not the microbatch's
+            held.pop(t.untyped_storage().data_ptr(), None)
+        self._held[key] = held
+        self._note_peak()
         return out.detach()
+
+    def _note_peak(self) -> None:
+        distinct: dict[int, int] = {}  # storages shared between microbatches count once
+        for held in self._held.values():
+            distinct.update(held)
+        self._peak.microbatches = max(self._peak.microbatches, len(self._saved))
+        self._peak.bytes = max(self._peak.bytes, sum(distinct.values()))
+
+    def take_inflight_peak(self) -> InFlightPeak:
+        """The peak since the last call (or since in-flight work was dropped); starts the next one."""
+        peak, self._peak = self._peak, InFlightPeak()
+        self._note_peak()
+        return peak
 
     def backward(self, key: object, grad_output: Tensor | None = None) -> Tensor | None:
         """Backpropagate one microbatch; returns the gradient w.r.t. this stage's input
@@ -188,6 +219,7 @@ class StageWorker:
         if key not in self._saved:
             raise ValueError(f"microbatch {key!r} has no forward pass on stage {self.index}")
         inp, out = self._saved.pop(key)
+        self._held.pop(key, None)
         if grad_output is None:
             out.backward()
         else:
@@ -203,6 +235,8 @@ class StageWorker:
     def drop_inflight(self) -> None:
         """Forget saved activations and accumulated gradients (an aborted step)."""
         self._saved.clear()
+        self._held.clear()
+        self._peak = InFlightPeak()
         self.optimizer.zero_grad(set_to_none=True)
 
     def component_grad(self, comp: str) -> Tensor:
@@ -252,6 +286,27 @@ class StageWorker:
             self.load_optimizer_state(optim)
         self.lr_scale = lr_scale
         self._saved.clear()
+        self._held.clear()
+        self._peak = InFlightPeak()
+
+
+def _note_storage(held: dict[int, int], t: Tensor) -> None:
+    storage = t.untyped_storage()
+    held[storage.data_ptr()] = storage.nbytes()
+
+
+def _recorder(held: dict[int, int]):
+    """A saved-tensor pack hook that notes the storage (address, bytes) each saved tensor keeps alive."""
+
+    def pack(t: Tensor) -> Tensor:
+        _note_storage(held, t)
+        return t.detach()  # the tensor itself would make a saved output and its grad_fn a reference cycle
+
+    return pack
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
 
 
 def build_workers(cfg: RunConfig, device: torch.device | None = None) -> list[StageWorker]:

@@ -20,7 +20,9 @@ import logging
 import math
 import os
 import random
+import resource
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from checkfree.baselines.parity import state_from_bytes, state_to_bytes
 from checkfree.strategies.state import (capture_worker, optim_from_wire, optim_to_wire, restore_worker,
                                         state_nbytes)
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts, make_guard
-from checkfree.worker import StageWorker, resolve_device
+from checkfree.worker import InFlightPeak, StageWorker, resolve_device
 
 __all__ = ["PeerOptions", "PeerDaemon", "PeerState"]
 
@@ -105,11 +107,23 @@ class StepRun:
     tasks: set[asyncio.Task] = field(default_factory=set)
     bytes_sent: int = 0  # tensor payload bytes this peer sent for the step
     pending_starts: list[int] = field(default_factory=list)  # first-hop microbatches not started yet
+    inflight: InFlightPeak = field(default_factory=InFlightPeak)  # the most activations held at once
 
     def fail(self, message: str) -> None:
         if self.error is None:
             self.error = message
         self.done.set()
+
+    def figures(self) -> dict[str, int]:
+        """What the coordinator records for this stage and step (metrics.jsonl)."""
+        return {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
+                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (its DHT process and p2pd not included)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 class PeerDaemon:
@@ -725,8 +739,8 @@ class PeerDaemon:
             await self._sync_components(run)
         if run.error is not None:
             raise RuntimeError(run.error)
-        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": self.stage,
-                "bytes_sent": run.bytes_sent}, []
+        run.inflight = await self.compute(self.worker.take_inflight_peak)  # after this step's queued work
+        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": self.stage, **run.figures()}, []
 
     async def _sync_components(self, run: StepRun) -> None:
         """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
@@ -894,7 +908,7 @@ class PeerDaemon:
             self.omega = omega(stats.grad_norm_pre, stats.grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
         self.next_step = run.step + 1
         self.last_commit = {"step": run.step, "losses": {str(k): v for k, v in run.losses.items()},
-                            "lr": stats.lr, "post": stats.grad_norm_post, "bytes_sent": run.bytes_sent}
+                            "lr": stats.lr, "post": stats.grad_norm_post, **run.figures()}
         self._set_run(None)
         return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "lr": stats.lr,
                 "skipped": stats.skipped, "omega": self.omega, "stage": self.stage,
@@ -951,7 +965,7 @@ class PeerDaemon:
                 "config": self.cfg.to_json() if self.cfg is not None else None,
                 "ready": None if run is None else {"step": run.step, "attempt": run.attempt,
                                                    "losses": {str(k): v for k, v in run.losses.items()},
-                                                   "bytes_sent": run.bytes_sent},
+                                                   **run.figures()},
                 "finished": list(self._finished) if self._finished is not None else None,
                 "last_commit": self.last_commit,
                 "snapshots": {str(k): v[0] for k, v in self.snapshots.items()}}, []

@@ -53,6 +53,15 @@ class Rollback(Exception):
         super().__init__(f"rolled back to step {step}")
         self.step = step
 EVAL_ATTEMPT = 10_000
+STEP_FIGURES = ("bytes_sent", "inflight_peak", "activation_peak_bytes", "peak_rss_bytes")  # a peer's, per step
+
+
+def _step_figures(by_stage: dict[int, dict], num_stages: int) -> dict:
+    """A step record's figures from its stages' replies: the tensor bytes sent (summed) and, per stage
+    (None: not reported), the most microbatches whose activations it held at once, their bytes, and
+    its peer process's peak resident memory so far."""
+    per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]}
+    return {"wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in by_stage.values()), **per_stage}
 
 
 @dataclass(kw_only=True)
@@ -643,8 +652,7 @@ class Coordinator:
             lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post,
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
-                      "live_peers": len(self.stage_peer),
-                      "wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in results.values())}
+                      "live_peers": len(self.stage_peer), **_step_figures(results, cfg.num_stages)}
             await self._protect(step)
             if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step == cfg.train.num_steps - 1:
                 try:
@@ -818,7 +826,7 @@ class Coordinator:
                 self.norms[stage] = float(c[0]["omega"])
                 replies[pid]["last_commit"] = {"step": step - 1, "losses": to_commit[stage][1]["losses"],
                                                "lr": c[0]["lr"], "post": c[0]["post"],
-                                               "bytes_sent": to_commit[stage][1].get("bytes_sent", 0)}
+                                               **{k: v for k, v in to_commit[stage][1].items() if k in STEP_FIGURES}}
         await self._all(RPC.ABORT, {}, self.t.rpc_timeout)  # drop finished-but-uncommitted work of `step`
         seen = [r["finished"] for r in replies.values() if r.get("finished")]  # [step, attempt]
         seen += [[r["ready"]["step"], r["ready"]["attempt"]] for r in replies.values() if r.get("ready")]
@@ -910,7 +918,7 @@ class Coordinator:
                             "lr": next(iter(last.values()))["lr"], "attempts": None,
                             "grad_norms": [last[s]["post"] for s in range(self.cfg.num_stages)],
                             "live_peers": len(self.stage_peer), "recorded_by": "takeover",
-                            "wire_bytes": sum(int(c.get("bytes_sent", 0)) for c in last.values())})
+                            **_step_figures(last, self.cfg.num_stages)})
         return True
 
     async def _announce(self, pid: str) -> None:

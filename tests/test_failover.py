@@ -61,6 +61,7 @@ def test_restarted_coordinator_completes_a_half_done_commit_then_recovers(tmp_pa
     metrics, takeover, summary = _check_lossless(out, _simulated(tmp_path, cache, *args), 10)
     assert takeover["step"] == 5 and takeover["committed_stages"] == [2, 3] and takeover["recorded_step"]
     assert metrics[4]["recorded_by"] == "takeover"
+    assert all(1 <= n <= 4 for n in metrics[4]["inflight_peak"])  # the peers' own figures of the step
     assert summary["failures"] == 1 and summary["recoveries"] == 1
     (rec,) = events(out, "recovery")
     assert rec["step"] == 7 and rec["sources"] == [1, 3]

@@ -43,6 +43,9 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-5)
         assert x["grad_norms"] == pytest.approx(y["grad_norms"], rel=1e-4, abs=1e-6)
     assert a[4]["val_loss"] == pytest.approx(b[4]["val_loss"], rel=1e-5)
+    for m in a:  # every stage reports what it held (GPipe: at most the step's M=4 microbatches at once)
+        assert len(m["inflight_peak"]) == 4 and all(1 <= n <= 4 for n in m["inflight_peak"])
+        assert all(n > 0 for n in m["activation_peak_bytes"]) and all(n > 2**26 for n in m["peak_rss_bytes"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["failures"] == 0
     # the finished run's weights export into one file that loads as the full model
