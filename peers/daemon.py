@@ -515,9 +515,12 @@ class PeerDaemon:
 
     async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
         """A live stage's weights of `part`, its omega, and (for a component) its Adam state."""
+        t0 = time.perf_counter()
         h, ts = await self.transport.call(peer_id, RPC.GET_WEIGHTS,
                                           {"run": self.opts.run_id, "part": part, "step": step},
                                           timeout=self.t.rpc_timeout)
+        log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
+                 sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
         keys, okeys = h["keys"], h.get("optim", [])
         if not isinstance(okeys, list) or len(keys) + len(okeys) != len(ts):
             raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
