@@ -2,7 +2,8 @@
 
 Split into: detection (SIGKILL -> the coordinator's `failure` event: the launcher kills the
 peer, the coordinator notices its calls/pings fail), weight transfer (the replacement pulling
-both neighbours' blocks), averaging (the library's rebuild), and resume (from the recovery to
+both neighbours' blocks at once, while it builds its stage), averaging (the library's rebuild and
+the load, on the replacement's compute thread), and resume (from the recovery to
 the end of the next completed step, which includes that step's own compute). Run for the
 `small` preset and for a model whose stages hold about 100M parameters each.
 

@@ -91,9 +91,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin tables of shape (length, head_dim/2)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)  # (T, hs/2)
+    """cos/sin tables of shape (length, head_dim/2), on the CPU even inside a meta-device
+    context: a stage built without weights (`StageWorker(init=False)`) still needs them."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32, device="cpu"), inv)  # (T, hs/2)
     return angles.cos(), angles.sin()
 
 

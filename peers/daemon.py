@@ -40,7 +40,7 @@ from checkfree.net.wire import check_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
 from checkfree.protocol import (READY_PEER, RPC, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
                                 coordinator_from_records, coordinator_key, members_key, plan_from_wire, require)
-from checkfree.recovery import omega, rebuild_stage, recovered_optimizer_state
+from checkfree.recovery import RecoveryPlan, omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
 from checkfree.strategies.state import (capture_worker, optim_from_wire, optim_to_wire, restore_worker,
@@ -452,8 +452,9 @@ class PeerDaemon:
         holders = edge_holders(self.cfg.num_stages, self.plus)
         return stage in holders["embed"] or stage in holders["head"]
 
-    def _build(self, stage: int) -> StageWorker:
-        worker = StageWorker(self.worker_cfg, stage)
+    def _build(self, stage: int, init: bool = True) -> StageWorker:
+        """The stage's worker; init=False leaves its weights unallocated (a recovery loads them)."""
+        worker = StageWorker(self.worker_cfg, stage, init=init)
         worker.attach_guard(make_guard(self.cfg, stage))
         if self._needs_data(stage) and self.data is None:
             c = self.cfg
@@ -478,22 +479,25 @@ class PeerDaemon:
         stage = header["stage"]
         if not 0 <= stage < self.cfg.num_stages:
             raise ProtocolError(f"stage {stage} out of range for {self.cfg.num_stages} stages")
+        mode = header["mode"]
+        if mode not in ("fresh", "recover", "restore", "handover"):
+            raise ProtocolError(f"unknown assign mode {mode!r}")
         t0 = time.perf_counter()
-        worker = await self.compute(self._build, stage)
         reply: dict[str, Any] = {"stage": stage}
-        if header["mode"] == "recover":
-            reply.update(await self._recover(worker, header))
-        elif header["mode"] == "restore":
+        if mode == "recover":  # builds the stage while it pulls the weights
+            worker, rebuilt = await self._recover(stage, header)
+            reply.update(rebuilt)
+        else:
+            worker = await self.compute(self._build, stage)
+        if mode == "restore":
             reply.update(await self._restore_new(worker, header))
-        elif header["mode"] == "handover":
+        elif mode == "handover":
             require(header, source=str, step=int)
             _, (blob,) = await self.transport.call(header["source"], RPC.GET_STATE,
                                                    {"run": self.opts.run_id, "step": header["step"]},
                                                    timeout=self.t.step_timeout)
             reply["omega"] = await self.compute(self._load_bytes, worker, blob.numpy().tobytes())
             reply["bytes"] = blob.numel()
-        elif header["mode"] != "fresh":
-            raise ProtocolError(f"unknown assign mode {header['mode']!r}")
         if isinstance(header.get("inject_delay"), list):  # diagnostic (--chaos-slow): [seconds, from step]
             self.inject_delay = (float(header["inject_delay"][0]), int(header["inject_delay"][1]))
             log.warning("diagnostic: %.3g s delay per forward/backward from step %d", *self.inject_delay)
@@ -502,7 +506,7 @@ class PeerDaemon:
         self.next_step = header.get("step", 0) if isinstance(header.get("step", 0), int) else 0
         self.state = PeerState.SERVING
         reply["assign_s"] = time.perf_counter() - t0
-        log.info("serving stage %d (%s)", stage, header["mode"])
+        log.info("serving stage %d (%s)", stage, mode)
         return reply, []
 
     def _dump(self, name: str, state: dict[str, torch.Tensor], meta: dict) -> None:
@@ -525,38 +529,59 @@ class PeerDaemon:
 
     async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
         """A live stage's weights of `part`, its omega, and (for a component) its Adam state."""
+        t0 = time.perf_counter()
         h, ts = await self.transport.call(peer_id, RPC.GET_WEIGHTS,
                                           {"run": self.opts.run_id, "part": part, "step": step},
                                           timeout=self.t.rpc_timeout)
+        log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
+                 sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
         keys, okeys = h["keys"], h.get("optim", [])
         if not isinstance(okeys, list) or len(keys) + len(okeys) != len(ts):
             raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
                                 f"but {len(ts)} tensors")
         return dict(zip(keys, ts)), float(h["omega"]), optim_from_wire(okeys, ts[len(keys):])
 
-    async def _recover(self, worker: StageWorker, header: dict) -> dict:
-        """Pull the sources' weights and norms, apply the library's rebuild, reset the optimizer."""
+    async def _recover(self, stage: int, header: dict) -> tuple[StageWorker, dict]:
+        """Pull the sources' weights and norms while the compute thread builds the stage (without
+        weights: the rebuild brings them), then apply the library's rebuild on the compute thread."""
         require(header, plan=dict, sources=dict, step=int)
         plan = plan_from_wire(header["plan"])
         peers = {int(k): v for k, v in header["sources"].items()}
         t0 = time.perf_counter()
-        blocks, norms, edges, edge_optim = {}, {}, {}, {}
-        for s in plan.sources:
-            blocks[s], norms[s], _ = await self._fetch(peers[s], "blocks", header["step"])
-        for comp, s in plan.edge_sources.items():
-            edges[comp], _, edge_optim[comp] = await self._fetch(peers[s], comp, header["step"])
-        nbytes = state_nbytes([*blocks.values(), *edges.values(), *edge_optim.values()])
+        worker, (blocks, norms, edges, edge_optim, transfer_s) = await asyncio.gather(
+            self.compute(self._build, stage, False), self._pull(plan, peers, header["step"]))
         t1 = time.perf_counter()
+        coeffs = await self.compute(self._rebuild, worker, plan, blocks, norms, edges, edge_optim, header["step"])
+        t2 = time.perf_counter()
+        log.info("recovery of stage %d: pulls %.3f s, stage ready %.3f s, rebuild %.3f s",
+                 stage, transfer_s, t1 - t0, t2 - t1)
+        reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
+                 "norms": [norms[s] for s in plan.sources], "transfer_s": transfer_s, "rebuild_s": t2 - t1,
+                 "bytes": state_nbytes([*blocks.values(), *edges.values(), *edge_optim.values()])}
+        await self.compute(self._dump, f"rebuilt-step{header['step']}-stage{plan.stage}", worker.state_dict(), reply)
+        return worker, reply
+
+    async def _pull(self, plan: RecoveryPlan, peers: dict[int, str], step: int) -> tuple[dict, dict, dict, dict, float]:
+        """Every weight pull of `plan` at once: blocks and norms per source stage, the replicas'
+        weights and Adam state per component, and the seconds it took."""
+        t0 = time.perf_counter()
+        blocks, edges = await asyncio.gather(
+            asyncio.gather(*(self._fetch(peers[s], "blocks", step) for s in plan.sources)),
+            asyncio.gather(*(self._fetch(peers[s], comp, step) for comp, s in plan.edge_sources.items())))
+        return ({s: w for s, (w, _, _) in zip(plan.sources, blocks)},
+                {s: n for s, (_, n, _) in zip(plan.sources, blocks)},
+                {c: w for c, (w, _, _) in zip(plan.edge_sources, edges)},
+                {c: o for c, (_, _, o) in zip(plan.edge_sources, edges)}, time.perf_counter() - t0)
+
+    def _rebuild(self, worker: StageWorker, plan: RecoveryPlan, blocks: dict, norms: dict, edges: dict,
+                 edge_optim: dict, step: int) -> dict[int, float]:
+        """On the compute thread: the library's rebuild from the pulled weights, loaded into `worker`
+        with a fresh optimizer. Returns the coefficient of each source stage."""
         rc = self.cfg.recovery
         state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
-                                      seed=self.cfg.train.seed + header["step"], std=self.cfg.model.init_std)
-        await self.compute(worker.load_recovered, state, rc.lr_scale, recovered_optimizer_state(plan, edge_optim))
-        t2 = time.perf_counter()
-        reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
-                 "norms": [norms[s] for s in plan.sources], "transfer_s": t1 - t0, "rebuild_s": t2 - t1,
-                 "bytes": nbytes}
-        self._dump(f"rebuilt-step{header['step']}-stage{plan.stage}", worker.state_dict(), reply)
-        return reply
+                                      seed=self.cfg.train.seed + step, std=self.cfg.model.init_std)
+        worker.load_recovered(state, rc.lr_scale, recovered_optimizer_state(plan, edge_optim))
+        return coeffs
 
     # ---- snapshots (gemini: in peers' memory; checkpoint: files) ------------------------
     def _capture_bytes(self, step: int) -> bytes:
