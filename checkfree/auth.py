@@ -28,7 +28,8 @@ import hmac
 import os
 from pathlib import Path
 
-__all__ = ["load_secret", "join_token", "coordinator_proof", "verify", "sign_record", "record_ok", "SECRET_ENV"]
+__all__ = ["load_secret", "join_token", "coordinator_proof", "handshake_proof", "verify", "sign_record", "record_ok",
+           "SECRET_ENV"]
 
 SECRET_ENV = "CHECKFREE_SECRET"
 
@@ -59,6 +60,13 @@ def join_token(secret: bytes, run_id: str, peer_id: str) -> str:
 
 def coordinator_proof(secret: bytes, run_id: str, coordinator_id: str, peer_id: str) -> str:
     return _mac(secret, "coordinator", run_id, coordinator_id, peer_id)
+
+
+def handshake_proof(secret: bytes, direction: str, caller_id: str, server_id: str, caller_nonce: bytes,
+                    server_nonce: bytes) -> str:
+    """`--transport tcp` connection handshake: proves the secret to the other side of one connection (fresh
+    nonces: no replay; `direction` "caller" or "server": no reflection of the other side's proof)."""
+    return _mac(secret, "tcp-handshake", direction, caller_id, server_id, caller_nonce.hex(), server_nonce.hex())
 
 
 def verify(expected: str, given: object) -> bool:
