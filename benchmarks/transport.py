@@ -1,9 +1,12 @@
-"""Echo throughput of the runtime's RPC paths (--transport hivemind, libp2p) vs a raw TCP socket on loopback.
+"""Echo throughput of the runtime's RPC paths (--transport hivemind, tcp, libp2p) vs a raw TCP socket on loopback.
 
 Each round sends one float32 tensor and gets it echoed back; the paths are interleaved per round:
 ``Transport.call`` (the ``--transport hivemind`` runtime path: wire format, one p2pd stream per call),
 hivemind's bare ``send_raw_data`` / ``receive_raw_data`` on a stream (the floor of anything that goes
-through p2pd), a persistent length-prefixed asyncio TCP connection, and, when py-libp2p is installed
+through p2pd), a persistent length-prefixed asyncio TCP connection, ``TcpTransport.call`` (the
+``--transport tcp`` runtime path, checkfree.net.tcp_transport: direct TCP, same wire format, pooled
+connections, handshake with a run secret as ``checkfree local`` has; the handshake happens in the
+untimed warm-up), and, when py-libp2p is installed
 (``pip install 'checkfree[libp2p]'``; ``--no-libp2p`` skips it), ``Libp2pTransport.call`` (the
 ``--transport libp2p`` runtime path, checkfree.net.libp2p_transport: py-libp2p TCP + noise + yamux in a
 trio thread, same wire format, one yamux stream per call; the runtime looks a peer's address up in the
@@ -77,6 +80,7 @@ import time
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from checkfree.net.tcp_transport import start_tcp_transport
 from checkfree.net.transport import Transport
 
 try:  # optional: the py-libp2p transport (pip install 'checkfree[libp2p]')
@@ -167,9 +171,9 @@ async def hivemind_raw_roundtrip(p2p: P2P, server_id: PeerID, payload: torch.Ten
 
 async def run(
     sizes_mb: list[int], reps: int, *, libp2p: bool = HAVE_LIBP2P
-) -> list[tuple[int, float, float, float, float, float | None]]:
+) -> list[tuple[int, float, float, float, float, float, float | None]]:
     """Median MB/s per size: (MiB, transport, transport with one stream per call, hivemind raw, raw TCP,
-    libp2p transport or None).
+    tcp transport, libp2p transport or None).
 
     All paths' rounds are interleaved so background load hits them alike. ``libp2p``: also measure
     ``Libp2pTransport.call`` (py-libp2p, TCP + noise + yamux, trio thread) when it is installed.
@@ -180,12 +184,17 @@ async def run(
     fresh = Transport(p2p_b, pool_streams=False)  # the runtime before stream reuse: one p2pd stream per call
     raw = RawClient()
     await raw.start()
+    secret = b"benchmark-run-secret-0123456789"
+    tcp_server = await start_tcp_transport("QmTcpServer", secret=secret)
+    tcp_client = await start_tcp_transport("QmTcpClient", secret=secret)
+    tcp_client.add_peer_address(tcp_server.get_visible_maddrs()[0])
     lp_server = lp_client = None
 
     async def echo(header: dict, tensors: list[torch.Tensor], peer: PeerID) -> tuple[dict, list[torch.Tensor]]:
         return header, tensors
 
     await server.register("echo", echo)
+    await tcp_server.register("echo", echo)
     await p2p_a.add_binary_stream_handler("raw-echo", _hivemind_raw_echo)
     rows = []
     try:
@@ -199,22 +208,26 @@ async def run(
             await transport_roundtrip(fresh, p2p_a.peer_id, warm)
             await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, warm)
             await raw.roundtrip(warm)
+            await transport_roundtrip(tcp_client, tcp_server.peer_id, warm)
             if lp_client is not None:
                 await transport_roundtrip(lp_client, lp_server.peer_id, warm)  # yamux window warm-up
         for mb in sizes_mb:
             payload = torch.randn(mb * (1 << 20) // 4)
-            t_rt, t_fresh, t_hm, t_raw, t_lp = [], [], [], [], []
+            t_rt, t_fresh, t_hm, t_raw, t_tcp, t_lp = [], [], [], [], [], []
             for _ in range(reps):
                 t_rt.append(await transport_roundtrip(client, p2p_a.peer_id, payload))
                 t_fresh.append(await transport_roundtrip(fresh, p2p_a.peer_id, payload))
                 t_hm.append(await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, payload))
                 t_raw.append(await raw.roundtrip(payload))
+                t_tcp.append(await transport_roundtrip(tcp_client, tcp_server.peer_id, payload))
                 if lp_client is not None:
                     t_lp.append(await transport_roundtrip(lp_client, lp_server.peer_id, payload))
             lp = 2 * mb / statistics.median(t_lp) if t_lp else None
-            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_fresh, t_hm, t_raw)), lp))
+            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_fresh, t_hm, t_raw, t_tcp)), lp))
     finally:
         await raw.stop()
+        await tcp_client.shutdown()
+        await tcp_server.shutdown()
         client.close_idle_streams()
         await server.shutdown()
         if lp_client is not None:
@@ -239,11 +252,11 @@ def main() -> None:
     print("MiB/s = 2 x payload MiB / median round-trip time (payload sent and echoed back)")
     extra = " libp2p transport MiB/s | ratio libp2p/raw |" if libp2p else ""
     print(f"| payload MiB | hivemind transport MiB/s | same, one stream per call | hivemind raw stream MiB/s | "
-          f"raw TCP MiB/s | ratio hivemind/raw |{extra}")
-    print("|---|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
-    for mb, rt, fr, hm, raw, lp in rows:
+          f"raw TCP MiB/s | ratio hivemind/raw | tcp transport MiB/s | ratio tcp/raw |{extra}")
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
+    for mb, rt, fr, hm, raw, tcp, lp in rows:
         tail = f" {lp:.0f} | {lp / raw:.2f} |" if lp is not None else ""
-        print(f"| {mb} | {rt:.0f} | {fr:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} |{tail}")
+        print(f"| {mb} | {rt:.0f} | {fr:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} | {tcp:.0f} | {tcp / raw:.2f} |{tail}")
 
 
 if __name__ == "__main__":
