@@ -1,7 +1,9 @@
 """Run membership authentication: a shared run secret, HMAC-SHA256 tokens.
 
 libp2p already authenticates *who* is calling (a peer id is the hash of the public key
-the Noise/TLS handshake proved), so what remains is *whether that peer belongs to the run*:
+the Noise/TLS handshake proved), so what remains is *whether that peer belongs to the run*.
+(`--transport tcp` has no keys per peer: `handshake_proof` makes both ends of each connection prove
+the secret over fresh nonces and their claimed ids, so an id there is a claim by some secret holder.)
 
 * a peer joins with `join_token(secret, run, peer_id)`; the coordinator admits it only if
   the token verifies, and answers with `coordinator_proof(...)` so the peer knows the
