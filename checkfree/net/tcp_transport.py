@@ -53,8 +53,9 @@ Measured on a loaded 2-core VM (``python -m benchmarks.transport --no-libp2p``, 
 
 (ratios above 1: the raw baseline's ``readexactly`` is slow at large payloads, see the README.) End to
 end, ``checkfree local --preset small --steps 15 --eval-every 0 --seed 0 --transport hivemind|tcp``, four
-alternating pairs at load 6-10: median step 0.294 s (hivemind) vs 0.252 s (tcp), per pair x0.76-0.97,
-losses equal to float round-off.
+alternating pairs at load 6-10: median step 0.294 s (hivemind) vs 0.252 s (tcp), per pair x0.76-0.97;
+``--preset tiny --seed 3``, four pairs at load 7-12: 0.218 s vs 0.171 s, per pair x0.68-1.03; losses equal
+to float round-off.
 """
 
 from __future__ import annotations
