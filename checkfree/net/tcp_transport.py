@@ -96,6 +96,7 @@ READER_LIMIT = 4 << 20  # StreamReader buffer: the default 64 KiB pauses the soc
 POOL_IDLE_SECONDS = 30.0  # a caller drops a pooled connection idle for longer (servers wait 2x)
 POOL_MAX_IDLE_PER_PEER = 8
 
+
 def parse_tcp_maddr(maddr: str) -> tuple[str, int, str | None]:
     """``/ip4|ip6|dns|dns4|dns6/HOST/tcp/PORT[/p2p/ID]`` -> (host, port, id or None); ``TransportError`` otherwise."""
     parts = str(maddr).split("/")

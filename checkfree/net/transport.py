@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -86,6 +87,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[dict, list[torch.Tensor], PeerID], Awaitable[tuple[dict, Sequence[torch.Tensor]]]]
 
 RPC_ADDRS_TTL = 60.0  # libp2p, tcp: lifetime of a process's address record in the DHT (refreshed every ttl/3)
+RPC_ADDRS_ATTEMPTS = 3  # libp2p, tcp: stores of that record tried at start-up before giving up
 
 WRITE_CHUNK_BYTES = 1 << 20
 WRITE_HIGH_WATER = 4 << 20
@@ -484,8 +486,16 @@ async def _publish_rpc_addrs(dht: DHT, t: Any, announce_maddrs: Sequence[str] | 
 
 async def _announce_rpc_addrs(dht: DHT, t: Any) -> None:
     key = rpc_addrs_key(t.peer_id)
-    if not await announce(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL):
-        raise TransportError(f"could not publish this process's {t.kind} RPC addresses in the DHT")
+    for attempt in range(1, RPC_ADDRS_ATTEMPTS + 1):  # a store can fail on a loaded machine (DHT RPC timeouts)
+        if await announce(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL):
+            break
+        logger.warning("publishing this process's %s RPC addresses in the DHT failed (attempt %d of %d)",
+                       t.kind, attempt, RPC_ADDRS_ATTEMPTS)
+        if attempt < RPC_ADDRS_ATTEMPTS:
+            await asyncio.sleep(attempt * random.uniform(0.5, 1.0))
+    else:
+        raise TransportError(f"could not publish this process's {t.kind} RPC addresses in the DHT "
+                             f"({RPC_ADDRS_ATTEMPTS} attempts)")
     t.tasks.add(asyncio.create_task(heartbeat(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL)))
 
     async def resolve(peer_id: str) -> list[str]:
