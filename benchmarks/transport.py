@@ -1,16 +1,46 @@
-"""Echo throughput of the runtime's RPC paths (--transport hivemind, libp2p) vs a raw TCP socket on loopback.
+"""Echo throughput of the runtime's RPC paths (--transport hivemind, tcp, libp2p) vs a raw TCP socket on loopback.
 
 Each round sends one float32 tensor and gets it echoed back; the paths are interleaved per round:
 ``Transport.call`` (the ``--transport hivemind`` runtime path: wire format, one p2pd stream per call),
 hivemind's bare ``send_raw_data`` / ``receive_raw_data`` on a stream (the floor of anything that goes
-through p2pd), a persistent length-prefixed asyncio TCP connection, and, when py-libp2p is installed
+through p2pd), a persistent length-prefixed asyncio TCP connection, ``TcpTransport.call`` (the
+``--transport tcp`` runtime path, checkfree.net.tcp_transport: direct TCP, same wire format, pooled
+connections, handshake with a run secret as ``checkfree local`` has; the handshake happens in the
+untimed warm-up), and, when py-libp2p is installed
 (``pip install 'checkfree[libp2p]'``; ``--no-libp2p`` skips it), ``Libp2pTransport.call`` (the
 ``--transport libp2p`` runtime path, checkfree.net.libp2p_transport: py-libp2p TCP + noise + yamux in a
 trio thread, same wire format, one yamux stream per call; the runtime looks a peer's address up in the
 DHT once, before its first call, which is not timed here). Both p2pd daemons, both libp2p hosts and all
 ends run on this one machine.
 
-Latest results (2-core VM, torch 2.13 CPU, hivemind 1.1.12, libp2p 0.8.1 with protobuf 6.33.6; load
+Latest results, with the tcp column (three runs back to back; load average 9.3 -> 8.5, 9.0 -> 9.1,
+9.1 -> 10.3, other jobs running); the first run's table as printed, the other two below it:
+
+    python -m benchmarks.transport --no-libp2p        # --sizes 1 4 16 64 --reps 7
+
+    | payload MiB | hivemind transport MiB/s | same, one stream per call | hivemind raw stream MiB/s | raw TCP MiB/s | ratio hivemind/raw | tcp transport MiB/s | ratio tcp/raw |
+    |---|---|---|---|---|---|---|---|
+    | 1 | 191 | 215 | 195 | 1134 | 0.17 | 702 | 0.62 |
+    | 4 | 320 | 329 | 252 | 531 | 0.60 | 1215 | 2.29 |
+    | 16 | 303 | 290 | 206 | 378 | 0.80 | 447 | 1.18 |
+    | 64 | 284 | 263 | 121 | 115 | 2.47 | 384 | 3.33 |
+    second run:
+    | 1 | 334 | 265 | 272 | 1589 | 0.21 | 1102 | 0.69 |
+    | 4 | 331 | 305 | 237 | 913 | 0.36 | 1422 | 1.56 |
+    | 16 | 248 | 276 | 205 | 244 | 1.02 | 470 | 1.93 |
+    | 64 | 271 | 239 | 102 | 131 | 2.06 | 318 | 2.42 |
+    third run:
+    | 1 | 317 | 237 | 236 | 1196 | 0.27 | 1055 | 0.88 |
+    | 4 | 346 | 299 | 230 | 664 | 0.52 | 1351 | 2.04 |
+    | 16 | 343 | 335 | 203 | 480 | 0.71 | 1223 | 2.55 |
+    | 64 | 290 | 246 | 92 | 83 | 3.47 | 244 | 2.92 |
+
+The raw TCP baseline reads with ``StreamReader.readexactly`` (a growing bytearray, copied out): at 4-64 MiB
+it is slower than the runtime paths, whose reader fills a preallocated buffer, so ratios above 1 there
+mean a weak baseline, not a transport faster than a socket. At 1 MiB (the baseline's best) tcp/raw was
+0.62-0.88.
+
+Earlier results (2-core VM, torch 2.13 CPU, hivemind 1.1.12, libp2p 0.8.1 with protobuf 6.33.6; load
 average 9.7 at the start, 9.1 at the end, from other jobs):
 
     python -m benchmarks.transport        # --sizes 1 4 16 64 --reps 7
@@ -77,6 +107,7 @@ import time
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from checkfree.net.tcp_transport import start_tcp_transport
 from checkfree.net.transport import Transport
 
 try:  # optional: the py-libp2p transport (pip install 'checkfree[libp2p]')
@@ -167,9 +198,9 @@ async def hivemind_raw_roundtrip(p2p: P2P, server_id: PeerID, payload: torch.Ten
 
 async def run(
     sizes_mb: list[int], reps: int, *, libp2p: bool = HAVE_LIBP2P
-) -> list[tuple[int, float, float, float, float, float | None]]:
+) -> list[tuple[int, float, float, float, float, float, float | None]]:
     """Median MB/s per size: (MiB, transport, transport with one stream per call, hivemind raw, raw TCP,
-    libp2p transport or None).
+    tcp transport, libp2p transport or None).
 
     All paths' rounds are interleaved so background load hits them alike. ``libp2p``: also measure
     ``Libp2pTransport.call`` (py-libp2p, TCP + noise + yamux, trio thread) when it is installed.
@@ -180,12 +211,17 @@ async def run(
     fresh = Transport(p2p_b, pool_streams=False)  # the runtime before stream reuse: one p2pd stream per call
     raw = RawClient()
     await raw.start()
+    secret = b"benchmark-run-secret-0123456789"
+    tcp_server = await start_tcp_transport("QmTcpServer", secret=secret)
+    tcp_client = await start_tcp_transport("QmTcpClient", secret=secret)
+    tcp_client.add_peer_address(tcp_server.get_visible_maddrs()[0])
     lp_server = lp_client = None
 
     async def echo(header: dict, tensors: list[torch.Tensor], peer: PeerID) -> tuple[dict, list[torch.Tensor]]:
         return header, tensors
 
     await server.register("echo", echo)
+    await tcp_server.register("echo", echo)
     await p2p_a.add_binary_stream_handler("raw-echo", _hivemind_raw_echo)
     rows = []
     try:
@@ -199,22 +235,26 @@ async def run(
             await transport_roundtrip(fresh, p2p_a.peer_id, warm)
             await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, warm)
             await raw.roundtrip(warm)
+            await transport_roundtrip(tcp_client, tcp_server.peer_id, warm)
             if lp_client is not None:
                 await transport_roundtrip(lp_client, lp_server.peer_id, warm)  # yamux window warm-up
         for mb in sizes_mb:
             payload = torch.randn(mb * (1 << 20) // 4)
-            t_rt, t_fresh, t_hm, t_raw, t_lp = [], [], [], [], []
+            t_rt, t_fresh, t_hm, t_raw, t_tcp, t_lp = [], [], [], [], [], []
             for _ in range(reps):
                 t_rt.append(await transport_roundtrip(client, p2p_a.peer_id, payload))
                 t_fresh.append(await transport_roundtrip(fresh, p2p_a.peer_id, payload))
                 t_hm.append(await hivemind_raw_roundtrip(p2p_b, p2p_a.peer_id, payload))
                 t_raw.append(await raw.roundtrip(payload))
+                t_tcp.append(await transport_roundtrip(tcp_client, tcp_server.peer_id, payload))
                 if lp_client is not None:
                     t_lp.append(await transport_roundtrip(lp_client, lp_server.peer_id, payload))
             lp = 2 * mb / statistics.median(t_lp) if t_lp else None
-            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_fresh, t_hm, t_raw)), lp))
+            rows.append((mb, *(2 * mb / statistics.median(t) for t in (t_rt, t_fresh, t_hm, t_raw, t_tcp)), lp))
     finally:
         await raw.stop()
+        await tcp_client.shutdown()
+        await tcp_server.shutdown()
         client.close_idle_streams()
         await server.shutdown()
         if lp_client is not None:
@@ -239,11 +279,11 @@ def main() -> None:
     print("MiB/s = 2 x payload MiB / median round-trip time (payload sent and echoed back)")
     extra = " libp2p transport MiB/s | ratio libp2p/raw |" if libp2p else ""
     print(f"| payload MiB | hivemind transport MiB/s | same, one stream per call | hivemind raw stream MiB/s | "
-          f"raw TCP MiB/s | ratio hivemind/raw |{extra}")
-    print("|---|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
-    for mb, rt, fr, hm, raw, lp in rows:
+          f"raw TCP MiB/s | ratio hivemind/raw | tcp transport MiB/s | ratio tcp/raw |{extra}")
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if libp2p else ""))
+    for mb, rt, fr, hm, raw, tcp, lp in rows:
         tail = f" {lp:.0f} | {lp / raw:.2f} |" if lp is not None else ""
-        print(f"| {mb} | {rt:.0f} | {fr:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} |{tail}")
+        print(f"| {mb} | {rt:.0f} | {fr:.0f} | {hm:.0f} | {raw:.0f} | {rt / raw:.2f} | {tcp:.0f} | {tcp / raw:.2f} |{tail}")
 
 
 if __name__ == "__main__":

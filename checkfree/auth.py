@@ -1,7 +1,9 @@
 """Run membership authentication: a shared run secret, HMAC-SHA256 tokens.
 
 libp2p already authenticates *who* is calling (a peer id is the hash of the public key
-the Noise/TLS handshake proved), so what remains is *whether that peer belongs to the run*:
+the Noise/TLS handshake proved), so what remains is *whether that peer belongs to the run*.
+(`--transport tcp` has no keys per peer: `handshake_proof` makes both ends of each connection prove
+the secret over fresh nonces and their claimed ids, so an id there is a claim by some secret holder.)
 
 * a peer joins with `join_token(secret, run, peer_id)`; the coordinator admits it only if
   the token verifies, and answers with `coordinator_proof(...)` so the peer knows the
@@ -28,7 +30,8 @@ import hmac
 import os
 from pathlib import Path
 
-__all__ = ["load_secret", "join_token", "coordinator_proof", "verify", "sign_record", "record_ok", "SECRET_ENV"]
+__all__ = ["load_secret", "join_token", "coordinator_proof", "handshake_proof", "verify", "sign_record", "record_ok",
+           "SECRET_ENV"]
 
 SECRET_ENV = "CHECKFREE_SECRET"
 
@@ -59,6 +62,13 @@ def join_token(secret: bytes, run_id: str, peer_id: str) -> str:
 
 def coordinator_proof(secret: bytes, run_id: str, coordinator_id: str, peer_id: str) -> str:
     return _mac(secret, "coordinator", run_id, coordinator_id, peer_id)
+
+
+def handshake_proof(secret: bytes, direction: str, caller_id: str, server_id: str, caller_nonce: bytes,
+                    server_nonce: bytes) -> str:
+    """`--transport tcp` connection handshake: proves the secret to the other side of one connection (fresh
+    nonces: no replay; `direction` "caller" or "server": no reflection of the other side's proof)."""
+    return _mac(secret, "tcp-handshake", direction, caller_id, server_id, caller_nonce.hex(), server_nonce.hex())
 
 
 def verify(expected: str, given: object) -> bool:

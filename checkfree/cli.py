@@ -231,16 +231,21 @@ def timeouts_from_args(args: argparse.Namespace):
 
 
 def add_transport_arguments(g: argparse._ActionsContainer, port: bool = True) -> None:
-    """--transport and (``port``) --libp2p-port: the network commands, and `checkfree local` (no fixed port)."""
+    """--transport and (``port``) --libp2p-port, --tcp-port: the network commands, and `checkfree local` (no
+    fixed port)."""
     g.add_argument("--transport", default="hivemind", choices=TRANSPORTS,
-                   help="RPC transport between peers: hivemind (go-libp2p daemon, default) or libp2p (py-libp2p in "
-                        "a thread; pip install 'checkfree[libp2p]'). Every process of a run must use the same one; "
-                        "membership stays on the hivemind DHT either way")
+                   help="RPC transport between peers: hivemind (go-libp2p daemon, default), libp2p (py-libp2p in "
+                        "a thread; pip install 'checkfree[libp2p]') or tcp (direct TCP, NOT encrypted: trusted "
+                        "networks only). Every process of a run must use the same one; membership stays on the "
+                        "hivemind DHT either way")
     if not port:
         return
     g.add_argument("--libp2p-port", type=int, default=0, metavar="PORT",
                    help="--transport libp2p: TCP port of the libp2p listener, on the IPs of --host-maddrs "
                         "(default 0: any free port; open/forward it on real machines)")
+    g.add_argument("--tcp-port", type=int, default=0, metavar="PORT",
+                   help="--transport tcp: TCP port of the RPC listener, on the IPs of --host-maddrs "
+                        "(default 0: any free port; open it on real machines)")
 
 
 def network_options(args: argparse.Namespace) -> dict:
@@ -248,7 +253,7 @@ def network_options(args: argparse.Namespace) -> dict:
     return dict(run_id=args.run_id, initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs),
                 announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
                 startup_timeout=args.startup_timeout, secret_file=args.secret_file, transport=args.transport,
-                libp2p_port=args.libp2p_port, timeouts=timeouts_from_args(args))
+                libp2p_port=args.libp2p_port, tcp_port=args.tcp_port, timeouts=timeouts_from_args(args))
 
 
 def add_simulate(sub: argparse._SubParsersAction) -> None:

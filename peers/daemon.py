@@ -82,6 +82,7 @@ class PeerOptions:
     startup_timeout: float = 30.0
     transport: str = "hivemind"  # RPC transport: hivemind (p2pd) or libp2p (py-libp2p); must be the coordinator's
     libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
+    tcp_port: int = 0  # --transport tcp: port of the TCP RPC listener (0: any free port)
     device: str | None = None  # overrides the run's device for this peer
     threads: int | None = None  # torch intra-op threads
     dump_dir: str | None = None  # debugging/tests: weights served and rebuilt in recoveries, final state
@@ -268,7 +269,8 @@ class PeerDaemon:
             torch.set_num_threads(self.opts.threads)
         self.dht, self.transport = await start_transport(
             self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
-            self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port)
+            self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port,
+            tcp_port=self.opts.tcp_port, secret=self.secret)
         # only now: the DHT process forked above would inherit asyncio's handlers and then ignore the
         # SIGTERM that DHT.shutdown / multiprocessing's exit send it, hanging this peer's exit forever
         for sig in (signal.SIGTERM, signal.SIGINT):

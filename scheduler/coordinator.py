@@ -75,6 +75,7 @@ class CoordinatorOptions:
     startup_timeout: float = 30.0
     transport: str = "hivemind"  # RPC transport: hivemind (p2pd) or libp2p (py-libp2p); every peer must use the same
     libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
+    tcp_port: int = 0  # --transport tcp: port of the TCP RPC listener (0: any free port)
     timeouts: Timeouts = field(default_factory=Timeouts)
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
@@ -686,7 +687,8 @@ class Coordinator:
         self._last_attempt = 0
         self.dht, self.transport = await start_transport(
             self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
-            self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port)
+            self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port,
+            tcp_port=self.opts.tcp_port, secret=self.secret)
         pid = str(self.transport.peer_id)
         if self.secret is not None:  # lets a standby read the coordinator's STATUS
             self.transport.extra_header = {"token": join_token(self.secret, self.opts.run_id, pid)}

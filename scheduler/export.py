@@ -33,11 +33,12 @@ async def export_live(opts: dict, output: Path) -> Path:
     from checkfree.protocol import RPC, coordinator_from_records, coordinator_key
 
     t = opts["timeouts"]
+    secret = load_secret(opts.get("secret_file"))
     dht, transport = await start_transport(opts["initial_peers"], opts["host_maddrs"], opts["announce_maddrs"],
                                            opts["identity_path"], opts["startup_timeout"],
-                                           transport=opts["transport"], libp2p_port=opts["libp2p_port"])
+                                           transport=opts["transport"], libp2p_port=opts["libp2p_port"],
+                                           tcp_port=opts["tcp_port"], secret=secret)
     try:
-        secret = load_secret(opts.get("secret_file"))
         found = await live_members_async(dht, coordinator_key(opts["run_id"]))
         coord = coordinator_from_records(found, secret, opts["run_id"], transport.kind)
         if coord is None:

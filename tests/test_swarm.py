@@ -25,6 +25,8 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
+# the only swarm run over --transport tcp (CI time): the other swarm tests run hivemind and libp2p
+@pytest.mark.parametrize("rpc_transport", ["hivemind", "libp2p", "tcp"], indirect=True)
 def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport):
     """CLI smoke test of `checkfree local`, and the equivalence with the simulator. The libp2p run also
     uses the 1F1B schedule with M=16 (one swarm run covers both; the CI time budget is tight)."""
@@ -36,7 +38,7 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "peers SIGKILLed" in proc.stdout and f"transport {rpc_transport}" in proc.stdout
     ready = (out / "logs" / "coordinator.log").read_text()
-    assert ("transport=libp2p rpc=/ip4/127.0.0.1/" in ready) == (rpc_transport == "libp2p")
+    assert (f"transport={rpc_transport} rpc=/ip4/127.0.0.1/" in ready) == (rpc_transport != "hivemind")
     sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(tmp_path / "sim"),
                           "--no-progress", *args], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "CHECKFREE_CACHE": cache})

@@ -4,10 +4,11 @@ Lives in the library so that `peers/` and `scheduler/` both use it without impor
 other; nothing else in `checkfree` imports its modules (hivemind is loaded only there; the CLI
 reads `TRANSPORTS` from this package alone).
 
-Two RPC transports share one interface (`register`, `call`, `peer_id`, `extra_header`, `kind`):
-`transport.Transport` on hivemind's go-libp2p daemon and `libp2p_transport.Libp2pTransport` on
-py-libp2p; `transport.start_transport(..., transport=...)` starts either beside the hivemind DHT,
-which keeps membership (heartbeats, the coordinator's record) in both cases.
+Three RPC transports share one interface (`register`, `call`, `peer_id`, `extra_header`, `kind`):
+`transport.Transport` on hivemind's go-libp2p daemon, `libp2p_transport.Libp2pTransport` on
+py-libp2p and `tcp_transport.TcpTransport` on direct, unencrypted TCP connections (trusted networks);
+`transport.start_transport(..., transport=...)` starts any of them beside the hivemind DHT, which
+keeps membership (heartbeats, the coordinator's record, RPC addresses) in every case.
 """
 
-TRANSPORTS = ("hivemind", "libp2p")  # --transport: RPC over hivemind's p2pd (default), or over py-libp2p
+TRANSPORTS = ("hivemind", "libp2p", "tcp")  # --transport: RPC over hivemind's p2pd (default), py-libp2p or plain TCP

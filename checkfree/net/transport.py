@@ -26,9 +26,10 @@ lost on close.
 Membership helpers (``announce``, ``heartbeat``, ``live_members``) store DHT sub-keys with an expiry:
 an entry disappears ~ttl seconds after its owner stops refreshing it.
 
-``start_transport(..., transport="libp2p")`` keeps the DHT but serves RPC with
-``checkfree.net.libp2p_transport.Libp2pTransport`` (same interface) instead: each process publishes its
-libp2p multiaddrs under ``rpc_addrs_key(peer_id)`` and looks a peer's up there before its first call.
+``start_transport(..., transport="libp2p" | "tcp")`` keeps the DHT but serves RPC with
+``checkfree.net.libp2p_transport.Libp2pTransport`` or ``checkfree.net.tcp_transport.TcpTransport`` (same
+interface) instead: each process publishes its RPC multiaddrs under ``rpc_addrs_key(peer_id)`` and looks
+a peer's up there before its first call.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -67,6 +69,7 @@ __all__ = [
     "TransportError",
     "TransportTimeout",
     "announce",
+    "StreamPool",
     "check_transport",
     "dht_maddrs",
     "heartbeat",
@@ -83,7 +86,8 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[dict, list[torch.Tensor], PeerID], Awaitable[tuple[dict, Sequence[torch.Tensor]]]]
 
-RPC_ADDRS_TTL = 60.0  # libp2p: lifetime of a process's address record in the DHT (refreshed every ttl/3)
+RPC_ADDRS_TTL = 60.0  # libp2p, tcp: lifetime of a process's address record in the DHT (refreshed every ttl/3)
+RPC_ADDRS_ATTEMPTS = 3  # libp2p, tcp: stores of that record tried at start-up before giving up
 
 WRITE_CHUNK_BYTES = 1 << 20
 WRITE_HIGH_WATER = 4 << 20
@@ -163,6 +167,98 @@ async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
         pass
 
 
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class StreamPool:
+    """Idle request/reply streams (or connections) kept for reuse, by key, one call at a time each: an entry
+    is dropped when idle for more than ``max_idle`` seconds or closed by its remote end, and at most
+    ``max_per_key`` idle ones are kept per key (more are closed)."""
+
+    def __init__(self, max_idle: float, max_per_key: int) -> None:
+        self.max_idle = max_idle
+        self.max_per_key = max_per_key
+        self.idle: dict[Any, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+
+    def _fresh(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, since: float, now: float) -> bool:
+        open_ = not (reader.at_eof() or reader.exception() is not None or writer.is_closing())
+        return open_ and now - since <= self.max_idle
+
+    def take(self, key: Any) -> Stream | None:
+        """The most recently used idle stream under ``key`` that is still open, or None."""
+        idle = self.idle.get(key)
+        now = time.monotonic()
+        while idle:
+            reader, writer, since = idle.pop()
+            if self._fresh(reader, writer, since, now):
+                return reader, writer
+            writer.close()
+        return None
+
+    def put(self, key: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Keep a stream for reuse; also drop every pooled stream that expired or was closed remotely."""
+        now = time.monotonic()
+        for k in list(self.idle):
+            kept = []
+            for entry in self.idle[k]:
+                if self._fresh(*entry, now):
+                    kept.append(entry)
+                else:
+                    entry[1].close()
+            if kept:
+                self.idle[k] = kept
+            else:
+                del self.idle[k]
+        idle = self.idle.setdefault(key, [])
+        if len(idle) < self.max_per_key:
+            idle.append((reader, writer, now))
+        else:
+            writer.close()
+
+    def close_all(self) -> None:
+        for entries in self.idle.values():
+            for _, writer, _ in entries:
+                writer.close()
+        self.idle.clear()
+
+
+async def _exchange(stream: Stream, frames: Sequence[bytes | memoryview], max_message_bytes: int, peer: str,
+                    what: str, pool: StreamPool | None, key: Any) -> tuple[dict, list[torch.Tensor]]:
+    """Write one request on ``stream`` and read its reply. Afterwards the stream goes back to ``pool`` under
+    ``key`` if the call succeeded (an error reply makes the server close it), else it is closed: a failed,
+    timed-out (cancelled) or refused call never leaves its stream for reuse. ``peer``/``what`` name the
+    remote end and the stream in errors."""
+    reader, writer = stream
+    reusable = False
+    try:
+        await _write_frames(writer, frames)
+        reply = await _read_message(reader, max_message_bytes)
+        reusable = "error" not in reply[0]
+        return reply
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        raise TransportError(f"{peer} closed {what} before a full reply ({e!r})") from e
+    except WireError as e:
+        raise TransportError(f"invalid reply from {peer} on {what}: {e}") from e
+    finally:
+        if reusable and pool is not None:
+            pool.put(key, reader, writer)
+        else:
+            writer.close()
+
+
+async def _reply_within(exchange: Awaitable[tuple[dict, list[torch.Tensor]]], timeout: float, peer: Any,
+                        name: str) -> tuple[dict, list[torch.Tensor]]:
+    """The reply of one call's ``exchange``: ``TransportTimeout`` after ``timeout`` s, ``RemoteError`` for an
+    error reply."""
+    try:
+        reply_header, reply_tensors = await asyncio.wait_for(exchange, timeout)
+    except asyncio.TimeoutError:
+        raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
+    if "error" in reply_header:
+        raise RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]))
+    return reply_header, reply_tensors
+
+
 class Transport:
     """Request/response RPC on top of an existing ``hivemind.p2p.P2P`` instance.
 
@@ -197,7 +293,7 @@ class Transport:
         self.pool_idle = pool_idle
         self.owns_p2p = owns_p2p
         self._handlers: dict[str, Handler] = {}
-        self._idle: dict[tuple[PeerID, str], list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+        self._pool = StreamPool(pool_idle, POOL_MAX_IDLE_PER_KEY)  # keyed by (peer, protocol)
         self.streams_opened = 0  # streams this caller opened (a call on a pooled stream opens none)
         self.extra_header: dict = {}  # merged into every request (e.g. the run membership token)
 
@@ -286,81 +382,24 @@ class Transport:
         if self.extra_header:
             header = {**self.extra_header, **header}
         frames = encode_message(header, tensors)
-        try:
-            reply_header, reply_tensors = await asyncio.wait_for(self._call(peer, name, frames), timeout)
-        except asyncio.TimeoutError:
-            raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
-        if "error" in reply_header:
-            raise RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]))
-        return reply_header, reply_tensors
+        return await _reply_within(self._call(peer, name, frames), timeout, peer, name)
 
     async def _call(self, peer: PeerID, name: str, frames: list) -> tuple[dict, list[torch.Tensor]]:
-        stream = self._take_idle(peer, name)
+        key = (peer, name)
+        stream = self._pool.take(key)
         if stream is None:
             try:
                 _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
             except (P2PDaemonError, ConnectionError, OSError) as e:
                 raise TransportError(f"cannot open stream '{name}' to peer {peer}: {e}") from e
             self.streams_opened += 1
-        else:
-            reader, writer = stream
-        reusable = False
-        try:
-            await _write_frames(writer, frames)
-            reply = await _read_message(reader, self.max_message_bytes)
-            reusable = "error" not in reply[0]  # the server closes a stream after an error reply
-            return reply
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            raise TransportError(f"peer {peer} closed stream '{name}' before a full reply ({e!r})") from e
-        except WireError as e:
-            raise TransportError(f"invalid reply from peer {peer} for '{name}': {e}") from e
-        finally:  # a failed, timed-out (cancelled) or refused call never leaves its stream for reuse
-            if reusable and self.pool_streams:
-                self._put_idle(peer, name, reader, writer)
-            else:
-                writer.close()
-
-    @staticmethod
-    def _usable(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        return not (reader.at_eof() or reader.exception() is not None or writer.is_closing())
-
-    def _take_idle(self, peer: PeerID, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """The most recently used idle stream to ``name`` on ``peer`` that is still open, or None."""
-        idle = self._idle.get((peer, name))
-        now = time.monotonic()
-        while idle:
-            reader, writer, since = idle.pop()
-            if now - since <= self.pool_idle and self._usable(reader, writer):
-                return reader, writer
-            writer.close()
-        return None
-
-    def _put_idle(self, peer: PeerID, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Keep a stream for reuse; also drop every pooled stream that expired or was closed remotely."""
-        now = time.monotonic()
-        for key in list(self._idle):
-            kept = []
-            for entry in self._idle[key]:
-                if now - entry[2] <= self.pool_idle and self._usable(entry[0], entry[1]):
-                    kept.append(entry)
-                else:
-                    entry[1].close()
-            if kept:
-                self._idle[key] = kept
-            else:
-                del self._idle[key]
-        idle = self._idle.setdefault((peer, name), [])
-        if len(idle) < POOL_MAX_IDLE_PER_KEY:
-            idle.append((reader, writer, now))
-        else:
-            writer.close()
+            stream = reader, writer
+        return await _exchange(stream, frames, self.max_message_bytes, f"peer {peer}", f"stream '{name}'",
+                               self._pool if self.pool_streams else None, key)
 
     def close_idle_streams(self) -> None:
         """Close every pooled stream (the next calls open new ones)."""
-        for entries in self._idle.values():
-            for _, writer, _ in entries:
-                writer.close()
-        self._idle.clear()
+        self._pool.close_all()
 
     async def shutdown(self) -> None:
         """Close pooled streams, unregister all handlers; shut the P2P instance down too if this transport owns it."""
@@ -406,7 +445,7 @@ def check_transport(kind: str) -> None:
 
 
 def rpc_addrs_key(peer_id: str) -> str:
-    """DHT key under which a libp2p-transport process publishes its RPC multiaddrs."""
+    """DHT key under which a libp2p- or tcp-transport process publishes its RPC multiaddrs."""
     return f"checkfree/rpc-addrs/{peer_id}"
 
 
@@ -418,6 +457,52 @@ def _ips(maddrs: Sequence[str]) -> list[tuple[str, str]]:
             with contextlib.suppress(Exception):
                 found.append((proto, Multiaddr(str(m))[proto]))
     return list(dict.fromkeys(found))
+
+
+def _announced_maddrs(bound: Sequence[str], announce_maddrs: Sequence[str] | None, peer_id: str) -> list[str]:
+    """What an RPC listener publishes: the IPs of ``announce_maddrs`` (if given) at its bound TCP port, else
+    its own ``bound`` multiaddrs (with a warning if those name a wildcard address nobody else can dial)."""
+    if announce_maddrs:
+        port = Multiaddr(bound[0])["tcp"]
+        return [f"/{proto}/{ip}/tcp/{port}/p2p/{peer_id}" for proto, ip in _ips(announce_maddrs)]
+    if any(ip in ("0.0.0.0", "::") for _, ip in _ips(bound)):
+        logger.warning("the RPC transport listens on all interfaces but announces %s: remote peers cannot dial "
+                       "that; give --announce-maddrs with this machine's public address", list(bound))
+    return list(bound)
+
+
+async def _publish_rpc_addrs(dht: DHT, t: Any, announce_maddrs: Sequence[str] | None) -> Any:
+    """Publish ``t``'s addresses (see ``_announced_maddrs``) under ``rpc_addrs_key(t.peer_id)`` (refreshed by a
+    task in ``t.tasks``), set ``t.address_resolver`` to look other peers' addresses up there; returns ``t``,
+    or shuts it down and raises."""
+    try:
+        t.maddrs = _announced_maddrs(t.maddrs, announce_maddrs, t.peer_id)
+        await _announce_rpc_addrs(dht, t)
+    except BaseException:
+        await t.shutdown()
+        raise
+    return t
+
+
+async def _announce_rpc_addrs(dht: DHT, t: Any) -> None:
+    key = rpc_addrs_key(t.peer_id)
+    for attempt in range(1, RPC_ADDRS_ATTEMPTS + 1):  # a store can fail on a loaded machine (DHT RPC timeouts)
+        if await announce(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL):
+            break
+        logger.warning("publishing this process's %s RPC addresses in the DHT failed (attempt %d of %d)",
+                       t.kind, attempt, RPC_ADDRS_ATTEMPTS)
+        if attempt < RPC_ADDRS_ATTEMPTS:
+            await asyncio.sleep(attempt * random.uniform(0.5, 1.0))
+    else:
+        raise TransportError(f"could not publish this process's {t.kind} RPC addresses in the DHT "
+                             f"({RPC_ADDRS_ATTEMPTS} attempts)")
+    t.tasks.add(asyncio.create_task(heartbeat(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL)))
+
+    async def resolve(peer_id: str) -> list[str]:
+        found = await live_members_async(dht, rpc_addrs_key(peer_id))
+        return [a for v in found.values() if isinstance(v, list) for a in v if isinstance(a, str)]
+
+    t.address_resolver = resolve
 
 
 async def _start_libp2p_rpc(dht: DHT, host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
@@ -433,27 +518,19 @@ async def _start_libp2p_rpc(dht: DHT, host_maddrs: Sequence[str], announce_maddr
     key_pair = identity_key_pair(f"{identity_path}.libp2p") if identity_path else None
     t = await start_libp2p_transport(listen, max_message_bytes=max_message_bytes, startup_timeout=startup_timeout,
                                      key_pair=key_pair)
-    try:
-        if announce_maddrs:
-            bound = Multiaddr(t.maddrs[0])["tcp"]
-            t.maddrs = [f"/{proto}/{ip}/tcp/{bound}/p2p/{t.peer_id}" for proto, ip in _ips(announce_maddrs)]
-        elif any(ip in ("0.0.0.0", "::") for _, ip in _ips(t.maddrs)):
-            logger.warning("libp2p transport listens on all interfaces but announces %s: remote peers cannot dial "
-                           "that; give --announce-maddrs with this machine's public address", t.maddrs)
-        key = rpc_addrs_key(t.peer_id)
-        if not await announce(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL):
-            raise TransportError("could not publish this process's libp2p addresses in the DHT")
-        t.tasks.add(asyncio.create_task(heartbeat(dht, key, "addrs", list(t.maddrs), RPC_ADDRS_TTL)))
+    return await _publish_rpc_addrs(dht, t, announce_maddrs)
 
-        async def resolve(peer_id: str) -> list[str]:
-            found = await live_members_async(dht, rpc_addrs_key(peer_id))
-            return [a for v in found.values() if isinstance(v, list) for a in v if isinstance(a, str)]
 
-        t.address_resolver = resolve
-    except BaseException:
-        await t.shutdown()
-        raise
-    return t
+async def _start_tcp_rpc(dht: DHT, host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None, port: int,
+                         secret: bytes | None, max_message_bytes: int) -> Any:
+    """A ``TcpTransport`` beside the DHT, under the DHT's own peer id: listens on the IPs of ``host_maddrs`` at
+    TCP ``port`` (0: any) and publishes/looks up addresses in the DHT like ``_start_libp2p_rpc``."""
+    from checkfree.net.tcp_transport import start_tcp_transport
+
+    peer_id = str(await asyncio.get_running_loop().run_in_executor(None, lambda: dht.peer_id))
+    hosts = [ip for _, ip in _ips(host_maddrs)] or ["127.0.0.1"]
+    t = await start_tcp_transport(peer_id, hosts, port, secret=secret, max_message_bytes=max_message_bytes)
+    return await _publish_rpc_addrs(dht, t, announce_maddrs)
 
 
 async def start_transport(
@@ -465,13 +542,17 @@ async def start_transport(
     *,
     transport: str = "hivemind",
     libp2p_port: int = 0,
+    tcp_port: int = 0,
+    secret: bytes | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     **dht_kwargs: Any,
 ) -> tuple[DHT, Any]:
     """Start a hivemind DHT (own process and p2pd) and an RPC transport: ``hivemind`` (a ``Transport`` on the
-    DHT's P2P daemon) or ``libp2p`` (a ``Libp2pTransport``, py-libp2p in a trio thread, listening on
+    DHT's P2P daemon), ``libp2p`` (a ``Libp2pTransport``, py-libp2p in a trio thread, listening on
     ``libp2p_port``; its peer id is a different one than the DHT's, kept in ``<identity_path>.libp2p`` when
-    ``identity_path`` is given, and the DHT carries its addresses).
+    ``identity_path`` is given, and the DHT carries its addresses) or ``tcp`` (a ``TcpTransport``: direct,
+    unencrypted TCP on ``tcp_port`` under the DHT's peer id, its connections authenticated with the run
+    ``secret`` when there is one; the DHT carries its addresses).
 
     Fails within ~``startup_timeout`` (+ DHT bootstrap time) with an actionable ``TransportError`` when the
     daemon does not start or no initial peer can be reached. Stop with ``await stop_transport(dht, t)``.
@@ -512,6 +593,8 @@ async def start_transport(
         if transport == "libp2p":
             return dht, await _start_libp2p_rpc(dht, host_maddrs, announce_maddrs, identity_path, libp2p_port,
                                                 startup_timeout, max_message_bytes)
+        if transport == "tcp":
+            return dht, await _start_tcp_rpc(dht, host_maddrs, announce_maddrs, tcp_port, secret, max_message_bytes)
         return dht, Transport(await dht.replicate_p2p(), max_message_bytes=max_message_bytes, owns_p2p=True)
     except BaseException:
         dht.shutdown()
