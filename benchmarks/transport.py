@@ -1,9 +1,12 @@
 """Echo throughput of the runtime's RPC paths (--transport hivemind, tcp, libp2p) vs a raw TCP socket on loopback.
 
 Each round sends one float32 tensor and gets it echoed back; the paths are interleaved per round:
-``Transport.call`` (the ``--transport hivemind`` runtime path: wire format, one p2pd stream per call),
+``Transport.call`` (the ``--transport hivemind`` runtime path: wire format, a reused p2pd stream; and the
+same with one new stream per call, as before stream reuse),
 hivemind's bare ``send_raw_data`` / ``receive_raw_data`` on a stream (the floor of anything that goes
-through p2pd), a persistent length-prefixed asyncio TCP connection, ``TcpTransport.call`` (the
+through p2pd), a persistent length-prefixed asyncio TCP connection (the baseline: it reads into a
+preallocated buffer and writes with the transports' chunked ``_write_frames``, i.e. the same socket I/O
+without any protocol), ``TcpTransport.call`` (the
 ``--transport tcp`` runtime path, checkfree.net.tcp_transport: direct TCP, same wire format, pooled
 connections, handshake with a run secret as ``checkfree local`` has; the handshake happens in the
 untimed warm-up), and, when py-libp2p is installed
@@ -13,7 +16,21 @@ trio thread, same wire format, one yamux stream per call; the runtime looks a pe
 DHT once, before its first call, which is not timed here). Both p2pd daemons, both libp2p hosts and all
 ends run on this one machine.
 
-Latest results, with the tcp column (three runs back to back; load average 9.3 -> 8.5, 9.0 -> 9.1,
+Latest results (quiet machine, load average 1.4 -> 0.3; fair raw baseline):
+
+    python -m benchmarks.transport        # --sizes 1 4 16 64 --reps 7
+
+    | payload MiB | hivemind transport MiB/s | same, one stream per call | hivemind raw stream MiB/s | raw TCP MiB/s | ratio hivemind/raw | tcp transport MiB/s | ratio tcp/raw | libp2p transport MiB/s | ratio libp2p/raw |
+    |---|---|---|---|---|---|---|---|---|---|
+    | 1 | 394 | 326 | 325 | 1260 | 0.31 | 1021 | 0.81 | 49 | 0.04 |
+    | 4 | 516 | 469 | 339 | 1536 | 0.34 | 1300 | 0.85 | 64 | 0.04 |
+    | 16 | 538 | 493 | 342 | 1169 | 0.46 | 1313 | 1.12 | 65 | 0.06 |
+    | 64 | 520 | 447 | 227 | 983 | 0.53 | 1161 | 1.18 | 62 | 0.06 |
+
+Runs below used a weaker raw baseline (``readexactly`` and one big ``write``: 113-460 MiB/s at 64 MiB),
+so their ratios above 1 meant a slow baseline, not a fast transport.
+
+With the tcp column (three runs back to back; load average 9.3 -> 8.5, 9.0 -> 9.1,
 9.1 -> 10.3, other jobs running); the first run's table as printed, the other two below it:
 
     python -m benchmarks.transport --no-libp2p        # --sizes 1 4 16 64 --reps 7
@@ -104,11 +121,12 @@ import contextlib
 import statistics
 import time
 
+import numpy as np
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from checkfree.net.tcp_transport import start_tcp_transport
-from checkfree.net.transport import Transport
+from checkfree.net.transport import Transport, _write_frames
 
 try:  # optional: the py-libp2p transport (pip install 'checkfree[libp2p]')
     from checkfree.net import libp2p_transport as _libp2p
@@ -123,14 +141,28 @@ WARMUP = 5  # untimed 4 MiB rounds before measuring
 RAW_READER_LIMIT = 8 << 20  # the default 64 KiB StreamReader limit makes the baseline itself slow at 64 MiB
 
 
+async def _read_raw(reader: asyncio.StreamReader, length: int) -> np.ndarray:
+    """``length`` bytes into one preallocated buffer, in chunks as they arrive. The raw baseline reads this way
+    and writes with the transports' ``_write_frames`` (1 MiB chunks, 4 MiB send buffer): ``readexactly`` and
+    one big ``write`` grow a bytearray and copy it, which made an earlier baseline slower than the
+    transports at 16-64 MiB."""
+    body = np.empty(length, dtype=np.uint8)
+    view, pos = memoryview(body), 0
+    while pos < length:
+        chunk = await reader.read(min(length - pos, 4 << 20))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", length - pos)
+        view[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    return body
+
+
 async def _raw_echo_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
             prefix = await reader.readexactly(8)
-            body = await reader.readexactly(int.from_bytes(prefix, "big"))
-            writer.write(prefix)
-            writer.write(body)
-            await writer.drain()
+            body = await _read_raw(reader, int.from_bytes(prefix, "big"))
+            await _write_frames(writer, [prefix, body])
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
@@ -148,12 +180,10 @@ class RawClient:
     async def roundtrip(self, payload: torch.Tensor) -> float:
         data = memoryview(payload.numpy()).cast("B")
         start = time.perf_counter()
-        self.writer.write(len(data).to_bytes(8, "big"))
-        self.writer.write(data)
-        await self.writer.drain()
-        reply = await self.reader.readexactly(int.from_bytes(await self.reader.readexactly(8), "big"))
+        await _write_frames(self.writer, [len(data).to_bytes(8, "big"), data])
+        reply = await _read_raw(self.reader, int.from_bytes(await self.reader.readexactly(8), "big"))
         elapsed = time.perf_counter() - start
-        assert len(reply) == data.nbytes
+        assert reply.nbytes == data.nbytes
         return elapsed
 
     async def stop(self) -> None:
