@@ -308,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("checkfree: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from checkfree.net.transport import TransportError  # hivemind is imported on this path only
+
+        if not isinstance(e, TransportError):
+            raise
+        print(f"checkfree: network error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

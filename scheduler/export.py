@@ -42,7 +42,14 @@ async def export_live(opts: dict, output: Path) -> Path:
         found = await live_members_async(dht, coordinator_key(opts["run_id"]))
         coord = coordinator_from_records(found, secret, opts["run_id"], transport.kind)
         if coord is None:
-            raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT")
+            if not found:
+                hint = " (is it running? check --run-id and --initial-peers)"
+            elif secret is not None:
+                hint = (": there are coordinator records for this run, but none signed with this process's run "
+                        "secret (check --secret-file / CHECKFREE_SECRET)")
+            else:
+                hint = ": none of the records found is a usable coordinator record"
+            raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT{hint}")
         if secret is not None:  # join as an observer; the token in every request lets the peers serve us
             me = str(transport.peer_id)
             transport.extra_header = {"token": join_token(secret, opts["run_id"], me)}

@@ -87,6 +87,14 @@ def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path, r
         procs.append(bad)
         assert bad.wait(timeout=120) != 0
         assert any("not authorized" in x for x in _rest(bq)), "no 'not authorized' in the refused peer's output"
+        if rpc_transport == "hivemind":  # `export --live` with the wrong secret: told why, no traceback
+            exp = subprocess.run([sys.executable, "-m", "checkfree.cli", "export", "--live", "--run-id", "auth",
+                                  "--initial-peers", addr, "--output", str(tmp_path / "m.safetensors"), *flags],
+                                 env={**base, "CHECKFREE_SECRET": "the-wrong-secret-entirely"}, capture_output=True,
+                                 text=True, timeout=120)
+            assert exp.returncode == 2, exp.stderr[-2000:]
+            assert "none signed with this process's run secret" in exp.stderr and "Traceback" not in exp.stderr
+            assert not (tmp_path / "m.safetensors").exists()
         if rpc_transport == "libp2p":  # a peer of the other transport is told so, instead of waiting forever
             other, oq = _spawn(["peer", "--run-id", "auth", "--initial-peers", addr, *FLAGS], good)
             procs.append(other)
