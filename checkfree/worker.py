@@ -100,7 +100,10 @@ class StageWorker:
         self.lr_scale = 1.0
         self.optimizer = self._new_optimizer()
         self._saved: dict[object, tuple[Tensor, Tensor]] = {}
-        self._held: dict[object, dict[int, int]] = {}  # microbatch -> {storage address: bytes} it keeps alive
+        self._held: dict[object, int] = {}  # microbatch -> bytes of the storages it keeps alive
+        # bytes one microbatch keeps alive, per kind of forward (hop kind, input shape and dtype, autocast): the
+        # saved-tensor hook that finds them costs ~5% of a step, so it runs on a kind's first forward only
+        self._mb_bytes: dict[tuple, int] = {}
         self._peak = InFlightPeak()
 
     @property
@@ -194,8 +197,12 @@ class StageWorker:
             raise ValueError(f"microbatch {key!r} is already in flight on stage {self.index}")
         x = x.to(self.device)
         inp = x if hop.embed else x.detach().requires_grad_(True)
+        kind = (hop.embed, hop.head, tuple(x.shape), x.dtype, self.cfg.train.autocast_bf16, self.guard is not None)
+        per_mb = self._mb_bytes.get(kind)
         held: dict[int, int] = {}
-        with self._autocast(), torch.autograd.graph.saved_tensors_hooks(_recorder(held), _identity):
+        count = torch.autograd.graph.saved_tensors_hooks(_recorder(held), _identity) if per_mb is None else \
+            contextlib.nullcontext()
+        with self._autocast(), count:
             out = self.module(inp, embed=hop.embed, head=hop.head)
             if hop.head:
                 if targets is None:
@@ -203,20 +210,21 @@ class StageWorker:
                 loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device).flatten())
                 out = loss / self.cfg.train.num_microbatches
         self._saved[key] = (inp, out)
-        _note_storage(held, inp)
-        _note_storage(held, out)
-        for t in (*self.module.parameters(), *self.module.buffers()):  # the stage's own, not the microbatch's
-            held.pop(t.untyped_storage().data_ptr(), None)
-        self._held[key] = held
+        if per_mb is None:
+            _note_storage(held, inp)
+            _note_storage(held, out)
+            for t in (*self.module.parameters(), *self.module.buffers()):  # the stage's own, not the microbatch's
+                held.pop(t.untyped_storage().data_ptr(), None)
+            per_mb = self._mb_bytes[kind] = sum(held.values())
+        self._held[key] = per_mb
         self._note_peak()
         return out.detach()
 
     def _note_peak(self) -> None:
-        distinct: dict[int, int] = {}  # storages shared between microbatches count once
-        for held in self._held.values():
-            distinct.update(held)
+        # a microbatch's storages are its own (its batch and received activations are copies or fresh buffers;
+        # the stage's parameters and buffers are excluded), so the in-flight bytes are the sum over microbatches
         self._peak.microbatches = max(self._peak.microbatches, len(self._saved))
-        self._peak.bytes = max(self._peak.bytes, sum(distinct.values()))
+        self._peak.bytes = max(self._peak.bytes, sum(self._held.values()))
 
     def take_inflight_peak(self) -> InFlightPeak:
         """The peak since the last call (or since in-flight work was dropped); starts the next one."""
