@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from checkfree.net.transport import Handler, RemoteError, TransportError, TransportTimeout
+from checkfree.net.transport import Handler, RemoteError, TransportError, TransportTimeout, learn_addresses
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PREFIX_BYTES,
@@ -661,16 +661,7 @@ class Libp2pTransport:
         """
         if addrs or self.address_resolver is None:
             return addrs
-        try:
-            found = await self.address_resolver(peer)
-        except Exception as e:  # noqa: BLE001 - the dial below reports the unreachable peer
-            logger.debug("address lookup of %s failed: %r", peer, e)
-            return addrs
-        for maddr in found:
-            try:
-                self.add_peer_address(str(maddr), peer)
-            except Exception as e:  # a malformed or foreign record: skip it
-                logger.debug("ignoring address %r found for %s: %r", maddr, peer, e)
+        await learn_addresses(self, peer)
         return list(self._addresses.get(peer, ()))
 
     async def _t_open(self, peer: str, addrs: Sequence[str], name: str) -> Any:

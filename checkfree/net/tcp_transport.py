@@ -82,6 +82,7 @@ from checkfree.net.transport import (
     _read_message,
     _reply_within,
     _write_frames,
+    learn_addresses,
 )
 from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, encode_message
 
@@ -351,16 +352,7 @@ class TcpTransport:
     async def _addresses_of(self, peer: str) -> list[tuple[str, int]]:
         """Known addresses of ``peer``, else what ``address_resolver`` finds (remembered)."""
         if not self._addresses.get(peer) and self.address_resolver is not None:
-            try:
-                found = await self.address_resolver(peer)
-            except Exception as e:  # noqa: BLE001 - reported below as an unknown address
-                logger.debug("address lookup of %s failed: %r", peer, e)
-                found = []
-            for maddr in found:
-                try:
-                    self.add_peer_address(str(maddr), peer)
-                except TransportError as e:  # a malformed or foreign record: skip it
-                    logger.debug("ignoring address %r found for %s: %s", maddr, peer, e)
+            await learn_addresses(self, peer)
         return list(self._addresses.get(peer, ()))
 
     async def _open(self, peer: str) -> Stream:

@@ -73,6 +73,7 @@ __all__ = [
     "check_transport",
     "dht_maddrs",
     "heartbeat",
+    "learn_addresses",
     "live_members",
     "live_members_async",
     "rpc_addrs_key",
@@ -482,6 +483,22 @@ async def _publish_rpc_addrs(dht: DHT, t: Any, announce_maddrs: Sequence[str] | 
         await t.shutdown()
         raise
     return t
+
+
+async def learn_addresses(t: Any, peer: str) -> None:
+    """Ask ``t.address_resolver`` (the DHT lookup set by ``_publish_rpc_addrs``) for ``peer``'s addresses and
+    remember every usable one with ``t.add_peer_address``; a failed lookup or a malformed or foreign record is
+    logged and skipped (the caller reports a peer whose address stays unknown)."""
+    try:
+        found = await t.address_resolver(peer)
+    except Exception as e:  # noqa: BLE001 - reported by the caller as an unknown address
+        logger.debug("address lookup of %s failed: %r", peer, e)
+        return
+    for maddr in found:
+        try:
+            t.add_peer_address(str(maddr), peer)
+        except Exception as e:  # noqa: BLE001 - a malformed or foreign record: skip it
+            logger.debug("ignoring address %r found for %s: %r", maddr, peer, e)
 
 
 async def _announce_rpc_addrs(dht: DHT, t: Any) -> None:
