@@ -60,7 +60,14 @@ from typing import Any
 
 import torch
 
-from checkfree.net.transport import Handler, RemoteError, TransportError, TransportTimeout, learn_addresses
+from checkfree.net.transport import (
+    Handler,
+    RemoteError,
+    TransportError,
+    TransportTimeout,
+    failed_request,
+    learn_addresses,
+)
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PREFIX_BYTES,
@@ -603,11 +610,7 @@ class Libp2pTransport:
             reply_header, reply_tensors = await handler(header, tensors, peer)
             return encode_message(reply_header, reply_tensors)
         except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-            if isinstance(e, WireError):
-                logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
-            else:
-                logger.exception("%s: handler failed for request from %s", name, peer)
-            return encode_message({"error": f"{type(e).__name__}: {e}"})
+            return encode_message({"error": failed_request(e, name, peer, (WireError,))})
 
     # ------------------------------------------------------------ client side
 

@@ -82,6 +82,7 @@ from checkfree.net.transport import (
     _read_message,
     _reply_within,
     _write_frames,
+    failed_request,
     learn_addresses,
 )
 from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, encode_message
@@ -300,11 +301,8 @@ class TcpTransport:
                 logger.debug("tcp %s: peer %s closed the connection mid-request: %r", name, peer, e)
                 return
             except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-                if isinstance(e, (asyncio.TimeoutError, WireError, TransportError)):
-                    logger.warning("tcp %s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
-                else:
-                    logger.exception("tcp %s: handler failed for request from %s", name, peer)
-                await self._reply_error(reader, writer, f"{type(e).__name__}: {e}")
+                text = failed_request(e, f"tcp {name}", peer, (asyncio.TimeoutError, WireError, TransportError))
+                await self._reply_error(reader, writer, text)
                 return
             await _write_frames(writer, frames)
 

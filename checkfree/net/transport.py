@@ -72,6 +72,7 @@ __all__ = [
     "StreamPool",
     "check_transport",
     "dht_maddrs",
+    "failed_request",
     "heartbeat",
     "learn_addresses",
     "live_members",
@@ -161,6 +162,16 @@ async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int,
         view[pos : pos + len(chunk)] = chunk
         pos += len(chunk)
     return decode_body(view)
+
+
+def failed_request(e: Exception, what: str, peer: Any, bad: tuple[type, ...] = (asyncio.TimeoutError, WireError)) -> str:
+    """Log a request that failed on a server (a warning for a ``bad`` request, the traceback for a handler
+    failure) and return the text of its ``{"error": ...}`` reply; ``what`` names the protocol in the log."""
+    if isinstance(e, bad):
+        logger.warning("%s: bad request from %s: %s: %s", what, peer, type(e).__name__, e)
+    else:
+        logger.exception("%s: handler failed for request from %s", what, peer)
+    return f"{type(e).__name__}: {e}"
 
 
 async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
@@ -346,11 +357,7 @@ class Transport:
                     logger.debug("%s: peer %s closed the stream mid-request: %r", name, peer, e)
                     return
                 except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-                    if isinstance(e, (asyncio.TimeoutError, WireError)):
-                        logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
-                    else:
-                        logger.exception("%s: handler failed for request from %s", name, peer)
-                    frames = encode_message({"error": f"{type(e).__name__}: {e}"})
+                    frames = encode_message({"error": failed_request(e, name, peer)})
                     failed = True
                 await _write_frames(writer, frames)
                 if failed:
