@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -256,6 +257,18 @@ def network_options(args: argparse.Namespace) -> dict:
                 libp2p_port=args.libp2p_port, tcp_port=args.tcp_port, timeouts=timeouts_from_args(args))
 
 
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGHUP (what `timeout`, systemd, docker and CI cancellation send, and a closed
+    terminal) stop a synchronous command like Ctrl-C does: KeyboardInterrupt, so that its
+    cleanup runs (children stopped, summary written). Not for processes that fork a DHT."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+
 def add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="train every stage in one process with injected failures",
                        description="Single-process simulator: all stages in one process, failures by seed or trace.")
@@ -266,6 +279,7 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     from checkfree.simulator import Simulator
 
+    interrupt_on_signals()
     cfg = config_from_args(args)
     if args.write_trace:
         from checkfree.strategies import build_strategy

@@ -166,6 +166,12 @@ class RunConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens trained per optimizer step (M microbatches of B sequences of T tokens)."""
+        t = self.train
+        return t.num_microbatches * t.microbatch_size * self.model.context_length
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -37,7 +37,8 @@ from checkfree.recovery import RecoveryPlan
 
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
            "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
-           "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK"]
+           "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK",
+           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER"]
 
 DHT_PREFIX = "checkfree"
 READY_PEER = "peer ready:"
@@ -45,6 +46,10 @@ READY_COORDINATOR = "coordinator ready:"
 READY_STANDBY = "coordinator standby:"
 STEP_TIMEOUT_MARK = "step timeout:"  # starts a peer's RUN_STEP error when its step ran over step_timeout
 STRAGGLER_MARK = "[straggler]"  # ...and ends it when the peer's own computing filled most of the step
+RUN_OVER = "run over"  # starts the coordinator's refusal of a JOIN that arrives after the run ended
+# exit codes of `checkfree peer` beyond 0 (done), 2 (bad input / network error) and 130 (signal)
+EXIT_COORDINATOR_GONE = 4  # no coordinator answered for --coordinator-timeout
+EXIT_RUN_OVER = 5  # tried to join a run that has already ended
 
 
 class RPC:

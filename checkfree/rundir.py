@@ -1,10 +1,15 @@
 """The run directory every command writes: a contract users' scripts build on.
 
 * config.json   the resolved configuration
-* metrics.jsonl one line per step: step, loss, lr, grad_norms, step_time_s[, val_loss]
-* events.jsonl  one line per event: event, step, stage, strategy, ... (recovery lines add
-                sources and coefficients)
-* summary.json  steps, final_loss, final_val_loss, failures, recoveries, fallbacks, wall_s
+* metrics.jsonl one line per step: step, loss, lr, grad_norms, step_time_s, time (Unix
+                seconds), tokens_per_s[, val_loss]
+* events.jsonl  one line per event: event, step, stage, strategy, time, ... (recovery lines
+                add sources and coefficients); the first line is `run_start`
+* summary.json  written on every exit path: status (completed | aborted | interrupted |
+                failed), steps (completed: the step after the newest recorded one), final_loss
+                and final_val_loss (the newest finite ones; null if none), error (unless
+                completed), failures, recoveries, fallbacks, wall_s (since `run_start`, across
+                coordinator failovers and resumes)
 """
 
 from __future__ import annotations
@@ -18,58 +23,108 @@ from typing import Any
 __all__ = ["RunWriter", "read_jsonl"]
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/Inf: write them as strings so the files stay valid JSON."""
+def _clean(value: Any, nonfinite: Any = str) -> Any:
+    """JSON has no NaN/Inf: write them as strings (metrics and events) or as null (the
+    summary, whose numbers scripts compare) so the files stay valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return nonfinite(value)
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): _clean(v, nonfinite) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [_clean(v, nonfinite) for v in value]
     return value
 
 
-class RunWriter:
-    """Appends metrics and events line by line (flushed, so a killed run keeps them)."""
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
-    def __init__(self, out: str | Path, config_json: str, *, resume: bool = False) -> None:
+
+class RunWriter:
+    """Appends metrics and events line by line (flushed, so a killed run keeps them) and
+    derives the summary from what was recorded, so it tells the truth on every exit path.
+
+    `tokens_per_step` (tokens trained per optimizer step) adds `tokens_per_s` to metrics lines.
+    `resume` appends to an existing run directory (a resumed run or a coordinator taking over):
+    counts, the newest losses and the run's start time are read back from its files."""
+
+    def __init__(self, out: str | Path, config_json: str, *, resume: bool = False,
+                 tokens_per_step: int | None = None) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(config_json)
-        mode = "a" if resume else "w"
+        self.tokens_per_step = tokens_per_step
+        self.counts = {"failures": 0, "recoveries": 0, "fallbacks": 0}
+        self.steps = 0  # the step after the newest one recorded
+        self.last_loss: float | None = None
+        self.last_val: float | None = None
+        self.started = time.time()
+        self.closed = False
         if resume:
             for name in ("metrics.jsonl", "events.jsonl"):
                 _drop_partial_line(self.out / name)
+            self._read_back()
+        mode = "a" if resume else "w"
         self._metrics = open(self.out / "metrics.jsonl", mode, buffering=1)
         self._events = open(self.out / "events.jsonl", mode, buffering=1)
-        self.counts = {"failures": 0, "recoveries": 0, "fallbacks": 0}
-        self.started = time.time()
+        if not resume:
+            self.event("run_start")
 
-    def restore_counts(self) -> None:
-        """Resuming a run directory: count the failures/recoveries/fallbacks already logged."""
-        for e in read_jsonl(self.out / "events.jsonl"):
-            key = {"failure": "failures", "recovery": "recoveries", "fallback": "fallbacks"}.get(e.get("event"))
+    def _read_back(self) -> None:
+        events = read_jsonl(self.out / "events.jsonl") if (self.out / "events.jsonl").exists() else []
+        for e in events:
+            key = _COUNTED.get(e.get("event"))
             if key:
                 self.counts[key] += 1
+        if events and isinstance(events[0].get("time"), (int, float)):
+            self.started = float(events[0]["time"])
+        if (self.out / "metrics.jsonl").exists():
+            for m in read_jsonl(self.out / "metrics.jsonl"):
+                self._note(m)
+
+    def _note(self, record: dict[str, Any]) -> None:
+        if isinstance(record.get("step"), int):
+            self.steps = record["step"] + 1
+        if (loss := _finite(record.get("loss"))) is not None:
+            self.last_loss = loss
+        if (val := _finite(record.get("val_loss"))) is not None:
+            self.last_val = val
 
     def metric(self, record: dict[str, Any]) -> None:
+        record = {**record, "time": round(time.time(), 3)}
+        step_s = record.get("step_time_s")
+        if self.tokens_per_step and isinstance(step_s, (int, float)) and step_s > 0:
+            record["tokens_per_s"] = round(self.tokens_per_step / step_s, 1)
+        self._note(record)
         self._metrics.write(json.dumps(_clean(record)) + "\n")
 
     def event(self, event: str, **fields: Any) -> None:
-        key = {"failure": "failures", "recovery": "recoveries", "fallback": "fallbacks"}.get(event)
+        if self.closed:  # e.g. a late message handled after the run ended: nothing to record it in
+            return
+        key = _COUNTED.get(event)
         if key:
             self.counts[key] += 1
         record = {"event": event, **fields, "time": time.time()}
         self._events.write(json.dumps(_clean(record)) + "\n")
 
-    def summary(self, **fields: Any) -> dict[str, Any]:
-        record = {**fields, **self.counts, "wall_s": round(time.time() - self.started, 3)}
-        (self.out / "summary.json").write_text(json.dumps(_clean(record), indent=2))
+    def summary(self, status: str, error: str | None = None, **fields: Any) -> dict[str, Any]:
+        """Write summary.json (atomically): the recorded progress plus `fields`."""
+        record = {"status": status, "steps": self.steps, "final_loss": self.last_loss,
+                  "final_val_loss": self.last_val, **fields, **self.counts,
+                  "wall_s": round(time.time() - self.started, 3)}
+        if status != "completed":
+            record["error"] = error or f"run {status}"
+        tmp = self.out / "summary.json.tmp"
+        tmp.write_text(json.dumps(_clean(record, lambda v: None), indent=2))
+        tmp.replace(self.out / "summary.json")
         return record
 
     def close(self) -> None:
+        self.closed = True
         self._metrics.close()
         self._events.close()
+
+
+_COUNTED = {"failure": "failures", "recovery": "recoveries", "fallback": "fallbacks"}
 
 
 def _drop_partial_line(path: Path) -> None:

@@ -177,11 +177,10 @@ class Simulator:
         self.pending_failed: set[int] = set()  # stages found broken (non-finite weights) in the last step
         self.workers = [self.new_worker(s) for s in range(cfg.num_stages)]
         self.norms = [0.0] * cfg.num_stages
-        self.writer = RunWriter(out, cfg.to_json())
+        self.writer = RunWriter(out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step)
         self.cost = CostModel(cfg)
         self.ctx = SimContext(self)
         self.progress = progress
-        self.last_loss = math.nan
         self.last_val = math.nan
         self.sim_time_s = 0.0
         self.totals = Figures()
@@ -256,14 +255,20 @@ class Simulator:
                 record = self._iteration(step)
                 self.writer.metric(record)
                 bar.n = step + 1  # a rollback moves the bar back
-                bar.set_postfix(loss=f"{record['loss']:.4f}", val=f"{self.last_val:.4f}",
-                                failures=self.writer.counts["failures"])
+                shown = {"val": f"{self.last_val:.4f}"} if math.isfinite(self.last_val) else {}
+                bar.set_postfix(loss=f"{record['loss']:.4f}", **shown, failures=self.writer.counts["failures"])
                 step += 1
                 if self.resume_at is not None:
                     step, self.resume_at = self.resume_at, None
-            return self._summary(steps=t.num_steps, status="completed")
+            return self._summary("completed")
         except UnrecoverableFailure as e:
-            self._summary(steps=step, status="aborted", error=str(e))
+            self._summary("aborted", str(e))
+            raise
+        except KeyboardInterrupt:
+            self._summary("interrupted", "interrupted by a signal (SIGINT/SIGTERM)")
+            raise
+        except BaseException as e:
+            self._summary("failed", f"{type(e).__name__}: {e}")
             raise
         finally:
             bar.close()
@@ -284,12 +289,10 @@ class Simulator:
         record.update(iteration=self.iterations - 1, sim_time_s=round(self.sim_time_s, 6))
         if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.num_steps - 1:
             record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
-        self.last_loss = loss
         return record
 
-    def _summary(self, **fields: Any) -> dict:
-        return self.writer.summary(**fields, final_loss=self.last_loss, final_val_loss=self.last_val,
-                                   strategy=self.cfg.recovery.strategy, cost_profile=self.cost.profile.name,
+    def _summary(self, status: str, error: str | None = None) -> dict:
+        return self.writer.summary(status, error, strategy=self.cfg.recovery.strategy, cost_profile=self.cost.profile.name,
                                    iterations=self.iterations, sim_time_s=round(self.sim_time_s, 6),
                                    simulated_hours=self.sim_time_s / 3600.0, **self.totals.as_dict(),
                                    soft_errors=guard_counts(self.guards))

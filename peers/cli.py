@@ -19,6 +19,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch threads for this peer (default: torch's)")
     p.add_argument("--leave-deadline", type=float, default=30.0,
                    help="on SIGTERM, seconds to wait for a lossless handover to a standby before leaving")
+    p.add_argument("--coordinator-timeout", type=float, default=60.0,
+                   help="leave (exit code 4) when no coordinator has answered for this many seconds (default 60)")
+    p.add_argument("--stay", action="store_true",
+                   help="keep running after the run has finished (default: print 'run finished' and exit, so an "
+                        "unattended spot instance stops)")
     p.add_argument("--dump-recovery", metavar="DIR",
                    help="save the weights served and rebuilt in recoveries, and the final state (debugging)")
     p.set_defaults(func=run_peer)
@@ -33,7 +38,11 @@ def run_peer(args: argparse.Namespace) -> int:
 
         resolve_device(args.device)
     opts = PeerOptions(**network_options(args), device=args.device, threads=args.threads,
-                       dump_dir=args.dump_recovery, leave_deadline=args.leave_deadline)
+                       dump_dir=args.dump_recovery, leave_deadline=args.leave_deadline,
+                       coordinator_timeout=args.coordinator_timeout, stay=args.stay)
+    if opts.coordinator_timeout <= opts.timeouts.heartbeat_ttl:
+        raise ValueError(f"--coordinator-timeout ({opts.coordinator_timeout:g} s) must exceed --heartbeat-ttl "
+                         f"({opts.timeouts.heartbeat_ttl:g} s)")
     try:
         return asyncio.run(PeerDaemon(opts).run())
     except TransportError as e:

@@ -38,7 +38,7 @@ from checkfree.net.transport import (RemoteError, Transport, TransportError, ann
                                      live_members_async, rpc_note, start_transport, stop_transport)
 from checkfree.net.wire import check_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
-from checkfree.protocol import (READY_PEER, RPC, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
+from checkfree.protocol import (EXIT_COORDINATOR_GONE, EXIT_RUN_OVER, READY_PEER, RPC, RUN_OVER, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
                                 coordinator_from_records, coordinator_key, members_key, plan_from_wire, require)
 from checkfree.recovery import RecoveryPlan, omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
@@ -88,6 +88,8 @@ class PeerOptions:
     dump_dir: str | None = None  # debugging/tests: weights served and rebuilt in recoveries, final state
     secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
     leave_deadline: float = 30.0  # SIGTERM: how long to wait for a lossless handover before leaving
+    coordinator_timeout: float = 60.0  # leave (exit 4) when no coordinator has answered for this long
+    stay: bool = False  # keep running after the run has finished (default: exit, so a spot instance stops)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -158,6 +160,9 @@ class PeerDaemon:
         self._busy_since: float | None = None  # start of the computation running now
         self.inject_delay: tuple[float, int] | None = None  # diagnostic slowness: (s per compute, from step)
         self._told_to_stop = False  # the coordinator sent SHUTDOWN
+        self.exit_code = 0
+        self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
+        self.finished = False  # the coordinator said the run ended
 
     # ---- helpers ---------------------------------------------------------------------
     async def compute(self, fn, *args, priority: int = 1):
@@ -285,10 +290,18 @@ class PeerDaemon:
             print(f"{READY_PEER} peer_id={self.transport.peer_id} run={self.opts.run_id} addrs={addrs}"
                   f"{rpc_note(self.transport)}", flush=True)
             hb = asyncio.create_task(self._heartbeat())
-            await self._join()
+            try:
+                await self._join()
+            except RemoteError as e:
+                if RUN_OVER not in str(e):
+                    raise
+                print(f"peer: {str(e).splitlines()[0]}; exiting", flush=True)
+                return EXIT_RUN_OVER
+            watchdog = asyncio.create_task(self._watch_coordinator())
             await self.stop.wait()
+            watchdog.cancel()
             await self._leave()
-            return 0
+            return self.exit_code
         finally:
             if hb is not None:
                 hb.cancel()
@@ -306,6 +319,34 @@ class PeerDaemon:
             except Exception as e:  # a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
             await asyncio.sleep(self.t.heartbeat_ttl / 3 * random.uniform(0.8, 1.0))
+
+    async def _watch_coordinator(self) -> None:
+        """Leave when no coordinator has been heard from for `coordinator_timeout`: asked
+        nothing for a heartbeat TTL, the peer asks the coordinator for its STATUS; a new
+        coordinator taking over ADOPTs this peer (a contact too). Without this, the peers of
+        a run whose coordinator died would wait (and bill) forever."""
+        limit = self.opts.coordinator_timeout
+        while not self.finished:
+            await asyncio.sleep(min(self.t.heartbeat_ttl, limit / 4))
+            if self.coordinator is not None and time.monotonic() - self.last_contact > self.t.heartbeat_ttl:
+                try:
+                    await self.transport.call(self.coordinator, RPC.STATUS, {"run": self.opts.run_id},
+                                              timeout=min(5.0, self.t.rpc_timeout))
+                    self._heard_from_coordinator()
+                except RemoteError:  # it answers, if only with an error (e.g. taking over): alive
+                    self._heard_from_coordinator()
+                except (TransportError, asyncio.TimeoutError, OSError) as e:
+                    log.debug("coordinator %s did not answer: %r", self.coordinator, e)
+            silent = time.monotonic() - self.last_contact
+            if silent > limit:
+                print(f"peer: no coordinator of run {self.opts.run_id!r} has answered for {silent:.0f} s "
+                      f"(--coordinator-timeout {limit:g}); leaving", flush=True)
+                self.exit_code = EXIT_COORDINATOR_GONE
+                self.stop.set()
+                return
+
+    def _heard_from_coordinator(self) -> None:
+        self.last_contact = time.monotonic()
 
     async def _register(self) -> None:
         handlers = {RPC.ASSIGN: self._on_assign, RPC.RUN_STEP: self._on_run_step, RPC.COMMIT: self._on_commit,
@@ -328,6 +369,8 @@ class PeerDaemon:
         authenticates the caller's peer id, the token proves it holds the secret)."""
 
         async def wrapped(header: dict, tensors: list, peer) -> tuple[dict, list]:
+            if self.coordinator is not None and str(peer) == self.coordinator:
+                self._heard_from_coordinator()
             if self.secret is not None:
                 caller = str(peer)
                 member = verify(join_token(self.secret, self.opts.run_id, caller), header.get("token"))
@@ -986,6 +1029,7 @@ class PeerDaemon:
             await self._drop_run("dropped: the coordinator changed")
             run = None
         self.coordinator = new
+        self._heard_from_coordinator()
         log.info("coordinator %s took over run %s (previous: %s)", new, self.opts.run_id, old)
         return {"stage": self.stage, "state": self.state.value, "next_step": self.next_step, "omega": self.omega,
                 "token": join_token(self.secret, self.opts.run_id, me) if self.secret is not None else None,
@@ -1007,9 +1051,20 @@ class PeerDaemon:
             raise ProtocolError("only the run's coordinator may shut this peer down")
         # no leave announcement needed: the coordinator asked (and may ask again: a request delayed by a
         # partition and its retry both arrive once the partition heals; both are answered)
-        self._told_to_stop = True
-        log.info("told to shut down by the coordinator")
+        reason = header.get("reason")
+        run_ended = isinstance(reason, str) and reason.startswith("run ")
+        if run_ended and self.finished:  # a retry of the same message (e.g. after a partition healed)
+            return {"ok": True}, []
         if self.worker is not None and self.opts.dump_dir:
             await self.compute(self._dump_final)
+        if run_ended:
+            self.finished = True
+            if self.opts.stay:
+                print(f"run finished ({reason}); staying (--stay) until stopped", flush=True)
+                return {"ok": True}, []
+            print(f"run finished ({reason}); exiting", flush=True)
+        else:
+            log.info("told to shut down by the coordinator")
+        self._told_to_stop = True
         asyncio.get_running_loop().call_later(0.1, self.stop.set)
         return {"ok": True}, []

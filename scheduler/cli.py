@@ -28,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
                    "off the network for one iteration")
     add_chaos_slow_argument(p)
-    p.add_argument("--shutdown-peers", action="store_true", help="tell peers to exit when the run ends")
+    p.add_argument("--shutdown-peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="tell peers when the run ends (they print 'run finished' and exit unless started with "
+                        "--stay); default on")
     p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
     f = p.add_argument_group("coordinator failover (the run's config then comes from its peers; config flags are "
                              "ignored)").add_mutually_exclusive_group()

@@ -31,7 +31,7 @@ from checkfree.model import plan_stages
 from checkfree.pipeline import route
 from checkfree.net.transport import (RemoteError, TransportError, announce, dht_maddrs, live_members_async,
                                      rpc_note, start_transport, stop_transport)
-from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, STEP_TIMEOUT_MARK, STRAGGLER_MARK,
+from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, RUN_OVER, STEP_TIMEOUT_MARK, STRAGGLER_MARK,
                                 ProtocolError, Timeouts, coordinator_from_records, coordinator_key,
                                 coordinator_record, members_key, plan_to_wire, require)
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
@@ -82,7 +82,7 @@ class CoordinatorOptions:
     chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
     partition: FailureSchedule | None = None  # local swarm (--netns): cut these (step, stage) peers off the network
     slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
-    shutdown_peers: bool = False  # tell peers to exit when the run ends
+    shutdown_peers: bool = True  # tell peers the run ended (they exit unless started with --stay)
     max_attempts: int = 5  # attempts of one step before the run gives up
     save_final: bool = True  # gather every stage into final_weights.safetensors at the end
     secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
@@ -125,6 +125,7 @@ class Coordinator:
         self._partitioned: list[str] = []  # local swarm: peers cut off the network, healed at the next iteration
         self._retire_task: asyncio.Task | None = None
         self._stdin: asyncio.StreamReader | None = None  # local swarm: the launcher's acknowledgements
+        self.over: str | None = None  # the run's final status once it has ended (late joins are refused)
         if cfg is not None:
             self._configure(cfg)
         elif not (opts.takeover or opts.standby):
@@ -161,6 +162,8 @@ class Coordinator:
     async def _on_join(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(header)
         require(header, peer_id=str)
+        if self.over is not None:
+            raise ProtocolError(f"{RUN_OVER}: run {self.opts.run_id!r} has ended ({self.over}); nothing to join")
         if self.cfg is None:
             raise ProtocolError("this coordinator is taking over the run; retry in a moment")
         pid = str(peer)
@@ -621,9 +624,9 @@ class Coordinator:
             while not self.members[pid].leaving and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the preempted peer announces its leave
 
-    async def _train(self) -> dict:
+    async def _train(self) -> None:
         cfg, writer = self.cfg, self.writer
-        last_loss, last_val = math.nan, math.nan
+        last_val = math.nan
         step = self.step  # 0, or where a takeover found the run
         while step < cfg.train.num_steps:
             self.step = step
@@ -665,14 +668,12 @@ class Coordinator:
                 losses = [float(v) for r in ev.values() for v in r["losses"].values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
             writer.metric(record)
-            last_loss = loss
             c = writer.counts
             val = f", val {last_val:.4f}" if "val_loss" in record else ""
             print(f"step {step}: loss {loss:.4f}{val}, {record['step_time_s'] * 1000:.0f} ms, peers "
                   f"{len(self.stage_peer)}+{len(self._standbys())}, failures {c['failures']}, recoveries "
                   f"{c['recoveries']}, fallbacks {c['fallbacks']}", flush=True)
             step += 1
-        return {"steps": cfg.train.num_steps, "final_loss": last_loss, "final_val_loss": last_val}
 
     async def _gather_final(self) -> None:
         states = {}
@@ -693,8 +694,10 @@ class Coordinator:
         if self.secret is not None:  # lets a standby read the coordinator's STATUS
             self.transport.extra_header = {"token": join_token(self.secret, self.opts.run_id, pid)}
         announcer = None
-        status = "failed"
-        summary: dict = {"steps": 0, "final_loss": math.nan, "final_val_loss": math.nan}
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
+            loop.add_signal_handler(sig, task.cancel)
+        status, error = "failed", None
         try:
             for name, h in ((RPC.JOIN, self._on_join), (RPC.REPORT, self._on_report), (RPC.LEAVE, self._on_leave),
                             (RPC.STATUS, self._on_status)):
@@ -706,32 +709,42 @@ class Coordinator:
             if self.opts.takeover or self.opts.standby:
                 await self._take_over()
             else:
-                self.writer = RunWriter(self.opts.out, self.cfg.to_json())
+                self.writer = RunWriter(self.opts.out, self.cfg.to_json(), tokens_per_step=self.cfg.tokens_per_step)
             announcer = asyncio.create_task(self._announce(pid))
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):
                 await self._fill_initial()
-            summary = await self._train()
+            await self._train()
             if self.opts.save_final:
                 await self._gather_final()
             status = "completed"
-            return summary
         except UnrecoverableFailure as e:
-            status = "aborted"
-            summary["error"] = str(e)
+            status, error = "aborted", str(e)
+            raise
+        except asyncio.CancelledError:
+            status, error = "interrupted", "interrupted by a signal (SIGTERM/SIGINT/SIGHUP)"
+            print(f"status: interrupted at step {self.step}; stopping", flush=True)
+            raise KeyboardInterrupt from None
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
             raise
         finally:
+            self.over = status
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            summary = None
             if self.writer is not None:
                 soft = {k: sum(int(c.get(k, 0)) for c in self.soft_counts.values())
                         for k in ("injected", "detected", "corrected", "escalated")}
-                self.writer.summary(**summary, status=status, run_id=self.opts.run_id, soft_errors=soft)
+                summary = self.writer.summary(status, error, run_id=self.opts.run_id, soft_errors=soft)
                 self.writer.close()
             if announcer is not None:
                 announcer.cancel()
             if self.opts.shutdown_peers and self.cfg is not None:
                 await self._retire()  # failed peers that came back since (a healed partition)
-                await self._shutdown_peers()
+                await self._shutdown_peers(f"run {status}")
             await stop_transport(self.dht, self.transport)
+        return summary
 
     # ---- coordinator failover ---------------------------------------------------------
     async def _watch(self) -> None:
@@ -791,9 +804,8 @@ class Coordinator:
         self._configure(cfg)
         metrics = Path(self.opts.out) / "metrics.jsonl"
         resume = metrics.exists()
-        self.writer = RunWriter(self.opts.out, cfg.to_json(), resume=resume)
-        if resume:  # the same run directory: keep counting where the old coordinator stopped
-            self.writer.restore_counts()
+        # the same run directory: keep counting (and the run's clock) where the old coordinator stopped
+        self.writer = RunWriter(self.opts.out, cfg.to_json(), resume=resume, tokens_per_step=cfg.tokens_per_step)
         holders: dict[int, list[tuple[str, dict]]] = {}
         for i, (pid, r) in enumerate(replies.items()):
             self.members[pid] = Member(pid, time.time() + i * 1e-6)
@@ -933,6 +945,7 @@ class Coordinator:
                 log.warning("announcing the coordinator failed: %r", e)
             await asyncio.sleep(self.t.heartbeat_ttl)
 
-    async def _shutdown_peers(self) -> None:
+    async def _shutdown_peers(self, reason: str) -> None:
         live = [m.peer_id for m in self.members.values() if not m.leaving and not m.observer]
-        await asyncio.gather(*(self._call(p, RPC.SHUTDOWN, {}, timeout=5.0) for p in live), return_exceptions=True)
+        await asyncio.gather(*(self._call(p, RPC.SHUTDOWN, {"reason": reason}, timeout=5.0) for p in live),
+                             return_exceptions=True)

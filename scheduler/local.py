@@ -353,33 +353,41 @@ class LocalSwarm:
                                                        *live[:2])
 
     def teardown(self) -> None:
-        """SIGTERM everything, then SIGKILL whole process groups that did not exit."""
-        procs = [p for p in [self.coordinator, self.standby, *self.old_coordinators, *self.peers] if p is not None]
-        for p in procs:
-            if p.popen.poll() is None:
-                try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 10
-        for p in procs:
-            try:
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        """Stop the coordinator first (SIGTERM: it records the run's end, saves if asked and tells the
+        peers to exit), then SIGTERM whatever still runs, then SIGKILL whole process groups: all
+        within about 13 s, whatever state the run was in."""
+        coordinators = [p for p in [self.coordinator, self.standby, *self.old_coordinators] if p is not None]
+        self._stop(coordinators, wait_s=8, group=False)  # its DHT and p2pd must outlive its goodbyes
+        procs = [*coordinators, *self.peers]
+        self._stop(procs, wait_s=4)
         for p in procs:  # the group may hold a DHT child or p2pd even after the leader exited
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             p.popen.wait()
         if self.lab is not None:
             self.lab.close()
 
+    @staticmethod
+    def _stop(procs: list[Proc], wait_s: float, group: bool = True) -> None:
+        """SIGTERM each process (or its whole group) and wait up to `wait_s` for all to exit."""
+        for p in procs:
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    if group:
+                        os.killpg(p.popen.pid, signal.SIGTERM)
+                    else:
+                        p.popen.terminate()
+        deadline = time.monotonic() + wait_s
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+
 
 def run_local(args: argparse.Namespace) -> int:
+    from checkfree.cli import interrupt_on_signals
     from checkfree.net.transport import TransportError, check_transport
 
+    interrupt_on_signals()
     try:
         check_transport(args.transport)  # before any process starts
     except TransportError as e:

@@ -53,7 +53,7 @@ def test_adjacent_failures_trigger_fallback_event(tiny_cfg, tmp_path):
     with pytest.raises(UnrecoverableFailure, match="adjacent"):
         _run(tiny_cfg, tmp_path / "abort")
     events = read_jsonl(tmp_path / "abort" / "events.jsonl")
-    assert [e["event"] for e in events] == ["failure", "failure", "fallback"]
+    assert [e["event"] for e in events] == ["run_start", "failure", "failure", "fallback"]
     assert json.loads((tmp_path / "abort" / "summary.json").read_text())["status"] == "aborted"
     tiny_cfg.recovery.fallback = "random"
     _, summary = _run(tiny_cfg, tmp_path / "random")

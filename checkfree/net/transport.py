@@ -51,6 +51,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from checkfree.net.lifeline import TiedDHT, sweep_stale_sockets
 from checkfree.net import TRANSPORTS
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -583,7 +584,8 @@ async def start_transport(
     """
     check_transport(transport)
     peers = _check_initial_peers(initial_peers)
-    dht = DHT(
+    sweep_stale_sockets()
+    dht = TiedDHT(  # dies with this process, and takes its p2pd along (lifeline.py)
         initial_peers=peers or None,
         start=False,
         host_maddrs=list(host_maddrs),

@@ -1,0 +1,94 @@
+"""Children that die with their parent, and socket files that do not outlive their owner.
+
+A peer's hivemind DHT runs in a forked process, which starts the p2p daemon (p2pd). If the
+peer is SIGKILLed (`kill -9`, the OOM killer), nothing tells them: they used to run on,
+holding memory and ports, and every such death left `hivemind-p2pd-*` / `hivemind-p2pclient-*`
+socket files in /tmp. On Linux `prctl(PR_SET_PDEATHSIG)` makes the kernel signal a child
+when the thread that created it dies:
+
+* `TiedDHT`: the DHT process gets SIGKILL when its parent dies, and starts p2pd with
+  SIGTERM as its parent-death signal (p2pd then closes, and removes, its own socket).
+* `sweep_stale_sockets()`: at start-up, remove hivemind socket files in /tmp that nothing
+  listens on any more (the client sockets of processes that were SIGKILLed).
+
+Limits: the death signal follows the *thread* that forked, so the DHT must be started from
+a thread that lives as long as the process (the event loop's main thread here); on other
+systems than Linux none of this is available and the process groups of `checkfree local`
+(and the peers' --coordinator-timeout) are the only safety net.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import glob
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from hivemind import DHT
+
+__all__ = ["TiedDHT", "tie_to_parent", "sweep_stale_sockets"]
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+SOCKET_GLOB = "/tmp/hivemind-p2p*.sock"
+
+
+def tie_to_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent (thread) dies (Linux only;
+    elsewhere a no-op). Call it first thing in a child; it exits at once if the parent is gone already."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        return
+    if os.getppid() == 1:  # the parent died before the prctl: no signal will come
+        os.kill(os.getpid(), sig)
+
+
+class TiedDHT(DHT):
+    """A hivemind DHT whose process, and the p2pd it starts, die with the process that started it."""
+
+    def run(self) -> None:
+        tie_to_parent(signal.SIGKILL)
+        original = asyncio.subprocess.create_subprocess_exec
+
+        async def exec_tied(*args, **kwargs):  # p2pd: SIGTERM, so that it removes its own socket file
+            kwargs.setdefault("preexec_fn", lambda: tie_to_parent(signal.SIGTERM))
+            return await original(*args, **kwargs)
+
+        asyncio.subprocess.create_subprocess_exec = exec_tied  # this forked process only
+        super().run()
+
+
+def sweep_stale_sockets(pattern: str = SOCKET_GLOB, min_age_s: float = 10.0) -> int:
+    """Remove hivemind socket files nothing listens on (left by SIGKILLed processes); returns how many.
+    Files younger than `min_age_s` are left alone: a process starting now may not listen yet."""
+    removed = 0
+    now = time.time()
+    for path in glob.glob(pattern):
+        try:
+            if now - os.stat(path).st_mtime < min_age_s:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(1.0)
+                s.connect(path)
+        except ConnectionRefusedError:
+            try:
+                os.remove(path)
+                removed += 1
+            except OSError:
+                pass
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                continue
+            log.debug("could not probe %s: %r", path, e)
+    if removed:
+        log.info("removed %d stale hivemind socket file(s) from /tmp", removed)
+    return removed
