@@ -17,7 +17,7 @@ from pathlib import Path
 from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loaded
-from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure, get_rule
+from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure
 
 __all__ = ["main", "add_run_arguments", "config_from_args", "add_network_arguments", "add_transport_arguments",
            "network_options", "add_timeout_arguments", "timeouts_from_args", "SUBCOMMANDS"]
@@ -99,6 +99,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--soft-error-seed", type=int, help="seed of the injection sites")
     s.add_argument("--explicit-attention", action="store_true",
                    help="unguarded attention computed with the guard's explicit math (bitwise comparable to --abft)")
+    sv = p.add_argument_group("stop and resume")
+    sv.add_argument("--save-every", type=int, default=0, metavar="N",
+                    help="save every stage's weights and optimizer state into <out>/saves every N steps and at a "
+                         "graceful stop (default 0: never)")
+    sv.add_argument("--keep-saves", type=int, default=2, metavar="K", help="saves kept (the newest K; default 2)")
+    sv.add_argument("--resume", metavar="RUN_DIR",
+                    help="continue the run in RUN_DIR from its newest save, with its config.json (flags given "
+                         "override it, e.g. a larger --steps), appending to its files")
     p.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
     p.add_argument("--write-trace", help="also write the failure schedule to this trace file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -111,6 +119,15 @@ def _set(obj: object, field: str, value: object) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Resolve preset or --config plus overrides into a validated RunConfig."""
+    if getattr(args, "resume", None):
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.json").is_file():
+            raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.json)")
+        args.config = args.config or str(run_dir / "config.json")  # the run's own, unless given
+        args.out = str(run_dir)
+    if getattr(args, "save_every", 0) < 0 or getattr(args, "keep_saves", 1) < 1:
+        raise ValueError(f"--save-every must be >= 0 and --keep-saves >= 1 "
+                         f"(got {args.save_every} and {args.keep_saves})")
     if args.config:
         path = Path(args.config)
         if not path.is_file():
@@ -279,7 +296,6 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     from checkfree.simulator import Simulator
 
-    interrupt_on_signals()
     cfg = config_from_args(args)
     if args.write_trace:
         from checkfree.strategies import build_strategy
@@ -287,7 +303,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps,
                                      build_strategy(cfg).fails_edges)
         write_trace(args.write_trace, sched.events)
-    summary = Simulator(cfg, args.out, progress=not args.no_progress).run()
+    summary = Simulator(cfg, args.out, progress=not args.no_progress, save_every=args.save_every,
+                        keep_saves=args.keep_saves, resume=bool(args.resume)).run()
     print(json.dumps(summary, indent=2))
     return 0
 

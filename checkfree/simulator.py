@@ -14,8 +14,11 @@ carry each failure's figures, the summary their totals and `simulated_hours`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,10 @@ from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.pipeline import Hop, edge_holders, route
 from checkfree.recovery import StateDict, UnrecoverableFailure, omega
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, UncorrectableSoftError, guard_counts, make_guard
+from checkfree.baselines.parity import state_from_bytes, state_to_bytes
+from checkfree.export import save_export
 from checkfree.rundir import RunWriter
+from checkfree.saves import newest_save, read_save, write_save
 from checkfree.strategies import Figures, build_strategy, worker_config
 from checkfree.strategies.averaging import recovery_fields
 from checkfree.strategies.state import StageState, capture_worker, restore_worker
@@ -159,7 +165,12 @@ class SimContext:
 class Simulator:
     """Trains the configured pipeline in one process, writing the run directory."""
 
-    def __init__(self, cfg: RunConfig, out: str | Path, *, progress: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, out: str | Path, *, progress: bool = True, save_every: int = 0,
+                 keep_saves: int = 2, resume: bool = False) -> None:
+        """`save_every` N > 0: save every stage's state every N steps into <out>/saves (and at a
+        graceful stop); `resume`: continue the run in `out` from its newest save."""
+        if save_every < 0 or keep_saves < 1:
+            raise ValueError(f"--save-every must be >= 0 and --keep-saves >= 1 (got {save_every}, {keep_saves})")
         self.cfg = cfg
         self.strategy = build_strategy(cfg)
         self.plus = self.strategy.plus
@@ -177,7 +188,13 @@ class Simulator:
         self.pending_failed: set[int] = set()  # stages found broken (non-finite weights) in the last step
         self.workers = [self.new_worker(s) for s in range(cfg.num_stages)]
         self.norms = [0.0] * cfg.num_stages
-        self.writer = RunWriter(out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step)
+        self.save_every, self.keep_saves = save_every, keep_saves
+        self.start_step = 0
+        self.stop_signal: str | None = None  # a SIGINT/SIGTERM/SIGHUP arrived: stop at the next step boundary
+        self.resume_from = newest_save(out) if resume else None
+        if resume and self.resume_from is None:
+            raise FileNotFoundError(f"--resume: {out} has no complete save (run with --save-every N)")
+        self.writer = RunWriter(out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step, resume=resume)
         self.cost = CostModel(cfg)
         self.ctx = SimContext(self)
         self.progress = progress
@@ -241,13 +258,63 @@ class Simulator:
                                       power=self.cfg.recovery.norm_power)
         return loss, stats
 
+    def save(self, step: int) -> None:
+        """Save every stage's state, ready to run `step` (checkfree.saves)."""
+        blobs = {i: state_to_bytes(capture_worker(w, step, self.norms[i])) for i, w in enumerate(self.workers)}
+        path = write_save(self.writer.out, step, blobs, {"iterations": self.iterations, "sim_time_s": self.sim_time_s,
+                                                         "totals": self.totals.as_dict()}, keep=self.keep_saves)
+        self.writer.event("save", step=step, path=str(path))
+
+    def _resume(self) -> int:
+        meta, blobs = read_save(self.resume_from, self.cfg.num_stages)
+        for i, w in enumerate(self.workers):
+            state = state_from_bytes(blobs[i])
+            restore_worker(w, state)
+            self.norms[i] = float(state["norm"])
+        self.iterations, self.sim_time_s = int(meta["iterations"]), float(meta["sim_time_s"])
+        self.totals = Figures(**meta["totals"])
+        self.writer.event("resume", step=meta["step"], path=str(self.resume_from))
+        log.info("resuming at step %d from %s", meta["step"], self.resume_from)
+        return int(meta["step"])
+
+    @contextlib.contextmanager
+    def _deferred_signals(self):
+        """SIGINT/SIGTERM/SIGHUP stop training at the next step boundary (a step half-applied
+        cannot be saved); a second signal interrupts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def stop(signum, frame):
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            log.warning("%s: stopping after this step (again to stop now)", self.stop_signal)
+
+        sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        old = {sig: signal.signal(sig, stop) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
     def run(self) -> dict:
         """Train until the configured number of steps is done; returns the summary."""
+        with self._deferred_signals():
+            return self._run()
+
+    def _run(self) -> dict:
         t = self.cfg.train
+        step = self._resume() if self.resume_from is not None else 0
         bar = _progress(t.num_steps, self.progress)
-        step = 0
+        bar.n = step
         try:
             while step < t.num_steps:
+                if self.stop_signal is not None:
+                    if self.save_every:
+                        self.save(step)
+                    raise KeyboardInterrupt(self.stop_signal)
                 failed = self.failures.at(self.iterations) | self.pending_failed
                 self.pending_failed = set()
                 if failed:
@@ -260,12 +327,15 @@ class Simulator:
                 step += 1
                 if self.resume_at is not None:
                     step, self.resume_at = self.resume_at, None
+                elif self.save_every and step % self.save_every == 0 and step < t.num_steps:
+                    self.save(step)
+            self._write_final_weights()
             return self._summary("completed")
         except UnrecoverableFailure as e:
             self._summary("aborted", str(e))
             raise
         except KeyboardInterrupt:
-            self._summary("interrupted", "interrupted by a signal (SIGINT/SIGTERM)")
+            self._summary("interrupted", f"interrupted by {self.stop_signal or 'SIGINT'} before step {step}")
             raise
         except BaseException as e:
             self._summary("failed", f"{type(e).__name__}: {e}")
@@ -290,6 +360,11 @@ class Simulator:
         if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.num_steps - 1:
             record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
         return record
+
+    def _write_final_weights(self) -> None:
+        """final_weights.safetensors, as the swarm writes it (loadable by `checkfree export`)."""
+        save_export(self.cfg, {i: w.state_dict() for i, w in enumerate(self.workers)},
+                    self.writer.out / "final_weights.safetensors")
 
     def _summary(self, status: str, error: str | None = None) -> dict:
         return self.writer.summary(status, error, strategy=self.cfg.recovery.strategy, cost_profile=self.cost.profile.name,

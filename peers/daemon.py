@@ -490,7 +490,7 @@ class PeerDaemon:
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         blob = await self.compute(self._capture_bytes, header["step"])
-        return {"stage": self.stage}, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+        return {"stage": self.stage, "next_step": self.next_step}, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
 
     # ---- assignment and recovery ------------------------------------------------------
     def _needs_data(self, stage: int) -> bool:
@@ -525,7 +525,7 @@ class PeerDaemon:
         if not 0 <= stage < self.cfg.num_stages:
             raise ProtocolError(f"stage {stage} out of range for {self.cfg.num_stages} stages")
         mode = header["mode"]
-        if mode not in ("fresh", "recover", "restore", "handover"):
+        if mode not in ("fresh", "recover", "restore", "handover", "load"):
             raise ProtocolError(f"unknown assign mode {mode!r}")
         t0 = time.perf_counter()
         reply: dict[str, Any] = {"stage": stage}
@@ -536,6 +536,14 @@ class PeerDaemon:
             worker = await self.compute(self._build, stage)
         if mode == "restore":
             reply.update(await self._restore_new(worker, header))
+        elif mode == "load":  # resuming a run: the saved state travels with the message
+            require(header, step=int)
+            if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+                raise ProtocolError("assign mode 'load' carries one uint8 tensor: the stage's saved state")
+            try:
+                reply["omega"] = await self.compute(self._load_bytes, worker, tensors[0].numpy().tobytes())
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise ProtocolError(f"the saved state of stage {stage} does not load: {e}") from None
         elif mode == "handover":
             require(header, source=str, step=int)
             _, (blob,) = await self.transport.call(header["source"], RPC.GET_STATE,

@@ -79,7 +79,10 @@ def run_scheduler(args: argparse.Namespace) -> int:
                               chaos_recovery_kills=frozenset(int(x) for x in args.chaos_recovery_kills.split(",") if x),
                               shutdown_peers=args.shutdown_peers, max_attempts=args.max_attempts, partition=partition,
                               slow=parse_slow(args.chaos_slow, cfg.num_stages), takeover=args.takeover,
-                              standby=args.standby, die_in_commit=args.chaos_die_in_commit)
+                              standby=args.standby, die_in_commit=args.chaos_die_in_commit,
+                              save_every=args.save_every, keep_saves=args.keep_saves, resume=bool(args.resume))
+    if args.resume and failover:
+        raise ValueError("--resume starts the run again from its saves; --takeover/--standby join a live one")
     try:
         summary = asyncio.run(Coordinator(None if failover else cfg, opts).run())
     except TransportError as e:

@@ -13,6 +13,7 @@ again after recovery; nothing is committed until every stage is ready.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -22,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok, verify
 from checkfree.config import RunConfig, config_from_dict
@@ -36,6 +39,7 @@ from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, RUN_OVER,
                                 coordinator_record, members_key, plan_to_wire, require)
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
 from checkfree.rundir import RunWriter, read_jsonl
+from checkfree.saves import newest_save, read_save, write_save
 from checkfree.simulator import recovery_fields
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, SOFT_ERROR_MARK
 
@@ -89,6 +93,9 @@ class CoordinatorOptions:
     takeover: bool = False  # take over a running run whose coordinator is gone (state from the DHT and peers)
     standby: bool = False  # watch the run's coordinator; take over when it stops answering
     die_in_commit: int | None = None  # local swarm chaos: SIGKILL own process group half-way through this commit
+    save_every: int = 0  # gather every stage's full state into <out>/saves every N steps (0: never)
+    keep_saves: int = 2
+    resume: bool = False  # continue the run in `out` from its newest save
 
 
 @dataclass
@@ -125,6 +132,7 @@ class Coordinator:
         self._partitioned: list[str] = []  # local swarm: peers cut off the network, healed at the next iteration
         self._retire_task: asyncio.Task | None = None
         self._stdin: asyncio.StreamReader | None = None  # local swarm: the launcher's acknowledgements
+        self._saving: asyncio.Task | None = None  # the save being written in the background
         self.over: str | None = None  # the run's final status once it has ended (late joins are refused)
         if cfg is not None:
             self._configure(cfg)
@@ -262,13 +270,13 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass
 
-    async def _assign(self, stage: int, pid: str, header: dict, timeout: float | None = None) -> dict:
+    async def _assign(self, stage: int, pid: str, header: dict, timeout: float | None = None, tensors=()) -> dict:
         """Give `stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
         assignment fails is passed over and, in case it is merely slow and goes on to host the stage
         anyway, retired."""
         try:
             reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header},
-                                        timeout=timeout or self.t.step_timeout)
+                                        timeout=timeout or self.t.step_timeout, tensors=tensors)
         except CALL_ERRORS:
             self.reported.add(pid)
             self.members[pid].leaving = True
@@ -277,16 +285,49 @@ class Coordinator:
         self.stage_peer[stage] = pid
         return reply
 
-    async def _fill_initial(self) -> None:
+    async def _fill_initial(self, saved: dict[int, bytes] | None = None) -> None:
+        """Give every stage to a standby: fresh, or (resuming) loaded from the saved states."""
+        mode, step = ("fresh", 0) if saved is None else ("load", self.step)
         for stage in range(self.cfg.num_stages):
             while stage not in self.stage_peer:
                 pid = await self._take_standby(f"serve stage {stage}")
+                tensors = () if saved is None else [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
                 try:  # a peer starting up may take long to build its first stage: part of joining
-                    await self._assign(stage, pid, {"mode": "fresh", **self._slow_header(stage)},
-                                       timeout=self.t.join_timeout)
-                    self._event("assign", step=0, stage=stage, peer_id=pid, mode="fresh")
+                    reply = await self._assign(stage, pid, {"mode": mode, "step": step, **self._slow_header(stage)},
+                                               timeout=self.t.join_timeout, tensors=tensors)
+                    self.norms[stage] = float(reply.get("omega", 0.0))
+                    self._event("assign", step=step, stage=stage, peer_id=pid, mode=mode)
                 except CALL_ERRORS as e:
                     log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
+
+    async def _save(self, step: int) -> bool:
+        """Gather every stage's full state, ready to run `step`, and write it to <out>/saves in a
+        thread (training goes on meanwhile; the previous save is awaited first). False: a stage
+        could not give its state at that step (nothing is written)."""
+        replies = await asyncio.gather(*(self._call(self.stage_peer[s], RPC.GET_STATE, {"step": step},
+                                                    timeout=self.t.step_timeout)
+                                         for s in range(self.cfg.num_stages)), return_exceptions=True)
+        bad = [s for s, r in enumerate(replies) if isinstance(r, BaseException) or r[0].get("next_step") != step]
+        if bad:
+            log.warning("save at step %d skipped: stage(s) %s not at that step or unreachable", step, bad)
+            return False
+        blobs = {s: r[1][0].numpy().tobytes() for s, r in enumerate(replies)}
+        if self._saving is not None:
+            await self._saving
+        meta = {"iteration": self.iteration, "run_id": self.opts.run_id}
+        self._saving = asyncio.create_task(asyncio.to_thread(write_save, self.opts.out, step, blobs, meta,
+                                                             self.opts.keep_saves))
+        self._event("save", step=step, bytes=sum(len(b) for b in blobs.values()))
+        return True
+
+    def _resume_point(self) -> dict[int, bytes]:
+        """--resume: the newest save's states; training continues at its step."""
+        path = newest_save(self.opts.out)
+        if path is None:
+            raise FileNotFoundError(f"--resume: {self.opts.out} has no complete save (run with --save-every N)")
+        meta, blobs = read_save(path, self.cfg.num_stages)
+        self.step = self.iteration = int(meta["step"])
+        return blobs
 
     def _slow_header(self, stage: int) -> dict:
         """Diagnostic (local swarm, --chaos-slow): the first peer of `stage` computes slowly."""
@@ -668,6 +709,8 @@ class Coordinator:
                 losses = [float(v) for r in ev.values() for v in r["losses"].values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
             writer.metric(record)
+            if self.opts.save_every and (step + 1) % self.opts.save_every == 0 and step + 1 < cfg.train.num_steps:
+                await self._save(step + 1)
             c = writer.counts
             val = f", val {last_val:.4f}" if "val_loss" in record else ""
             print(f"step {step}: loss {loss:.4f}{val}, {record['step_time_s'] * 1000:.0f} ms, peers "
@@ -709,11 +752,16 @@ class Coordinator:
             if self.opts.takeover or self.opts.standby:
                 await self._take_over()
             else:
-                self.writer = RunWriter(self.opts.out, self.cfg.to_json(), tokens_per_step=self.cfg.tokens_per_step)
+                saved = self._resume_point() if self.opts.resume else None
+                self.writer = RunWriter(self.opts.out, self.cfg.to_json(), tokens_per_step=self.cfg.tokens_per_step,
+                                        resume=self.opts.resume)
             announcer = asyncio.create_task(self._announce(pid))
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):
-                await self._fill_initial()
+                await self._fill_initial(saved)
+                if saved is not None:
+                    self._event("resume", step=self.step)
+                    self._status(f"resumed run at step {self.step} from {self.opts.out}/saves")
             await self._train()
             if self.opts.save_final:
                 await self._gather_final()
@@ -722,14 +770,22 @@ class Coordinator:
             status, error = "aborted", str(e)
             raise
         except asyncio.CancelledError:
-            status, error = "interrupted", "interrupted by a signal (SIGTERM/SIGINT/SIGHUP)"
+            status, error = "interrupted", f"interrupted by a signal (SIGTERM/SIGINT/SIGHUP) before step {self.step}"
             print(f"status: interrupted at step {self.step}; stopping", flush=True)
+            if self.opts.save_every and self.writer is not None and len(self.stage_peer) == self.cfg.num_stages:
+                with contextlib.suppress(Exception):  # best effort: the peers may be going too
+                    await self._all(RPC.ABORT, {}, self.t.rpc_timeout)
+                    if await asyncio.wait_for(self._save(self.step), self.t.step_timeout):
+                        print(f"status: saved step {self.step} into {self.opts.out}/saves", flush=True)
             raise KeyboardInterrupt from None
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
             self.over = status
+            if self._saving is not None:
+                with contextlib.suppress(Exception):
+                    await self._saving
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             summary = None

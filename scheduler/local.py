@@ -427,7 +427,9 @@ def run_local(args: argparse.Namespace) -> int:
         ready_timeout=args.ready_timeout, progress=not args.no_progress, shared_flags=flags,
         peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
         netns=args.netns,
-        coordinator_flags=(["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
+        coordinator_flags=["--save-every", str(args.save_every), "--keep-saves", str(args.keep_saves)]
+        + (["--resume", str(out)] if args.resume else [])
+        + (["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])
         + (["--partition-trace", args.partition_trace] if args.partition_trace else [])
         + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)],
@@ -436,12 +438,11 @@ def run_local(args: argparse.Namespace) -> int:
     print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
           f"transport {args.transport}, logs in {out / 'logs'}", flush=True)
     try:
-        code = swarm.run()
+        return swarm.run()
     finally:
         swarm.teardown()
-    summary = out / "summary.json"
-    if summary.exists():
-        print(summary.read_text())
-    print(f"swarm: {swarm.kills} peers SIGKILLed, {swarm.preempted} SIGTERMed, {swarm.partitioned} partitioned; "
-          f"run directory {out}", flush=True)
-    return code
+        summary = out / "summary.json"
+        if summary.exists():
+            print(summary.read_text())
+        print(f"swarm: {swarm.kills} peers SIGKILLed, {swarm.preempted} SIGTERMed, {swarm.partitioned} partitioned; "
+              f"run directory {out}", flush=True)
