@@ -38,7 +38,7 @@ from checkfree.recovery import RecoveryPlan
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
            "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
            "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK",
-           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER"]
+           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed"]
 
 DHT_PREFIX = "checkfree"
 READY_PEER = "peer ready:"
@@ -81,6 +81,13 @@ class RPC:
 
 class ProtocolError(ValueError):
     """A request that is well-formed on the wire but wrong for the protocol."""
+
+
+class StepFailed(RuntimeError):
+    """A step attempt that ended without result on this peer (aborted, superseded, timed out, a
+    neighbour unreachable): expected under churn, so servers log it as one line, not a traceback."""
+
+    expected = True
 
 
 @dataclass(kw_only=True)

@@ -38,7 +38,7 @@ from checkfree.net.transport import (RemoteError, Transport, TransportError, ann
                                      live_members_async, rpc_note, start_transport, stop_transport)
 from checkfree.net.wire import check_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
-from checkfree.protocol import (EXIT_COORDINATOR_GONE, EXIT_RUN_OVER, READY_PEER, RPC, RUN_OVER, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
+from checkfree.protocol import (EXIT_COORDINATOR_GONE, EXIT_RUN_OVER, READY_PEER, RPC, RUN_OVER, StepFailed, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
                                 coordinator_from_records, coordinator_key, members_key, plan_from_wire, require)
 from checkfree.recovery import RecoveryPlan, omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
@@ -163,6 +163,7 @@ class PeerDaemon:
         self.exit_code = 0
         self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
         self.finished = False  # the coordinator said the run ended
+        self._die_after_pulls: int | None = None  # chaos (--chaos-rebuild-kills): SIGKILL self after this many pulls
 
     # ---- helpers ---------------------------------------------------------------------
     async def compute(self, fn, *args, priority: int = 1):
@@ -529,6 +530,8 @@ class PeerDaemon:
             raise ProtocolError(f"unknown assign mode {mode!r}")
         t0 = time.perf_counter()
         reply: dict[str, Any] = {"stage": stage}
+        if isinstance(header.get("chaos_die_after_pulls"), int):
+            self._die_after_pulls = header["chaos_die_after_pulls"]
         if mode == "recover":  # builds the stage while it pulls the weights
             worker, rebuilt = await self._recover(stage, header)
             reply.update(rebuilt)
@@ -588,6 +591,12 @@ class PeerDaemon:
                                           timeout=self.t.rpc_timeout)
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
+        if self._die_after_pulls is not None:  # local swarm chaos: a death in the middle of a rebuild
+            self._die_after_pulls -= 1
+            if self._die_after_pulls <= 0:
+                print(f"CHAOS: SIGKILL of this replacement after pulling {part} of stage {h.get('stage')}",
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         keys, okeys = h["keys"], h.get("optim", [])
         if not isinstance(okeys, list) or len(keys) + len(okeys) != len(ts):
             raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
@@ -816,7 +825,7 @@ class PeerDaemon:
         if run.error is None and self.plus and not run.evaluate:
             await self._sync_components(run)
         if run.error is not None:
-            raise RuntimeError(run.error)
+            raise StepFailed(run.error)
         run.inflight = await self.compute(self.worker.take_inflight_peak)  # after this step's queued work
         return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": self.stage, **run.figures()}, []
 

@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preempt-trace", help="(local swarm) ask the launcher to SIGTERM these `step,stage` peers")
     p.add_argument("--chaos-recovery-kills", default="", help="(local swarm) comma-separated iterations at which "
                    "the peer chosen to rebuild a failed stage is killed before it finishes")
+    p.add_argument("--chaos-rebuild-kills", default="", help="(local swarm) comma-separated iterations at which "
+                   "the peer rebuilding a failed stage SIGKILLs itself after its first weight pull (mid-rebuild)")
     p.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group after it has committed half of the stages of step STEP (failover test)")
     p.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
@@ -62,6 +64,16 @@ def add_chaos_slow_argument(p: argparse.ArgumentParser) -> None:
                         "repeatable")
 
 
+def _iterations(text: str, flag: str) -> frozenset[int]:
+    try:
+        its = frozenset(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated iterations, e.g. 3,7") from None
+    if any(i < 0 for i in its):
+        raise ValueError(f"{flag} {text!r}: iterations are >= 0")
+    return its
+
+
 def run_scheduler(args: argparse.Namespace) -> int:
     from checkfree.failures import FailureSchedule, read_trace
     from checkfree.net.transport import TransportError
@@ -76,7 +88,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
     partition = FailureSchedule(read_trace(args.partition_trace, cfg.num_stages)) if args.partition_trace else None
     opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt,
-                              chaos_recovery_kills=frozenset(int(x) for x in args.chaos_recovery_kills.split(",") if x),
+                              chaos_recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
+                              chaos_rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
                               shutdown_peers=args.shutdown_peers, max_attempts=args.max_attempts, partition=partition,
                               slow=parse_slow(args.chaos_slow, cfg.num_stages), takeover=args.takeover,
                               standby=args.standby, die_in_commit=args.chaos_die_in_commit,

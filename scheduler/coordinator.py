@@ -84,6 +84,7 @@ class CoordinatorOptions:
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
     chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
+    chaos_rebuild_kills: frozenset[int] = frozenset()  # ...or have it SIGKILL itself after its first weight pull
     partition: FailureSchedule | None = None  # local swarm (--netns): cut these (step, stage) peers off the network
     slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
     shutdown_peers: bool = True  # tell peers the run ended (they exit unless started with --stay)
@@ -444,11 +445,13 @@ class Coordinator:
         next one is tried. Returns (peer, reply, time the successful assignment started)."""
         while True:
             pid = await self._take_standby(f"replace stage {stage}")
+            extra = {}
             if chaos:
                 await self._chaos_replacement(pid, stage)
+                extra = self._chaos_rebuild(pid, stage)
             t0 = time.perf_counter()
             try:
-                return pid, await self._assign(stage, pid, header), t0
+                return pid, await self._assign(stage, pid, {**header, **extra}), t0
             except CALL_ERRORS as e:
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
                 self._event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
@@ -614,6 +617,15 @@ class Coordinator:
         self._recovery_killed.add(self.iteration)
         print(f"CHAOS kill step={self.iteration} stage={stage} peer={pid} during-recovery", flush=True)
         await self._wait_dead(pid)
+
+    def _chaos_rebuild(self, pid: str, stage: int) -> dict:
+        """Local swarm chaos (--chaos-rebuild-kills): the replacement dies (SIGKILL) in the middle of
+        its rebuild, after its first weight pull; the next standby must rebuild from the live sources."""
+        if self.iteration not in self.opts.chaos_rebuild_kills or self.iteration in self._recovery_killed:
+            return {}
+        self._recovery_killed.add(self.iteration)
+        print(f"CHAOS rebuild-kill step={self.iteration} stage={stage} peer={pid}", flush=True)
+        return {"chaos_die_after_pulls": 1}
 
     async def _launcher_ack(self) -> None:
         """Local swarm: wait (up to rpc_timeout) for the launcher's line on stdin saying it has acted."""

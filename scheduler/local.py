@@ -50,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
     p.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the chosen replacement is killed during its recovery")
+    p.add_argument("--chaos-rebuild-kills", default="", metavar="ITERS",
+                   help="comma-separated iterations at which the peer rebuilding a failed stage is SIGKILLed in the "
+                        "middle of its rebuild (after its first weight pull); the next standby takes over")
     p.add_argument("--dump-recovery", metavar="DIR",
                    help="peers save the weights served and rebuilt in recoveries, and their final state")
     p.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
@@ -321,6 +324,9 @@ class LocalSwarm:
                     self.kill_coordinator()
                 if line.startswith("CHAOS kill"):
                     self.kill_peer(re.search(r"peer=(\S+)", line).group(1))
+                elif line.startswith("CHAOS rebuild-kill"):  # the replacement kills itself mid-rebuild
+                    self.kills += 1
+                    self.start_peer()
                 elif line.startswith("CHAOS term"):
                     self.preempt_peer(re.search(r"peer=(\S+)", line).group(1))
                 elif line.startswith(("CHAOS partition", "CHAOS heal")):
@@ -431,6 +437,7 @@ def run_local(args: argparse.Namespace) -> int:
         + (["--resume", str(out)] if args.resume else [])
         + (["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])
+        + (["--chaos-rebuild-kills", args.chaos_rebuild_kills] if args.chaos_rebuild_kills else [])
         + (["--partition-trace", args.partition_trace] if args.partition_trace else [])
         + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)],
         kill_coordinator_at=args.kill_coordinator_at, failover=args.coordinator_failover,

@@ -82,3 +82,14 @@ def tiny_cfg(tmp_path_factory):
     cfg = preset("tiny")
     cfg.data.cache_dir = str(tmp_path_factory.getbasetemp() / "cache")
     return cfg
+
+
+@pytest.fixture(autouse=True)
+def fresh_refusal_log():
+    """Each test starts with an empty refusal-log window (the limit is per process and per minute)."""
+    import sys
+
+    transport = sys.modules.get("checkfree.net.transport")
+    if transport is not None:
+        transport.REFUSALS.__init__(transport.REFUSALS.per_window, transport.REFUSALS.window_s)
+    yield

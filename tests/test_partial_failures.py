@@ -122,12 +122,13 @@ def test_partitioned_peer_is_replaced_and_cannot_disturb_the_run_once_healed(tmp
 @pytest.mark.timeout(420)
 def test_two_non_adjacent_stages_fail_in_one_step_and_a_replacement_dies_recovering(tmp_path, cache):
     """S=6, plain CheckFree: stages 1 and 3 are SIGKILLed at step 4; both are rebuilt in that step
-    by averaging their live neighbours, and the first replacement chosen (for stage 1) is killed
-    while it takes over, so another standby rebuilds stage 1."""
+    by averaging their live neighbours, and the first replacement chosen (for stage 1) is SIGKILLed
+    in the middle of its rebuild (after it has pulled part of its neighbours' weights), so another
+    standby rebuilds stage 1 from the still-live neighbours."""
     fails = trace(tmp_path, [(4, 1), (4, 3)])
     shape = ["--stages", "6", "--layers", "12", "--steps", "7", "--eval-every", "0"]
     proc, out = local(tmp_path, "swarm", *shape, *TIMEOUTS, "--step-timeout", "15", "--trace", fails,
-                      "--chaos-recovery-kills", "4", spares=3, cache=cache)
+                      "--chaos-rebuild-kills", "4", spares=3, cache=cache)
     summary = _completed(proc, out)
     _same_losses(out, simulate(tmp_path, "sim", *shape, "--trace", fails, cache=cache))
     assert "3 peers SIGKILLed" in proc.stdout
@@ -138,3 +139,5 @@ def test_two_non_adjacent_stages_fail_in_one_step_and_a_replacement_dies_recover
     (retry,) = events(out, "recovery_retry")
     assert (retry["step"], retry["stage"]) == (4, 1) and retry["peer_id"] != rec[0]["peer_id"]
     assert summary["failures"] == 2 and summary["recoveries"] == 2 and summary["fallbacks"] == 0
+    killed = [p for p in (out / "logs").glob("peer*.log") if "CHAOS: SIGKILL of this replacement" in p.read_text()]
+    assert len(killed) == 1 and "pulled blocks of stage" in killed[0].read_text()  # died mid-rebuild

@@ -71,6 +71,7 @@ import torch
 
 from checkfree.auth import SECRET_ENV, handshake_proof, verify
 from checkfree.net.transport import (
+    REFUSALS,
     Handler,
     RemoteError,
     TransportError,
@@ -240,7 +241,7 @@ class TcpTransport:
                 peer = await asyncio.wait_for(self._accept(reader, writer), self.handshake_timeout)
             except (HandshakeError, WireError, asyncio.TimeoutError) as e:
                 text = str(e) or f"no handshake within handshake_timeout={self.handshake_timeout:g} s"
-                logger.warning("tcp: refused connection from %s: %s: %s", where, type(e).__name__, text)
+                REFUSALS.warn("tcp: refused connection from %s: %s: %s", where, type(e).__name__, text)
                 await self._reply_error(reader, writer, f"{type(e).__name__}: handshake refused: {text}")
                 return
             await self._serve(peer, reader, writer)

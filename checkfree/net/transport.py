@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -165,11 +166,45 @@ async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int,
     return decode_body(view)
 
 
+class RefusalLog:
+    """One-line warnings for expected refusals (bad or unauthorized requests, aborted attempts), at
+    most `per_window` per `window_s` seconds; the rest are counted and summed up in the next line
+    that gets through, so hostile traffic cannot grow a log without bound."""
+
+    def __init__(self, per_window: int = 10, window_s: float = 60.0) -> None:
+        self.per_window, self.window_s = per_window, window_s
+        self._start, self._shown, self._dropped = -math.inf, 0, 0
+
+    def warn(self, text: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._start > self.window_s:
+            if self._dropped:
+                logger.warning("(%d similar refusal line(s) suppressed in the last %.0f s)", self._dropped,
+                               now - self._start)
+            self._start, self._shown, self._dropped = now, 0, 0
+        if self._shown >= self.per_window:
+            self._dropped += 1
+            return
+        self._shown += 1
+        logger.warning(text, *args)
+
+
+REFUSALS = RefusalLog()
+
+
+def expected(e: BaseException) -> bool:
+    """An error that normal operation produces (a bad or refused request, an aborted step): a
+    one-line warning, not a traceback. Malformed input raises ValueError subclasses (WireError,
+    ProtocolError); other expected conditions carry ``expected = True``."""
+    return isinstance(e, (ValueError, asyncio.TimeoutError)) or getattr(e, "expected", False)
+
+
 def failed_request(e: Exception, what: str, peer: Any, bad: tuple[type, ...] = (asyncio.TimeoutError, WireError)) -> str:
-    """Log a request that failed on a server (a warning for a ``bad`` request, the traceback for a handler
-    failure) and return the text of its ``{"error": ...}`` reply; ``what`` names the protocol in the log."""
-    if isinstance(e, bad):
-        logger.warning("%s: bad request from %s: %s: %s", what, peer, type(e).__name__, e)
+    """Log a request that failed on a server (a rate-limited one-line warning for a ``bad`` request or
+    an expected condition, the traceback for a bug in a handler) and return the text of its
+    ``{"error": ...}`` reply; ``what`` names the protocol in the log."""
+    if isinstance(e, bad) or expected(e):
+        REFUSALS.warn("%s: refused request from %s: %s: %s", what, peer, type(e).__name__, str(e)[:300])
     else:
         logger.exception("%s: handler failed for request from %s", what, peer)
     return f"{type(e).__name__}: {e}"
