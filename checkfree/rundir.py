@@ -67,7 +67,7 @@ class RunWriter:
         self._metrics = open(self.out / "metrics.jsonl", mode, buffering=1)
         self._events = open(self.out / "events.jsonl", mode, buffering=1)
         if not resume:
-            self.event("run_start")
+            self.started = self.event("run_start")
 
     def _read_back(self) -> None:
         events = read_jsonl(self.out / "events.jsonl") if (self.out / "events.jsonl").exists() else []
@@ -97,14 +97,18 @@ class RunWriter:
         self._note(record)
         self._metrics.write(json.dumps(_clean(record)) + "\n")
 
-    def event(self, event: str, **fields: Any) -> None:
-        if self.closed:  # e.g. a late message handled after the run ended: nothing to record it in
-            return
+    def event(self, event: str, **fields: Any) -> float:
+        """Append an event line; returns its time (nothing is written once the writer is closed,
+        e.g. for a late message handled after the run ended)."""
+        now = time.time()
+        if self.closed:
+            return now
         key = _COUNTED.get(event)
         if key:
             self.counts[key] += 1
-        record = {"event": event, **fields, "time": time.time()}
+        record = {"event": event, **fields, "time": now}
         self._events.write(json.dumps(_clean(record)) + "\n")
+        return now
 
     def summary(self, status: str, error: str | None = None, **fields: Any) -> dict[str, Any]:
         """Write summary.json (atomically): the recorded progress plus `fields`."""

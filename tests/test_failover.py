@@ -37,6 +37,8 @@ def _check_lossless(out, sim, steps):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and math.isfinite(summary["final_loss"])
     assert (out / "final_weights.safetensors").exists()
+    start = read_jsonl(out / "events.jsonl")[0]  # wall_s spans the whole run, not the new coordinator's part
+    assert start["event"] == "run_start" and summary["wall_s"] >= metrics[-1]["time"] - start["time"]
     return metrics, takeover, summary
 
 

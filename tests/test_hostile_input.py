@@ -18,10 +18,8 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -32,6 +30,7 @@ from hivemind.p2p import P2P, PeerID
 from checkfree.net.transport import RemoteError, TransportError, start_transport, stop_transport
 from checkfree.net.wire import decode_message
 from checkfree.protocol import READY_COORDINATOR, READY_PEER, RPC
+from swarmrun import Proc, await_line, kill_group, spawn
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,72 +43,12 @@ VALID_PEER_ID = "12D3KooWG9HFogWnbJPW5d6B8akCoimyXoY8HZgGBFBjez2is9mo"  # well-f
 
 
 # ---------------------------------------------------------------- processes
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen
-    lines: queue.Queue = field(default_factory=queue.Queue)
-    out: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    exited: float | None = None  # time.monotonic() when the process exited
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.out[-n:])
+# Proc, spawn, await_line, kill_group: tests/swarmrun.py
 
 
 def _env(cache: Path) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CHECKFREE_CACHE": str(cache)}
 
-
-def _spawn(args: list[str], env: dict) -> Proc:
-    popen = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    proc = Proc(popen)
-
-    def read() -> None:
-        for line in popen.stdout:
-            proc.out.append(line.rstrip("\n"))
-            proc.lines.put(line.rstrip("\n"))
-        proc.lines.put(None)
-
-    def wait() -> None:
-        popen.wait()
-        proc.exited = time.monotonic()
-
-    threading.Thread(target=read, daemon=True).start()
-    threading.Thread(target=wait, daemon=True).start()
-    return proc
-
-
-def _await_line(proc: Proc, prefix: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = proc.lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            raise RuntimeError(f"process exited ({proc.popen.wait()}) before printing {prefix!r}:\n{proc.tail()}")
-        if line.startswith(prefix):
-            return line
-    raise TimeoutError(f"no {prefix!r} line within {timeout:g} s:\n{proc.tail()}")
-
-
-def _kill(proc: Proc) -> None:
-    """SIGKILL the process group (the process, its DHT child and its p2pd) and wait until it is gone."""
-    try:
-        os.killpg(proc.popen.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.popen.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.popen.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
 
 
 def _corpus(tmp: Path) -> str:
@@ -140,14 +79,14 @@ class Live:
         env = _env(cache)
         self.coordinator = self._start(["scheduler", "--preset", "tiny", "--data", _corpus(tmp), "--steps", "1000",
                                         "--out", str(tmp / "run"), "--run-id", RUN, *TIMEOUT_FLAGS], env)
-        line = _await_line(self.coordinator, READY_COORDINATOR, 120)
+        line = await_line(self.coordinator, READY_COORDINATOR, 120)
         self.coord_id = re.search(r"peer_id=(\S+)", line).group(1)
         self.coord_addr = re.search(r"addrs=([^,\s]+)", line).group(1)
         self.peer = self._start(["peer", "--run-id", RUN, "--initial-peers", self.coord_addr, "--threads", "1",
                                  *TIMEOUT_FLAGS], env)
         self._ours = ours = asyncio.run_coroutine_threadsafe(start_transport([self.coord_addr], startup_timeout=30),
                                                              self.loop)
-        line = _await_line(self.peer, READY_PEER, 120)
+        line = await_line(self.peer, READY_PEER, 120)
         self.peer_id = re.search(r"peer_id=(\S+)", line).group(1)
         self.dht, self.t = ours.result(90)
         deadline = time.monotonic() + 120
@@ -157,7 +96,7 @@ class Live:
         self.keys, self.weights = self.get_weights()
 
     def _start(self, args: list[str], env: dict) -> Proc:
-        proc = _spawn(args, env)
+        proc = spawn(args, env)
         self.procs.append(proc)
         return proc
 
@@ -220,7 +159,7 @@ class Live:
                 self.run(stop_transport(self.dht, self.t), 60)
         finally:
             for proc in self.procs:
-                _kill(proc)
+                kill_group(proc)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
@@ -489,7 +428,7 @@ def _finish(procs: list[Proc], timeout: float) -> list[tuple[int | None, str]]:
                 codes.append(None)
     finally:
         for proc in procs:
-            _kill(proc)
+            kill_group(proc)
     for proc in procs:  # the group is gone, so stdout reaches EOF: the output is complete
         with contextlib.suppress(queue.Empty):
             while proc.lines.get(timeout=10) is not None:
@@ -508,21 +447,21 @@ def test_peer_cli_fails_fast_on_bad_bootstrap_and_exits_cleanly_on_signals(tmp_p
     dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{VALID_PEER_ID}"
     bad = "/ip4/127.0.0.1/tcp/notaport"
     sigs = [signal.SIGTERM, signal.SIGINT]
-    procs = [_spawn(["peer", "--run-id", "x", "--initial-peers", dead, "--startup-timeout", "10"], env),
-             _spawn(["peer", "--run-id", "x", "--initial-peers", bad], env)]
-    lonely = [_spawn(["peer", "--run-id", f"lonely-{sig.name}", "--join-timeout", "300", "--step-timeout", "200"], env)
+    procs = [spawn(["peer", "--run-id", "x", "--initial-peers", dead, "--startup-timeout", "10"], env),
+             spawn(["peer", "--run-id", "x", "--initial-peers", bad], env)]
+    lonely = [spawn(["peer", "--run-id", f"lonely-{sig.name}", "--join-timeout", "300", "--step-timeout", "200"], env)
               for sig in sigs]
     try:
         signalled_at = []
         for proc, sig in zip(lonely, sigs):
-            _await_line(proc, READY_PEER, 120)
+            await_line(proc, READY_PEER, 120)
             os.killpg(proc.popen.pid, sig)
             signalled_at.append(time.monotonic())
         (dead_code, dead_out), (bad_code, bad_out) = _finish(procs, 60)
         signalled = _finish(lonely, 30)
     finally:
         for proc in procs + lonely:
-            _kill(proc)
+            kill_group(proc)
     dead_s = (procs[0].exited or math.inf) - procs[0].started
     exit_s = [(proc.exited or math.inf) - t for proc, t in zip(lonely, signalled_at)]
     print(f"unreachable bootstrap: exit {dead_code} after {dead_s:.1f} s (from spawn); after a signal to the "
