@@ -287,19 +287,25 @@ class Coordinator:
         return reply
 
     async def _fill_initial(self, saved: dict[int, bytes] | None = None) -> None:
-        """Give every stage to a standby: fresh, or (resuming) loaded from the saved states."""
+        """Give every stage to a standby, all at once (each peer builds its stage in parallel):
+        fresh, or (resuming) loaded from the saved states. A failed assignment is retried with
+        another standby."""
+        while missing := [s for s in range(self.cfg.num_stages) if s not in self.stage_peer]:
+            first = await self._take_standby(f"serve stage {missing[0]}")
+            pids = [first, *[p for p in self._standbys() if p != first][:len(missing) - 1]]
+            await asyncio.gather(*(self._assign_initial(s, pid, saved) for s, pid in zip(missing, pids)))
+
+    async def _assign_initial(self, stage: int, pid: str, saved: dict[int, bytes] | None) -> None:
         mode, step = ("fresh", 0) if saved is None else ("load", self.step)
-        for stage in range(self.cfg.num_stages):
-            while stage not in self.stage_peer:
-                pid = await self._take_standby(f"serve stage {stage}")
-                tensors = () if saved is None else [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
-                try:  # a peer starting up may take long to build its first stage: part of joining
-                    reply = await self._assign(stage, pid, {"mode": mode, "step": step, **self._slow_header(stage)},
-                                               timeout=self.t.join_timeout, tensors=tensors)
-                    self.norms[stage] = float(reply.get("omega", 0.0))
-                    self._event("assign", step=step, stage=stage, peer_id=pid, mode=mode)
-                except CALL_ERRORS as e:
-                    log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
+        tensors = () if saved is None else [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
+        try:  # a peer starting up may take long to build its first stage: part of joining
+            reply = await self._assign(stage, pid, {"mode": mode, "step": step, **self._slow_header(stage)},
+                                       timeout=self.t.join_timeout, tensors=tensors)
+        except CALL_ERRORS as e:
+            log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
+            return
+        self.norms[stage] = float(reply.get("omega", 0.0))
+        self._event("assign", step=step, stage=stage, peer_id=pid, mode=mode)
 
     async def _save(self, step: int) -> bool:
         """Gather every stage's full state, ready to run `step`, and write it to <out>/saves in a

@@ -91,6 +91,7 @@ class SwarmOptions:
     failover: str = "standby"  # standby | restart
     kill_coordinator_in: str = "step"  # step | commit
     netns: bool = False  # every process in its own network namespace (NetLab)
+    progress_lines: bool = True  # print each peer's start-up milestones
 
 
 @dataclass
@@ -102,13 +103,26 @@ class Proc:
     addrs: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
     link: int = 0  # NetLab link number (0: no lab)
+    name: str = ""
+    started: float = field(default_factory=time.monotonic)
+    announce: bool = False  # print its start-up milestones (ready, joined, first stage) as they happen
+
+
+MILESTONES = ((READY_PEER, "listening"), ("joined run", "joined"), ("serving stage", "serving"))
 
 
 def _reader(proc: "Proc") -> None:
-    """Copy a process's output to its log and queue; note its peer id from the ready line."""
+    """Copy a process's output to its log and queue; note its peer id from the ready line, and
+    report a peer's start-up milestones as they happen (where a slow start-up spends its time)."""
     with open(proc.log, "a", buffering=1) as log:
         for line in proc.popen.stdout:
             log.write(line)
+            if proc.announce and (hit := next((m for m in MILESTONES if m[0] in line), None)):
+                what = hit[1] + (f" (stage {m.group(1)})" if (m := re.search(r"serving stage (\d+)", line)) else "")
+                print(f"swarm: {proc.name} {what} {time.monotonic() - proc.started:.1f} s after its start",
+                      flush=True)
+                if hit[1] == "serving":
+                    proc.announce = False
             if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
                 proc.peer_id, proc.addrs = m.group(1), m.group(2)
                 proc.ready.set()
@@ -213,7 +227,8 @@ class LocalSwarm:
         popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree.cli", *args], stdin=stdin,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                  start_new_session=True)
-        proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log", link=link)
+        proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log", link=link, name=name,
+                    announce=name.startswith("peer") and self.opts.progress_lines)
         threading.Thread(target=_reader, args=(proc,), daemon=True).start()
         return proc
 

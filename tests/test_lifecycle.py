@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
