@@ -20,7 +20,8 @@ from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loade
 from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure
 
 __all__ = ["main", "add_run_arguments", "config_from_args", "add_network_arguments", "add_transport_arguments",
-           "network_options", "add_timeout_arguments", "timeouts_from_args", "SUBCOMMANDS"]
+           "network_options", "add_timeout_arguments", "timeouts_from_args", "SUBCOMMANDS", "warn_if_overwriting",
+           "interrupt_on_signals"]
 
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
 # does not pay for hivemind's import.
@@ -62,8 +63,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int, help="microbatches per step (M)")
     g.add_argument("--microbatch-size", type=int, help="sequences per microbatch")
     g.add_argument("--lr", type=float, help="learning rate")
-    g.add_argument("--lr-schedule", choices=("constant", "warmup-cosine"))
-    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--lr-schedule", choices=("constant", "warmup-cosine"), help="learning-rate schedule (default: "
+                   "the preset's; constant in every preset)")
+    g.add_argument("--warmup-steps", type=int, help="warmup-cosine: linear warmup steps (default: the preset's)")
     g.add_argument("--seed", type=int, help="training seed (init and data)")
     g.add_argument("--eval-every", type=int, help="steps between validation evaluations")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
@@ -125,6 +127,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.json)")
         args.config = args.config or str(run_dir / "config.json")  # the run's own, unless given
         args.out = str(run_dir)
+    out = Path(getattr(args, "out", None) or ".")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file, not a run directory")
     if getattr(args, "save_every", 0) < 0 or getattr(args, "keep_saves", 1) < 1:
         raise ValueError(f"--save-every must be >= 0 and --keep-saves >= 1 "
                          f"(got {args.save_every} and {args.keep_saves})")
@@ -190,13 +195,14 @@ def validate(cfg: RunConfig) -> None:
     if cfg.recovery.fallback not in FALLBACKS:
         raise ValueError(f"unknown fallback {cfg.recovery.fallback!r}; choose one of {FALLBACKS}")
     plan_stages(cfg.model.num_layers, cfg.num_stages)
-    for name in ("num_steps", "num_microbatches", "microbatch_size"):
+    for name, flag in (("num_steps", "--steps"), ("num_microbatches", "--microbatches"),
+                       ("microbatch_size", "--microbatch-size")):
         if getattr(cfg.train, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(cfg.train, name)}")
+            raise ValueError(f"{flag} must be >= 1, got {getattr(cfg.train, name)}")
     if not 0 <= cfg.failures.rate <= 1:
         raise ValueError(f"--failure-rate must be a probability in [0, 1], got {cfg.failures.rate}")
     if cfg.train.lr <= 0:
-        raise ValueError(f"learning rate must be positive, got {cfg.train.lr}")
+        raise ValueError(f"--lr must be positive, got {cfg.train.lr}")
     lr_at(cfg, 0)
     resolve_device(cfg.train.device)
     from checkfree.costmodel import get_profile
@@ -208,7 +214,7 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of every process that joins the P2P network (peer, scheduler)."""
     g = p.add_argument_group("network")
     g.add_argument("--run-id", default="checkfree", help="name of the run; peers and coordinator must agree")
-    g.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+    g.add_argument("--initial-peers", "--initial_peers", nargs="*", default=[], metavar="MADDR",
                    help="full multiaddrs of running peers/coordinator, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
     g.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
                    help="where to listen (default loopback only; on a server: /ip4/0.0.0.0/tcp/31337)")
@@ -245,7 +251,13 @@ def timeouts_from_args(args: argparse.Namespace):
     """A validated checkfree.protocol.Timeouts from the timeout flags."""
     from checkfree.protocol import Timeouts
 
-    return Timeouts(**{name: getattr(args, name) for name in TIMEOUT_FLAGS})
+    values = {name: getattr(args, name) for name in TIMEOUT_FLAGS}
+    try:
+        return Timeouts(**values)
+    except ValueError:
+        given = ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in values.items())
+        raise ValueError(f"timeouts must be positive and ordered --heartbeat-ttl < --rpc-timeout < --step-timeout "
+                         f"< --join-timeout; got {given}") from None
 
 
 def add_transport_arguments(g: argparse._ActionsContainer, port: bool = True) -> None:
@@ -274,6 +286,14 @@ def network_options(args: argparse.Namespace) -> dict:
                 libp2p_port=args.libp2p_port, tcp_port=args.tcp_port, timeouts=timeouts_from_args(args))
 
 
+def warn_if_overwriting(args: argparse.Namespace) -> None:
+    """One line when a new run replaces an earlier run's files in --out (e.g. the default runs/latest)."""
+    out = Path(args.out)
+    if not getattr(args, "resume", None) and (out / "metrics.jsonl").exists():
+        print(f"note: {out} holds an earlier run; its files are replaced (give --out DIR to keep it, or "
+              f"--resume {out} to continue it)", file=sys.stderr, flush=True)
+
+
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGHUP (what `timeout`, systemd, docker and CI cancellation send, and a closed
     terminal) stop a synchronous command like Ctrl-C does: KeyboardInterrupt, so that its
@@ -297,6 +317,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from checkfree.simulator import Simulator
 
     cfg = config_from_args(args)
+    warn_if_overwriting(args)
     if args.write_trace:
         from checkfree.strategies import build_strategy
 
@@ -312,6 +333,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="checkfree", description="Train LLM pipelines on unreliable peers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for spec in SUBCOMMANDS.values():
         module, func = spec.split(":")
@@ -320,7 +342,37 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:
             if not module.startswith(e.name or "\0"):
                 raise
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsHelpFormatter
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="debug logging (also accepted before the command)")
+        if any("--preset" in a.option_strings for a in command._actions):
+            command.add_argument("--print-config", action="store_true",
+                                 help="print the resolved configuration (preset + --config + flags) as JSON and exit")
     return parser
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows every default a flag has (flags whose help already names it are left alone;
+    flags without a default take the preset's value: see --print-config)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown or 'none'})"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("checkfree")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "print_config", False):
+            print(config_from_args(args).to_json())
+            return 0
         return args.func(args)
     except UnrecoverableFailure as e:
         print(f"checkfree: run aborted: {e}", file=sys.stderr)

@@ -54,7 +54,18 @@ def _local(path: Path) -> list[str]:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
     if not files:
         raise DataError(f"directory {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    return [_read_text(f) for f in files]
+
+
+def _read_text(path: Path) -> str:
+    """A text file as UTF-8; a file that is not (e.g. Latin-1) is read byte for byte as Latin-1, with a
+    warning, instead of having its bytes replaced by U+FFFD (which would starve the tokenizer)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        log.warning("%s is not UTF-8 (byte 0x%02x at offset %d): reading it as Latin-1", path, raw[e.start], e.start)
+        return raw.decode("latin-1")
 
 
 def _hf(name: str, cfg: DataConfig, data_files: str | None) -> list[str]:

@@ -34,6 +34,7 @@ from checkfree.recovery import StateDict, UnrecoverableFailure, omega
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.baselines.parity import state_from_bytes, state_to_bytes
 from checkfree.export import save_export
+from checkfree.progress import Progress
 from checkfree.rundir import RunWriter
 from checkfree.saves import newest_save, read_save, write_save
 from checkfree.strategies import Figures, build_strategy, worker_config
@@ -307,7 +308,7 @@ class Simulator:
     def _run(self) -> dict:
         t = self.cfg.train
         step = self._resume() if self.resume_from is not None else 0
-        bar = _progress(t.num_steps, self.progress)
+        bar = Progress(t.num_steps, "train", enabled=self.progress)
         bar.n = step
         try:
             while step < t.num_steps:
@@ -321,9 +322,9 @@ class Simulator:
                     step = self.recover(step, failed, self.iterations)
                 record = self._iteration(step)
                 self.writer.metric(record)
-                bar.n = step + 1  # a rollback moves the bar back
                 shown = {"val": f"{self.last_val:.4f}"} if math.isfinite(self.last_val) else {}
-                bar.set_postfix(loss=f"{record['loss']:.4f}", **shown, failures=self.writer.counts["failures"])
+                bar.update(step + 1, loss=f"{record['loss']:.4f}", **shown,  # a rollback moves it back
+                           failures=self.writer.counts["failures"])
                 step += 1
                 if self.resume_at is not None:
                     step, self.resume_at = self.resume_at, None
@@ -371,9 +372,3 @@ class Simulator:
                                    iterations=self.iterations, sim_time_s=round(self.sim_time_s, 6),
                                    simulated_hours=self.sim_time_s / 3600.0, **self.totals.as_dict(),
                                    soft_errors=guard_counts(self.guards))
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)

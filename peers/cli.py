@@ -43,6 +43,10 @@ def run_peer(args: argparse.Namespace) -> int:
     if opts.coordinator_timeout <= opts.timeouts.heartbeat_ttl:
         raise ValueError(f"--coordinator-timeout ({opts.coordinator_timeout:g} s) must exceed --heartbeat-ttl "
                          f"({opts.timeouts.heartbeat_ttl:g} s)")
+    if not opts.initial_peers:
+        print(f"note: no --initial-peers: this peer can only find a coordinator that bootstraps from it; it waits "
+              f"up to --join-timeout {opts.timeouts.join_timeout:g} s for run {opts.run_id!r} (give the address the "
+              "coordinator printed as --initial-peers)", flush=True)
     try:
         return asyncio.run(PeerDaemon(opts).run())
     except TransportError as e:

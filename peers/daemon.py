@@ -384,8 +384,13 @@ class PeerDaemon:
     async def _find_coordinator(self) -> str | None:
         """The coordinator's peer id; None if this peer is told to stop while it looks."""
         key = coordinator_key(self.opts.run_id)
-        deadline = time.monotonic() + self.t.join_timeout
+        start = time.monotonic()
+        deadline, note = start + self.t.join_timeout, start + 30.0
         while time.monotonic() < deadline and not self.stop.is_set():
+            if time.monotonic() > note:  # waiting is visible, never silent
+                print(f"peer: still looking for the coordinator of run {self.opts.run_id!r} "
+                      f"({time.monotonic() - start:.0f} s of --join-timeout {self.t.join_timeout:g})", flush=True)
+                note += 30.0
             try:
                 found = await self._unless_stopped(live_members_async(self.dht, key)) or {}
             except (ConnectionError, OSError, EOFError) as e:

@@ -31,16 +31,17 @@ __all__ = ["add_parser", "chaos_trace", "tally"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chaos", help="a long local swarm under seeded heavy churn, with a tally of what happened")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--stages", type=int, default=6)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--preset", default="tiny", help="model/training preset")
+    p.add_argument("--stages", type=int, default=6, help="pipeline stages")
+    p.add_argument("--layers", type=int, default=12, help="transformer layers")
+    p.add_argument("--steps", type=int, default=160, help="optimizer steps")
     p.add_argument("--kills", type=int, default=30, help="SIGKILLs by trace (recovery kills come on top)")
     p.add_argument("--recovery-kills", type=int, default=2, help="replacements killed during their recovery")
-    p.add_argument("--spares", type=int, default=2)
-    p.add_argument("--fallback", default="copy", choices=("random", "copy"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/chaos")
+    p.add_argument("--spares", type=int, default=2, help="standby peers kept running")
+    p.add_argument("--fallback", default="copy", choices=("random", "copy", "abort"),
+                   help="what an unrecoverable (adjacent) failure does; abort ends the chaos run at the first one")
+    p.add_argument("--seed", type=int, default=0, help="seed of the failure schedule")
+    p.add_argument("--out", default="runs/chaos", help="run directory")
     add_transport_arguments(p, port=False)
     p.set_defaults(func=run_chaos)
 

@@ -7,7 +7,8 @@ import asyncio
 import json
 import re
 
-from checkfree.cli import add_network_arguments, add_run_arguments, config_from_args, network_options
+from checkfree.cli import (add_network_arguments, add_run_arguments, config_from_args, network_options,
+                           warn_if_overwriting)
 
 __all__ = ["add_parser", "run_scheduler"]
 
@@ -81,6 +82,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     failover = args.takeover or args.standby
+    if not failover:
+        warn_if_overwriting(args)
     if failover and not args.initial_peers:
         raise ValueError("--takeover/--standby need --initial-peers: the address of a live peer of the run "
                          "(or, for --standby, of its coordinator)")

@@ -72,11 +72,12 @@ def run_export(args: argparse.Namespace) -> int:
     from checkfree.export import load_export
 
     output = Path(args.output)
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {args.output!r}: directory {str(output.parent)!r} does not exist")
     if args.run:
         src = Path(args.run) / "final_weights.safetensors"
         if not src.is_file():
             raise ValueError(f"{src} does not exist: did the run finish? (for a live run use --live)")
-        output.parent.mkdir(parents=True, exist_ok=True)
         if src.resolve() != output.resolve():
             shutil.copyfile(src, output)
             shutil.copyfile(src.with_suffix(".json"), output.with_suffix(".json"))

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.auth import SECRET_ENV
-from checkfree.cli import (TIMEOUT_FLAGS, add_run_arguments, add_timeout_arguments, add_transport_arguments,
+from checkfree.cli import (TIMEOUT_FLAGS, warn_if_overwriting, add_run_arguments, add_timeout_arguments, add_transport_arguments,
                            config_from_args, timeouts_from_args)
 from checkfree.failures import schedule_from_config, write_trace
+from checkfree.progress import Progress
 from checkfree.protocol import READY_COORDINATOR, READY_PEER, READY_STANDBY
 
 __all__ = ["add_parser", "LocalSwarm", "SwarmOptions", "NetLab"]
@@ -42,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "SIGKILLed by --failure-rate/--trace and replaced by fresh processes.")
     add_run_arguments(p)
     p.add_argument("--spares", type=int, default=2, help="standby peers kept running (default 2)")
-    p.add_argument("--threads-per-peer", type=int, default=1, help="torch threads per peer process (default 1)")
+    p.add_argument("--threads-per-peer", "--threads", type=int, default=1,
+                   help="torch threads per peer process (default 1)")
     add_timeout_arguments(p, step_timeout=90.0, join_timeout=120.0)
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for a process to print its ready line")
     p.add_argument("--run-id", help="run name (default: derived from --out)")
@@ -324,9 +326,7 @@ class LocalSwarm:
         return self._follow(cfg["train"]["num_steps"])
 
     def _follow(self, num_steps: int) -> int:
-        from tqdm import tqdm
-
-        bar = tqdm(total=num_steps, desc="swarm", unit="step", disable=not self.opts.progress, dynamic_ncols=True)
+        bar = Progress(num_steps, "swarm", enabled=self.opts.progress)
         try:
             while True:
                 if (line := self.coordinator.lines.get()) is None:
@@ -347,10 +347,8 @@ class LocalSwarm:
                 elif line.startswith(("CHAOS partition", "CHAOS heal")):
                     self.partition_peer(re.search(r"peer=(\S+)", line).group(1), heal=line.startswith("CHAOS heal"))
                 elif (m := STEP_LINE.match(line)) is not None:
-                    bar.n = int(m.group(1)) + 1
-                    bar.set_postfix(loss=m.group(2), live=m.group(4), spare=m.group(5), failures=m.group(6),
-                                    recoveries=m.group(7), refresh=False)
-                    bar.refresh()
+                    bar.update(int(m.group(1)) + 1, loss=m.group(2), live=m.group(4), spare=m.group(5),
+                               failures=m.group(6), recoveries=m.group(7))
                 elif line.startswith("status:") or "Error" in line or "error" in line:
                     bar.write(line)
             return self.coordinator.popen.wait()
@@ -413,8 +411,13 @@ def run_local(args: argparse.Namespace) -> int:
         check_transport(args.transport)  # before any process starts
     except TransportError as e:
         raise ValueError(str(e)) from e
+    if args.spares < 0:
+        raise ValueError(f"--spares must be >= 0, got {args.spares}")
+    if args.threads_per_peer < 1:
+        raise ValueError(f"--threads-per-peer must be >= 1, got {args.threads_per_peer}")
     cfg = config_from_args(args)
     out = Path(args.out)
+    warn_if_overwriting(args)
     out.mkdir(parents=True, exist_ok=True)
     from checkfree.data import build_data
     from checkfree.strategies import build_strategy

@@ -1,0 +1,103 @@
+"""The command line as a user meets it: defaults shown, --print-config, --version, `python -m
+checkfree`, -v anywhere, output that reads well in a log file, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from checkfree.cli import build_parser, main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "checkfree", *args], capture_output=True, text=True, timeout=100,
+                          cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_help_shows_a_default_for_every_flag_that_has_one():
+    for name, command in _commands(build_parser()).items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
+                    or isinstance(action, argparse._HelpAction)):
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            assert "default" in text, f"checkfree {name} {action.option_strings[0]}: {text!r}"
+
+
+def test_print_config_version_module_entry_and_verbose_anywhere(tmp_path):
+    proc = _run("simulate", "--preset", "small", "--steps", "7", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads(proc.stdout)
+    assert cfg["preset"] == "small" and cfg["train"]["num_steps"] == 7 and cfg["model"]["d_model"] == 96
+    assert not (tmp_path / "runs").exists()
+    version = _run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("checkfree ")
+    args = build_parser().parse_args(["simulate", "-v", "--steps", "3"])
+    assert args.verbose is True
+    assert build_parser().parse_args(["-v", "simulate"]).verbose is True
+    assert build_parser().parse_args(["simulate"]).verbose is False
+    peer = build_parser().parse_args(["peer", "--initial_peers", "/ip4/1.2.3.4/tcp/1/p2p/x"])
+    assert peer.initial_peers == ["/ip4/1.2.3.4/tcp/1/p2p/x"]  # hivemind's / Petals' spelling
+    assert build_parser().parse_args(["local", "--threads", "2"]).threads_per_peer == 2
+
+
+def test_simulate_output_in_a_log_file_has_no_carriage_returns(tmp_path):
+    proc = subprocess.run(f"{sys.executable} -m checkfree simulate --steps 40 --eval-every 20 --out {tmp_path / 'r'} "
+                          f"> {tmp_path / 'log'} 2>&1", shell=True, timeout=100)
+    assert proc.returncode == 0
+    log = (tmp_path / "log").read_text()
+    assert "\r" not in log
+    lines = [x for x in log.splitlines() if x.startswith("train ")]
+    assert lines[0].startswith("train 2/40 (5%) loss=") and "val=" not in lines[0]  # no val=nan before evaluating
+    assert lines[-1].startswith("train 40/40 (100%)") and "val=" in lines[-1]
+    assert len(lines) == 20  # one line per 5% of the run
+
+
+@pytest.mark.parametrize("args, message", [
+    (["simulate", "--steps", "-1"], "--steps must be >= 1, got -1"),
+    (["local", "--spares", "-1"], "--spares must be >= 0, got -1"),
+    (["local", "--heartbeat-ttl", "50"], "ordered --heartbeat-ttl < --rpc-timeout"),
+    (["export", "--run", "x", "--output", "/missing/dir/model.safetensors"], "directory '/missing/dir' does not exist"),
+    (["simulate", "--save-every", "-2"], "--save-every must be >= 0"),
+    (["simulate", "--resume", "/nonexistent-run"], "not a run directory"),
+])
+def test_bad_input_is_one_line_error(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("checkfree: error: ") and message in err and "\n" not in err
+
+
+def test_out_naming_a_file_and_overwriting_an_earlier_run(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["simulate", "--out", str(tmp_path / "file")]) == 2
+    assert "is a file, not a run directory" in capsys.readouterr().err
+    out = str(tmp_path / "r")
+    assert main(["simulate", "--steps", "2", "--out", out, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--steps", "2", "--out", out, "--no-progress"]) == 0
+    assert "holds an earlier run; its files are replaced" in capsys.readouterr().err
+
+
+def test_latin1_corpus_is_read_whole_with_a_warning(tmp_path, caplog):
+    from checkfree.data import _local
+
+    text = "Les élèves ont mangé des crêpes à Noël. " * 20
+    (tmp_path / "fr.txt").write_bytes(text.encode("latin-1"))
+    with caplog.at_level(logging.WARNING):
+        (docs,) = _local(tmp_path / "fr.txt")
+    assert docs == text and "\ufffd" not in docs
+    assert "is not UTF-8" in caplog.text and "Latin-1" in caplog.text
