@@ -444,6 +444,11 @@ class Coordinator:
             kind = "fallback" if plan.fallback else "recovery"
             extra = {"fallback": plan.fallback, "reason": plan.reason} if plan.fallback else {}
             self._event(kind, step=step, stage=plan.stage, strategy=strategy, **extra, **fields)
+            coeffs = "/".join(f"{c:.2f}" for c in fields["coefficients"])
+            edges = "".join(f", {c} copied from stage {h}" for c, h in plan.edge_sources.items())
+            self._status(f"stage {plan.stage} {kind}: {plan.method} of stage(s) "
+                         f"{', '.join(map(str, plan.sources)) or '-'}" + (f" (coefficients {coeffs})" if coeffs else "")
+                         + f"{edges} on peer {pid[-8:]}, {fields['recovery_time_s']:.2f} s")
 
     async def _assign_replacement(self, step: int, stage: int, header: dict,
                                   chaos: bool = False) -> tuple[str, dict, float]:

@@ -43,6 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "SIGKILLed by --failure-rate/--trace and replaced by fresh processes.")
     add_run_arguments(p)
     p.add_argument("--spares", type=int, default=2, help="standby peers kept running (default 2)")
+    p.add_argument("--no-churn", action="store_true",
+                   help="a failure-free run. Without it, a run given no failures (no --trace, --failure-rate, "
+                        "--hourly-failure-rate or --config) shows what the project is for: an intermediate stage "
+                        "and then an edge stage (CheckFree+; another intermediate one otherwise) are SIGKILLed "
+                        "and rebuilt, each recovery printed as one line")
     p.add_argument("--threads-per-peer", "--threads", type=int, default=1,
                    help="torch threads per peer process (default 1)")
     add_timeout_arguments(p, step_timeout=90.0, join_timeout=120.0)
@@ -402,6 +407,19 @@ class LocalSwarm:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
 
 
+def demo_trace(cfg, path: Path) -> Path:
+    """The default run's scripted churn: stage 1 at 30% of the steps, then (CheckFree+) the first
+    stage or (otherwise) the second-to-last at 60%: both recovered by the run's strategy."""
+    from checkfree.strategies import build_strategy
+
+    n, s = cfg.train.num_steps, cfg.num_stages
+    second = 0 if build_strategy(cfg).plus else max(1, s - 2)
+    write_trace(path, [(max(1, n * 3 // 10), 1), (max(2, n * 6 // 10), second)])
+    print(f"swarm: demo churn (--no-churn for a failure-free run): stage 1 SIGKILLed at step {max(1, n * 3 // 10)}, "
+          f"stage {second} at step {max(2, n * 6 // 10)}", flush=True)
+    return path
+
+
 def run_local(args: argparse.Namespace) -> int:
     from checkfree.cli import interrupt_on_signals
     from checkfree.net.transport import TransportError, check_transport
@@ -419,6 +437,9 @@ def run_local(args: argparse.Namespace) -> int:
     out = Path(args.out)
     warn_if_overwriting(args)
     out.mkdir(parents=True, exist_ok=True)
+    if not (args.no_churn or args.config or args.trace or args.failure_rate is not None
+            or args.hourly_failure_rate is not None):
+        cfg.failures.trace = str(demo_trace(cfg, out / "demo_trace.csv"))
     from checkfree.data import build_data
     from checkfree.strategies import build_strategy
 

@@ -21,8 +21,10 @@ def local(tmp_path: Path, name: str, *args: str, cache: str, spares: int = 2,
     """Run `checkfree local` into tmp_path/name; returns the finished process and the run directory."""
     out = tmp_path / name
     env = {**os.environ, "CHECKFREE_CACHE": cache}
+    failures = {"--trace", "--failure-rate", "--hourly-failure-rate", "--config", "--resume"}
+    churn = [] if failures & set(args) else ["--no-churn"]  # no failures asked for: none (not the demo churn)
     proc = subprocess.run([sys.executable, "-m", "checkfree.cli", "local", "--out", str(out), "--no-progress",
-                           "--spares", str(spares), *args], capture_output=True, text=True, timeout=timeout, env=env)
+                           "--spares", str(spares), *churn, *args], capture_output=True, text=True, timeout=timeout, env=env)
     return proc, out
 
 

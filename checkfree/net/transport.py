@@ -166,6 +166,21 @@ async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int,
     return decode_body(view)
 
 
+def quiet_disconnects(loop: asyncio.AbstractEventLoop) -> None:
+    """A stream the other side closed before its first byte (hivemind's p2pd client handler meets
+    this whenever a peer dies or a connection is dropped) is expected under churn: a debug line, not
+    asyncio's `Unhandled exception in client_connected_cb` traceback."""
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
+            logger.debug("%s: %r", context.get("message"), exc)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 class RefusalLog:
     """One-line warnings for expected refusals (bad or unauthorized requests, aborted attempts), at
     most `per_window` per `window_s` seconds; the rest are counted and summed up in the next line
@@ -620,6 +635,7 @@ async def start_transport(
     check_transport(transport)
     peers = _check_initial_peers(initial_peers)
     sweep_stale_sockets()
+    quiet_disconnects(asyncio.get_running_loop())
     dht = TiedDHT(  # dies with this process, and takes its p2pd along (lifeline.py)
         initial_peers=peers or None,
         start=False,
