@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/checkfree local --preset tiny $(ARGS)
+	$(BIN)/checkfree local --preset tiny --strategy checkfree+ $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(ARGS); code=$$?; \
