@@ -109,6 +109,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     sv.add_argument("--resume", metavar="RUN_DIR",
                     help="continue the run in RUN_DIR from its newest save, with its config.json (flags given "
                          "override it, e.g. a larger --steps), appending to its files")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write metrics.jsonl's numbers as TensorBoard scalars into <out>/tensorboard "
+                        "(pip install 'checkfree[tensorboard]')")
     p.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
     p.add_argument("--write-trace", help="also write the failure schedule to this trace file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -325,7 +328,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                      build_strategy(cfg).fails_edges)
         write_trace(args.write_trace, sched.events)
     summary = Simulator(cfg, args.out, progress=not args.no_progress, save_every=args.save_every,
-                        keep_saves=args.keep_saves, resume=bool(args.resume)).run()
+                        keep_saves=args.keep_saves, resume=bool(args.resume), tensorboard=args.tensorboard).run()
     print(json.dumps(summary, indent=2))
     return 0
 

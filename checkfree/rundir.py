@@ -48,7 +48,7 @@ class RunWriter:
     counts, the newest losses and the run's start time are read back from its files."""
 
     def __init__(self, out: str | Path, config_json: str, *, resume: bool = False,
-                 tokens_per_step: int | None = None) -> None:
+                 tokens_per_step: int | None = None, tensorboard: bool = False) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(config_json)
@@ -64,6 +64,7 @@ class RunWriter:
                 _drop_partial_line(self.out / name)
             self._read_back()
         mode = "a" if resume else "w"
+        self._tb = _tensorboard(self.out / "tensorboard") if tensorboard else None
         self._metrics = open(self.out / "metrics.jsonl", mode, buffering=1)
         self._events = open(self.out / "events.jsonl", mode, buffering=1)
         if not resume:
@@ -96,6 +97,19 @@ class RunWriter:
             record["tokens_per_s"] = round(self.tokens_per_step / step_s, 1)
         self._note(record)
         self._metrics.write(json.dumps(_clean(record)) + "\n")
+        if self._tb is not None:
+            self._scalars(record)
+
+    def _scalars(self, record: dict[str, Any]) -> None:
+        """The metrics line's numbers as TensorBoard scalars (x axis: the step; per-stage lists as
+        `name/stage_i`); non-finite values are skipped."""
+        step = record["step"]
+        for key, value in record.items():
+            values = value if isinstance(value, list) else [value]
+            for i, v in enumerate(values):
+                if key not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                        and math.isfinite(v):
+                    self._tb.add_scalar(f"{key}/stage_{i}" if isinstance(value, list) else key, v, step)
 
     def event(self, event: str, **fields: Any) -> float:
         """Append an event line; returns its time (nothing is written once the writer is closed,
@@ -124,11 +138,21 @@ class RunWriter:
 
     def close(self) -> None:
         self.closed = True
+        if self._tb is not None:
+            self._tb.close()
         self._metrics.close()
         self._events.close()
 
 
 _COUNTED = {"failure": "failures", "recovery": "recoveries", "fallback": "fallbacks"}
+
+
+def _tensorboard(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # torch's writer needs the tensorboard package
+        raise ValueError("--tensorboard needs the tensorboard package: pip install 'checkfree[tensorboard]'") from e
+    return SummaryWriter(log_dir=str(path))
 
 
 def _drop_partial_line(path: Path) -> None:

@@ -167,7 +167,7 @@ class Simulator:
     """Trains the configured pipeline in one process, writing the run directory."""
 
     def __init__(self, cfg: RunConfig, out: str | Path, *, progress: bool = True, save_every: int = 0,
-                 keep_saves: int = 2, resume: bool = False) -> None:
+                 keep_saves: int = 2, resume: bool = False, tensorboard: bool = False) -> None:
         """`save_every` N > 0: save every stage's state every N steps into <out>/saves (and at a
         graceful stop); `resume`: continue the run in `out` from its newest save."""
         if save_every < 0 or keep_saves < 1:
@@ -195,7 +195,8 @@ class Simulator:
         self.resume_from = newest_save(out) if resume else None
         if resume and self.resume_from is None:
             raise FileNotFoundError(f"--resume: {out} has no complete save (run with --save-every N)")
-        self.writer = RunWriter(out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step, resume=resume)
+        self.writer = RunWriter(out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step, resume=resume,
+                                tensorboard=tensorboard)
         self.cost = CostModel(cfg)
         self.ctx = SimContext(self)
         self.progress = progress

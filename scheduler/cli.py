@@ -96,7 +96,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
                               shutdown_peers=args.shutdown_peers, max_attempts=args.max_attempts, partition=partition,
                               slow=parse_slow(args.chaos_slow, cfg.num_stages), takeover=args.takeover,
                               standby=args.standby, die_in_commit=args.chaos_die_in_commit,
-                              save_every=args.save_every, keep_saves=args.keep_saves, resume=bool(args.resume))
+                              save_every=args.save_every, keep_saves=args.keep_saves, resume=bool(args.resume),
+                              tensorboard=args.tensorboard)
     if args.resume and failover:
         raise ValueError("--resume starts the run again from its saves; --takeover/--standby join a live one")
     try:

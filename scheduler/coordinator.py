@@ -97,6 +97,7 @@ class CoordinatorOptions:
     save_every: int = 0  # gather every stage's full state into <out>/saves every N steps (0: never)
     keep_saves: int = 2
     resume: bool = False  # continue the run in `out` from its newest save
+    tensorboard: bool = False  # also write metrics as TensorBoard scalars into <out>/tensorboard
 
 
 @dataclass
@@ -777,7 +778,7 @@ class Coordinator:
             else:
                 saved = self._resume_point() if self.opts.resume else None
                 self.writer = RunWriter(self.opts.out, self.cfg.to_json(), tokens_per_step=self.cfg.tokens_per_step,
-                                        resume=self.opts.resume)
+                                        resume=self.opts.resume, tensorboard=self.opts.tensorboard)
             announcer = asyncio.create_task(self._announce(pid))
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):
@@ -884,7 +885,8 @@ class Coordinator:
         metrics = Path(self.opts.out) / "metrics.jsonl"
         resume = metrics.exists()
         # the same run directory: keep counting (and the run's clock) where the old coordinator stopped
-        self.writer = RunWriter(self.opts.out, cfg.to_json(), resume=resume, tokens_per_step=cfg.tokens_per_step)
+        self.writer = RunWriter(self.opts.out, cfg.to_json(), resume=resume, tokens_per_step=cfg.tokens_per_step,
+                                tensorboard=self.opts.tensorboard)
         holders: dict[int, list[tuple[str, dict]]] = {}
         for i, (pid, r) in enumerate(replies.items()):
             self.members[pid] = Member(pid, time.time() + i * 1e-6)

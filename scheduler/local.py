@@ -473,6 +473,7 @@ def run_local(args: argparse.Namespace) -> int:
         peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
         netns=args.netns,
         coordinator_flags=["--save-every", str(args.save_every), "--keep-saves", str(args.keep_saves)]
+        + (["--tensorboard"] if args.tensorboard else [])
         + (["--resume", str(out)] if args.resume else [])
         + (["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])

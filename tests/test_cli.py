@@ -101,3 +101,17 @@ def test_latin1_corpus_is_read_whole_with_a_warning(tmp_path, caplog):
         (docs,) = _local(tmp_path / "fr.txt")
     assert docs == text and "\ufffd" not in docs
     assert "is not UTF-8" in caplog.text and "Latin-1" in caplog.text
+
+
+def test_tensorboard_gets_the_metrics_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main(["simulate", "--steps", "6", "--eval-every", "3", "--out", str(tmp_path / "r"), "--no-progress",
+                 "--tensorboard"]) == 0
+    events = EventAccumulator(str(tmp_path / "r" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "lr", "val_loss", "tokens_per_s", "grad_norms/stage_0", "grad_norms/stage_3"} <= tags
+    metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([m["loss"] for m in metrics])
+    assert [e.step for e in events.Scalars("val_loss")] == [2, 5]
