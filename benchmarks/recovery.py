@@ -39,7 +39,7 @@ def measure(name: str, args: list[str], kill_step: int, steps: int, tmp: Path) -
     trace = tmp / f"{name}.csv"
     trace.write_text(f"step,stage\n{kill_step},1\n")
     out = tmp / name
-    cmd = [sys.executable, "-m", "checkfree.cli", "local", *args, "--steps", str(steps), "--trace", str(trace),
+    cmd = [sys.executable, "-m", "checkfree", "local", *args, "--steps", str(steps), "--trace", str(trace),
            "--eval-every", "0", "--spares", "1", "--out", str(out), "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * 3600)
     if done.returncode != 0:

@@ -78,7 +78,7 @@ def simulator(cfg, steps: int, warmup: int, out: Path) -> float:
 
 def swarm_command(args, strategy: str, steps: int, out: Path, extra: list[str] = ()) -> list[str]:
     """`checkfree local` for a failure-free run of `args.preset` (no spares, no evaluation)."""
-    return [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
+    return [sys.executable, "-m", "checkfree", "local", "--preset", args.preset, "--stages", str(args.stages),
             "--microbatches", str(args.microbatches), "--steps", str(steps), "--eval-every", "0",
             "--strategy", strategy, "--spares", "0", "--threads-per-peer", str(args.threads_per_peer),
             "--out", str(out), "--no-progress", *extra]

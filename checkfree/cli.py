@@ -7,9 +7,7 @@ through `SUBCOMMANDS`; this module only knows how to turn shared flags into a Ru
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -17,23 +15,12 @@ from pathlib import Path
 from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loaded
-from checkfree.recovery import FALLBACKS, RECOVERY_RULES, UnrecoverableFailure
+from checkfree.recovery import FALLBACKS, RECOVERY_RULES
 
-__all__ = ["main", "add_run_arguments", "config_from_args", "add_network_arguments", "add_transport_arguments",
-           "network_options", "add_timeout_arguments", "timeouts_from_args", "SUBCOMMANDS", "warn_if_overwriting",
+__all__ = ["add_run_arguments", "config_from_args", "add_network_arguments", "add_transport_arguments",
+           "network_options", "add_timeout_arguments", "timeouts_from_args", "warn_if_overwriting",
            "interrupt_on_signals"]
 
-# name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
-# does not pay for hivemind's import.
-SUBCOMMANDS = {
-    "simulate": "checkfree.cli:add_simulate",
-    "local": "scheduler.local:add_parser",
-    "scheduler": "scheduler.cli:add_parser",
-    "peer": "peers.cli:add_parser",
-    "export": "scheduler.export:add_parser",
-    "experiment": "experiments.cli:add_parser",
-    "chaos": "scheduler.chaos:add_parser",
-}
 
 
 def strategy_names() -> list[str]:
@@ -331,80 +318,3 @@ def run_simulate(args: argparse.Namespace) -> int:
                         keep_saves=args.keep_saves, resume=bool(args.resume), tensorboard=args.tensorboard).run()
     print(json.dumps(summary, indent=2))
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="checkfree", description="Train LLM pipelines on unreliable peers.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for spec in SUBCOMMANDS.values():
-        module, func = spec.split(":")
-        try:
-            getattr(importlib.import_module(module), func)(sub)
-        except ModuleNotFoundError as e:
-            if not module.startswith(e.name or "\0"):
-                raise
-    for command in sub.choices.values():
-        command.formatter_class = DefaultsHelpFormatter
-        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                             help="debug logging (also accepted before the command)")
-        if any("--preset" in a.option_strings for a in command._actions):
-            command.add_argument("--print-config", action="store_true",
-                                 help="print the resolved configuration (preset + --config + flags) as JSON and exit")
-    return parser
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """--help shows every default a flag has (flags whose help already names it are left alone;
-    flags without a default take the preset's value: see --print-config)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if ("default" in text or not action.option_strings or default in (None, False, argparse.SUPPRESS)
-                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
-            return text
-        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
-        return f"{text} (default: {shown or 'none'})"
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("checkfree")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        if getattr(args, "print_config", False):
-            print(config_from_args(args).to_json())
-            return 0
-        return args.func(args)
-    except UnrecoverableFailure as e:
-        print(f"checkfree: run aborted: {e}", file=sys.stderr)
-        return 3
-    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
-        print(f"checkfree: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("checkfree: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        from checkfree.net.transport import TransportError  # hivemind is imported on this path only
-
-        if not isinstance(e, TransportError):
-            raise
-        print(f"checkfree: network error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

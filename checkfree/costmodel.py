@@ -31,7 +31,7 @@ Calibration of ``paper-geo`` (the paper's five-region setting: 4-130 ms, 0.01-0.
 The latency / bandwidth table is illustrative, in the paper's ranges (the paper does not
 publish its table). Two constants are fitted to the paper's ``paper-500m`` numbers
 (d 1024, 24 layers, 6 stages, context 1024, 4 microbatches of 64 sequences, 4 peers per
-stage, bf16 activations on the wire), with ``python -m checkfree.costmodel --calibrate``:
+stage, bf16 activations on the wire), with ``python -m benchmarks.calibrate --calibrate``:
 
 * ``flops_per_s = 4.74e12`` (effective, per stage group) gives 91.29 s per iteration
   (paper 91.3 s). The bottleneck is the last stage (4 blocks + the 32k-vocabulary head):
@@ -46,19 +46,16 @@ stage, bf16 activations on the wire), with ``python -m checkfree.costmodel --cal
 
 Calibration of ``local`` (this machine, one process, 2 shared cores)
 --------------------------------------------------------------------
-Measured with ``python -m checkfree.costmodel --measure``: the fastest step of a 20-step
+Measured with ``python -m benchmarks.calibrate --measure``: the fastest step of a 20-step
 simulator run at one intra-op thread on the tiny and small presets, torch.save and memcpy
 throughput. ``flops_per_s`` (~4.3e10) and ``hop_overhead_s`` (~4.2 ms per stage visit)
-solve the two step times exactly (`_solve_local`); latency 0, detection 0. The machine was
+solve the two step times exactly (`solve_local`); latency 0, detection 0. The machine was
 shared with other jobs (load 4-6 on 2 cores) while measuring: repeated runs gave tiny
 0.11-0.18 s and small 0.34-0.41 s per step, so the local figures are good to ~30 %.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 from dataclasses import dataclass, replace
 
 from checkfree.baselines import gpipe_idle_windows
@@ -87,7 +84,7 @@ _GEO_BANDWIDTH_GIB = (
     (0.04, 0.08, 0.01, 0.03, 1.25),
 )
 
-# `python -m checkfree.costmodel --measure` on this machine (2 shared cores, torch 2.13 CPU,
+# `python -m benchmarks.calibrate --measure` on this machine (2 shared cores, torch 2.13 CPU,
 # load average 4-6 from other jobs), median of three runs of each figure; the step times are
 # the fastest step of a 20-step simulator run at one intra-op thread.
 LOCAL_MEASUREMENT = {
@@ -126,7 +123,7 @@ def _geo() -> Profile:
 
 
 def _local() -> Profile:
-    flops_per_s, hop_s = _solve_local(LOCAL_MEASUREMENT["tiny_step_s"], LOCAL_MEASUREMENT["small_step_s"])
+    flops_per_s, hop_s = solve_local(LOCAL_MEASUREMENT["tiny_step_s"], LOCAL_MEASUREMENT["small_step_s"])
     mem = LOCAL_MEASUREMENT["memcpy_GiB_s"] * GIB
     return Profile(
         name="local", regions=("local",), latency_s=((0.0,),), bandwidth_Bps=((mem,),),
@@ -135,7 +132,7 @@ def _local() -> Profile:
         pipelined=False)
 
 
-def _solve_local(tiny_step_s: float, small_step_s: float) -> tuple[float, float]:
+def solve_local(tiny_step_s: float, small_step_s: float) -> tuple[float, float]:
     """flops_per_s and hop_overhead_s such that step = M * sum_i (3 F_i / R + 2 h) gives both
     measured step times (the simulator runs the stages in turn)."""
     rows = []
@@ -292,75 +289,3 @@ def calibration(profile: str = "paper-geo") -> dict[str, float]:
     return {"step_s": base, "redundant_step_s": base + cm.redundant_extra_s(),
             "redundant_mechanistic_step_s": base + plain.redundant_extra_s(), "t_f": cm.t_f(), "t_b": cm.t_b(),
             "bottleneck_compute_share": slots * 3 * max(cm.flops) / cm.profile.flops_per_s / base}
-
-
-def _fastest_step_s(preset_name: str, steps: int) -> float:
-    """The fastest step of a short simulator run at one intra-op thread: on a shared machine
-    the minimum is the least disturbed estimate."""
-    import tempfile
-
-    import torch
-
-    from checkfree.rundir import read_jsonl
-    from checkfree.simulator import Simulator
-
-    cfg = preset(preset_name)
-    cfg.train.num_steps, cfg.train.eval_every, cfg.train.device = steps, 0, "cpu"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            Simulator(cfg, out, progress=False).run()
-            times = [m["step_time_s"] for m in read_jsonl(f"{out}/metrics.jsonl")][2:]  # skip warm-up
-    finally:
-        torch.set_num_threads(threads)
-    return min(times)
-
-
-def _throughput_gib_s(nbytes: int, repeats: int = 3) -> tuple[float, float]:
-    """(torch.save to disk, memcpy) throughput in GiB/s; best of `repeats`."""
-    import tempfile
-    import time
-
-    import torch
-
-    x = torch.randn(nbytes // 4)
-    best_disk = best_mem = math.inf
-    with tempfile.TemporaryDirectory() as d:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.save({"x": x}, f"{d}/x.pt")
-            best_disk = min(best_disk, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            x.clone()
-            best_mem = min(best_mem, time.perf_counter() - t0)
-    return nbytes / GIB / best_disk, nbytes / GIB / best_mem
-
-
-def measure_local(steps: int = 20) -> dict[str, float]:
-    """Measure this machine: step times of the tiny and small presets, storage and memory
-    throughput, and the local profile's constants solved from them."""
-    tiny, small = _fastest_step_s("tiny", steps), _fastest_step_s("small", steps)
-    disk, mem = _throughput_gib_s(256 * 2**20)
-    out = {"tiny_step_s": tiny, "small_step_s": small, "storage_GiB_s": disk, "memcpy_GiB_s": mem}
-    try:
-        out["flops_per_s"], out["hop_overhead_s"] = _solve_local(tiny, small)
-    except ValueError as e:
-        out["error"] = str(e)
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m checkfree.costmodel", description=__doc__.split("\n")[0])
-    p.add_argument("--calibrate", action="store_true", help="print paper-500m's step times under paper-geo")
-    p.add_argument("--measure", action="store_true", help="measure this machine for the local profile")
-    args = p.parse_args(argv)
-    if args.measure:
-        print(json.dumps(measure_local(), indent=2))
-    if args.calibrate or not args.measure:
-        print(json.dumps({k: round(v, 3) for k, v in calibration().items()}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -32,7 +32,7 @@ from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.pipeline import Hop, edge_holders, route
 from checkfree.recovery import StateDict, UnrecoverableFailure, omega
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, UncorrectableSoftError, guard_counts, make_guard
-from checkfree.baselines.parity import state_from_bytes, state_to_bytes
+from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.export import save_export
 from checkfree.progress import Progress
 from checkfree.rundir import RunWriter

@@ -96,7 +96,7 @@ def _run_local(spec: dict, out: Path, directory: Path) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     cfg_path = directory / "experiment_config.json"
     cfg_path.write_text(cfg.to_json())
-    cmd = [sys.executable, "-m", "checkfree.cli", "local", "--config", str(cfg_path), "--out", str(directory),
+    cmd = [sys.executable, "-m", "checkfree", "local", "--config", str(cfg_path), "--out", str(directory),
            "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the swarm's peers run one torch thread each (--threads-per-peer 1)
     with open(directory / "local.log", "w") as log:

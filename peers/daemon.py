@@ -42,7 +42,7 @@ from checkfree.protocol import (EXIT_COORDINATOR_GONE, EXIT_RUN_OVER, READY_PEER
                                 coordinator_from_records, coordinator_key, members_key, plan_from_wire, require)
 from checkfree.recovery import RecoveryPlan, omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
-from checkfree.baselines.parity import state_from_bytes, state_to_bytes
+from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.strategies.state import (capture_worker, optim_from_wire, optim_to_wire, restore_worker,
                                         state_nbytes)
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts, make_guard

@@ -87,7 +87,7 @@ def run_chaos(args: argparse.Namespace) -> int:
     write_trace(out / "chaos_input.csv", trace)
     rec = sorted({int(x) for x in np.linspace(args.steps // 4, args.steps // 2, args.recovery_kills, dtype=int)})
     rec = [t for t in rec if t in {s for s, _ in trace}] or [trace[len(trace) // 2][0]]
-    cmd = [sys.executable, "-m", "checkfree.cli", "local", "--preset", args.preset, "--stages", str(args.stages),
+    cmd = [sys.executable, "-m", "checkfree", "local", "--preset", args.preset, "--stages", str(args.stages),
            "--layers", str(args.layers), "--steps", str(args.steps), "--strategy", "checkfree+", "--fallback",
            args.fallback, "--trace", str(out / "chaos_input.csv"), "--spares", str(args.spares),
            "--chaos-recovery-kills", ",".join(map(str, rec)), "--out", str(out / "run"), "--eval-every", "0",

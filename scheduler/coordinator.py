@@ -40,7 +40,7 @@ from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, RUN_OVER,
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
 from checkfree.rundir import RunWriter, read_jsonl
 from checkfree.saves import newest_save, read_save, write_save
-from checkfree.simulator import recovery_fields
+from checkfree.strategies.averaging import recovery_fields
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, SOFT_ERROR_MARK
 
 __all__ = ["CoordinatorOptions", "Coordinator"]

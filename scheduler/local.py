@@ -231,7 +231,7 @@ class LocalSwarm:
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
             link, prefix, addr = self.lab.add()
             args = [*args, "--host-maddrs", f"/ip4/{addr}/tcp/0"]
-        popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree.cli", *args], stdin=stdin,
+        popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree", *args], stdin=stdin,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                  start_new_session=True)
         proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log", link=link, name=name,

@@ -23,7 +23,7 @@ def local(tmp_path: Path, name: str, *args: str, cache: str, spares: int = 2,
     env = {**os.environ, "CHECKFREE_CACHE": cache}
     failures = {"--trace", "--failure-rate", "--hourly-failure-rate", "--config", "--resume"}
     churn = [] if failures & set(args) else ["--no-churn"]  # no failures asked for: none (not the demo churn)
-    proc = subprocess.run([sys.executable, "-m", "checkfree.cli", "local", "--out", str(out), "--no-progress",
+    proc = subprocess.run([sys.executable, "-m", "checkfree", "local", "--out", str(out), "--no-progress",
                            "--spares", str(spares), *churn, *args], capture_output=True, text=True, timeout=timeout, env=env)
     return proc, out
 
@@ -31,7 +31,7 @@ def local(tmp_path: Path, name: str, *args: str, cache: str, spares: int = 2,
 def simulate(tmp_path: Path, name: str, *args: str, cache: str, timeout: float = 300) -> list[dict]:
     """Run `checkfree simulate` into tmp_path/name; returns its metrics lines."""
     out = tmp_path / name
-    sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(out), "--no-progress", *args],
+    sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(out), "--no-progress", *args],
                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "CHECKFREE_CACHE": cache})
     assert sim.returncode == 0, sim.stderr[-2000:]
     return read_jsonl(out / "metrics.jsonl")
@@ -62,8 +62,8 @@ class Proc:
 
 
 def spawn(args: list[str], env: dict) -> Proc:
-    """Start `python -m checkfree.cli ARGS` in a session of its own; its output lines are queued."""
-    popen = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
+    """Start `python -m checkfree ARGS` in a session of its own; its output lines are queued."""
+    popen = subprocess.Popen([sys.executable, "-m", "checkfree", *args], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     proc = Proc(popen)
 

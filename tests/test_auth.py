@@ -27,7 +27,7 @@ FLAGS = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--step-timeout", "60", "
 
 
 def _spawn(args, env):
-    p = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "checkfree", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     q: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: ([q.put(x.rstrip("\n")) for x in p.stdout], q.put(None)), daemon=True).start()
@@ -88,7 +88,7 @@ def test_only_peers_with_the_secret_join_and_strangers_cannot_inject(tmp_path, r
         assert bad.wait(timeout=120) != 0
         assert any("not authorized" in x for x in _rest(bq)), "no 'not authorized' in the refused peer's output"
         if rpc_transport == "hivemind":  # `export --live` with the wrong secret: told why, no traceback
-            exp = subprocess.run([sys.executable, "-m", "checkfree.cli", "export", "--live", "--run-id", "auth",
+            exp = subprocess.run([sys.executable, "-m", "checkfree", "export", "--live", "--run-id", "auth",
                                   "--initial-peers", addr, "--output", str(tmp_path / "m.safetensors"), *flags],
                                  env={**base, "CHECKFREE_SECRET": "the-wrong-secret-entirely"}, capture_output=True,
                                  text=True, timeout=120)

@@ -13,7 +13,7 @@ import pytest
 @pytest.mark.timeout(600)
 def test_short_chaos_run_accounts_for_every_failure(tmp_path):
     out = tmp_path / "chaos"
-    proc = subprocess.run([sys.executable, "-m", "checkfree.cli", "chaos", "--steps", "24", "--kills", "6",
+    proc = subprocess.run([sys.executable, "-m", "checkfree", "chaos", "--steps", "24", "--kills", "6",
                            "--recovery-kills", "1", "--out", str(out)], capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "chaos: PASS" in proc.stdout

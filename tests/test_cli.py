@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from checkfree.cli import build_parser, main
+from cli.main import build_parser, main
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from checkfree.cli import main
+from cli.main import main
 from experiments.analysis import NOT_REACHED, reference_target, time_to_target
 from experiments.spec import ALL_STRATEGIES, Settings, make_spec, paper_p, write_traces
 

@@ -70,6 +70,6 @@ def test_restarted_coordinator_completes_a_half_done_commit_then_recovers(tmp_pa
 
 
 def test_takeover_needs_an_address():
-    proc = subprocess.run([sys.executable, "-m", "checkfree.cli", "scheduler", "--takeover"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "checkfree", "scheduler", "--takeover"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "--initial-peers" in proc.stderr

@@ -249,7 +249,7 @@ def _env(cache: Path) -> dict:
 
 class _Proc:
     def __init__(self, args: list[str], env: dict) -> None:
-        self.popen = subprocess.Popen([sys.executable, "-m", "checkfree.cli", *args], stdout=subprocess.PIPE,
+        self.popen = subprocess.Popen([sys.executable, "-m", "checkfree", *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
         self.out: list[str] = []

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from checkfree import costmodel
-from checkfree.cli import main as cli_main
+from cli.main import main as cli_main
 from checkfree.failures import write_trace
 from checkfree.recovery import UnrecoverableFailure
 from checkfree.rundir import read_jsonl

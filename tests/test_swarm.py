@@ -39,7 +39,7 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     assert "peers SIGKILLed" in proc.stdout and f"transport {rpc_transport}" in proc.stdout
     ready = (out / "logs" / "coordinator.log").read_text()
     assert (f"transport={rpc_transport} rpc=/ip4/127.0.0.1/" in ready) == (rpc_transport != "hivemind")
-    sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(tmp_path / "sim"),
+    sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / "sim"),
                           "--no-progress", *args], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "CHECKFREE_CACHE": cache})
     assert sim.returncode == 0, sim.stderr[-2000:]
@@ -57,7 +57,7 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["failures"] == 0
     # the finished run's weights export into one file that loads as the full model
-    exp = subprocess.run([sys.executable, "-m", "checkfree.cli", "export", "--run", str(out), "--output",
+    exp = subprocess.run([sys.executable, "-m", "checkfree", "export", "--run", str(out), "--output",
                           str(tmp_path / "model.safetensors")], capture_output=True, text=True, timeout=120)
     assert exp.returncode == 0, exp.stderr
     from checkfree.export import load_export
@@ -144,7 +144,7 @@ def test_rollback_strategies_run_for_real_and_lose_nothing(tmp_path, cache):
     weights of a failure-free run (to float tolerance: the swarm's gradient accumulation
     order depends on message arrival)."""
     env = {**__import__("os").environ, "CHECKFREE_CACHE": cache}
-    sim = subprocess.run([sys.executable, "-m", "checkfree.cli", "simulate", "--out", str(tmp_path / "sim"),
+    sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / "sim"),
                           "--no-progress", "--steps", "12", "--strategy", "checkfree"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert sim.returncode == 0, sim.stderr[-2000:]

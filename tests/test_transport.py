@@ -478,7 +478,7 @@ def test_coordinator_record_names_its_transport() -> None:
 
 
 def test_bad_transport_flag_is_a_clear_cli_error(capsys) -> None:
-    from checkfree.cli import main
+    from cli.main import main
 
     for command in ("peer", "scheduler", "local", "export", "chaos"):
         with pytest.raises(SystemExit) as exit_:

@@ -17,7 +17,6 @@ Contracts
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
+
+from checkfree.serialize import state_from_bytes, state_to_bytes  # re-exported (REFT's blocks)
 
 __all__ = [
     "ParityBlock",
@@ -215,39 +215,3 @@ def reft_survival_eq2_bruteforce(p_s: float, n: int, k: int) -> float:
         if all(sum(down[g : g + n]) <= 1 for g in range(0, k, n)):
             total += math.prod((1.0 - p_s) if d else p_s for d in down)
     return total
-
-
-def _compact(obj: Any) -> Any:
-    """Clone tensors that view a larger storage, so only their own bytes get serialised."""
-    if isinstance(obj, torch.Tensor):
-        own = obj.numel() * obj.element_size()
-        return obj.clone() if obj.untyped_storage().nbytes() > own else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _compact(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_compact(v) for v in obj)
-    return obj
-
-
-def state_to_bytes(state: dict) -> bytes:
-    """Serialise a state dict (tensors, python scalars/str/None, nested dict/list/tuple) to bytes.
-
-    Deterministic for equal inputs; :func:`state_from_bytes` returns an exactly equal state
-    (same dtypes, shapes, bit patterns, key types incl. int keys, OrderedDict kept).
-    """
-    if not isinstance(state, dict):
-        raise ValueError(f"state must be a dict, got {type(state).__name__}")
-    buf = io.BytesIO()
-    torch.save(_compact(state), buf)
-    return buf.getvalue()
-
-
-def state_from_bytes(b: bytes) -> dict:
-    """Inverse of :func:`state_to_bytes`; loads with ``weights_only=True`` (no arbitrary code)."""
-    try:
-        state = torch.load(io.BytesIO(bytes(b)), map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupted or foreign bytes
-        raise ValueError(f"bytes are not a serialised state: {exc}") from exc
-    if not isinstance(state, dict):
-        raise ValueError(f"serialised object is a {type(state).__name__}, not a dict")
-    return state
