@@ -38,7 +38,7 @@ from checkfree.recovery import RecoveryPlan
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
            "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
            "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK",
-           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed"]
+           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed", "Kind"]
 
 DHT_PREFIX = "checkfree"
 READY_PEER = "peer ready:"
@@ -79,15 +79,40 @@ class RPC:
     STATUS = "cf.status"  # stage -> peer table, step
 
 
+class Kind:
+    """What an error reply says happened (``RemoteError.kind``): callers branch on these words,
+    never on an error's text."""
+
+    BAD_REQUEST = "bad_request"  # malformed or wrong for the protocol (the default of ProtocolError)
+    UNAUTHORIZED = "unauthorized"  # missing or wrong run token / coordinator proof
+    RUN_OVER = "run_over"  # a JOIN after the run ended
+    TAKING_OVER = "taking_over"  # the coordinator is adopting the run's peers: retry
+    COORDINATOR_ALIVE = "coordinator_alive"  # an ADOPT refused: this peer's coordinator still answers
+    STEP_FAILED = "step_failed"  # a step attempt ended without result (aborted, superseded, a neighbour lost)
+    STEP_TIMEOUT = "step_timeout"  # the attempt ran over step_timeout while others computed
+    STRAGGLER = "straggler"  # ...and this peer's own computing filled most of it
+    SOFT_ERROR = "soft_error"  # an uncorrectable soft error survived a recompute
+    INTERNAL = "internal"  # a bug in a handler
+
+
 class ProtocolError(ValueError):
-    """A request that is well-formed on the wire but wrong for the protocol."""
+    """A request that is well-formed on the wire but wrong for the protocol; `kind` says how."""
+
+    def __init__(self, message: str, kind: str = Kind.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class StepFailed(RuntimeError):
     """A step attempt that ended without result on this peer (aborted, superseded, timed out, a
-    neighbour unreachable): expected under churn, so servers log it as one line, not a traceback."""
+    neighbour unreachable, a soft error): expected under churn, so servers log it as one line, not
+    a traceback; `kind` (a Kind) tells the coordinator which."""
 
     expected = True
+
+    def __init__(self, message: str, kind: str = Kind.STEP_FAILED) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(kw_only=True)

@@ -38,7 +38,7 @@ from checkfree.net.transport import (RemoteError, Transport, TransportError, ann
                                      live_members_async, rpc_note, start_transport, stop_transport)
 from checkfree.net.wire import check_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
-from checkfree.protocol import (EXIT_COORDINATOR_GONE, EXIT_RUN_OVER, READY_PEER, RPC, RUN_OVER, StepFailed, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
+from checkfree.protocol import (EXIT_COORDINATOR_GONE, EXIT_RUN_OVER, READY_PEER, RPC, Kind, StepFailed, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
                                 coordinator_from_records, coordinator_key, members_key, plan_from_wire, require)
 from checkfree.recovery import RecoveryPlan, omega, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
@@ -106,15 +106,16 @@ class StepRun:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     losses: dict[int, float] = field(default_factory=dict)
     error: str | None = None
+    kind: str = Kind.STEP_FAILED  # what ended the attempt (a Kind), when `error` is set
     component_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
     bytes_sent: int = 0  # tensor payload bytes this peer sent for the step
     pending_starts: list[int] = field(default_factory=list)  # first-hop microbatches not started yet
     inflight: InFlightPeak = field(default_factory=InFlightPeak)  # the most activations held at once
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, kind: str = Kind.STEP_FAILED) -> None:
         if self.error is None:
-            self.error = message
+            self.error, self.kind = message, kind
         self.done.set()
 
     def figures(self) -> dict[str, int]:
@@ -294,7 +295,7 @@ class PeerDaemon:
             try:
                 await self._join()
             except RemoteError as e:
-                if RUN_OVER not in str(e):
+                if e.kind != Kind.RUN_OVER:
                     raise
                 print(f"peer: {str(e).splitlines()[0]}; exiting", flush=True)
                 return EXIT_RUN_OVER
@@ -376,7 +377,7 @@ class PeerDaemon:
                 caller = str(peer)
                 member = verify(join_token(self.secret, self.opts.run_id, caller), header.get("token"))
                 if self.coordinator is None or (caller != self.coordinator and (coordinator_only or not member)):
-                    raise ProtocolError(f"peer {caller} is not authorized for this run")
+                    raise ProtocolError(f"peer {caller} is not authorized for this run", Kind.UNAUTHORIZED)
             return await handler(header, tensors, peer)
 
         return wrapped
@@ -442,7 +443,7 @@ class PeerDaemon:
             except (TransportError, asyncio.TimeoutError, OSError, RemoteError) as e:
                 # the DHT may still name a coordinator that died (its record outlives it by up to
                 # 3 heartbeat TTLs), or a new one may still be taking over: look again
-                retry = not isinstance(e, RemoteError) or "taking over" in str(e)
+                retry = not isinstance(e, RemoteError) or e.kind == Kind.TAKING_OVER
                 if not retry or time.monotonic() > deadline:
                     raise
                 log.info("joining coordinator %s failed (%s); looking for the coordinator again", self.coordinator, e)
@@ -824,13 +825,14 @@ class PeerDaemon:
         except asyncio.TimeoutError:
             # the peer whose own computing filled most of the step is the straggler; the others were waiting
             busy = self.busy() - busy0
-            mark = f" {STRAGGLER_MARK}" if busy >= self.t.step_timeout / 2 else ""
+            straggler = busy >= self.t.step_timeout / 2
             run.fail(f"{STEP_TIMEOUT_MARK} step {run.step} timed out after {self.t.step_timeout:g} s on stage "
-                     f"{self.stage}, {busy:.1f} s of it computing{mark}")
+                     f"{self.stage}, {busy:.1f} s of it computing{f' {STRAGGLER_MARK}' if straggler else ''}",
+                     Kind.STRAGGLER if straggler else Kind.STEP_TIMEOUT)
         if run.error is None and self.plus and not run.evaluate:
             await self._sync_components(run)
         if run.error is not None:
-            raise StepFailed(run.error)
+            raise StepFailed(run.error, run.kind)
         run.inflight = await self.compute(self.worker.take_inflight_peak)  # after this step's queued work
         return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": self.stage, **run.figures()}, []
 
@@ -910,6 +912,9 @@ class PeerDaemon:
             if not math.isfinite(run.losses[mb]):
                 log.warning("non-finite loss at step %d microbatch %d", run.step, mb)
             await self._backward_task(run, mb, idx, None)
+        except StepFailed as e:  # expected (a soft error the guard could not correct): one line
+            log.warning("forward of microbatch %d failed: %s", mb, e)
+            run.fail(f"forward of microbatch {mb} failed on stage {self.stage}: {e}", e.kind)
         except Exception as e:  # a failure is a value: the step fails, the peer keeps serving
             log.exception("forward of microbatch %d failed", mb)
             run.fail(f"forward of microbatch {mb} failed on stage {self.stage}: {type(e).__name__}: {e}")
@@ -923,7 +928,7 @@ class PeerDaemon:
             except UncorrectableSoftError as e:
                 await self.compute(self.worker.drop_microbatch, key)
                 if attempt == 1:
-                    raise RuntimeError(f"{SOFT_ERROR_MARK} stage={self.stage}: {e}") from e
+                    raise StepFailed(f"{SOFT_ERROR_MARK} stage={self.stage}: {e}", Kind.SOFT_ERROR) from e
                 log.warning("uncorrectable soft error, recomputing microbatch %s: %s", key, e)
 
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
@@ -1034,7 +1039,8 @@ class PeerDaemon:
         new, me = str(peer), str(self.transport.peer_id)
         if self.secret is not None and not verify(coordinator_proof(self.secret, self.opts.run_id, new, me),
                                                   header.get("proof")):
-            raise ProtocolError(f"peer {new} is not authorized to coordinate this run (no valid coordinator proof)")
+            raise ProtocolError(f"peer {new} is not authorized to coordinate this run (no valid coordinator proof)",
+                                Kind.UNAUTHORIZED)
         old = self.coordinator
         if old is not None and old != new:
             try:
@@ -1043,9 +1049,10 @@ class PeerDaemon:
                 pass  # gone: the takeover may proceed
             except RemoteError:  # it answers, if only with an error: alive
                 raise ProtocolError(f"coordinator {old} of run {self.opts.run_id!r} is alive; takeover by {new} "
-                                    "refused") from None
+                                    "refused", Kind.COORDINATOR_ALIVE) from None
             else:
-                raise ProtocolError(f"coordinator {old} of run {self.opts.run_id!r} is alive; takeover by {new} refused")
+                raise ProtocolError(f"coordinator {old} of run {self.opts.run_id!r} is alive; takeover by {new} refused",
+                                    Kind.COORDINATOR_ALIVE)
         run = self.run_state
         if run is not None and (not run.done.is_set() or run.error is not None or run.evaluate):
             await self._drop_run("dropped: the coordinator changed")

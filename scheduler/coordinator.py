@@ -34,14 +34,13 @@ from checkfree.model import plan_stages
 from checkfree.pipeline import route
 from checkfree.net.transport import (RemoteError, TransportError, announce, dht_maddrs, live_members_async,
                                      rpc_note, start_transport, stop_transport)
-from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, RUN_OVER, STEP_TIMEOUT_MARK, STRAGGLER_MARK,
-                                ProtocolError, Timeouts, coordinator_from_records, coordinator_key,
+from checkfree.protocol import (READY_COORDINATOR, READY_STANDBY, RPC, RUN_OVER, Kind, ProtocolError, Timeouts, coordinator_from_records, coordinator_key,
                                 coordinator_record, members_key, plan_to_wire, require)
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure, plan_recovery
 from checkfree.rundir import RunWriter, read_jsonl
 from checkfree.saves import newest_save, read_save, write_save
 from checkfree.strategies.averaging import recovery_fields
-from checkfree.softerrors import ESCALATE_AFTER_SKIPS, SOFT_ERROR_MARK
+from checkfree.softerrors import ESCALATE_AFTER_SKIPS
 
 __all__ = ["CoordinatorOptions", "Coordinator"]
 
@@ -173,16 +172,17 @@ class Coordinator:
         self._check_run(header)
         require(header, peer_id=str)
         if self.over is not None:
-            raise ProtocolError(f"{RUN_OVER}: run {self.opts.run_id!r} has ended ({self.over}); nothing to join")
+            raise ProtocolError(f"{RUN_OVER}: run {self.opts.run_id!r} has ended ({self.over}); nothing to join",
+                                Kind.RUN_OVER)
         if self.cfg is None:
-            raise ProtocolError("this coordinator is taking over the run; retry in a moment")
+            raise ProtocolError("this coordinator is taking over the run; retry in a moment", Kind.TAKING_OVER)
         pid = str(peer)
         if header["peer_id"] != pid:
             raise ProtocolError(f"peer {pid} tried to join as {header['peer_id']}")
         if self.secret is not None and not verify(join_token(self.secret, self.opts.run_id, pid), header.get("token")):
             self._event("join_refused", peer_id=pid, reason="bad or missing token")
             raise ProtocolError(f"peer {pid} is not authorized: missing or wrong run token (start it with the run's "
-                                "secret: --secret-file or $CHECKFREE_SECRET)")
+                                "secret: --secret-file or $CHECKFREE_SECRET)", Kind.UNAUTHORIZED)
         if pid in self.members:
             raise ProtocolError(f"peer {pid} has already joined run {self.opts.run_id!r} (duplicate join refused)")
         observer = header.get("role") == "observer"
@@ -558,7 +558,7 @@ class Coordinator:
         errors = {s: t.exception() for s, t in tasks.items() if t in done and t.exception() is not None}
         if not errors:
             return {s: t.result()[0] for s, t in tasks.items()}
-        if pending and any(STEP_TIMEOUT_MARK in str(e) for e in errors.values()):
+        if pending and any(getattr(e, "kind", None) in (Kind.STEP_TIMEOUT, Kind.STRAGGLER) for e in errors.values()):
             # every peer's step deadline passes at about the same time: hear them all before aborting,
             # since only the straggler itself can tell that its own computing filled the step
             _, pending = await asyncio.wait(pending, timeout=self.t.rpc_timeout)
@@ -573,9 +573,9 @@ class Coordinator:
         for s, e in errors.items():
             if not isinstance(e, RemoteError):  # the peer itself did not answer
                 self.reported.add(self.stage_peer[s])
-            elif SOFT_ERROR_MARK in str(e):
+            elif e.kind == Kind.SOFT_ERROR:
                 self._soft_error(step, s)
-            elif STRAGGLER_MARK in str(e):  # slower than step_timeout: treated as failed, recovered before the retry
+            elif e.kind == Kind.STRAGGLER:  # slower than step_timeout: treated as failed, recovered before the retry
                 pid = self.stage_peer[s]
                 self._event("straggler", step=step, stage=s, peer_id=pid, reason=e.remote_message[:300])
                 self.members[pid].leaving = True
@@ -960,7 +960,7 @@ class Coordinator:
                 return await self._call(p, RPC.ADOPT, header, timeout=self.t.rpc_timeout)
 
             for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
-                if isinstance(r, RemoteError) and "is alive" in str(r):
+                if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)
                 elif isinstance(r, Exception):
                     continue

@@ -150,6 +150,7 @@ def test_libp2p_errors_timeouts_and_dead_peer() -> None:
             with pytest.raises(RemoteError, match="ValueError: handler exploded on purpose") as info:
                 await client.call(server.peer_id, "fail", {}, [torch.ones(2)], timeout=30)
             assert info.value.remote_message == "ValueError: handler exploded on purpose"
+            assert info.value.kind == "bad_request"  # what happened travels as a word, not only as text
             header, _ = await client.call(server.peer_id, "echo", {"after": "error"}, timeout=30)
             assert header["after"] == "error"
 

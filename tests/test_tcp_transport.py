@@ -103,6 +103,7 @@ def test_errors_and_timeouts_are_not_reused_and_dead_peer_fails_fast() -> None:
             with pytest.raises(RemoteError, match="ValueError: handler exploded on purpose") as info:
                 await client.call(SERVER, "fail", {}, [torch.ones(2)], timeout=30)
             assert info.value.remote_message == "ValueError: handler exploded on purpose"
+            assert info.value.kind == "bad_request"  # what happened travels as a word, not only as text
             with pytest.raises(RemoteError, match="no handler registered for 'nope'"):
                 await client.call(SERVER, "nope", {}, timeout=30)
             assert client.connections_opened == 2  # the connection that carried an error reply was closed

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
+from checkfree.protocol import Kind, ProtocolError
 from checkfree.net.transport import (
     RemoteError,
     Transport,
@@ -276,8 +277,22 @@ def test_transport_errors_timeouts_and_dead_peer() -> None:
             with pytest.raises(RemoteError, match="ValueError: handler exploded on purpose") as info:
                 await client.call(server.peer_id, "fail", {}, [torch.ones(2)], timeout=30)
             assert info.value.remote_message == "ValueError: handler exploded on purpose"
+            assert info.value.kind == "bad_request"  # what happened travels as a word, not only as text
             header, _ = await client.call(server.peer_id, "echo", {"after": "error"}, timeout=30)
             assert header["after"] == "error"
+
+            async def refuse(header: dict, tensors: list, peer):
+                raise ProtocolError("not a member", Kind.UNAUTHORIZED)
+
+            async def bug(header: dict, tensors: list, peer):
+                raise KeyError("oops")
+
+            await server.register("refuse", refuse)
+            await server.register("bug", bug)
+            for name, kind in (("refuse", "unauthorized"), ("bug", "internal")):
+                with pytest.raises(RemoteError) as info:
+                    await client.call(server.peer_id, name, {}, timeout=30)
+                assert info.value.kind == kind
 
             with pytest.raises(TransportError, match="protocols not supported"):
                 await client.call(server.peer_id, "no-such-handler", {}, timeout=30)

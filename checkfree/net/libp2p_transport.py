@@ -63,6 +63,7 @@ import torch
 from checkfree.net.transport import (
     Handler,
     RemoteError,
+    remote_error,
     TransportError,
     TransportTimeout,
     failed_request,
@@ -610,7 +611,7 @@ class Libp2pTransport:
             reply_header, reply_tensors = await handler(header, tensors, peer)
             return encode_message(reply_header, reply_tensors)
         except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-            return encode_message({"error": failed_request(e, name, peer, (WireError,))})
+            return encode_message(failed_request(e, name, peer, (WireError,)))
 
     # ------------------------------------------------------------ client side
 
@@ -653,7 +654,7 @@ class Libp2pTransport:
         except WireError as e:
             raise TransportError(f"invalid reply from peer {peer} for '{name}': {e}") from e
         if "error" in reply_header:
-            raise RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]))
+            raise remote_error(peer, name, reply_header)
         return reply_header, reply_tensors
 
     async def _resolve(self, peer: str, addrs: list[str]) -> list[str]:

@@ -270,11 +270,11 @@ class TcpTransport:
         await _write_frames(writer, encode_message({"ok": True}))
         return caller
 
-    async def _reply_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, text: str) -> None:
-        """Answer ``{"error": text}`` and wait (bounded) for the caller to close, so that the reply is not lost
-        to a reset caused by unread request bytes."""
+    async def _reply_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: str | dict) -> None:
+        """Answer an error reply (``{"error": text[, "kind": ...]}``) and wait (bounded) for the caller to close,
+        so that the reply is not lost to a reset caused by unread request bytes."""
         with contextlib.suppress(ConnectionError):
-            await _write_frames(writer, encode_message({"error": text}))
+            await _write_frames(writer, encode_message(reply if isinstance(reply, dict) else {"error": reply}))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(_discard_until_eof(reader), self.linger_timeout)
 

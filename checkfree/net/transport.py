@@ -110,11 +110,21 @@ class TransportTimeout(TransportError, TimeoutError):
 
 
 class RemoteError(TransportError):
-    """The remote handler (or the remote decoder) failed; ``remote_message`` is its error string."""
+    """The remote handler (or the remote decoder) failed; ``remote_message`` is its error string and
+    ``kind`` what happened, as a word callers branch on (the error's own ``kind``, e.g. a step's
+    ``straggler``; ``bad_request`` for malformed input; ``internal`` for a bug), never the text."""
 
-    def __init__(self, message: str, remote_message: str) -> None:
+    def __init__(self, message: str, remote_message: str, kind: str = "internal") -> None:
         super().__init__(message)
         self.remote_message = remote_message
+        self.kind = kind
+
+
+def remote_error(peer: Any, name: str, reply_header: dict) -> RemoteError:
+    """The RemoteError of an error reply ``{"error": text, "kind": kind}``."""
+    kind = reply_header.get("kind")
+    return RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]),
+                       kind if isinstance(kind, str) else "internal")
 
 
 def _as_peer_id(peer_id: PeerID | str) -> PeerID:
@@ -214,15 +224,17 @@ def expected(e: BaseException) -> bool:
     return isinstance(e, (ValueError, asyncio.TimeoutError)) or getattr(e, "expected", False)
 
 
-def failed_request(e: Exception, what: str, peer: Any, bad: tuple[type, ...] = (asyncio.TimeoutError, WireError)) -> str:
+def failed_request(e: Exception, what: str, peer: Any, bad: tuple[type, ...] = (asyncio.TimeoutError, WireError)) -> dict:
     """Log a request that failed on a server (a rate-limited one-line warning for a ``bad`` request or
-    an expected condition, the traceback for a bug in a handler) and return the text of its
-    ``{"error": ...}`` reply; ``what`` names the protocol in the log."""
+    an expected condition, the traceback for a bug in a handler) and return its error reply
+    ``{"error": text, "kind": kind}``; ``what`` names the protocol in the log."""
     if isinstance(e, bad) or expected(e):
         REFUSALS.warn("%s: refused request from %s: %s: %s", what, peer, type(e).__name__, str(e)[:300])
+        kind = getattr(e, "kind", None) or ("timeout" if isinstance(e, asyncio.TimeoutError) else "bad_request")
     else:
         logger.exception("%s: handler failed for request from %s", what, peer)
-    return f"{type(e).__name__}: {e}"
+        kind = "internal"
+    return {"error": f"{type(e).__name__}: {e}", "kind": kind}
 
 
 async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
@@ -318,7 +330,7 @@ async def _reply_within(exchange: Awaitable[tuple[dict, list[torch.Tensor]]], ti
     except asyncio.TimeoutError:
         raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
     if "error" in reply_header:
-        raise RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]))
+        raise remote_error(peer, name, reply_header)
     return reply_header, reply_tensors
 
 
@@ -408,7 +420,7 @@ class Transport:
                     logger.debug("%s: peer %s closed the stream mid-request: %r", name, peer, e)
                     return
                 except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-                    frames = encode_message({"error": failed_request(e, name, peer)})
+                    frames = encode_message(failed_request(e, name, peer))
                     failed = True
                 await _write_frames(writer, frames)
                 if failed:
