@@ -12,12 +12,14 @@ the secret over fresh nonces and their claimed ids, so an id there is a claim by
   RPCs (activations, gradients, weights, snapshots) only from peers the coordinator listed
   as members; the coordinator accepts reports, leaves and status requests only from
   members. A stranger can neither join nor inject activations, gradients or weights.
-* DHT records carry a MAC bound to the writer's peer id (`sign_record` / `record_ok`): peers'
-  heartbeats and the coordinator's address record. Readers with the secret ignore records
-  without a valid one, so a stranger cannot announce itself as a member or as the coordinator.
-  A copied record only repeats what a member said; heartbeats are advisory anyway (a missing
-  one only triggers a ping; assignment needs an authenticated join), so no forged or replayed
-  record can admit a peer or hide a failure.
+* DHT records carry a MAC over their whole content, the writer's peer id, the record kind and
+  an expiry time (`sign_record` / `record_ok`): peers' heartbeats and the coordinator's address
+  record. Readers with the secret ignore records without a valid MAC or past their expiry, so a
+  stranger cannot announce itself as a member or as the coordinator, alter what a member said
+  (its stage, its state) or replay an old record once it has expired (a copy can be replayed
+  only until the expiry its writer chose: one heartbeat TTL for heartbeats). Heartbeats are
+  advisory anyway (a missing one only triggers a ping; assignment needs an authenticated
+  join), so no forged or replayed record can admit a peer or hide a failure.
 
 The secret comes from `--secret-file` or the CHECKFREE_SECRET environment variable (never
 the command line, where other users could read it); `checkfree local` makes a random one.
@@ -27,7 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import math
 import os
+import time
 from pathlib import Path
 
 __all__ = ["load_secret", "join_token", "coordinator_proof", "handshake_proof", "verify", "sign_record", "record_ok",
@@ -75,13 +80,31 @@ def verify(expected: str, given: object) -> bool:
     return isinstance(given, str) and hmac.compare_digest(expected, given)
 
 
-def sign_record(secret: bytes | None, run_id: str, kind: str, peer_id: str, value: dict) -> dict:
-    """A DHT record `value` written by `peer_id`, with its MAC when the run has a secret."""
-    return value if secret is None else {**value, "mac": _mac(secret, "record", kind, run_id, peer_id)}
+def _record_mac(secret: bytes, run_id: str, kind: str, peer_id: str, value: dict) -> str:
+    content = json.dumps({k: v for k, v in value.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    return _mac(secret, "record", kind, run_id, peer_id, content)
+
+
+def sign_record(secret: bytes | None, run_id: str, kind: str, peer_id: str, value: dict, ttl: float) -> dict:
+    """A DHT record `value` written by `peer_id`; when the run has a secret, with an `expires` time
+    (Unix seconds, now + `ttl`: the record's DHT expiry) and a MAC over all of it."""
+    if secret is None:
+        return value
+    record = {**value, "expires": round(time.time() + ttl, 3)}
+    return {**record, "mac": _record_mac(secret, run_id, kind, peer_id, record)}
 
 
 def record_ok(secret: bytes | None, run_id: str, kind: str, peer_id: object, value: object) -> bool:
-    """Whether a DHT record read back was written by a holder of the secret (always, without one)."""
+    """Whether a DHT record read back was written by a holder of the secret, unaltered and not
+    expired (always true without a secret)."""
     if not isinstance(value, dict) or not isinstance(peer_id, str):
         return False
-    return secret is None or verify(_mac(secret, "record", kind, run_id, peer_id), value.get("mac"))
+    if secret is None:
+        return True
+    expires = value.get("expires")
+    if not isinstance(expires, (int, float)) or not math.isfinite(expires) or expires < time.time():
+        return False
+    try:
+        return verify(_record_mac(secret, run_id, kind, peer_id, value), value.get("mac"))
+    except (TypeError, ValueError):  # content that JSON cannot hold was not signed by us
+        return False

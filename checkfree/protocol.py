@@ -135,10 +135,12 @@ def coordinator_key(run_id: str) -> str:
     return f"{DHT_PREFIX}/{run_id}/coordinator"
 
 
-def coordinator_record(secret: bytes | None, run_id: str, peer_id: str, transport: str) -> dict:
-    """What the coordinator announces under `coordinator_key`: its RPC peer id and the transport serving it,
-    signed with the run secret (if any) together: a record whose transport was altered fails the MAC."""
-    return sign_record(secret, run_id, f"coordinator/{transport}", peer_id, {"peer_id": peer_id, "transport": transport})
+def coordinator_record(secret: bytes | None, run_id: str, peer_id: str, transport: str, ttl: float = 12.0) -> dict:
+    """What the coordinator announces under `coordinator_key` for `ttl` seconds: its RPC peer id and the
+    transport serving it, signed with the run secret (if any) together: a record whose transport was
+    altered fails the MAC, and so does one replayed after its expiry."""
+    return sign_record(secret, run_id, f"coordinator/{transport}", peer_id, {"peer_id": peer_id, "transport": transport},
+                       ttl)
 
 
 def coordinator_from_records(found: dict, secret: bytes | None, run_id: str, transport: str, *,

@@ -316,7 +316,8 @@ class PeerDaemon:
         while True:
             try:
                 value = {"stage": self.stage, "state": self.state.value}
-                await announce(self.dht, key, me, sign_record(self.secret, self.opts.run_id, "member", me, value),
+                await announce(self.dht, key, me, sign_record(self.secret, self.opts.run_id, "member", me, value,
+                                                              self.t.heartbeat_ttl),
                                self.t.heartbeat_ttl)
             except Exception as e:  # a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)

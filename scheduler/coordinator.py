@@ -1020,7 +1020,8 @@ class Coordinator:
         while True:
             try:
                 await announce(self.dht, coordinator_key(self.opts.run_id), "main",
-                               coordinator_record(self.secret, self.opts.run_id, pid, self.transport.kind),
+                               coordinator_record(self.secret, self.opts.run_id, pid, self.transport.kind,
+                                                  ttl=self.t.heartbeat_ttl * 3),
                                ttl=self.t.heartbeat_ttl * 3)
             except Exception as e:
                 log.warning("announcing the coordinator failed: %r", e)

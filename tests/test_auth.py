@@ -154,7 +154,7 @@ def test_dht_records_are_signed_for_the_run():
     from checkfree.auth import record_ok, sign_record
 
     secret, other = SECRET.encode(), b"another-secret-of-16+chars"
-    rec = sign_record(secret, "auth", "member", "peerA", {"stage": 1})
+    rec = sign_record(secret, "auth", "member", "peerA", {"stage": 1}, ttl=30)
     assert rec["stage"] == 1 and record_ok(secret, "auth", "member", "peerA", rec)
     assert not record_ok(secret, "auth", "member", "peerB", rec)  # copied under another id
     assert not record_ok(secret, "auth", "coordinator", "peerA", rec)  # another kind of record
@@ -163,5 +163,10 @@ def test_dht_records_are_signed_for_the_run():
     assert not record_ok(secret, "auth", "member", "peerA", {"stage": 1})  # unsigned
     assert not record_ok(secret, "auth", "member", "peerA", {**rec, "mac": "0" * 64})
     assert not record_ok(secret, "auth", "member", None, rec) and not record_ok(secret, "auth", "member", "p", [1])
-    assert sign_record(None, "auth", "member", "peerA", {"stage": 1}) == {"stage": 1}  # an open swarm
+    assert not record_ok(secret, "auth", "member", "peerA", {**rec, "stage": 2})  # content altered
+    assert not record_ok(secret, "auth", "member", "peerA", {**rec, "state": "serving"})  # content added
+    assert not record_ok(secret, "auth", "member", "peerA", {**rec, "expires": rec["expires"] + 3600})  # extended
+    expired = sign_record(secret, "auth", "member", "peerA", {"stage": 1}, ttl=-1)
+    assert not record_ok(secret, "auth", "member", "peerA", expired)  # a replay after the writer's expiry
+    assert sign_record(None, "auth", "member", "peerA", {"stage": 1}, ttl=30) == {"stage": 1}  # an open swarm
     assert record_ok(None, "auth", "member", "peerA", {"stage": 1})

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
+from checkfree.auth import record_ok, sign_record
 from checkfree.protocol import Kind, ProtocolError
 from checkfree.net.transport import (
     RemoteError,
@@ -455,6 +456,13 @@ def test_start_transport_dht_heartbeats_and_bad_bootstrap() -> None:
             await asyncio.sleep(1.5)  # b stopped refreshing: its entry expires
             assert live_members(dht_a, "members") == {str(t_a.peer_id): {"stage": 0}}
             assert await live_members_async(dht_a, "nobody-here") == {}
+
+            # a signed record survives the DHT's encoding: its MAC (over the content and expiry) still verifies
+            secret = b"a-run-secret-of-16+chars"
+            signed = sign_record(secret, "r", "member", "peerS", {"stage": 2, "state": "serving"}, ttl=30)
+            assert await announce(dht_a, "signed", "peerS", signed, ttl=30)
+            back = (await live_members_async(dht_b, "signed"))["peerS"]
+            assert back == signed and record_ok(secret, "r", "member", "peerS", back)
 
             dead = f"/ip4/127.0.0.1/tcp/1/p2p/{t_a.peer_id}"  # right peer id, nothing listening
             start = time.monotonic()
