@@ -62,10 +62,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of activations/gradients sent between peers (default float32)")
     g.add_argument("--data", help="'shakespeare' (default), a text file or directory, or hf:<dataset>[:<data_files>]")
     g.add_argument("--tokenizer", help="tokenizer.json path or HF tokenizer name (default: train a BPE)")
-    g.add_argument("--model-config", metavar="FILE", help="the model's shape from an HF Llama config.json")
+    g.add_argument("--model-config", metavar="FILE",
+                   help="the model's shape from an HF Llama config.json (default: the preset's shape)")
     g.add_argument("--init-from", metavar="DIR|NAME",
                    help="start every stage from an HF Llama model (directory or hub name): its config.json sets the "
-                        "shape unless --model-config is given, its tokenizer.json the tokenizer unless --tokenizer is")
+                        "shape unless --model-config is given, its tokenizer.json the tokenizer unless --tokenizer "
+                        "is; every peer needs the directory (default: seeded random init)")
     f = p.add_argument_group("failures")
     f.add_argument("--failure-rate", type=float, help="probability a stage fails per step")
     f.add_argument("--hourly-failure-rate", type=float, help="probability a stage fails per hour (with --iteration-time)")

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, help="the .safetensors file to write (config JSON beside it), or the "
                                                    "directory with --format hf")
     p.add_argument("--tokenizer", metavar="FILE", help="--format hf: the tokenizer.json to include (default: the "
-                   "run directory's, or with --live the run's tokenizer as the run's data config builds it)")
+                   "run directory's tokenizer.json, or the one the run's data config builds, e.g. with --live)")
     add_network_arguments(p)
     p.set_defaults(func=run_export)
 
