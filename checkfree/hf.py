@@ -32,9 +32,24 @@ from torch import Tensor
 from checkfree.config import ModelConfig, RunConfig
 from checkfree.model import StageSpec, stage_to_global
 
-__all__ = ["to_hf_state", "from_hf_tensor", "hf_config", "model_config_from_hf", "save_hf", "save_tokenizer",
-           "resolve_source", "HFCheckpoint", "load_stage_state", "check_init_from", "configure_from_hf",
-           "HF_BLOCK_NAMES", "HF_TOP_NAMES"]
+__all__ = [
+    "HF_BLOCK_NAMES",
+    "HF_TOP_NAMES",
+    "HFCheckpoint",
+    "check_init_from",
+    "configure_from_hf",
+    "from_hf_tensor",
+    "hf_config",
+    "hf_name",
+    "load_stage_state",
+    "model_config_from_hf",
+    "resolve_source",
+    "rope_to_halves",
+    "rope_to_pairs",
+    "save_hf",
+    "save_tokenizer",
+    "to_hf_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +86,14 @@ def _rope_heads(cfg: ModelConfig, key: str) -> int | None:
     return None
 
 
-def _to_halves(w: Tensor, heads: int) -> Tensor:
+def rope_to_halves(w: Tensor, heads: int) -> Tensor:
     """Rows of each head from interleaved pairs (0,1),(2,3).. to halves (0..hs/2-1 | hs/2..hs-1)."""
     hs = w.shape[0] // heads
     return w.reshape(heads, hs // 2, 2, -1).transpose(1, 2).reshape(w.shape)  # (h, 2, hs/2, C) -> rows
 
 
-def _to_pairs(w: Tensor, heads: int) -> Tensor:
-    """Inverse of `_to_halves`."""
+def rope_to_pairs(w: Tensor, heads: int) -> Tensor:
+    """Inverse of `rope_to_halves`."""
     hs = w.shape[0] // heads
     return w.reshape(heads, 2, hs // 2, -1).transpose(1, 2).reshape(w.shape)  # (h, hs/2, 2, C) -> rows
 
@@ -91,7 +106,7 @@ def to_hf_state(cfg: ModelConfig, full: dict[str, Tensor]) -> dict[str, Tensor]:
             continue  # HF re-ties lm_head to embed_tokens
         heads = _rope_heads(cfg, key)
         value = value.detach().cpu()
-        out[hf_name(key)] = (_to_halves(value, heads) if heads else value).contiguous()
+        out[hf_name(key)] = (rope_to_halves(value, heads) if heads else value).contiguous()
     return out
 
 
@@ -99,7 +114,7 @@ def from_hf_tensor(cfg: ModelConfig, key: str, value: Tensor) -> Tensor:
     """An HF tensor as the checkfree tensor `key` (a global name): float32, W_q/W_k permuted back."""
     heads = _rope_heads(cfg, key)
     value = value.to(torch.float32)
-    return (_to_pairs(value, heads) if heads else value).contiguous()
+    return (rope_to_pairs(value, heads) if heads else value).contiguous()
 
 
 def hf_config(cfg: ModelConfig, *, eos_token_id: int | None = None) -> dict[str, Any]:

@@ -15,12 +15,15 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the HF tests need the 'hf' extra (in 'dev')")
 
-from checkfree.cli import main  # noqa: E402
-from checkfree.config import ModelConfig  # noqa: E402
-from checkfree.export import load_export  # noqa: E402
-from checkfree.hf import hf_config, save_hf  # noqa: E402
-from checkfree.model import LlamaModel, PipelineStage, plan_stages  # noqa: E402
-from checkfree.rundir import read_jsonl  # noqa: E402
+from safetensors.torch import load_file
+
+from checkfree.cli import build_parser, config_from_args, main
+from checkfree.config import ModelConfig
+from checkfree.export import load_export
+from checkfree.hf import hf_config, load_stage_state, rope_to_pairs, save_hf
+from checkfree.model import LlamaModel, PipelineStage, plan_stages, stage_to_global
+from checkfree.rundir import read_jsonl
+from checkfree.worker import build_workers
 
 TEXTS = ["To be, or not to be: that is the question.",
          "  Whether 'tis nobler\n\tin the mind to suffer   the slings  ",
@@ -89,11 +92,9 @@ def test_export_loads_in_transformers_with_equal_logits(name, request):
     delta = float((ours - theirs).abs().max())
     assert delta < 1e-5, f"{name}: max |logits difference| {delta:.3g}"
     # the RoPE row permutation is what makes them equal: without it they are close, and wrong
-    from checkfree.hf import _to_pairs
-
     for layer in model.model.layers:
         for proj, heads in ((layer.self_attn.q_proj, expected.num_heads), (layer.self_attn.k_proj, expected.kv_heads)):
-            proj.weight.data = _to_pairs(proj.weight.data, heads)
+            proj.weight.data = rope_to_pairs(proj.weight.data, heads)
     tokens = torch.randint(0, expected.vocab_size, (4, expected.context_length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         unpermuted = float((ours - model(tokens).logits).abs().max())
@@ -128,20 +129,13 @@ def test_init_from_continues_training(mha_run, tmp_path):
     assert cfg["train"]["init_from"] == str(out) and cfg["data"]["tokenizer"] == str(out / "tokenizer.json")
 
 
-def test_init_from_gqa_export_equals_its_weights(gqa_run, tmp_path):
+def test_init_from_gqa_export_equals_its_weights(gqa_run):
     """--init-from takes the weights back exactly (inverse permutation), every stage of them."""
-    from checkfree.simulator import Simulator
-    from checkfree.cli import build_parser, config_from_args
-
     run, out = gqa_run
-    args = build_parser().parse_args(["simulate", "--init-from", str(out), "--steps", "1"])
-    cfg = config_from_args(args)
+    cfg = config_from_args(build_parser().parse_args(["simulate", "--init-from", str(out), "--steps", "1"]))
     assert (cfg.model.num_kv_heads, cfg.model.mlp_hidden, cfg.model.num_layers) == (2, 88, 4)
-    sim = Simulator(cfg, tmp_path / "r", progress=False)
     want = load_export(run / "final_weights.safetensors").state_dict()
-    for spec, worker in zip(plan_stages(cfg.model.num_layers, cfg.num_stages), sim.workers):
-        from checkfree.model import stage_to_global
-
+    for spec, worker in zip(plan_stages(cfg.model.num_layers, cfg.num_stages), build_workers(cfg)):
         for key, value in stage_to_global(spec, worker.state_dict()).items():
             assert torch.equal(value, want[key]), key
 
@@ -153,14 +147,12 @@ def test_tied_model_is_untied_for_the_pipeline(cache, tmp_path):
     torch.manual_seed(0)
     tied = LlamaModel(cfg).eval()
     save_hf(cfg, tied.state_dict(), tmp_path / "tied")
-    assert "lm_head.weight" not in __import__("safetensors.torch").torch.load_file(str(tmp_path / "tied" / "model.safetensors"))
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tied").eval()
     tokens = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         assert float((tied(tokens) - theirs(tokens).logits).abs().max()) < 1e-5
     # coming in, the head becomes a copy of the embedding on its own stage
-    from checkfree.cli import build_parser, config_from_args
-    from checkfree.hf import load_stage_state
 
     args = build_parser().parse_args(["simulate", "--init-from", str(tmp_path / "tied"), "--stages", "2"])
     run_cfg = config_from_args(args)
