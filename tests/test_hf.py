@@ -1,6 +1,6 @@
 """Hugging Face models out (`export --format hf`) and in (`--init-from`, `--model-config`).
 
-The runs go through the command line (`checkfree.cli.main`, in process), so the flags are
+The runs go through the command line (`cli.main.main`, in process), so the flags are
 what is tested; `transformers` loads the export with no extra code.
 """
 
@@ -17,13 +17,14 @@ transformers = pytest.importorskip("transformers", reason="the HF tests need the
 
 from safetensors.torch import load_file
 
-from checkfree.cli import build_parser, config_from_args, main
+from checkfree.cli import config_from_args
 from checkfree.config import ModelConfig
 from checkfree.export import load_export
 from checkfree.hf import hf_config, load_stage_state, rope_to_pairs, save_hf
 from checkfree.model import LlamaModel, PipelineStage, plan_stages, stage_to_global
 from checkfree.rundir import read_jsonl
 from checkfree.worker import build_workers
+from cli.main import build_parser, main
 
 TEXTS = ["To be, or not to be: that is the question.",
          "  Whether 'tis nobler\n\tin the mind to suffer   the slings  ",
