@@ -475,14 +475,14 @@ class AttentionGuard:
         q = self._linear("q", attn.wq, x)
         k = self._linear("k", attn.wk, x)
         q = apply_rope(attn.split_heads(q), attn.rope_cos, attn.rope_sin)
-        k = apply_rope(attn.split_heads(k), attn.rope_cos, attn.rope_sin)
+        k = attn.expand_kv(apply_rope(attn.split_heads(k, attn.num_kv_heads), attn.rope_cos, attn.rope_sin))
         kt = k.transpose(-2, -1)
         scores = q @ kt  # (B, nh, T, T)
         hs = attn.head_dim
         self._protect("scores", scores, lambda: (q.reshape(-1, t, hs), kt.reshape(-1, hs, t), None))
         # scale and causal mask in one op: -inf + s/sqrt(hs) above the diagonal, 0 + s/sqrt(hs) on and below
         p = torch.softmax(torch.add(causal_bias(t, scores.dtype, x.device), scores, alpha=1.0 / math.sqrt(hs)), dim=-1)
-        v = attn.split_heads(self._linear("v", attn.wv, x))
+        v = attn.expand_kv(attn.split_heads(self._linear("v", attn.wv, x), attn.num_kv_heads))
         ctx = p @ v  # (B, nh, T, hs)
         self._protect("context", ctx, lambda: (p.reshape(-1, t, t), v.reshape(-1, t, hs), None))
         return self._linear("out", attn.wo, ctx.transpose(1, 2).reshape(b, t, c))

@@ -62,6 +62,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of activations/gradients sent between peers (default float32)")
     g.add_argument("--data", help="'shakespeare' (default), a text file or directory, or hf:<dataset>[:<data_files>]")
     g.add_argument("--tokenizer", help="tokenizer.json path or HF tokenizer name (default: train a BPE)")
+    g.add_argument("--model-config", metavar="FILE",
+                   help="the model's shape from an HF Llama config.json (default: the preset's shape)")
+    g.add_argument("--init-from", metavar="DIR|NAME",
+                   help="start every stage from an HF Llama model (directory or hub name): its config.json sets the "
+                        "shape unless --model-config is given, its tokenizer.json the tokenizer unless --tokenizer "
+                        "is; every peer needs the directory (default: seeded random init)")
     f = p.add_argument_group("failures")
     f.add_argument("--failure-rate", type=float, help="probability a stage fails per step")
     f.add_argument("--hourly-failure-rate", type=float, help="probability a stage fails per hour (with --iteration-time)")
@@ -130,6 +136,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg = config_from_dict(json.loads(path.read_text()))
     else:
         cfg = preset(args.preset)
+    if getattr(args, "model_config", None) or getattr(args, "init_from", None):
+        from checkfree.hf import configure_from_hf
+
+        configure_from_hf(cfg, model_config=args.model_config, init_from=args.init_from)
     _set(cfg, "num_stages", args.stages)
     if args.layers is not None:
         cfg.model.num_layers = args.layers
@@ -176,7 +186,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def validate(cfg: RunConfig) -> None:
     """Reject a config that cannot run, with the reason."""
-    from checkfree.model import plan_stages
+    from checkfree.model import check_pipelinable, plan_stages
     from checkfree.worker import lr_at, resolve_device
 
     names = strategy_names()
@@ -185,6 +195,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.recovery.fallback not in FALLBACKS:
         raise ValueError(f"unknown fallback {cfg.recovery.fallback!r}; choose one of {FALLBACKS}")
     plan_stages(cfg.model.num_layers, cfg.num_stages)
+    check_pipelinable(cfg.model)
+    if cfg.train.init_from is not None:
+        from checkfree.hf import check_init_from
+
+        check_init_from(cfg.model, cfg.train.init_from)
     for name, flag in (("num_steps", "--steps"), ("num_microbatches", "--microbatches"),
                        ("microbatch_size", "--microbatch-size")):
         if getattr(cfg.train, name) < 1:

@@ -33,22 +33,43 @@ class ModelConfig:
 
     vocab_size: int = 512  # tokens; a trained BPE tokenizer is built with this many
     d_model: int = 32  # residual width
-    num_heads: int = 4  # attention heads; d_model must divide by it
+    num_heads: int = 4  # attention (query) heads; d_model must divide by it
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: num_heads
     num_layers: int = 8  # transformer blocks in the whole model
     context_length: int = 32  # tokens per sequence
-    mlp_ratio: int = 4  # SwiGLU hidden size = mlp_ratio * d_model
+    mlp_ratio: int = 4  # SwiGLU hidden size = mlp_ratio * d_model, unless mlp_hidden is set
+    mlp_hidden: int | None = None  # explicit SwiGLU hidden size (Llama-2 7B: 11008); None: mlp_ratio * d_model
     norm_eps: float = 1e-6  # RMSNorm epsilon
     rope_theta: float = 1e4  # RoPE base
     init_std: float = 0.02  # N(0, init_std) init of every matrix
+    tie_embeddings: bool = False  # LM head shares the embedding matrix (whole model only: a pipeline unties it)
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "context_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
             raise ValueError(f"head size {self.d_model // self.num_heads} must be even for RoPE")
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "context_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must be >= 1 and divide num_heads={self.num_heads}")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"mlp_hidden must be >= 1, got {self.mlp_hidden}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads (plain multi-head attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def mlp_width(self) -> int:
+        """SwiGLU hidden size."""
+        return self.mlp_hidden or self.mlp_ratio * self.d_model
 
 
 @dataclass(kw_only=True)
@@ -79,6 +100,7 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
     seed: int = 0
+    init_from: str | None = None  # HF Llama directory or hub name whose weights start every stage; None: seeded init
     eval_every: int = 50  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 4  # microbatches of validation data per evaluation
     device: str = "auto"  # auto | cpu | cuda | cuda:N

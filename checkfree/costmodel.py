@@ -158,8 +158,9 @@ def get_profile(name: str) -> Profile:
 
 
 def _block_params(cfg: RunConfig) -> int:
-    d, h = cfg.model.d_model, cfg.model.mlp_ratio * cfg.model.d_model
-    return 4 * d * d + 3 * d * h + 2 * d  # attention, SwiGLU, two RMSNorms
+    m = cfg.model
+    d, h, kv = m.d_model, m.mlp_width, m.kv_heads * m.head_dim
+    return 2 * d * d + 2 * d * kv + 3 * d * h + 2 * d  # attention (q, o; k, v), SwiGLU, two RMSNorms
 
 
 def stage_params(cfg: RunConfig) -> list[int]:

@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,8 @@ from torch import Tensor
 
 from checkfree.config import DataConfig
 
-__all__ = ["EOS", "DataError", "load_documents", "load_tokenizer", "TokenData", "build_data", "cache_dir"]
+__all__ = ["EOS", "DataError", "load_documents", "load_tokenizer", "build_tokenizer", "eos_token", "save_run_tokenizer",
+           "TokenData", "build_data", "cache_dir"]
 
 log = logging.getLogger(__name__)
 EOS = "<|endoftext|>"
@@ -141,12 +143,33 @@ def load_tokenizer(cfg: DataConfig, docs: list[str], vocab_size: int, corpus_id:
     return Tokenizer.from_pretrained(cfg.tokenizer)
 
 
-def _eos_id(tok) -> int:
+def eos_token(tok) -> str:
+    """The tokenizer's end-of-text token, the one joining documents."""
     for name in (EOS, "</s>", "<eos>", "[SEP]"):
-        idx = tok.token_to_id(name)
-        if idx is not None:
-            return idx
+        if tok.token_to_id(name) is not None:
+            return name
     raise DataError(f"the tokenizer has no end-of-text token (looked for {EOS!r}, '</s>', '<eos>', '[SEP]')")
+
+
+def _eos_id(tok) -> int:
+    return tok.token_to_id(eos_token(tok))
+
+
+def build_tokenizer(cfg: DataConfig, vocab_size: int):
+    """The run's tokenizer alone (the corpus is read only when the BPE is trained on it)."""
+    if cfg.tokenizer is not None:
+        return load_tokenizer(cfg, [], vocab_size, "")
+    docs = load_documents(cfg)
+    return load_tokenizer(cfg, docs, vocab_size, _fingerprint(cfg.source, *docs))
+
+
+def save_run_tokenizer(tok, out: str | Path) -> Path:
+    """The run directory keeps its tokenizer: <out>/tokenizer.json (written atomically)."""
+    path = Path(out) / "tokenizer.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    return path
 
 
 @dataclass
@@ -158,6 +181,7 @@ class TokenData:
     vocab_size: int
     seed: int
     microbatch_size: int
+    tokenizer: Any = None  # the tokenizers.Tokenizer the tokens came from
 
     def batch(self, step: int, microbatch: int) -> tuple[Tensor, Tensor]:
         """(inputs, targets), each (B, T) int64: a pure function of (seed, step, microbatch)."""
@@ -208,4 +232,4 @@ def build_data(cfg: DataConfig, *, vocab_size: int, context_length: int, seed: i
     seqs = tokens[: n * (context_length + 1)].reshape(n, context_length + 1)
     n_val = min(n - 1, max(1, round(n * cfg.val_fraction)))
     return TokenData(train=seqs[: n - n_val], val=seqs[n - n_val:], vocab_size=vocab_size, seed=seed,
-                     microbatch_size=microbatch_size)
+                     microbatch_size=microbatch_size, tokenizer=tok)

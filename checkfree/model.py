@@ -27,6 +27,7 @@ __all__ = [
     "Head",
     "PipelineStage",
     "LlamaModel",
+    "check_pipelinable",
     "derive_seed",
     "init_stage",
     "stage_to_global",
@@ -115,28 +116,36 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.head_dim = cfg.d_model // cfg.num_heads
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.kv_heads
+        self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.num_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         cos, sin = rope_tables(self.head_dim, cfg.context_length, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.guard = None
 
-    def split_heads(self, x: Tensor) -> Tensor:
+    def split_heads(self, x: Tensor, heads: int | None = None) -> Tensor:
+        """(B, T, h*hs) -> (B, h, T, hs); h is num_heads unless given (num_kv_heads for k and v)."""
         b, t, _ = x.shape
-        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        return x.view(b, t, heads or self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, T, hs)
+
+    def expand_kv(self, x: Tensor) -> Tensor:
+        """Grouped-query attention: each of the num_kv_heads heads serves num_heads / num_kv_heads
+        consecutive query heads (as HF's repeat_kv). (B, nkv, T, hs) -> (B, nh, T, hs)."""
+        rep = self.num_heads // self.num_kv_heads
+        return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.guard is not None:
             return self.guard(self, x)
         b, t, c = x.shape
         q = apply_rope(self.split_heads(self.wq(x)), self.rope_cos, self.rope_sin)
-        k = apply_rope(self.split_heads(self.wk(x)), self.rope_cos, self.rope_sin)
-        v = self.split_heads(self.wv(x))
+        k = apply_rope(self.split_heads(self.wk(x), self.num_kv_heads), self.rope_cos, self.rope_sin)
+        v = self.split_heads(self.wv(x), self.num_kv_heads)
+        k, v = self.expand_kv(k), self.expand_kv(v)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return self.wo(y.transpose(1, 2).reshape(b, t, c))
 
@@ -146,7 +155,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        hidden = cfg.mlp_ratio * cfg.d_model
+        hidden = cfg.mlp_width
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)
         self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)
@@ -171,7 +180,7 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final RMSNorm and the (untied) LM head."""
+    """Final RMSNorm and the LM head (its own matrix; LlamaModel ties it to the embedding if configured)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -187,6 +196,7 @@ class PipelineStage(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: StageSpec, *, has_embedding: bool, has_head: bool) -> None:
         super().__init__()
+        check_pipelinable(cfg)
         self.cfg, self.spec = cfg, spec
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model) if has_embedding else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(spec.num_blocks))
@@ -208,6 +218,15 @@ class PipelineStage(nn.Module):
                 raise ValueError(f"stage {self.spec.index} holds no head but was asked to apply it")
             x = self.head(x)  # (B, T, V)
         return x
+
+
+def check_pipelinable(cfg: ModelConfig) -> None:
+    """Tied embeddings cannot be cut into stages: the embedding lives on the first stage(s) and
+    the head on the last, so one matrix would have to be one parameter in two processes."""
+    if cfg.tie_embeddings:
+        raise ValueError("tie_embeddings=True cannot be trained as a pipeline: the embedding and the LM head live "
+                         "on different stages. Untie them (the head starts as a copy of the embedding; "
+                         "--init-from and --model-config do this for a tied HF model)")
 
 
 def derive_seed(*parts: object) -> int:
@@ -240,7 +259,9 @@ def init_stage(stage: PipelineStage, seed: int) -> None:
 
 
 class LlamaModel(nn.Module):
-    """The unsplit model, with global layer names (`layers.{i}`): export target and test oracle."""
+    """The unsplit model, with global layer names (`layers.{i}`): export target and test oracle.
+
+    With `tie_embeddings` the head's matrix is the embedding's (one parameter, both names)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -248,6 +269,8 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.head = Head(cfg)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.weight
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)  # (B, T, C)

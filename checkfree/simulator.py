@@ -27,7 +27,7 @@ import torch
 
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
-from checkfree.data import TokenData, build_data
+from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.pipeline import Hop, edge_holders, route
 from checkfree.recovery import StateDict, UnrecoverableFailure, omega
@@ -197,6 +197,7 @@ class Simulator:
             raise FileNotFoundError(f"--resume: {out} has no complete save (run with --save-every N)")
         self.writer = RunWriter(out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step, resume=resume,
                                 tensorboard=tensorboard)
+        save_run_tokenizer(self.data.tokenizer, self.writer.out)
         self.cost = CostModel(cfg)
         self.ctx = SimContext(self)
         self.progress = progress

@@ -94,7 +94,7 @@ class StageWorker:
             self.module = PipelineStage(cfg.model, self.spec, has_embedding="embed" in self.components,
                                         has_head="head" in self.components)
         if init:
-            init_stage(self.module, cfg.train.seed)
+            self._initialise()
             self.module.to(self.device)
         self.guard = None
         self.lr_scale = 1.0
@@ -105,6 +105,17 @@ class StageWorker:
         # saved-tensor hook that finds them costs ~5% of a step, so it runs on a kind's first forward only
         self._mb_bytes: dict[tuple, int] = {}
         self._peak = InFlightPeak()
+
+    def _initialise(self) -> None:
+        """The run's starting weights: seeded, or the stage's slice of the --init-from checkpoint."""
+        source = self.cfg.train.init_from
+        if source is None:
+            init_stage(self.module, self.cfg.train.seed)
+            return
+        from checkfree.hf import load_stage_state
+
+        keys = list(self.module.state_dict())
+        self.module.load_state_dict(load_stage_state(self.cfg.model, self.spec, keys, source))
 
     @property
     def index(self) -> int:

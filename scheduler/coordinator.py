@@ -28,6 +28,7 @@ import torch
 
 from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok, verify
 from checkfree.config import RunConfig, config_from_dict
+from checkfree.data import DataError, build_tokenizer, save_run_tokenizer
 from checkfree.export import save_export
 from checkfree.failures import FailureSchedule
 from checkfree.model import plan_stages
@@ -742,6 +743,15 @@ class Coordinator:
                   f"{c['recoveries']}, fallbacks {c['fallbacks']}", flush=True)
             step += 1
 
+    def _keep_tokenizer(self) -> None:
+        """The run directory keeps its tokenizer (tokenizer.json) when this machine can build it."""
+        try:
+            tok = build_tokenizer(self.cfg.data, self.cfg.model.vocab_size)
+        except DataError as e:
+            log.warning("the run directory gets no tokenizer.json: %s", e)
+            return
+        save_run_tokenizer(tok, self.opts.out)
+
     async def _gather_final(self) -> None:
         states = {}
         for s in range(self.cfg.num_stages):
@@ -779,6 +789,7 @@ class Coordinator:
                 saved = self._resume_point() if self.opts.resume else None
                 self.writer = RunWriter(self.opts.out, self.cfg.to_json(), tokens_per_step=self.cfg.tokens_per_step,
                                         resume=self.opts.resume, tensorboard=self.opts.tensorboard)
+                self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self._keep_tokenizer))
             announcer = asyncio.create_task(self._announce(pid))
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):

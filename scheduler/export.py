@@ -1,4 +1,5 @@
-"""`checkfree export`: one safetensors file (+ config JSON) from a finished or a live run."""
+"""`checkfree export`: one safetensors file (+ config JSON), or an HF Llama directory
+(`--format hf`), from a finished or a live run."""
 
 from __future__ import annotations
 
@@ -10,25 +11,38 @@ from pathlib import Path
 
 from checkfree.cli import add_network_arguments, network_options
 
-__all__ = ["add_parser", "export_live"]
+__all__ = ["add_parser", "export_live", "gather_live"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="gather every stage into one safetensors file loadable as the full model",
+    p = sub.add_parser("export", help="gather every stage into one safetensors file loadable as the full model, "
+                                      "or an HF Llama directory (--format hf)",
                        description="From a finished run (--run DIR: its final_weights.safetensors) or a live one "
                                    "(--live with --initial-peers and --run-id: weights pulled from every stage's peer).")
     p.add_argument("--run", help="a finished run directory")
     p.add_argument("--live", action="store_true", help="pull the weights from a running swarm")
-    p.add_argument("--output", required=True, help="the .safetensors file to write (config JSON beside it)")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: one file + config JSON, loadable by checkfree.export.load_export; hf: a "
+                        "directory transformers' AutoModelForCausalLM and AutoTokenizer load (default safetensors)")
+    p.add_argument("--output", required=True, help="the .safetensors file to write (config JSON beside it), or the "
+                                                   "directory with --format hf")
+    p.add_argument("--tokenizer", metavar="FILE", help="--format hf: the tokenizer.json to include (default: the "
+                   "run directory's tokenizer.json, or the one the run's data config builds, e.g. with --live)")
     add_network_arguments(p)
     p.set_defaults(func=run_export)
 
 
 async def export_live(opts: dict, output: Path) -> Path:
-    """Ask the coordinator for the stage table, then each stage's peer for its weights."""
+    """The live swarm's weights into one safetensors file."""
+    from checkfree.export import save_export
+
+    return save_export(*await gather_live(opts), output)
+
+
+async def gather_live(opts: dict) -> tuple:
+    """(RunConfig, {stage: state dict}): the coordinator's stage table, then each stage's peer's weights."""
     from checkfree.auth import join_token, load_secret
     from checkfree.config import config_from_dict
-    from checkfree.export import save_export
     from checkfree.net.transport import TransportError, live_members_async, start_transport, stop_transport
     from checkfree.protocol import RPC, coordinator_from_records, coordinator_key
 
@@ -63,29 +77,70 @@ async def export_live(opts: dict, output: Path) -> Path:
             reply, tensors = await transport.call(pid, RPC.GET_WEIGHTS, {"run": opts["run_id"], "part": "all"},
                                                   timeout=t.step_timeout)
             states[int(stage)] = dict(zip(reply["keys"], tensors))
-        return save_export(cfg, states, output)
+        return cfg, states
     finally:
         await stop_transport(dht, transport)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from checkfree.export import load_export
-
     output = Path(args.output)
     if not output.parent.is_dir():
         raise ValueError(f"--output {args.output!r}: directory {str(output.parent)!r} does not exist")
+    if args.format == "hf":
+        return _export_hf(args)
+    from checkfree.export import load_export
+
     if args.run:
-        src = Path(args.run) / "final_weights.safetensors"
-        if not src.is_file():
-            raise ValueError(f"{src} does not exist: did the run finish? (for a live run use --live)")
+        src = _final_weights(args.run)
         if src.resolve() != output.resolve():
             shutil.copyfile(src, output)
             shutil.copyfile(src.with_suffix(".json"), output.with_suffix(".json"))
     elif args.live:
         asyncio.run(export_live(network_options(args), output))
     else:
-        raise ValueError("give --run DIR (finished run) or --live --initial-peers ... --run-id ... (live run)")
+        raise ValueError(_NO_SOURCE)
     model = load_export(output)
     n = sum(p.numel() for p in model.parameters())
     print(f"exported {n:,} parameters to {output} (config {output.with_suffix('.json')})")
+    return 0
+
+
+_NO_SOURCE = "give --run DIR (finished run) or --live --initial-peers ... --run-id ... (live run)"
+
+
+def _final_weights(run: str) -> Path:
+    src = Path(run) / "final_weights.safetensors"
+    if not src.is_file():
+        raise ValueError(f"{src} does not exist: did the run finish? (for a live run use --live)")
+    return src
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    """An HF Llama directory: weights, config.json and the run's tokenizer."""
+    from safetensors.torch import load_file
+
+    from checkfree.config import ModelConfig, config_from_dict
+    from checkfree.data import build_tokenizer
+    from checkfree.export import merge_stages
+    from checkfree.hf import save_hf
+
+    if args.run:
+        src = _final_weights(args.run)
+        model_cfg = ModelConfig(**json.loads(src.with_suffix(".json").read_text()))
+        full = load_file(str(src))
+        run_tok = Path(args.run) / "tokenizer.json"
+        tok_file = args.tokenizer or (str(run_tok) if run_tok.is_file() else None)
+        run_cfg = config_from_dict(json.loads((Path(args.run) / "config.json").read_text()))
+    elif args.live:
+        run_cfg, states = asyncio.run(gather_live(network_options(args)))
+        model_cfg, full, tok_file = run_cfg.model, merge_stages(run_cfg, states), args.tokenizer
+    else:
+        raise ValueError(_NO_SOURCE)
+    if tok_file is not None:
+        run_cfg.data.tokenizer = tok_file
+    tokenizer = build_tokenizer(run_cfg.data, model_cfg.vocab_size)
+    out = save_hf(model_cfg, full, args.output, tokenizer=tokenizer)
+    n = sum(v.numel() for k, v in full.items() if not (k == "head.out.weight" and model_cfg.tie_embeddings))
+    print(f"exported {n:,} parameters as a Hugging Face Llama model to {out} (model.safetensors, config.json, "
+          f"tokenizer.json)")
     return 0
