@@ -81,7 +81,7 @@ def swarm_command(args, strategy: str, steps: int, out: Path, extra: list[str] =
     return [sys.executable, "-m", "checkfree", "local", "--preset", args.preset, "--stages", str(args.stages),
             "--microbatches", str(args.microbatches), "--steps", str(steps), "--eval-every", "0",
             "--strategy", strategy, "--spares", "0", "--threads-per-peer", str(args.threads_per_peer),
-            "--out", str(out), "--no-progress", *extra]
+            "--out", str(out), "--no-progress", "--no-churn", *extra]
 
 
 def swarm(args, strategy: str, steps: int, warmup: int, out: Path, pool: bool = True) -> tuple[float, float]:

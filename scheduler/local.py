@@ -407,16 +407,27 @@ class LocalSwarm:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
 
 
-def demo_trace(cfg, path: Path) -> Path:
+def demo_trace(cfg, path: Path) -> Path | None:
     """The default run's scripted churn: stage 1 at 30% of the steps, then (CheckFree+) the first
-    stage or (otherwise) the second-to-last at 60%: both recovered by the run's strategy."""
+    stage or (otherwise) the second-to-last at 60%: only stages the run's strategy recovers. None
+    (and a note) when it recovers none of them, e.g. plain CheckFree on two stages."""
     from checkfree.strategies import build_strategy
 
     n, s = cfg.train.num_steps, cfg.num_stages
-    second = 0 if build_strategy(cfg).plus else max(1, s - 2)
-    write_trace(path, [(max(1, n * 3 // 10), 1), (max(2, n * 6 // 10), second)])
-    print(f"swarm: demo churn (--no-churn for a failure-free run): stage 1 SIGKILLed at step {max(1, n * 3 // 10)}, "
-          f"stage {second} at step {max(2, n * 6 // 10)}", flush=True)
+    strategy = build_strategy(cfg)
+    recoverable = list(range(s)) if strategy.fails_edges else list(range(1, s - 1))
+    if not recoverable or n < 3:
+        print(f"swarm: no demo churn ({strategy.name} on {s} stages recovers "
+              f"{'no stage' if not recoverable else 'nothing in fewer than 3 steps'}); a failure-free run",
+              flush=True)
+        return None
+    first = 1 if 1 in recoverable else recoverable[0]
+    others = [st for st in recoverable if st != first]
+    second = (0 if 0 in others else others[-1]) if others else first
+    steps = (max(1, n * 3 // 10), max(2, n * 6 // 10))
+    write_trace(path, [(steps[0], first), (steps[1], second)])
+    print(f"swarm: demo churn (--no-churn for a failure-free run): stage {first} SIGKILLed at step {steps[0]}, "
+          f"stage {second} at step {steps[1]}", flush=True)
     return path
 
 
@@ -439,7 +450,9 @@ def run_local(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not (args.no_churn or args.config or args.trace or args.failure_rate is not None
             or args.hourly_failure_rate is not None):
-        cfg.failures.trace = str(demo_trace(cfg, out / "demo_trace.csv"))
+        trace = demo_trace(cfg, out / "demo_trace.csv")
+        if trace is not None:
+            cfg.failures.trace = str(trace)
     from checkfree.data import build_data
     from checkfree.strategies import build_strategy
 

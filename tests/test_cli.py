@@ -115,3 +115,20 @@ def test_tensorboard_gets_the_metrics_scalars(tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [e.value for e in events.Scalars("loss")] == pytest.approx([m["loss"] for m in metrics])
     assert [e.step for e in events.Scalars("val_loss")] == [2, 5]
+
+
+@pytest.mark.parametrize("strategy, stages, kills", [("checkfree", 4, [(3, 1), (6, 2)]), ("checkfree+", 4, [(3, 1), (6, 0)]),
+                                                     ("checkfree+", 2, [(3, 1), (6, 0)]), ("checkfree", 3, [(3, 1), (6, 1)]),
+                                                     ("checkfree", 2, None)])
+def test_demo_churn_only_kills_stages_the_strategy_recovers(tmp_path, capsys, strategy, stages, kills):
+    from checkfree.config import preset
+    from checkfree.failures import read_trace
+    from scheduler.local import demo_trace
+
+    cfg = preset("tiny")
+    cfg.num_stages, cfg.train.num_steps, cfg.recovery.strategy = stages, 10, strategy
+    trace = demo_trace(cfg, tmp_path / "demo.csv")
+    if kills is None:
+        assert trace is None and "no demo churn" in capsys.readouterr().out
+    else:
+        assert read_trace(trace, stages) == kills
