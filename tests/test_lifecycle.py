@@ -13,11 +13,16 @@ import signal
 import time
 
 import pytest
+from swarmrun import await_line, kill_group, simulate, spawn, trace
 
 from checkfree.config import preset
-from checkfree.protocol import EXIT_COORDINATOR_GONE, READY_COORDINATOR, READY_PEER, ProtocolError
+from checkfree.protocol import (
+    EXIT_COORDINATOR_GONE,
+    READY_COORDINATOR,
+    READY_PEER,
+    ProtocolError,
+)
 from checkfree.rundir import RunWriter, read_jsonl
-from swarmrun import await_line, kill_group, simulate, spawn, trace
 
 FAST = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--step-timeout", "30", "--join-timeout", "120"]
 
@@ -290,3 +295,36 @@ def test_refusal_log_is_rate_limited(caplog):
     with caplog.at_level(logging.WARNING):
         log.warn("refused again")
     assert "997 similar refusal line(s) suppressed" in caplog.records[-2].getMessage()
+
+
+def test_a_process_gone_mid_fd_handoff_is_a_debug_line_not_a_traceback(monkeypatch, capsys):
+    """hivemind passes shared-memory futures to its DHT process; their descriptors go through
+    multiprocessing's resource sharer. A DHT child killed mid-handshake (a signalled group) made the
+    sharer's thread print a traceback: now a debug line. Other exceptions still reach the old hook."""
+    import socket
+    import threading
+    from multiprocessing import resource_sharer
+
+    from checkfree.net import lifeline
+
+    seen = []
+    monkeypatch.setattr(lifeline.sys, "excepthook", lambda *exc: seen.append(exc[0]))
+    lifeline.quiet_fd_handoffs()
+    handled = threading.Event()
+    monkeypatch.setattr(lifeline.log, "debug", lambda *a: handled.set())
+    r, w = os.pipe()
+    try:
+        handoff = resource_sharer.DupFd(r)  # starts the sharer's listener, as hivemind's futures do
+        with socket.socket(socket.AF_UNIX) as s:  # a receiver that connects, then dies
+            s.connect(resource_sharer._resource_sharer._address)
+        assert handled.wait(10), "the sharer never reported the disconnect"
+        assert seen == []
+        try:
+            raise ValueError("a real bug")
+        except ValueError:
+            lifeline.sys.excepthook(*lifeline.sys.exc_info())
+        assert seen == [ValueError]
+        del handoff
+    finally:
+        os.close(r)
+        os.close(w)

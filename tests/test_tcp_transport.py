@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
+import os
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -13,8 +15,18 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from checkfree.net.tcp_transport import TcpTransport, parse_tcp_maddr, start_tcp_transport
-from checkfree.net.transport import RemoteError, TransportError, TransportTimeout, _read_message, _write_frames
+from checkfree.net.tcp_transport import (
+    TcpTransport,
+    parse_tcp_maddr,
+    start_tcp_transport,
+)
+from checkfree.net.transport import (
+    RemoteError,
+    TransportError,
+    TransportTimeout,
+    _read_message,
+    _write_frames,
+)
 from checkfree.net.wire import WireError, encode_message
 
 pytestmark = pytest.mark.timeout(60)
@@ -292,3 +304,49 @@ def test_bad_maddrs_and_ports() -> None:
             await a.shutdown()
 
     asyncio.run(main())
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.parametrize("ending", ["caller closes", "caller stalls"])
+def test_abandoned_large_requests_release_their_buffers_without_gc(ending) -> None:
+    """Six callers each declare a 256 MiB request, send 32 MiB of it, then hang up (or stall until the
+    server's read_timeout). The 192 MiB received must be freed as each read fails, not at the next garbage
+    collection: the failed read's exception sits in a reference cycle (traceback -> asyncio.wait_for's frame
+    -> its task -> the exception), which used to keep every buffer alive."""
+    mib, sent = 2**20, 32
+
+    async def abandon(server: TcpTransport, client: TcpTransport) -> None:
+        reader, writer = await client._open(SERVER)
+        writer.write(bytes([4]) + b"echo" + (256 * mib).to_bytes(8, "big"))
+        for _ in range(sent):
+            writer.write(b"x" * mib)
+        await writer.drain()
+        if ending == "caller stalls":
+            reply, _ = await _read_message(reader, 1 << 16)  # the server gives up after its read_timeout
+            assert "no complete request within read_timeout" in reply["error"], reply
+        else:
+            writer.close()
+            while server._serving:  # the server's handler has finished with this connection
+                await asyncio.sleep(0.01)
+        writer.close()
+
+    async def main() -> tuple[float, float]:
+        async with _pair(server_secret=None, client_secret=None, read_timeout=1.0, linger_timeout=0.2,
+                         max_message_bytes=1 << 30) as (server, client):
+            await server.register("echo", _echo)
+            await abandon(server, client)  # warm-up: allocator arenas, reader buffers
+            base = _rss_mib()
+            for _ in range(6):
+                await abandon(server, client)
+            return base, _rss_mib()
+
+    gc.disable()
+    try:
+        base, after = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert after - base < sent * 1.5, f"RSS grew {after - base:.0f} MiB over 6 abandoned requests (baseline {base:.0f})"

@@ -58,6 +58,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from checkfree.net.transport import (
@@ -192,21 +193,28 @@ async def _t_read_some(stream: Any, n: int) -> bytes:
     return chunk
 
 
-async def _t_read_body(stream: Any, max_message_bytes: int) -> bytearray:
+async def _t_read_body(stream: Any, max_message_bytes: int) -> memoryview:
     """Read one length-prefixed message body into a fresh writable buffer (no decoding here).
 
-    The declared length is checked (``WireError``) before the buffer is allocated. Reads return whatever
+    The declared length is checked (``WireError``) before the buffer is allocated; the buffer is not
+    zero-filled, so a peer that declares a large message and stalls costs address space, not memory, and a
+    read that fails or is abandoned releases it at once (as ``_read_message`` does). Reads return whatever
     has arrived, so the body is assembled from as many reads as it takes.
     """
     length = body_length(await _t_read_exactly(stream, PREFIX_BYTES), max_message_bytes=max_message_bytes)
-    body = bytearray(length)
+    body = np.empty(length, dtype=np.uint8)
     view = memoryview(body)
-    pos = 0
-    while pos < length:
-        chunk = await _t_read_some(stream, min(length - pos, READ_CHUNK_BYTES))
-        view[pos : pos + len(chunk)] = chunk
-        pos += len(chunk)
-    return body
+    pos, chunk = 0, b""
+    try:
+        while pos < length:
+            chunk = await _t_read_some(stream, min(length - pos, READ_CHUNK_BYTES))
+            view[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+    except BaseException:
+        view.release()
+        del view, body, chunk
+        raise
+    return view
 
 
 async def _t_write_frames(stream: Any, frames: Sequence[bytes | memoryview]) -> None:
@@ -601,7 +609,7 @@ class Libp2pTransport:
             logger.debug("%s: stream to %s broke while replying: %s", name, peer, _error_text(e))
             await _t_reset(stream)
 
-    async def _handle(self, name: str, body: bytearray, peer: str) -> list[bytes | memoryview]:
+    async def _handle(self, name: str, body: memoryview, peer: str) -> list[bytes | memoryview]:
         """asyncio side of an incoming request: decode, run the handler, encode the reply (or the error)."""
         try:
             handler = self._handlers.get(name)
@@ -637,7 +645,7 @@ class Libp2pTransport:
             header = {**self.extra_header, **header}
         frames = encode_message(header, tensors)
 
-        async def exchange() -> bytearray:
+        async def exchange() -> memoryview:
             known = await self._resolve(peer, addrs)
             return await self._submit(self._t_call, peer, known, name, frames)
 
@@ -685,7 +693,7 @@ class Libp2pTransport:
                 )
             raise TransportError(f"cannot open stream '{name}' to peer {peer}: {text}") from e
 
-    async def _t_call(self, peer: str, addrs: Sequence[str], name: str, frames: list) -> bytearray:
+    async def _t_call(self, peer: str, addrs: Sequence[str], name: str, frames: list) -> memoryview:
         stream = await self._t_open(peer, addrs, name)
         try:
             await _t_write_frames(stream, frames)
@@ -704,11 +712,11 @@ class Libp2pTransport:
 
     # ------------------------------------------------------------ raw access (tests, benchmarks)
 
-    async def raw_exchange(self, peer_id: Any, name: str, data: bytes, *, timeout: float) -> bytearray:
+    async def raw_exchange(self, peer_id: Any, name: str, data: bytes, *, timeout: float) -> memoryview:
         """Write raw ``data`` on a new stream to ``name`` and return the body of the one reply message."""
         peer, addrs = self._target(peer_id)
 
-        async def run() -> bytearray:
+        async def run() -> memoryview:
             stream = await self._t_open(peer, addrs, name)
             try:
                 await stream.write(data)

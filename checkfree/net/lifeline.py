@@ -10,6 +10,10 @@ when the thread that created it dies:
   SIGTERM as its parent-death signal (p2pd then closes, and removes, its own socket).
 * `sweep_stale_sockets()`: at start-up, remove hivemind socket files in /tmp that nothing
   listens on any more (the client sockets of processes that were SIGKILLed).
+* `quiet_fd_handoffs()`: hivemind hands the DHT process shared-memory futures, whose file
+  descriptors travel through multiprocessing's resource sharer; a DHT child killed in the middle
+  of that handshake (the whole group signalled) made the sharer thread print a traceback.
+  That disconnect is expected: it becomes a debug line.
 
 Limits: the death signal follows the *thread* that forked, so the DHT must be started from
 a thread that lives as long as the process (the event loop's main thread here); on other
@@ -29,10 +33,11 @@ import signal
 import socket
 import sys
 import time
+import traceback
 
 from hivemind import DHT
 
-__all__ = ["TiedDHT", "tie_to_parent", "sweep_stale_sockets"]
+__all__ = ["TiedDHT", "quiet_fd_handoffs", "sweep_stale_sockets", "tie_to_parent"]
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -92,3 +97,24 @@ def sweep_stale_sockets(pattern: str = SOCKET_GLOB, min_age_s: float = 10.0) -> 
     if removed:
         log.info("removed %d stale hivemind socket file(s) from /tmp", removed)
     return removed
+
+
+_DISCONNECTS = (ConnectionResetError, BrokenPipeError, EOFError)
+
+
+def quiet_fd_handoffs() -> None:
+    """Make a disconnect inside multiprocessing's resource sharer (its thread reports errors through
+    `sys.excepthook`) a debug line; every other exception still reaches the previous hook."""
+    previous = sys.excepthook
+    if getattr(previous, "_checkfree_quiet", False):
+        return
+
+    def hook(kind, value, tb):
+        frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(tb)]
+        if issubclass(kind, _DISCONNECTS) and frames and frames[0].endswith("resource_sharer.py"):
+            log.debug("a process went away while receiving a file descriptor: %s", value)
+            return
+        previous(kind, value, tb)
+
+    hook._checkfree_quiet = True
+    sys.excepthook = hook

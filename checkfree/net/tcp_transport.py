@@ -290,8 +290,11 @@ class TcpTransport:
                 return  # the caller closed the connection between requests
             name = "?"
             try:
-                name_bytes, (header, tensors) = await asyncio.wait_for(
-                    self._read_request(reader, size[0]), self.read_timeout)
+                try:
+                    name_bytes, (header, tensors) = await asyncio.wait_for(
+                        self._read_request(reader, size[0]), self.read_timeout)
+                except asyncio.TimeoutError:
+                    raise asyncio.TimeoutError(f"no complete request within read_timeout={self.read_timeout:g} s") from None
                 name = name_bytes.decode("utf-8", errors="replace")
                 handler = self._handlers.get(name)
                 if handler is None:

@@ -52,7 +52,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from checkfree.net.lifeline import TiedDHT, sweep_stale_sockets
+from checkfree.net.lifeline import TiedDHT, quiet_fd_handoffs, sweep_stale_sockets
 from checkfree.net import TRANSPORTS
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -159,20 +159,28 @@ async def _read_message(reader: asyncio.StreamReader, max_message_bytes: int,
 
     The declared length is checked against ``max_message_bytes`` before the buffer is allocated. The
     buffer is not zero-filled (unlike ``bytearray(length)``), so its pages are only committed as bytes
-    arrive: a peer that declares a large message and stalls costs address space, not memory.
+    arrive: a peer that declares a large message and stalls costs address space, not memory; a read that
+    fails or is abandoned releases its buffer at once.
     """
     if prefix is None:
         prefix = await reader.readexactly(PREFIX_BYTES)
     length = body_length(prefix, max_message_bytes=max_message_bytes)
     body = np.empty(length, dtype=np.uint8)
     view = memoryview(body)
-    pos = 0
-    while pos < length:
-        chunk = await reader.read(min(length - pos, READ_CHUNK_BYTES))
-        if not chunk:
-            raise asyncio.IncompleteReadError(b"", length - pos)
-        view[pos : pos + len(chunk)] = chunk
-        pos += len(chunk)
+    pos, chunk = 0, b""
+    try:
+        while pos < length:
+            chunk = await reader.read(min(length - pos, READ_CHUNK_BYTES))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", length - pos)
+            view[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+    except BaseException:
+        # An abandoned read's exception often sits in a reference cycle (its traceback holds asyncio.wait_for's
+        # frame, which holds the task that holds the exception): drop the buffer now, not at the next gc.
+        view.release()
+        del view, body, chunk
+        raise
     return decode_body(view)
 
 
@@ -411,9 +419,13 @@ class Transport:
                             return  # an idle pooled stream: the caller has moved on
                         raise
                     first = False
-                    header, tensors = await asyncio.wait_for(
-                        _read_message(reader, self.max_message_bytes, prefix), self.read_timeout
-                    )
+                    try:
+                        header, tensors = await asyncio.wait_for(
+                            _read_message(reader, self.max_message_bytes, prefix), self.read_timeout
+                        )
+                    except asyncio.TimeoutError:
+                        raise asyncio.TimeoutError(
+                            f"no complete request within read_timeout={self.read_timeout:g} s") from None
                     reply_header, reply_tensors = await handler(header, tensors, peer)
                     frames = encode_message(reply_header, reply_tensors)
                 except (asyncio.IncompleteReadError, ConnectionError) as e:
@@ -648,6 +660,7 @@ async def start_transport(
     peers = _check_initial_peers(initial_peers)
     sweep_stale_sockets()
     quiet_disconnects(asyncio.get_running_loop())
+    quiet_fd_handoffs()
     dht = TiedDHT(  # dies with this process, and takes its p2pd along (lifeline.py)
         initial_peers=peers or None,
         start=False,
