@@ -10,14 +10,16 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loaded
 from checkfree.recovery import FALLBACKS, RECOVERY_RULES
 
-__all__ = ["add_run_arguments", "config_from_args", "add_network_arguments", "add_transport_arguments",
+__all__ = ["add_run_arguments", "config_from_args", "override_config", "CONFIG_FLAGS", "add_network_arguments", "add_transport_arguments",
            "network_options", "add_timeout_arguments", "timeouts_from_args", "warn_if_overwriting",
            "interrupt_on_signals"]
 
@@ -32,36 +34,61 @@ def strategy_names() -> list[str]:
         return sorted(RECOVERY_RULES)
 
 
+# Every flag that sets a config field is declared once, with the field's dotted key: the mapping below is
+# generated from these declarations, values are merged into the typed tree by OmegaConf (which checks
+# types and names), and --help shows each flag's key and the default preset's value.
+CONFIG_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {}  # argparse dest -> (config key, converter)
+DEFAULT_PRESET = "tiny"
+
+
+def _keyed(group: argparse._ActionsContainer, flag: str, key: str, *, help: str,
+           convert: Callable[[Any], Any] = lambda v: v, **kwargs: Any) -> None:
+    """Add a flag that sets config `key`; its help ends with the key and the default preset's value."""
+    value: Any = preset(DEFAULT_PRESET)
+    for part in key.split("."):
+        value = getattr(value, part)
+    shown = "none" if value is None else str(value).lower() if isinstance(value, bool) else value
+    action = group.add_argument(flag, help=f"{help} [{key}; {DEFAULT_PRESET}: {shown}]", **kwargs)
+    CONFIG_FLAGS[action.dest] = (key, convert)
+
+
+def _yes(value: str) -> bool:
+    return value == "yes"
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that starts a run."""
-    g = p.add_argument_group("run")
+    g = p.add_argument_group("run (each flag sets the config key in brackets; --set reaches every other key)")
     g.add_argument("--config", help="a config.json to start from (e.g. from an earlier run directory)")
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model/training preset (default tiny)")
-    g.add_argument("--stages", type=int, help="pipeline stages S (default: the preset's)")
-    g.add_argument("--layers", type=int, help="override the preset's number of layers")
-    g.add_argument("--d-model", type=int, help="override the preset's residual width")
-    g.add_argument("--heads", type=int, help="override the preset's attention heads")
-    g.add_argument("--strategy", help=f"recovery strategy: {', '.join(strategy_names())} (default checkfree)")
-    g.add_argument("--fallback", choices=FALLBACKS, help="what an unrecoverable failure does (default abort)")
-    g.add_argument("--lr-scale", type=float, help="LR multiplier of a recovered stage (default 1.1)")
-    g.add_argument("--norm-kind", choices=("post-clip", "pre-clip"), help="omega: gradient norm after/before clip")
-    g.add_argument("--norm-power", type=int, choices=(1, 2), help="omega: plain (1) or squared (2) norm")
-    g.add_argument("--steps", type=int, help="optimizer steps")
-    g.add_argument("--microbatches", type=int, help="microbatches per step (M)")
-    g.add_argument("--microbatch-size", type=int, help="sequences per microbatch")
-    g.add_argument("--lr", type=float, help="learning rate")
-    g.add_argument("--lr-schedule", choices=("constant", "warmup-cosine"), help="learning-rate schedule (default: "
-                   "the preset's; constant in every preset)")
-    g.add_argument("--warmup-steps", type=int, help="warmup-cosine: linear warmup steps (default: the preset's)")
-    g.add_argument("--seed", type=int, help="training seed (init and data)")
-    g.add_argument("--eval-every", type=int, help="steps between validation evaluations")
-    g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast of the forward pass")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pipeline schedule in the swarm (default gpipe)")
-    g.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of activations/gradients sent between peers (default float32)")
-    g.add_argument("--data", help="'shakespeare' (default), a text file or directory, or hf:<dataset>[:<data_files>]")
-    g.add_argument("--tokenizer", help="tokenizer.json path or HF tokenizer name (default: train a BPE)")
+    g.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="model/training preset")
+    g.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="set any config key, e.g. --set train.weight_decay=0.1 --set model.num_kv_heads=2 (checked "
+                        "against the typed config tree; applied after every other flag; --print-config lists the keys)")
+    _keyed(g, "--stages", "num_stages", type=int, help="pipeline stages S")
+    _keyed(g, "--layers", "model.num_layers", type=int, help="transformer blocks in the whole model")
+    _keyed(g, "--d-model", "model.d_model", type=int, help="residual width")
+    _keyed(g, "--heads", "model.num_heads", type=int, help="attention heads")
+    _keyed(g, "--strategy", "recovery.strategy", help=f"recovery strategy: {', '.join(strategy_names())}")
+    _keyed(g, "--fallback", "recovery.fallback", choices=FALLBACKS, help="what an unrecoverable failure does")
+    _keyed(g, "--lr-scale", "recovery.lr_scale", type=float, help="LR multiplier of a recovered stage")
+    _keyed(g, "--norm-kind", "recovery.norm_kind", choices=("post-clip", "pre-clip"),
+           help="omega: gradient norm after/before clip")
+    _keyed(g, "--norm-power", "recovery.norm_power", type=int, choices=(1, 2), help="omega: plain (1) or squared (2) norm")
+    _keyed(g, "--steps", "train.num_steps", type=int, help="optimizer steps")
+    _keyed(g, "--microbatches", "train.num_microbatches", type=int, help="microbatches per step (M)")
+    _keyed(g, "--microbatch-size", "train.microbatch_size", type=int, help="sequences per microbatch")
+    _keyed(g, "--lr", "train.lr", type=float, help="learning rate")
+    _keyed(g, "--lr-schedule", "train.lr_schedule", choices=("constant", "warmup-cosine"), help="learning-rate schedule")
+    _keyed(g, "--warmup-steps", "train.warmup_steps", type=int, help="warmup-cosine: linear warmup steps")
+    _keyed(g, "--seed", "train.seed", type=int, help="training seed (init and data)")
+    _keyed(g, "--eval-every", "train.eval_every", type=int, help="steps between validation evaluations (0: never)")
+    _keyed(g, "--device", "train.device", help="auto | cpu | cuda | cuda:N")
+    _keyed(g, "--bf16", "train.autocast_bf16", action="store_const", const=True, help="bf16 autocast of the forward pass")
+    _keyed(g, "--schedule", "train.schedule", choices=("gpipe", "1f1b"), help="pipeline schedule in the swarm")
+    _keyed(g, "--wire-dtype", "train.wire_dtype", choices=("float32", "bfloat16", "float16"),
+           help="dtype of activations/gradients sent between peers")
+    _keyed(g, "--data", "data.source", help="'shakespeare', a text file or directory, or hf:<dataset>[:<data_files>]")
+    _keyed(g, "--tokenizer", "data.tokenizer", help="tokenizer.json path or HF tokenizer name (none: train a BPE)")
     g.add_argument("--model-config", metavar="FILE",
                    help="the model's shape from an HF Llama config.json (default: the preset's shape)")
     g.add_argument("--init-from", metavar="DIR|NAME",
@@ -69,31 +96,39 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "shape unless --model-config is given, its tokenizer.json the tokenizer unless --tokenizer "
                         "is; every peer needs the directory (default: seeded random init)")
     f = p.add_argument_group("failures")
-    f.add_argument("--failure-rate", type=float, help="probability a stage fails per step")
-    f.add_argument("--hourly-failure-rate", type=float, help="probability a stage fails per hour (with --iteration-time)")
-    f.add_argument("--iteration-time", type=float, help="seconds per iteration for --hourly-failure-rate (default 91.3)")
-    f.add_argument("--trace", help="replay failures from a `step,stage` trace file")
-    f.add_argument("--failure-seed", type=int, help="seed of the failure draws")
-    f.add_argument("--protect-edges", choices=("yes", "no"), help="never fail the first/last stage (default: yes "
-                   "for plain strategies, no for checkfree+)")
+    _keyed(f, "--failure-rate", "failures.rate", type=float, help="probability a stage fails per step")
+    _keyed(f, "--hourly-failure-rate", "failures.hourly_rate", type=float,
+           help="probability a stage fails per hour (with --iteration-time)")
+    _keyed(f, "--iteration-time", "failures.iteration_time_s", type=float,
+           help="seconds per iteration for --hourly-failure-rate")
+    _keyed(f, "--trace", "failures.trace", help="replay failures from a `step,stage` trace file")
+    _keyed(f, "--failure-seed", "failures.seed", type=int, help="seed of the failure draws")
+    _keyed(f, "--protect-edges", "failures.protect_edges", choices=("yes", "no"), convert=_yes,
+           help="never fail the first/last stage (none: yes for plain strategies, no for checkfree+)")
     st = p.add_argument_group("strategies (checkpoint, redundant, gemini, reft, baft, checkfree+snap) and cost model")
-    st.add_argument("--checkpoint-every", type=int, help="checkpoint: steps between checkpoints (default 50)")
-    st.add_argument("--storage-dir", help="checkpoint storage directory (default <out>/checkpoints)")
-    st.add_argument("--storage-fallback", choices=("yes", "no"), help="gemini/reft/baft/redundant: also checkpoint "
-                    "every --checkpoint-every steps and roll back to it when in-memory copies are lost (default no)")
-    st.add_argument("--snapshot-every", type=int, help="gemini/reft/checkfree+snap: steps between snapshots (default 10)")
-    st.add_argument("--gemini-replicas", type=int, help="gemini: peers holding each snapshot, own included (default 2)")
-    st.add_argument("--reft-group", type=int, help="reft: stages per XOR-parity group (default 3)")
-    st.add_argument("--baft-max-iterations", type=int, help="baft: steps a backup may be spread over (default 4)")
-    st.add_argument("--cost-profile", help="simulated wall clock: paper-geo (default) or local")
-    st.add_argument("--detection-time", type=float, help="failure-detection delay in s (default: the profile's)")
+    _keyed(st, "--checkpoint-every", "strategy.checkpoint_every", type=int, help="checkpoint: steps between checkpoints")
+    _keyed(st, "--storage-dir", "strategy.storage_dir", help="checkpoint storage directory (none: <out>/checkpoints)")
+    _keyed(st, "--storage-fallback", "strategy.storage_fallback", choices=("yes", "no"), convert=_yes,
+           help="gemini/reft/baft/redundant: also checkpoint every --checkpoint-every steps and roll back to it when "
+                "in-memory copies are lost")
+    _keyed(st, "--snapshot-every", "strategy.snapshot_every", type=int, help="gemini/reft/checkfree+snap: steps between snapshots")
+    _keyed(st, "--gemini-replicas", "strategy.gemini_replicas", type=int,
+           help="gemini: peers holding each snapshot, own included")
+    _keyed(st, "--reft-group", "strategy.reft_group", type=int, help="reft: stages per XOR-parity group")
+    _keyed(st, "--baft-max-iterations", "strategy.baft_max_iterations", type=int,
+           help="baft: steps a backup may be spread over")
+    _keyed(st, "--cost-profile", "strategy.cost_profile", help="simulated wall clock: paper-geo or local")
+    _keyed(st, "--detection-time", "strategy.detection_s", type=float,
+           help="failure-detection delay in s (none: the profile's)")
     s = p.add_argument_group("soft errors (ATTNChecker-style guard)")
-    s.add_argument("--abft", action="store_true", help="checksum-guard attention: detect and correct INF/NaN/near-INF")
-    s.add_argument("--abft-mode", choices=("range", "full"), help="range: cheap trigger (default) | full: always check")
-    s.add_argument("--inject-soft-errors", type=int, metavar="N", help="inject N faults at seeded random sites")
-    s.add_argument("--soft-error-seed", type=int, help="seed of the injection sites")
-    s.add_argument("--explicit-attention", action="store_true",
-                   help="unguarded attention computed with the guard's explicit math (bitwise comparable to --abft)")
+    _keyed(s, "--abft", "guard.abft", action="store_const", const=True,
+           help="checksum-guard attention: detect and correct INF/NaN/near-INF")
+    _keyed(s, "--abft-mode", "guard.mode", choices=("range", "full"), help="range: cheap trigger | full: always check")
+    _keyed(s, "--inject-soft-errors", "guard.inject_soft_errors", type=int, metavar="N",
+           help="inject N faults at seeded random sites")
+    _keyed(s, "--soft-error-seed", "guard.seed", type=int, help="seed of the injection sites")
+    _keyed(s, "--explicit-attention", "guard.explicit_attention", action="store_const", const=True,
+           help="unguarded attention computed with the guard's explicit math (bitwise comparable to --abft)")
     sv = p.add_argument_group("stop and resume")
     sv.add_argument("--save-every", type=int, default=0, metavar="N",
                     help="save every stage's weights and optimizer state into <out>/saves every N steps and at a "
@@ -110,13 +145,34 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _set(obj: object, field: str, value: object) -> None:
-    if value is not None:
-        setattr(obj, field, value)
+def override_config(cfg: RunConfig, values: dict[str, Any], dotlist: list[str] = ()) -> RunConfig:
+    """`cfg` with `values` ({dotted key: value}) and then `dotlist` ("key=value" strings) merged in, every
+    key and value checked against the typed tree (OmegaConf), every section re-validated."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for item in dotlist:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ValueError(f"--set expects KEY=VALUE (e.g. train.lr=3e-4), got {item!r}")
+    nested: dict[str, Any] = {}
+    for key, value in values.items():
+        *path, last = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    merged = OmegaConf.structured(cfg)
+    for source, layer in (("flags", lambda: OmegaConf.create(nested)),
+                          *((f"--set {item}", lambda item=item: OmegaConf.from_dotlist([item])) for item in dotlist)):
+        try:
+            merged = OmegaConf.merge(merged, layer())
+        except OmegaConfBaseException as e:
+            raise ValueError(f"{source}: {str(e).splitlines()[0]}") from None
+    return config_from_dict(OmegaConf.to_container(merged))
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Resolve preset or --config plus overrides into a validated RunConfig."""
+    """Resolve preset or --config, then HF shapes, then the flags and --set, into a validated RunConfig."""
     if getattr(args, "resume", None):
         run_dir = Path(args.resume)
         if not (run_dir / "config.json").is_file():
@@ -140,46 +196,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         from checkfree.hf import configure_from_hf
 
         configure_from_hf(cfg, model_config=args.model_config, init_from=args.init_from)
-    _set(cfg, "num_stages", args.stages)
-    if args.layers is not None:
-        cfg.model.num_layers = args.layers
-    if args.d_model is not None or args.heads is not None:
-        import dataclasses
-
-        cfg.model = dataclasses.replace(cfg.model, d_model=args.d_model or cfg.model.d_model,
-                                        num_heads=args.heads or cfg.model.num_heads)  # re-validated
-    r, t, d, f, st = cfg.recovery, cfg.train, cfg.data, cfg.failures, cfg.strategy
-    for obj, pairs in (
-        (st, [("checkpoint_every", args.checkpoint_every), ("storage_dir", args.storage_dir),
-              ("snapshot_every", args.snapshot_every), ("gemini_replicas", args.gemini_replicas),
-              ("reft_group", args.reft_group), ("baft_max_iterations", args.baft_max_iterations),
-              ("cost_profile", args.cost_profile), ("detection_s", args.detection_time)]),
-        (r, [("strategy", args.strategy), ("fallback", args.fallback), ("lr_scale", args.lr_scale),
-             ("norm_kind", args.norm_kind), ("norm_power", args.norm_power)]),
-        (t, [("num_steps", args.steps), ("num_microbatches", args.microbatches),
-             ("microbatch_size", args.microbatch_size), ("lr", args.lr), ("lr_schedule", args.lr_schedule),
-             ("warmup_steps", args.warmup_steps), ("seed", args.seed), ("eval_every", args.eval_every),
-             ("device", args.device), ("schedule", args.schedule), ("wire_dtype", args.wire_dtype)]),
-        (d, [("source", args.data), ("tokenizer", args.tokenizer)]),
-        (f, [("rate", args.failure_rate), ("hourly_rate", args.hourly_failure_rate),
-             ("iteration_time_s", args.iteration_time), ("trace", args.trace), ("seed", args.failure_seed)]),
-    ):
-        for name, value in pairs:
-            _set(obj, name, value)
-    if args.bf16:
-        t.autocast_bf16 = True
-    if args.abft:
-        cfg.guard.abft = True
-    _set(cfg.guard, "mode", args.abft_mode)
-    _set(cfg.guard, "inject_soft_errors", args.inject_soft_errors)
-    _set(cfg.guard, "seed", args.soft_error_seed)
-    if args.explicit_attention:
-        cfg.guard.explicit_attention = True
-    if args.protect_edges:
-        f.protect_edges = args.protect_edges == "yes"
-    if args.storage_fallback:
-        st.storage_fallback = args.storage_fallback == "yes"
-    cfg.strategy = type(st)(**vars(st))  # re-validate the overridden fields
+    values = {key: convert(getattr(args, dest)) for dest, (key, convert) in CONFIG_FLAGS.items()
+              if getattr(args, dest, None) is not None}
+    cfg = override_config(cfg, values, getattr(args, "set", None) or [])
     validate(cfg)
     return cfg
 

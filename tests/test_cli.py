@@ -132,3 +132,39 @@ def test_demo_churn_only_kills_stages_the_strategy_recovers(tmp_path, capsys, st
         assert trace is None and "no demo churn" in capsys.readouterr().out
     else:
         assert read_trace(trace, stages) == kills
+
+
+def test_set_reaches_every_config_key_with_typed_checks(capsys):
+    """Flags and --set go through one mapping into the typed config tree: a flag and the key it names set the
+    same field, --set reaches keys without a flag, typos and wrong types are one-line errors."""
+    import json as _json
+
+    assert main(["simulate", "--print-config", "--lr", "0.25", "--bf16", "--protect-edges", "no",
+                 "--set", "train.weight_decay=0.5", "--set", "model.num_kv_heads=2", "--set", "train.betas=[0.8,0.9]"]) == 0
+    cfg = _json.loads(capsys.readouterr().out)
+    assert cfg["train"]["lr"] == 0.25 and cfg["train"]["autocast_bf16"] is True
+    assert cfg["failures"]["protect_edges"] is False and cfg["train"]["weight_decay"] == 0.5
+    assert cfg["model"]["num_kv_heads"] == 2 and cfg["train"]["betas"] == [0.8, 0.9]
+    assert main(["simulate", "--print-config", "--lr", "0.25", "--set", "train.lr=0.5"]) == 0  # --set comes last
+    assert _json.loads(capsys.readouterr().out)["train"]["lr"] == 0.5
+    for bad, message in ((["--set", "train.lrr=1"], "Key 'lrr' not in 'TrainConfig'. Did you mean: 'lr'?"),
+                         (["--set", "train.lr=fast"], "Value 'fast' of type 'str' could not be converted to Float"),
+                         (["--set", "lr"], "--set expects KEY=VALUE"),
+                         (["--set", "model.num_heads=3"], "not divisible by num_heads=3")):
+        assert main(["simulate", "--print-config", *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_help_names_each_flags_config_key_and_default():
+    from checkfree.cli import CONFIG_FLAGS, DEFAULT_PRESET
+    from checkfree.config import preset
+
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["simulate"].format_help().split())
+    assert len(CONFIG_FLAGS) > 40
+    for key, _ in CONFIG_FLAGS.values():
+        value = preset(DEFAULT_PRESET)
+        for part in key.split("."):
+            value = getattr(value, part)
+        shown = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        assert f"[{key}; {DEFAULT_PRESET}: {shown}]" in text, key
