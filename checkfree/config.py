@@ -119,6 +119,13 @@ class RecoveryConfig:
     eps: float = 1e-4  # added to each neighbour's gradient norm
     norm_kind: str = "post-clip"  # post-clip | pre-clip gradient norm as omega
     norm_power: int = 1  # 1: plain L2 norm, 2: squared
+    # stage: omega is the norm of the stage's whole gradient (embedding / head included), as the authors' code
+    # takes it and the paper writes ||grad W_i||; blocks: only the transformer blocks, the parameters averaged
+    omega_scope: str = "stage"
+
+    def __post_init__(self) -> None:
+        if self.omega_scope not in ("stage", "blocks"):
+            raise ValueError(f"recovery.omega_scope must be 'stage' or 'blocks', got {self.omega_scope!r}")
 
 
 @dataclass(kw_only=True)

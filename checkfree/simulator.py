@@ -30,7 +30,7 @@ from checkfree.costmodel import CostModel
 from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.pipeline import Hop, edge_holders, route
-from checkfree.recovery import StateDict, UnrecoverableFailure, omega
+from checkfree.recovery import StateDict, UnrecoverableFailure
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.export import save_export
@@ -257,8 +257,7 @@ class Simulator:
                 self.writer.event("skipped_step", step=step, stage=i, strategy=self.cfg.recovery.strategy,
                                   reason="non-finite gradient")
             else:
-                self.norms[i] = omega(st.grad_norm_pre, st.grad_norm_post, kind=self.cfg.recovery.norm_kind,
-                                      power=self.cfg.recovery.norm_power)
+                self.norms[i] = st.omega(self.cfg.recovery)
         return loss, stats
 
     def save(self, step: int) -> None:
@@ -353,6 +352,7 @@ class Simulator:
         t0 = time.perf_counter()
         loss, stats = self.train_step(step)
         record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
+                  "block_grad_norms": [s.block_grad_norm_post for s in stats],
                   "step_time_s": round(time.perf_counter() - t0, 6)}
         # a rollback from inside the step (soft-error escalation) left nothing to protect
         figs = self.strategy.after_step(self.ctx, step) if self.resume_at is None else Figures()

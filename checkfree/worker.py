@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from checkfree.config import RunConfig
+from checkfree.config import RecoveryConfig, RunConfig
 from checkfree.model import PipelineStage, StageSpec, init_stage, plan_stages
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders
-from checkfree.recovery import get_rule
+from checkfree.recovery import get_rule, omega
 
 __all__ = ["StepStats", "InFlightPeak", "StageWorker", "lr_at", "resolve_device", "build_workers"]
 
@@ -66,6 +66,14 @@ class StepStats:
     lr: float
     skipped: bool = False  # a non-finite gradient: no update was applied
     weights_finite: bool = True  # False: the stage's weights hold NaN/Inf and it must be recovered
+    block_grad_norm_pre: float = 0.0  # the transformer blocks' part of the main group, before clipping
+    block_grad_norm_post: float = 0.0  # ... after the main group's clip
+
+    def omega(self, rc: RecoveryConfig) -> float:
+        """The norm CheckFree weights this stage by, under `rc`'s norm kind, power and scope."""
+        if rc.omega_scope == "blocks":
+            return omega(self.block_grad_norm_pre, self.block_grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
+        return omega(self.grad_norm_pre, self.grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
 
 
 @dataclass
@@ -287,6 +295,9 @@ class StageWorker:
         for group in self.optimizer.param_groups:  # a replicated component keeps its partner's LR
             group["lr"] = lr if group["name"] == "main" else lr_at(self.cfg, step)
         stats = {}
+        block_grads = [p.grad for n, p in self.named_groups()["main"] if n.startswith("blocks.") and p.grad is not None]
+        block_pre = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in block_grads]))
+                          ) if block_grads else 0.0
         for name, params in self.clip_groups().items():
             grads = [p.grad for p in params if p.grad is not None]
             pre = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)) if grads else 0.0
@@ -294,13 +305,15 @@ class StageWorker:
             post = pre * min(1.0, self.cfg.train.max_grad_norm / (pre + 1e-6))
             stats[name] = (pre, post)
         pre, post = stats["main"]
+        blocks = {"block_grad_norm_pre": block_pre,
+                  "block_grad_norm_post": block_pre * min(1.0, self.cfg.train.max_grad_norm / (pre + 1e-6))}
         if not all(math.isfinite(v[0]) for v in stats.values()):
             self.optimizer.zero_grad(set_to_none=True)
-            return StepStats(pre, post, lr, skipped=True)
+            return StepStats(pre, post, lr, skipped=True, **blocks)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         finite = all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
-        return StepStats(pre, post, lr, weights_finite=finite)
+        return StepStats(pre, post, lr, weights_finite=finite, **blocks)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach() for k, v in self.module.state_dict().items()}

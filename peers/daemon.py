@@ -40,7 +40,7 @@ from checkfree.net.wire import check_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders, route
 from checkfree.protocol import (EXIT_COORDINATOR_GONE, EXIT_RUN_OVER, READY_PEER, RPC, Kind, StepFailed, STEP_TIMEOUT_MARK, STRAGGLER_MARK, ProtocolError, Timeouts,
                                 coordinator_from_records, coordinator_key, members_key, plan_from_wire, require)
-from checkfree.recovery import RecoveryPlan, omega, rebuild_stage, recovered_optimizer_state
+from checkfree.recovery import RecoveryPlan, rebuild_stage, recovered_optimizer_state
 from checkfree.auth import coordinator_proof, join_token, load_secret, sign_record, verify
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.strategies.state import (capture_worker, optim_from_wire, optim_to_wire, restore_worker,
@@ -1002,13 +1002,14 @@ class PeerDaemon:
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
         stats = await self.compute(self.worker.step, run.step)
         if not stats.skipped:
-            rc = self.cfg.recovery
-            self.omega = omega(stats.grad_norm_pre, stats.grad_norm_post, kind=rc.norm_kind, power=rc.norm_power)
+            self.omega = stats.omega(self.cfg.recovery)
         self.next_step = run.step + 1
         self.last_commit = {"step": run.step, "losses": {str(k): v for k, v in run.losses.items()},
-                            "lr": stats.lr, "post": stats.grad_norm_post, **run.figures()}
+                            "lr": stats.lr, "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post,
+                            **run.figures()}
         self._set_run(None)
-        return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "lr": stats.lr,
+        return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post,
+                "lr": stats.lr,
                 "skipped": stats.skipped, "omega": self.omega, "stage": self.stage,
                 "weights_finite": stats.weights_finite,
                 "soft_errors": guard_counts([self.worker.guard])}, []

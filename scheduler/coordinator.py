@@ -438,7 +438,8 @@ class Coordinator:
                 step, plan.stage, {"mode": "recover", "plan": plan_to_wire(plan), "sources": sources, "step": step},
                 chaos=True)
             self.norms[plan.stage] = 0.0
-            fields = recovery_fields(plan, dict(zip(plan.sources, reply.get("coefficients", []))))
+            fields = recovery_fields(plan, dict(zip(plan.sources, reply.get("coefficients", []))),
+                                     self.cfg.recovery.omega_scope)
             fields.update(peer_id=pid, norms=reply.get("norms", []), transfer_s=reply.get("transfer_s"),
                           rebuild_s=reply.get("rebuild_s"), bytes=reply.get("bytes"),
                           recovery_time_s=round(time.perf_counter() - t0, 6),
@@ -720,7 +721,9 @@ class Coordinator:
                     if r.get("skipped"):
                         self._event("skipped_step", step=step, stage=s, reason="non-finite gradient")
             lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post,
+            block_post = [commits[s].get("block_post", math.nan) if isinstance(commits[s], dict) else math.nan
+                          for s in range(cfg.num_stages)]
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post, "block_grad_norms": block_post,
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
                       "live_peers": len(self.stage_peer), **_step_figures(results, cfg.num_stages)}
             await self._protect(step)
@@ -1023,6 +1026,7 @@ class Coordinator:
         self.writer.metric({"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
                             "lr": next(iter(last.values()))["lr"], "attempts": None,
                             "grad_norms": [last[s]["post"] for s in range(self.cfg.num_stages)],
+                            "block_grad_norms": [last[s].get("block_post") for s in range(self.cfg.num_stages)],
                             "live_peers": len(self.stage_peer), "recorded_by": "takeover",
                             **_step_figures(last, self.cfg.num_stages)})
         return True

@@ -118,3 +118,31 @@ def test_recovered_optimizer_state_copies_replicas_only():
         recovered_optimizer_state(plan, {"embed": {"blocks.0.w": st}})
     (plain,) = plan_recovery({0}, 4, "random")  # no live replica: the component starts fresh
     assert plain.edges_reinit == ("embed",) and recovered_optimizer_state(plain, {}) == {}
+
+
+def test_block_scope_omega_excludes_the_embedding_and_head():
+    """StepStats carries the blocks' share of the main group's norm (before and after the group's clip);
+    omega_scope picks it. Under CheckFree+ the main group is the blocks, so both scopes agree."""
+    import torch
+
+    from checkfree.config import RecoveryConfig, preset
+    from checkfree.worker import StageWorker
+
+    for strategy in ("checkfree", "checkfree+"):
+        cfg = preset("tiny")
+        cfg.recovery.strategy = strategy
+        worker = StageWorker(cfg, 0)
+        for p in worker.module.parameters():
+            p.grad = torch.randn_like(p)
+        expect = float(torch.linalg.vector_norm(torch.stack(
+            [p.grad.norm() for n, p in worker.module.named_parameters() if n.startswith("blocks.")])))
+        stats = worker.step(0)
+        assert stats.block_grad_norm_pre == pytest.approx(expect, rel=1e-5)
+        assert stats.block_grad_norm_post == pytest.approx(expect * stats.grad_norm_post / stats.grad_norm_pre, rel=1e-4)
+        blocks, stage = RecoveryConfig(omega_scope="blocks"), RecoveryConfig()
+        if strategy == "checkfree":
+            assert stats.omega(stage) > stats.omega(blocks) > 0  # the embedding's gradient counts in the stage
+        else:
+            assert stats.omega(stage) == pytest.approx(stats.omega(blocks))
+    with pytest.raises(ValueError, match="omega_scope must be 'stage' or 'blocks'"):
+        RecoveryConfig(omega_scope="all")

@@ -174,3 +174,25 @@ def test_rollback_strategies_run_for_real_and_lose_nothing(tmp_path, cache):
         else:  # two different failure histories, one final state
             for k, v in weights.items():
                 torch.testing.assert_close(v, first[k], rtol=1e-4, atol=1e-5)
+
+
+def test_omega_over_the_blocks_only_in_swarm_and_simulator(tmp_path, cache):
+    """--omega-scope blocks: stage 1's replacement averages stage 0 and stage 2 by their blocks' gradient norms
+    (stage 0's embedding excluded), in the swarm exactly as in the simulator; metrics carry both norms."""
+    from swarmrun import simulate
+
+    args = ("--steps", "6", "--trace", _trace(tmp_path, [(4, 1)]), "--omega-scope", "blocks", "--eval-every", "0")
+    proc, out = _local(tmp_path, "blocks", *args, cache=cache, spares=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sim = simulate(tmp_path, "sim", *args, cache=cache)
+    swarm = read_jsonl(out / "metrics.jsonl")
+    (rec,) = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovery"]
+    (sim_rec,) = [e for e in read_jsonl(tmp_path / "sim" / "events.jsonl") if e["event"] == "recovery"]
+    assert rec["omega_scope"] == sim_rec["omega_scope"] == "blocks"
+    blocks, whole = swarm[3]["block_grad_norms"], swarm[3]["grad_norms"]  # the last step before the failure
+    assert rec["norms"] == pytest.approx([blocks[0], blocks[2]], rel=1e-5)
+    assert blocks[0] < whole[0]  # stage 0's whole-stage norm includes its embedding
+    assert rec["coefficients"] == pytest.approx(sim_rec["coefficients"], rel=1e-4)
+    assert [m["loss"] for m in swarm] == pytest.approx([m["loss"] for m in sim], rel=1e-4)
+    assert sum((m["block_grad_norms"] for m in swarm), []) == pytest.approx(sum((m["block_grad_norms"] for m in sim), []),
+                                                                           rel=1e-3)

@@ -20,9 +20,9 @@ from checkfree.strategies.state import state_nbytes
 __all__ = ["recovery_fields", "apply_plans", "declared_fallback", "AveragingStrategy"]
 
 
-def recovery_fields(plan: RecoveryPlan, coeffs: dict[int, float]) -> dict:
+def recovery_fields(plan: RecoveryPlan, coeffs: dict[int, float], omega_scope: str) -> dict:
     """The events.jsonl fields describing one recovery (shared with the coordinator)."""
-    return {"method": plan.method, "sources": list(plan.sources),
+    return {"method": plan.method, "sources": list(plan.sources), "omega_scope": omega_scope,
             "coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
             "edge_sources": plan.edge_sources, "edges_reinit": list(plan.edges_reinit)}
 
@@ -50,7 +50,7 @@ def apply_plans(ctx: StrategyContext, strategy: str, step: int, plans: list[Reco
             (plan.edge_sources[c], _nbytes(sd) + state_nbytes(edge_optim[c])) for c, sd in edges.items()]
         moved += sum(n for _, n in sends)
         slowest = max([slowest] + [ctx.cost.transfer_s(n, s, plan.stage) for s, n in sends])
-        fields = recovery_fields(plan, coeffs)
+        fields = recovery_fields(plan, coeffs, rc.omega_scope)
         if plan.fallback:
             ctx.event("fallback", step=step, stage=plan.stage, strategy=strategy, fallback=plan.fallback,
                       reason=plan.reason, **fields)
