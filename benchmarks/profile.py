@@ -35,14 +35,16 @@ from benchmarks.throughput import swarm_command
 # Innermost frame's file -> what it is (first match wins).
 CATEGORIES = [
     ("checkfree/net/wire.py", "wire format"),
-    ("checkfree/net/transport.py", "transport"),
+    ("checkfree/net/streams.py", "transport"),
+    ("checkfree/net/hivemind_transport.py", "transport"),
+    ("checkfree/net/tcp_transport.py", "transport"),
     ("hivemind/p2p/", "hivemind p2p client"),
     ("hivemind/", "hivemind (DHT, mpfuture)"),
     ("msgpack", "msgpack"),
     ("google/protobuf", "protobuf"),
     ("asyncio/", "asyncio"),
     ("selectors.py", "asyncio"),
-    ("peers/daemon.py", "peer daemon"),
+    ("peers/", "peer daemon"),
     ("scheduler/", "coordinator"),
     ("checkfree/worker.py", "torch compute"),
     ("checkfree/model.py", "torch compute"),

@@ -5,7 +5,7 @@ Each round sends one float32 tensor and gets it echoed back; the paths are inter
 same with one new stream per call, as before stream reuse),
 hivemind's bare ``send_raw_data`` / ``receive_raw_data`` on a stream (the floor of anything that goes
 through p2pd), a persistent length-prefixed asyncio TCP connection (the baseline: it reads into a
-preallocated buffer and writes with the transports' chunked ``_write_frames``, i.e. the same socket I/O
+preallocated buffer and writes with the transports' chunked ``write_frames``, i.e. the same socket I/O
 without any protocol), ``TcpTransport.call`` (the
 ``--transport tcp`` runtime path, checkfree.net.tcp_transport: direct TCP, same wire format, pooled
 connections, handshake with a run secret as ``checkfree local`` has; the handshake happens in the
@@ -126,7 +126,8 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from checkfree.net.tcp_transport import start_tcp_transport
-from checkfree.net.transport import Transport, _write_frames
+from checkfree.net.hivemind_transport import HivemindTransport
+from checkfree.net.streams import write_frames
 
 try:  # optional: the py-libp2p transport (pip install 'checkfree[libp2p]')
     from checkfree.net import libp2p_transport as _libp2p
@@ -143,7 +144,7 @@ RAW_READER_LIMIT = 8 << 20  # the default 64 KiB StreamReader limit makes the ba
 
 async def _read_raw(reader: asyncio.StreamReader, length: int) -> np.ndarray:
     """``length`` bytes into one preallocated buffer, in chunks as they arrive. The raw baseline reads this way
-    and writes with the transports' ``_write_frames`` (1 MiB chunks, 4 MiB send buffer): ``readexactly`` and
+    and writes with the transports' ``write_frames`` (1 MiB chunks, 4 MiB send buffer): ``readexactly`` and
     one big ``write`` grow a bytearray and copy it, which made an earlier baseline slower than the
     transports at 16-64 MiB."""
     body = np.empty(length, dtype=np.uint8)
@@ -162,7 +163,7 @@ async def _raw_echo_server(reader: asyncio.StreamReader, writer: asyncio.StreamW
         while True:
             prefix = await reader.readexactly(8)
             body = await _read_raw(reader, int.from_bytes(prefix, "big"))
-            await _write_frames(writer, [prefix, body])
+            await write_frames(writer, [prefix, body])
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
@@ -180,7 +181,7 @@ class RawClient:
     async def roundtrip(self, payload: torch.Tensor) -> float:
         data = memoryview(payload.numpy()).cast("B")
         start = time.perf_counter()
-        await _write_frames(self.writer, [len(data).to_bytes(8, "big"), data])
+        await write_frames(self.writer, [len(data).to_bytes(8, "big"), data])
         reply = await _read_raw(self.reader, int.from_bytes(await self.reader.readexactly(8), "big"))
         elapsed = time.perf_counter() - start
         assert reply.nbytes == data.nbytes
@@ -237,8 +238,8 @@ async def run(
     """
     p2p_a = await P2P.create()
     p2p_b = await P2P.create(initial_peers=[str(m) for m in await p2p_a.get_visible_maddrs()])
-    server, client = Transport(p2p_a), Transport(p2p_b, pool_streams=True)
-    fresh = Transport(p2p_b, pool_streams=False)  # the runtime before stream reuse: one p2pd stream per call
+    server, client = HivemindTransport(p2p_a), HivemindTransport(p2p_b, pool_streams=True)
+    fresh = HivemindTransport(p2p_b, pool_streams=False)  # the runtime before stream reuse: one p2pd stream per call
     raw = RawClient()
     await raw.start()
     secret = b"benchmark-run-secret-0123456789"

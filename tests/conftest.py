@@ -89,7 +89,7 @@ def fresh_refusal_log():
     """Each test starts with an empty refusal-log window (the limit is per process and per minute)."""
     import sys
 
-    transport = sys.modules.get("checkfree.net.transport")
+    transport = sys.modules.get("checkfree.net.errors")
     if transport is not None:
         transport.REFUSALS.__init__(transport.REFUSALS.per_window, transport.REFUSALS.window_s)
     yield

@@ -41,3 +41,29 @@ def test_no_upward_imports(layer, forbidden):
         if hits:
             bad.append(f"{path.relative_to(ROOT)} imports {sorted(hits)}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_three_transports_type_check_against_the_transport_protocol(tmp_path):
+    """mypy (configured in pyproject.toml) checks that HivemindTransport, TcpTransport and Libp2pTransport are
+    each a checkfree.net.base.Transport, signatures included (a changed signature fails here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"),
+                           "tests/transport_protocol_check.py"], cwd=root, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "Success" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_no_private_names_cross_modules_in_the_net_package():
+    """checkfree/net modules import each other's public names only."""
+    import ast
+    from pathlib import Path
+
+    net = Path(__file__).resolve().parent.parent / "checkfree" / "net"
+    for path in net.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("checkfree"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports private {private} from {node.module}"

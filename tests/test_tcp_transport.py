@@ -20,13 +20,8 @@ from checkfree.net.tcp_transport import (
     parse_tcp_maddr,
     start_tcp_transport,
 )
-from checkfree.net.transport import (
-    RemoteError,
-    TransportError,
-    TransportTimeout,
-    _read_message,
-    _write_frames,
-)
+from checkfree.net.streams import read_message, write_frames
+from checkfree.net.transport import RemoteError, TransportError, TransportTimeout
 from checkfree.net.wire import WireError, encode_message
 
 pytestmark = pytest.mark.timeout(60)
@@ -158,7 +153,7 @@ def test_oversized_messages_are_refused_before_allocating() -> None:
             tracemalloc.start()
             try:
                 writer.write((2**62).to_bytes(8, "big") + b"\x00" * 16)
-                reply, _ = await _read_message(reader, 1 << 16)
+                reply, _ = await read_message(reader, 1 << 16)
                 _, peak = tracemalloc.get_traced_memory()
             finally:
                 tracemalloc.stop()
@@ -177,20 +172,20 @@ def test_garbage_gets_an_error_reply_and_other_connections_keep_working(caplog) 
             await client.call(SERVER, "echo", {}, timeout=30)  # an established pooled connection
             reader, writer = await _raw(server)
             writer.write(b"\x00\x00\x00\x00\x00\x00\x00\x05\x00\x00\x00\x01\xc1")  # malformed msgpack
-            reply, _ = await _read_message(reader, 1 << 16)
+            reply, _ = await read_message(reader, 1 << 16)
             assert reply["error"].startswith("WireError: handshake refused: ")
             writer.write_eof()
             assert await reader.read() == b""  # the server closes that connection once the caller is done
             writer.close()
             reader, writer = await _raw(server)
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            reply, _ = await _read_message(reader, 1 << 16)
+            reply, _ = await read_message(reader, 1 << 16)
             assert "handshake refused" in reply["error"]
             writer.close()
             # garbage after a valid handshake, on a connection of the pool: error reply, connection closed
             conn = await client._open(SERVER)
             conn[1].write(b"\x04echo" + b"\x00\x00\x00\x00\x00\x00\x00\x05\x00\x00\x00\x01\xc1")
-            reply, _ = await _read_message(conn[0], 1 << 16)
+            reply, _ = await read_message(conn[0], 1 << 16)
             conn[1].write_eof()
             assert reply["error"].startswith("WireError: ") and await conn[0].read() == b""
             conn[1].close()
@@ -281,7 +276,7 @@ def test_address_resolver_is_asked_once_and_a_stalled_handshake_times_out() -> N
             finally:
                 await other.shutdown()
             reader, writer = await _raw(server)  # says nothing: closed after handshake_timeout with an error reply
-            reply, _ = await asyncio.wait_for(_read_message(reader, 1 << 16), 10)
+            reply, _ = await asyncio.wait_for(read_message(reader, 1 << 16), 10)
             assert "no handshake within handshake_timeout=0.5 s" in reply["error"]
             writer.close()
 
@@ -326,7 +321,7 @@ def test_abandoned_large_requests_release_their_buffers_without_gc(ending) -> No
             writer.write(b"x" * mib)
         await writer.drain()
         if ending == "caller stalls":
-            reply, _ = await _read_message(reader, 1 << 16)  # the server gives up after its read_timeout
+            reply, _ = await read_message(reader, 1 << 16)  # the server gives up after its read_timeout
             assert "no complete request within read_timeout" in reply["error"], reply
         else:
             writer.close()

@@ -19,7 +19,7 @@ from checkfree.auth import record_ok, sign_record
 from checkfree.protocol import Kind, ProtocolError
 from checkfree.net.transport import (
     RemoteError,
-    Transport,
+    HivemindTransport,
     TransportError,
     TransportTimeout,
     announce,
@@ -91,13 +91,13 @@ def _track(p2p: P2P) -> P2P:
 
 
 @contextlib.asynccontextmanager
-async def _pair() -> AsyncIterator[tuple[Transport, Transport]]:
+async def _pair() -> AsyncIterator[tuple[HivemindTransport, HivemindTransport]]:
     """Two P2P daemons on 127.0.0.1 (port 0), b bootstrapped from a; yields (server, client) transports."""
     a = _track(await P2P.create())
     b = None
     try:
         b = _track(await P2P.create(initial_peers=[str(m) for m in await a.get_visible_maddrs()]))
-        yield Transport(a, owns_p2p=True), Transport(b, owns_p2p=True)
+        yield HivemindTransport(a, owns_p2p=True), HivemindTransport(b, owns_p2p=True)
     finally:
         if b is not None:
             await b.shutdown()
@@ -390,7 +390,7 @@ def test_idle_streams_closed_by_the_server_are_not_reused(monkeypatch) -> None:
             header, _ = await client.call(server.peer_id, "echo", {"after": "idle"}, timeout=30)
             assert header["after"] == "idle" and client.streams_opened == 2
 
-            fresh = Transport(client.p2p, pool_streams=False)
+            fresh = HivemindTransport(client.p2p, pool_streams=False)
             for _ in range(3):
                 await fresh.call(server.peer_id, "echo", {}, timeout=30)
             assert fresh.streams_opened == 3 and not fresh._pool.idle
@@ -404,7 +404,7 @@ def test_idle_streams_closed_by_the_server_are_not_reused(monkeypatch) -> None:
 
 @pytest.mark.timeout(120)
 def test_malformed_raw_bytes_get_error_reply_and_service_continues() -> None:
-    async def raw_exchange(client: Transport, server: Transport, data: bytes) -> dict:
+    async def raw_exchange(client: HivemindTransport, server: HivemindTransport, data: bytes) -> dict:
         _, reader, writer = await client.p2p.call_binary_stream_handler(server.peer_id, "echo")
         try:
             writer.write(data)

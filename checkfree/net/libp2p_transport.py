@@ -1,6 +1,6 @@
 """The ``Transport`` request/response interface on py-libp2p (pure Python, no p2pd daemon).
 
-Selectable alternative to ``checkfree.net.transport.Transport`` (hivemind's go-libp2p daemon). Same
+Selectable alternative to ``checkfree.net.hivemind_transport.HivemindTransport`` (hivemind's go-libp2p daemon). Same
 async API, same wire format, same error semantics:
 
 - ``peer_id`` (base58 string), ``await register(name, handler)``, ``await unregister(name)``,
@@ -31,7 +31,7 @@ listen multiaddrs (``/ip4/127.0.0.1/tcp/PORT/p2p/<peer id>``) to hand to others.
 eagerly (also done for ``initial_peers`` at start), (d) call back a peer that dialed us: an existing
 connection needs no address, or (e) set ``address_resolver``, asked once per peer called by bare id whose
 address is unknown (the runtime looks the address up in the hivemind DHT: see
-``checkfree.net.transport.start_transport``).
+``checkfree.net.factory.start_transport``).
 
 Fixed ports: py-libp2p listens with SO_REUSEPORT (for hole punching), so a second libp2p host on the
 same fixed port does not fail to start; the kernel then splits incoming connections between both.
@@ -61,14 +61,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkfree.net.transport import (
-    Handler,
+from checkfree.net.addresses import learn_addresses
+from checkfree.net.base import Handler
+from checkfree.net.errors import (
     RemoteError,
-    remote_error,
     TransportError,
     TransportTimeout,
     failed_request,
-    learn_addresses,
+    remote_error,
 )
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -198,7 +198,7 @@ async def _t_read_body(stream: Any, max_message_bytes: int) -> memoryview:
 
     The declared length is checked (``WireError``) before the buffer is allocated; the buffer is not
     zero-filled, so a peer that declares a large message and stalls costs address space, not memory, and a
-    read that fails or is abandoned releases it at once (as ``_read_message`` does). Reads return whatever
+    read that fails or is abandoned releases it at once (as ``checkfree.net.streams.read_message`` does). Reads return whatever
     has arrived, so the body is assembled from as many reads as it takes.
     """
     length = body_length(await _t_read_exactly(stream, PREFIX_BYTES), max_message_bytes=max_message_bytes)

@@ -4,12 +4,12 @@ For trusted networks only (one VPC or LAN, like torch.distributed's Gloo): **no 
 can see the traffic can read activations and weights, and anyone on the path can alter them. Use the
 default ``--transport hivemind`` (TLS/noise via p2pd, NAT traversal) on the open internet.
 
-Same async API, wire format and error semantics as ``checkfree.net.transport.Transport``: ``peer_id``
+Same async API (the ``checkfree.net.base.Transport`` protocol), wire format and error semantics as ``HivemindTransport``: ``peer_id``
 (a string: the process's hivemind DHT peer id when started by ``start_transport``), ``register``,
 ``unregister``, ``call(peer_id, name, header, tensors, *, timeout)``, ``extra_header``, ``shutdown``;
 ``RemoteError`` / ``TransportTimeout`` / ``TransportError`` from a call, ``WireError`` locally for
 tensors or headers that cannot be encoded. Messages are read and written by the same helpers
-(``_read_message``, ``_write_frames``), so a declared length above ``max_message_bytes`` is refused before
+(``read_message``, ``write_frames``), so a declared length above ``max_message_bytes`` is refused before
 anything is allocated.
 
 Connections. A caller dials ``host:port`` of the peer (its ``/ip4/HOST/tcp/PORT/p2p/<id>`` multiaddr,
@@ -70,21 +70,23 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 
 from checkfree.auth import SECRET_ENV, handshake_proof, verify
-from checkfree.net.transport import (
+from checkfree.net.addresses import learn_addresses
+from checkfree.net.base import Handler
+from checkfree.net.errors import (
     REFUSALS,
-    Handler,
     RemoteError,
     TransportError,
     TransportTimeout,
+    failed_request,
+)
+from checkfree.net.streams import (
     Stream,
     StreamPool,
-    _discard_until_eof,
-    _exchange,
-    _read_message,
-    _reply_within,
-    _write_frames,
-    failed_request,
-    learn_addresses,
+    discard_until_eof,
+    exchange,
+    read_message,
+    reply_within,
+    write_frames,
 )
 from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, encode_message
 
@@ -255,28 +257,28 @@ class TcpTransport:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
         """Server half of the handshake; returns the caller's (proven, with a secret) peer id."""
-        hello, _ = await _read_message(reader, HANDSHAKE_MAX_BYTES)
+        hello, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
         caller, nonce = _check_hello(hello, self.secret)
         mine = secrets.token_bytes(NONCE_BYTES)
         reply = {"hello": 1, "peer_id": self._peer_id, "nonce": mine, "auth": self.secret is not None}
         if self.secret is not None:
             reply["proof"] = handshake_proof(self.secret, "server", caller, self._peer_id, nonce, mine)
-        await _write_frames(writer, encode_message(reply))
-        answer, _ = await _read_message(reader, HANDSHAKE_MAX_BYTES)
+        await write_frames(writer, encode_message(reply))
+        answer, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
         if self.secret is not None and not verify(
                 handshake_proof(self.secret, "caller", caller, self._peer_id, nonce, mine), answer.get("proof")):
             raise HandshakeError(f"peer claiming id {caller} does not prove the run secret (a different "
                                  f"--secret-file or ${SECRET_ENV}?)")
-        await _write_frames(writer, encode_message({"ok": True}))
+        await write_frames(writer, encode_message({"ok": True}))
         return caller
 
     async def _reply_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: str | dict) -> None:
         """Answer an error reply (``{"error": text[, "kind": ...]}``) and wait (bounded) for the caller to close,
         so that the reply is not lost to a reset caused by unread request bytes."""
         with contextlib.suppress(ConnectionError):
-            await _write_frames(writer, encode_message(reply if isinstance(reply, dict) else {"error": reply}))
+            await write_frames(writer, encode_message(reply if isinstance(reply, dict) else {"error": reply}))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_discard_until_eof(reader), self.linger_timeout)
+                await asyncio.wait_for(discard_until_eof(reader), self.linger_timeout)
 
     async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer requests on one connection until the caller closes it, it idles for ``idle_timeout`` or a
@@ -308,13 +310,13 @@ class TcpTransport:
                 text = failed_request(e, f"tcp {name}", peer, (asyncio.TimeoutError, WireError, TransportError))
                 await self._reply_error(reader, writer, text)
                 return
-            await _write_frames(writer, frames)
+            await write_frames(writer, frames)
 
     async def _read_request(self, reader: asyncio.StreamReader,
                             size: int) -> tuple[bytes, tuple[dict, list[torch.Tensor]]]:
         """The rest of a request whose first byte (``size``, the protocol name's length) was read."""
         name = await reader.readexactly(size) if size else b""
-        return name, await _read_message(reader, self.max_message_bytes)
+        return name, await read_message(reader, self.max_message_bytes)
 
     # ------------------------------------------------------------ client side
 
@@ -344,11 +346,11 @@ class TcpTransport:
         if not 0 < len(name_bytes) < 256:
             raise ValueError(f"protocol name {name!r} must be 1-255 UTF-8 bytes")
         frames = [bytes([len(name_bytes)]) + name_bytes, *encode_message(header, tensors)]
-        return await _reply_within(self._call(peer, name, frames), timeout, peer, name)
+        return await reply_within(self._call(peer, name, frames), timeout, peer, name)
 
     async def _call(self, peer: str, name: str, frames: list) -> tuple[dict, list[torch.Tensor]]:
         conn = self._pool.take(peer) or await self._open(peer)
-        return await _exchange(conn, frames, self.max_message_bytes, f"peer {peer}", f"the connection for '{name}'",
+        return await exchange(conn, frames, self.max_message_bytes, f"peer {peer}", f"the connection for '{name}'",
                                self._pool, peer)
 
     async def _addresses_of(self, peer: str) -> list[tuple[str, int]]:
@@ -393,8 +395,8 @@ class TcpTransport:
         mine = secrets.token_bytes(NONCE_BYTES)
         hello = {"hello": 1, "peer_id": self._peer_id, "nonce": mine, "auth": self.secret is not None}
         try:
-            await _write_frames(writer, encode_message(hello))
-            reply, _ = await _read_message(reader, HANDSHAKE_MAX_BYTES)
+            await write_frames(writer, encode_message(hello))
+            reply, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
             if "error" in reply:
                 raise HandshakeError(f"peer {peer} refused the connection: {reply['error']}")
             server, nonce = _check_hello(reply, self.secret)
@@ -404,8 +406,8 @@ class TcpTransport:
                     handshake_proof(self.secret, "server", self._peer_id, peer, mine, nonce), reply.get("proof")):
                 raise HandshakeError(f"peer {peer} does not prove the run secret")
             proof = handshake_proof(self.secret, "caller", self._peer_id, peer, mine, nonce) if self.secret else None
-            await _write_frames(writer, encode_message({"proof": proof}))
-            ack, _ = await _read_message(reader, HANDSHAKE_MAX_BYTES)
+            await write_frames(writer, encode_message({"proof": proof}))
+            ack, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
         except (asyncio.IncompleteReadError, ConnectionError, WireError) as e:
             raise HandshakeError(f"connection handshake with peer {peer} failed: {e!r}") from e
         except HandshakeError as e:
