@@ -47,7 +47,7 @@ from checkfree.net.streams import (
     stream_pool_default,
     write_frames,
 )
-from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES, PREFIX_BYTES, encode_message
+from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES, PREFIX_BYTES, WireError, encode_message
 
 __all__ = ["HivemindTransport"]
 
@@ -104,7 +104,7 @@ class HivemindTransport:
         """Serve ``handler`` under protocol ``name``; each incoming stream runs in its own task."""
 
         async def _on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve(name, handler, info.peer_id, reader, writer)
+            await self._serve(name, info.peer_id, reader, writer)
 
         self._handlers[name] = handler
         await self.p2p.add_binary_stream_handler(name, _on_stream)
@@ -113,11 +113,10 @@ class HivemindTransport:
         self._handlers.pop(name, None)
         await self.p2p.remove_binary_stream_handler(name)
 
-    async def _serve(
-        self, name: str, handler: Handler, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _serve(self, name: str, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer requests on one stream until the caller closes it, it idles for ``idle_timeout`` or a
-        request fails (after an error reply the stream is closed: its framing may be lost)."""
+        request fails (after an error reply the stream is closed: its framing may be lost). The handler is
+        looked up per request: once ``name`` is unregistered, a reused stream gets an error reply too."""
         first = True
         try:
             while True:
@@ -142,13 +141,16 @@ class HivemindTransport:
                     except asyncio.TimeoutError:
                         raise asyncio.TimeoutError(
                             f"no complete request within read_timeout={self.read_timeout:g} s") from None
+                    handler = self._handlers.get(name)
+                    if handler is None:
+                        raise TransportError(f"no handler registered for '{name}'")
                     reply_header, reply_tensors = await handler(header, tensors, peer)
                     frames = encode_message(reply_header, reply_tensors)
                 except (asyncio.IncompleteReadError, ConnectionError) as e:
                     logger.debug("%s: peer %s closed the stream mid-request: %r", name, peer, e)
                     return
                 except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-                    frames = encode_message(failed_request(e, name, peer))
+                    frames = encode_message(failed_request(e, name, peer, (asyncio.TimeoutError, WireError, TransportError)))
                     failed = True
                 await write_frames(writer, frames)
                 if failed:
