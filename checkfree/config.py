@@ -106,7 +106,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     autocast_bf16: bool = False  # bf16 autocast of the forward pass
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b
-    wire_dtype: str = "float32"  # activations/gradients between peers: float32 | bfloat16 | float16
+    wire_dtype: str = "float32"  # activations/gradients between peers: float32 | bfloat16 | float16 | int8
 
 
 @dataclass(kw_only=True)

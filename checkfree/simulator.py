@@ -40,6 +40,7 @@ from checkfree.saves import newest_save, read_save, write_save
 from checkfree.strategies import Figures, build_strategy, worker_config
 from checkfree.strategies.averaging import recovery_fields
 from checkfree.strategies.state import StageState, capture_worker, restore_worker
+from checkfree.wirecodec import roundtrip
 from checkfree.worker import StageWorker, StepStats, resolve_device
 
 __all__ = ["Simulator", "SimContext", "run_microbatches", "sync_components", "evaluate", "recovery_fields"]
@@ -61,10 +62,13 @@ class SoftErrorEscalation(RuntimeError):
 
 def _forward_chain(workers: list[StageWorker], mb: int, hops: list[Hop], inputs, targets) -> torch.Tensor:
     """The microbatch's forward along its route; one recompute if a soft error escalates."""
+    wire = workers[0].cfg.train.wire_dtype
     for attempt in range(2):
         x = inputs
         try:
-            for hop in hops:
+            for i, hop in enumerate(hops):
+                if i:  # a stage boundary: what the next peer receives (checkfree.wirecodec)
+                    x = roundtrip(x, wire)
                 x = workers[hop.stage].forward(mb, x, hop, targets if hop.head else None)
             return x
         except UncorrectableSoftError as e:
@@ -87,7 +91,7 @@ def run_microbatches(workers: list[StageWorker], data: TokenData, step: int, plu
         total += float(x)
         grad = None
         for hop in reversed(hops):
-            grad = workers[hop.stage].backward(mb, grad)
+            grad = workers[hop.stage].backward(mb, None if grad is None else roundtrip(grad, workers[0].cfg.train.wire_dtype))
     return total
 
 
@@ -109,7 +113,7 @@ def evaluate(workers: list[StageWorker], batches: list[tuple[torch.Tensor, torch
     for inputs, targets in batches:
         x = inputs
         for i, w in enumerate(workers):
-            x = w.infer(x, Hop(i, embed=i == 0, head=i == last))
+            x = w.infer(x if i == 0 else roundtrip(x, w.cfg.train.wire_dtype), Hop(i, embed=i == 0, head=i == last))
         losses.append(float(torch.nn.functional.cross_entropy(x.flatten(0, 1), targets.to(x.device).flatten())))
     return sum(losses) / len(losses)
 
