@@ -108,14 +108,17 @@ class PeerDaemon:
 
     def handlers(self) -> dict[str, Handler]:
         """Every RPC this peer serves, each behind the one admission check (peers.checks.RULES)."""
-        served = {RPC.ASSIGN: self.assignment.on_assign,
-                  RPC.RUN_STEP: self.passes.on_run_step, RPC.FORWARD: self.passes.on_forward,
-                  RPC.BACKWARD: self.passes.on_backward, RPC.COMPONENT_GRAD: self.passes.on_component_grad,
-                  RPC.COMMIT: self.steps.on_commit, RPC.ABORT: self.steps.on_abort,
-                  RPC.GET_WEIGHTS: self.recovery.on_get_weights, RPC.GET_STATE: self.recovery.on_get_state,
-                  RPC.SNAPSHOT: self.snapshots.on_snapshot, RPC.STORE_SNAPSHOT: self.snapshots.on_store_snapshot,
-                  RPC.FETCH_SNAPSHOT: self.snapshots.on_fetch_snapshot, RPC.RESTORE: self.snapshots.on_restore,
-                  RPC.ADOPT: self.failover.on_adopt, RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown}
+        served = {
+            RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown,
+            RPC.ASSIGN: self.assignment.on_assign,
+            RPC.RUN_STEP: self.passes.on_run_step, RPC.FORWARD: self.passes.on_forward,
+            RPC.BACKWARD: self.passes.on_backward, RPC.COMPONENT_GRAD: self.passes.on_component_grad,
+            RPC.COMMIT: self.steps.on_commit, RPC.ABORT: self.steps.on_abort,
+            RPC.GET_WEIGHTS: self.recovery.on_get_weights, RPC.GET_STATE: self.recovery.on_get_state,
+            RPC.SNAPSHOT: self.snapshots.on_snapshot, RPC.STORE_SNAPSHOT: self.snapshots.on_store_snapshot,
+            RPC.FETCH_SNAPSHOT: self.snapshots.on_fetch_snapshot, RPC.RESTORE: self.snapshots.on_restore,
+            RPC.ADOPT: self.failover.on_adopt,
+        }
         assert served.keys() == RULES.keys(), "every RPC served has an admission rule, and only those"
         return {name: self.membership.admitted(name, handler) for name, handler in served.items()}
 
