@@ -21,8 +21,9 @@ from checkfree.protocol import RPC, plan_to_wire
 from checkfree.recovery import checkfree_average, plan_recovery, rebuild_stage
 from checkfree.strategies import build_strategy, worker_config
 from checkfree.worker import StageWorker
-from peers import daemon as daemon_mod
-from peers.daemon import PeerDaemon, PeerOptions, PeerState
+from peers import recovery as recovery_mod
+from peers.daemon import PeerDaemon, PeerOptions
+from peers.stage import PeerState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,8 +51,8 @@ class MemoryTransport:
         self.net, self.peer_id = net, me
 
     async def call(self, peer_id: str, name: str, header: dict, tensors=(), *, timeout: float):
-        handlers = {RPC.GET_WEIGHTS: PeerDaemon._on_get_weights, RPC.PING: PeerDaemon._on_ping}
-        target = self.net.daemons[peer_id]
+        assert name in (RPC.GET_WEIGHTS, RPC.PING), name
+        handler = self.net.daemons[peer_id].handlers()[name]
         if name == RPC.GET_WEIGHTS:
             self.net.inflight += 1
             self.net.most_inflight = max(self.net.most_inflight, self.net.inflight)
@@ -64,16 +65,15 @@ class MemoryTransport:
                                      "were ever in flight together") from None
             finally:
                 self.net.inflight -= 1
-        reply, out = await asyncio.wait_for(handlers[name](target, header, [t.clone() for t in tensors], self.peer_id),
-                                            timeout)
+        reply, out = await asyncio.wait_for(handler(header, [t.clone() for t in tensors], self.peer_id), timeout)
         return reply, [t.clone() for t in out]
 
 
 def _daemon(net: MemoryNet, me: str, cfg) -> PeerDaemon:
     d = PeerDaemon(PeerOptions(run_id=RUN))
     strategy = build_strategy(cfg)
-    d.cfg, d.plus, d.worker_cfg = cfg, strategy.plus, worker_config(cfg, strategy)
-    d.coordinator, d.transport = "coordinator", net.transport(me)
+    d.hosted.cfg, d.hosted.plus, d.hosted.worker_cfg = cfg, strategy.plus, worker_config(cfg, strategy)
+    d.membership.coordinator, d.membership.transport = "coordinator", net.transport(me)
     net.daemons[me] = d
     return d
 
@@ -110,13 +110,13 @@ def test_replacement_pulls_concurrently_and_rebuilds_off_the_event_loop(cfg, mon
     net = MemoryNet(expect_pulls=2)
     sources = {1: _daemon(net, "peer-1", cfg), 3: _daemon(net, "peer-3", cfg)}
     for s, d in sources.items():
-        d.worker = StageWorker(d.worker_cfg, s)
+        d.hosted.worker = StageWorker(d.hosted.worker_cfg, s)
         with torch.no_grad():  # neighbours that trained apart: different weights and norms
-            for p in d.worker.module.parameters():
+            for p in d.hosted.worker.module.parameters():
                 p.add_(0.01 * s)
-        d.omega = 0.5 * s
+        d.hosted.omega = 0.5 * s
     standby = _daemon(net, "standby", cfg)
-    standby.state = PeerState.STANDBY
+    standby.hosted.state = PeerState.STANDBY
     loop_thread = threading.current_thread()
     rebuilding, answered = asyncio.Event(), threading.Event()
 
@@ -127,7 +127,7 @@ def test_replacement_pulls_concurrently_and_rebuilds_off_the_event_loop(cfg, mon
         return rebuild_stage(*args, **kwargs)
 
     loop: asyncio.AbstractEventLoop | None = None
-    monkeypatch.setattr(daemon_mod, "rebuild_stage", held_rebuild)
+    monkeypatch.setattr(recovery_mod, "rebuild_stage", held_rebuild)
     (plan,) = plan_recovery({2}, cfg.num_stages, "checkfree")
     header = {"run": RUN, "stage": 2, "mode": "recover", "plan": plan_to_wire(plan), "step": 5,
               "sources": {"1": "peer-1", "3": "peer-3"}}
@@ -142,18 +142,19 @@ def test_replacement_pulls_concurrently_and_rebuilds_off_the_event_loop(cfg, mon
         nonlocal loop
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(asyncio.gather(standby._on_assign(header, [], "coordinator"),
+            return await asyncio.wait_for(asyncio.gather(standby.handlers()[RPC.ASSIGN](header, [], "coordinator"),
                                                          ping_while_rebuilding()), 2 * WAIT_S)
         finally:
             for d in net.daemons.values():
-                d.pool.shutdown(wait=True)
+                d.compute.pool.shutdown(wait=True)
 
     (reply, _), ping = asyncio.run(main())
     assert net.most_inflight == 2
     assert ping == {"stage": -1, "state": "standby"}  # answered mid-rebuild, before the stage was taken
-    assert standby.stage == 2 and standby.worker.has_weights
-    expect = checkfree_average(*(sources[s].worker.state_dict() for s in (1, 3)), prev_norm=0.5, next_norm=1.5)
-    got = standby.worker.state_dict()
+    assert standby.hosted.index == 2 and standby.hosted.worker.has_weights
+    expect = checkfree_average(*(sources[s].hosted.worker.state_dict() for s in (1, 3)), prev_norm=0.5,
+                               next_norm=1.5)
+    got = standby.hosted.worker.state_dict()
     assert got.keys() == expect.keys()
     for k in expect:
         assert torch.equal(got[k], expect[k]), k

@@ -27,6 +27,8 @@ COORDINATOR = "coordinator"
 class _Neighbours:
     """The transport of the peer under test: keeps its handlers and records the activations it sends."""
 
+    peer_id = "peer0"
+
     def __init__(self) -> None:
         self.handlers: dict[str, object] = {}
         self.forwards: list[int] = []  # microbatches whose activations went to stage 1, in order
@@ -56,8 +58,8 @@ async def _settle(daemon: PeerDaemon) -> None:
     """Until the peer's step tasks have finished and its compute queue is empty: nothing more happens
     without a message from outside."""
     await asyncio.sleep(0)  # a turn for tasks just created (the step's handler)
-    assert daemon.run_state is not None
-    while busy := [t for t in (*daemon.run_state.tasks, daemon._pump) if t is not None and not t.done()]:
+    assert daemon.steps.run is not None
+    while busy := [t for t in (*daemon.steps.run.tasks, daemon.compute._pump) if t is not None and not t.done()]:
         await asyncio.wait(busy)
 
 
@@ -68,11 +70,11 @@ async def _drive(schedule: str, stages: int, microbatches: int) -> tuple[int, di
     cfg.num_stages, cfg.train.num_microbatches, cfg.train.schedule = stages, microbatches, schedule
     m, t = cfg.model, cfg.train
     daemon = PeerDaemon(PeerOptions(run_id=RUN))
-    daemon.transport = wire = _Neighbours()
-    daemon.cfg, daemon.coordinator = cfg, COORDINATOR
-    daemon.data = _Tokens(m.vocab_size, t.microbatch_size, m.context_length)
+    daemon.membership.transport = wire = _Neighbours()
+    daemon.hosted.cfg, daemon.membership.coordinator = cfg, COORDINATOR
+    daemon.hosted.data = _Tokens(m.vocab_size, t.microbatch_size, m.context_length)
     try:
-        daemon.worker = StageWorker(cfg, 0)
+        daemon.hosted.worker = StageWorker(cfg, 0)
         await daemon._register()
         header = {"run": RUN, "step": 0, "attempt": 0, "evaluate": False,
                   "peers": {str(s): f"peer{s}" for s in range(stages)}}
@@ -91,7 +93,7 @@ async def _drive(schedule: str, stages: int, microbatches: int) -> tuple[int, di
         assert sorted(returned) == list(range(microbatches))
         return most, reply
     finally:
-        daemon.pool.shutdown(wait=True)
+        daemon.compute.pool.shutdown(wait=True)
 
 
 def test_1f1b_bounds_the_first_stage_to_s_microbatches_where_gpipe_holds_all_m() -> None:

@@ -1,0 +1,83 @@
+"""ASSIGN: the coordinator tells a standby peer which stage to serve, and where its state comes from.
+
+The modes of an assignment:
+
+* `fresh`: a newly initialised stage (the start of a run).
+* `recover`: rebuild a lost stage from live neighbours' weights (CheckFree; peers.recovery).
+* `restore`: take the lost stage's snapshot (rollback strategies; peers.snapshots).
+* `handover`: take a leaving peer's exact state (peers.recovery).
+* `load`: a resumed run's saved state, carried by the message itself.
+
+The reply tells the coordinator what the assignment cost (seconds, bytes moved) and, for a
+recovery, the coefficients and norms it used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from checkfree.protocol import ProtocolError, require
+from checkfree.worker import StageWorker
+from peers.checks import check_blob
+from peers.compute import ComputeQueue
+from peers.debug import DebugHooks
+from peers.recovery import Recovery
+from peers.snapshots import Snapshots
+from peers.stage import HostedStage, PeerState
+
+__all__ = ["MODES", "Assignment"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("fresh", "recover", "restore", "handover", "load")
+
+
+class Assignment:
+    """Makes this standby peer serve the stage the coordinator assigns it."""
+
+    def __init__(self, hosted: HostedStage, compute: ComputeQueue, recovery: Recovery, snapshots: Snapshots,
+                 debug: DebugHooks) -> None:
+        self.hosted, self.compute, self.recovery, self.snapshots, self.debug = (hosted, compute, recovery,
+                                                                                snapshots, debug)
+
+    async def on_assign(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        cfg, stage, mode = self.hosted.joined(), header["stage"], header["mode"]
+        if self.hosted.worker is not None:
+            raise ProtocolError(f"this peer already hosts stage {self.hosted.index}")
+        if not 0 <= stage < cfg.num_stages:
+            raise ProtocolError(f"stage {stage} out of range for {cfg.num_stages} stages")
+        if mode not in MODES:
+            raise ProtocolError(f"unknown assign mode {mode!r}")
+        t0 = time.perf_counter()
+        reply: dict[str, Any] = {"stage": stage}
+        self.debug.arm_rebuild_kill(header)
+        if mode == "recover":  # builds the stage while it pulls the weights
+            worker, rebuilt = await self.recovery.recover(stage, header)
+            reply.update(rebuilt)
+        else:
+            worker = await self.compute.run(self.hosted.build, stage)
+        if mode == "restore":
+            reply.update(await self.snapshots.restore_new(worker, header))
+        elif mode == "load":  # resuming a run: the saved state travels with the message
+            require(header, step=int)
+            blob = check_blob(tensors, "the saved state of assign mode 'load'")
+            try:
+                reply["omega"] = await self.compute.run(self.hosted.load_bytes, worker, blob)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise ProtocolError(f"the saved state of stage {stage} does not load: {e}") from None
+        elif mode == "handover":
+            reply.update(await self.recovery.take_handover(worker, header))
+        self.debug.arm_delay(header)
+        self._serve(worker, reply.pop("omega", 0.0), header.get("step", 0))
+        reply["assign_s"] = time.perf_counter() - t0
+        log.info("serving stage %d (%s)", stage, mode)
+        return reply, []
+
+    def _serve(self, worker: StageWorker, omega: float, step: object) -> None:
+        """Start serving `worker`, its weights ready for `step` (0 unless the message says)."""
+        hosted = self.hosted
+        hosted.worker, hosted.omega = worker, omega
+        hosted.next_step = step if isinstance(step, int) else 0
+        hosted.state = PeerState.SERVING

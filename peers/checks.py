@@ -1,0 +1,171 @@
+"""Every request a peer serves passes one admission check, then the handler's own checks.
+
+`admit` is that one check, made before any handler runs: the run the request names, the
+header fields its RPC needs (`RULES`), then who may send it (`authorize`). Who may send what:
+
+* ANYONE: PING, a liveness probe.
+* MEMBER: the data RPCs (activations, gradients, weights, snapshots). With a run secret only
+  callers whose request carries the run token bound to their own peer id (the transport
+  authenticates the peer id, the token proves it holds the secret); in an open swarm anyone.
+* COORDINATOR: the control RPCs (assign, run a step, commit, abort, snapshot, restore, shut
+  down): from anyone else they could start, commit or abort steps, make this peer write files,
+  or leave activations behind.
+* NEW_COORDINATOR: ADOPT, a takeover by a coordinator proving the run secret (whether the old
+  coordinator is really gone is the handler's question: peers.failover).
+
+The rest of this module checks message contents: activations, a step's hops and senders, blobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from checkfree.auth import coordinator_proof, join_token, verify
+from checkfree.config import RunConfig
+from checkfree.net.wire import check_finite
+from checkfree.protocol import RPC, Kind, ProtocolError, require
+
+if TYPE_CHECKING:
+    from peers.step import StepRun
+
+__all__ = [
+    "RULES",
+    "Access",
+    "Rule",
+    "admit",
+    "authorize",
+    "check_activation",
+    "check_blob",
+    "check_hop",
+    "check_run",
+    "check_sender",
+]
+
+
+class Access(Enum):
+    """Who may send a request (see the module docstring)."""
+
+    ANYONE = "anyone"
+    MEMBER = "member"
+    COORDINATOR = "coordinator"
+    NEW_COORDINATOR = "new_coordinator"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a peer requires of one RPC before its handler runs."""
+
+    access: Access
+    fields: dict[str, type] = field(default_factory=dict)  # header fields beyond `run`, and their types
+    action: str = ""  # what the request does, for a refusal ("only the run's coordinator may ...")
+
+
+_STEP = {"step": int, "attempt": int}
+_HOP = {**_STEP, "mb": int, "hop": int}
+_SNAPSHOT = {"owner": int, "step": int}
+
+RULES: dict[str, Rule] = {
+    RPC.PING: Rule(Access.ANYONE),
+    RPC.FORWARD: Rule(Access.MEMBER, _HOP),
+    RPC.BACKWARD: Rule(Access.MEMBER, _HOP),
+    RPC.COMPONENT_GRAD: Rule(Access.MEMBER, {**_STEP, "comp": str}),
+    RPC.GET_WEIGHTS: Rule(Access.MEMBER, {"part": str}),
+    RPC.GET_STATE: Rule(Access.MEMBER, {"step": int}),
+    RPC.STORE_SNAPSHOT: Rule(Access.MEMBER, _SNAPSHOT),
+    RPC.FETCH_SNAPSHOT: Rule(Access.MEMBER, _SNAPSHOT),
+    RPC.ASSIGN: Rule(Access.COORDINATOR, {"stage": int, "mode": str}, "assign a stage"),
+    RPC.RUN_STEP: Rule(Access.COORDINATOR, {**_STEP, "peers": dict, "evaluate": bool}, "start a step"),
+    RPC.COMMIT: Rule(Access.COORDINATOR, _STEP, "commit a step"),
+    RPC.ABORT: Rule(Access.COORDINATOR, {}, "abort a step"),
+    RPC.SNAPSHOT: Rule(Access.COORDINATOR, {"step": int}, "take a snapshot"),  # it names files and peers
+    RPC.RESTORE: Rule(Access.COORDINATOR, {"step": int}, "roll a stage back"),
+    RPC.SHUTDOWN: Rule(Access.COORDINATOR, {}, "shut this peer down"),
+    RPC.ADOPT: Rule(Access.NEW_COORDINATOR),
+}
+
+
+def admit(name: str, header: dict, caller: str, *, run_id: str, secret: bytes | None, coordinator: str | None,
+          me: str) -> None:
+    """The one check before every handler: the run, the fields `RULES[name]` lists, then `authorize`.
+    Malformed requests are refused with the field at fault, before (and whoever) they come from."""
+    rule = RULES[name]
+    check_run(header, run_id)
+    require(header, **rule.fields)
+    authorize(rule, caller, header, run_id=run_id, secret=secret, coordinator=coordinator, me=me)
+
+
+def authorize(rule: Rule, caller: str, header: dict, *, run_id: str, secret: bytes | None,
+              coordinator: str | None, me: str) -> None:
+    """Refuse (Kind.UNAUTHORIZED) a request `caller` may not send; `me` is this peer's id."""
+    if rule.access is Access.ANYONE:
+        return
+    if rule.access is Access.NEW_COORDINATOR:
+        if secret is not None and not verify(coordinator_proof(secret, run_id, caller, me), header.get("proof")):
+            raise ProtocolError(f"peer {caller} is not authorized to coordinate this run (no valid coordinator proof)",
+                                Kind.UNAUTHORIZED)
+        return
+    if rule.access is Access.COORDINATOR:
+        if coordinator is None or caller != coordinator:
+            raise ProtocolError(f"only the run's coordinator may {rule.action}: peer {caller} is not authorized",
+                                Kind.UNAUTHORIZED)
+        return
+    # MEMBER: with a secret, nothing is served before this peer knows its coordinator
+    if secret is not None and (coordinator is None or (
+            caller != coordinator and not verify(join_token(secret, run_id, caller), header.get("token")))):
+        raise ProtocolError(f"peer {caller} is not authorized for this run", Kind.UNAUTHORIZED)
+
+
+def check_run(header: dict, run_id: str) -> None:
+    """Every request names the run; a request for another run is refused."""
+    require(header, run=str)
+    if header["run"] != run_id:
+        raise ProtocolError(f"request for run {header['run']!r}; this peer serves run {run_id!r}")
+
+
+def check_activation(tensors: list[torch.Tensor], what: str, cfg: RunConfig | None) -> torch.Tensor:
+    """The one activation (or gradient) of a FORWARD (BACKWARD): its shape, a float dtype, finite."""
+    if cfg is None:
+        raise ProtocolError("this peer has not joined a run yet")
+    if len(tensors) != 1:
+        raise ProtocolError(f"{what} carries {len(tensors)} tensors, expected 1")
+    x = tensors[0]
+    m, t = cfg.model, cfg.train
+    expect = (t.microbatch_size, m.context_length, m.d_model)
+    if tuple(x.shape) != expect:
+        raise ProtocolError(f"{what} has shape {tuple(x.shape)}, expected {expect}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ProtocolError(f"{what} has dtype {x.dtype}, expected a float tensor")
+    check_finite([x])
+    return x.float()
+
+
+def check_hop(run: StepRun, header: dict, stage: int) -> tuple[int, int]:
+    """The (microbatch, hop) a FORWARD or BACKWARD names: in the step's routes and this peer's stage."""
+    mb, idx = header["mb"], header["hop"]
+    if not 0 <= mb < len(run.routes) or not 0 <= idx < len(run.routes[mb]):
+        raise ProtocolError(f"microbatch {mb} hop {idx} out of range")
+    if run.routes[mb][idx].stage != stage:
+        raise ProtocolError(f"microbatch {mb} hop {idx} belongs to stage {run.routes[mb][idx].stage}, "
+                            f"not to this peer's stage {stage}")
+    return mb, idx
+
+
+def check_sender(run: StepRun, peer: object, mb: int, idx: int) -> None:
+    """Activations and gradients of a step are accepted only from the peer that this step's table
+    lists for the sending hop: a retired peer (partitioned, replaced) is refused even if it holds the
+    run token."""
+    expect = run.peers.get(run.routes[mb][idx].stage)
+    if str(peer) != expect:
+        raise ProtocolError(f"peer {peer} does not serve stage {run.routes[mb][idx].stage} in step {run.step} "
+                            f"attempt {run.attempt}")
+
+
+def check_blob(tensors: list[torch.Tensor], what: str) -> bytes:
+    """The bytes of a message that carries one serialized state (`what`) as one 1-D uint8 tensor."""
+    if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+        raise ProtocolError(f"{what} is one 1-D uint8 tensor")
+    return tensors[0].numpy().tobytes()

@@ -1,0 +1,89 @@
+"""Debugging and chaos hooks of a peer, all off by default.
+
+* `--dump-recovery DIR`: the weights served and rebuilt in recoveries, and the final state,
+  saved as safetensors files with a JSON of metadata each.
+* `--chaos-slow` (sent by the coordinator with ASSIGN): a delay before every forward and
+  backward pass from a given step on — a slow GPU or an overloaded host.
+* `--chaos-rebuild-kills` (sent with ASSIGN): the replacement SIGKILLs itself after a number
+  of weight pulls — a death in the middle of a rebuild.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkfree.strategies.state import optim_to_wire
+from checkfree.worker import StageWorker
+
+__all__ = ["DebugHooks"]
+
+log = logging.getLogger(__name__)
+
+
+class DebugHooks:
+    """The dump directory and the chaos settings of one peer."""
+
+    def __init__(self, dump_dir: str | None) -> None:
+        self.dump_dir = dump_dir
+        self.inject_delay: tuple[float, int] | None = None  # diagnostic slowness: (s per compute, from step)
+        self.die_after_pulls: int | None = None  # SIGKILL self after this many weight pulls
+
+    def arm_rebuild_kill(self, header: dict) -> None:
+        """Take an ASSIGN message's `chaos_die_after_pulls` (before the rebuild's pulls start)."""
+        if isinstance(header.get("chaos_die_after_pulls"), int):
+            self.die_after_pulls = header["chaos_die_after_pulls"]
+
+    def arm_delay(self, header: dict) -> None:
+        """Take an ASSIGN message's `inject_delay` (once the stage is ready)."""
+        if isinstance(header.get("inject_delay"), list):  # [seconds, from step]
+            self.inject_delay = (float(header["inject_delay"][0]), int(header["inject_delay"][1]))
+            log.warning("diagnostic: %.3g s delay per forward/backward from step %d", *self.inject_delay)
+
+    def slowed(self, fn: Callable[..., Any], step: int) -> Callable[..., Any]:
+        """`fn`, preceded on the compute thread by the diagnostic delay from its step on, while the
+        event loop keeps answering pings and heartbeats."""
+        if self.inject_delay is None or step < self.inject_delay[1]:
+            return fn
+        delay = self.inject_delay[0]
+
+        def slow(*args: Any) -> Any:
+            time.sleep(delay)
+            return fn(*args)
+
+        return slow
+
+    def pulled(self, part: str, stage: Any) -> None:
+        """Count one weight pull of a rebuild; the last one allowed kills this process."""
+        if self.die_after_pulls is None:
+            return
+        self.die_after_pulls -= 1
+        if self.die_after_pulls <= 0:
+            print(f"CHAOS: SIGKILL of this replacement after pulling {part} of stage {stage}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def dump(self, name: str, state: dict[str, torch.Tensor], meta: dict) -> None:
+        """Save a state dict and its metadata under the dump directory (if there is one)."""
+        if not self.dump_dir:
+            return
+        from safetensors.torch import save_file
+
+        path = Path(self.dump_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path / f"{name}.safetensors"))
+        (path / f"{name}.json").write_text(json.dumps(meta))
+
+    def dump_final(self, worker: StageWorker, omega: float) -> None:
+        """The weights and Adam state the stage ends the run with (on the compute thread)."""
+        keys, tensors = optim_to_wire(worker.optimizer_state())
+        self.dump(f"final-stage{worker.index}", worker.state_dict(), {"omega": omega})
+        self.dump(f"final-stage{worker.index}-optim", {"/".join(k): t for k, t in zip(keys, tensors)},
+                  {"lr_scale": worker.lr_scale})

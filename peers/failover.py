@@ -1,0 +1,63 @@
+"""Coordinator failover, the peer's side: ADOPT, a new coordinator taking over the run.
+
+The admission check (peers.checks) has verified the new coordinator's proof of the run
+secret. The takeover is refused while this peer's current coordinator still answers (no split
+brain: a live coordinator keeps its peers). An unfinished step is dropped; a finished one is
+kept so that the new coordinator can commit it if other stages already did. The reply is
+everything the new coordinator needs to rebuild its state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from checkfree.net.transport import RemoteError, TransportError
+from checkfree.protocol import RPC, Kind, ProtocolError
+from peers.membership import Membership
+from peers.snapshots import Snapshots
+from peers.stage import HostedStage
+from peers.step import StepTracker
+
+__all__ = ["Failover"]
+
+log = logging.getLogger(__name__)
+
+
+class Failover:
+    """Hands this peer over to a new coordinator."""
+
+    def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, snapshots: Snapshots) -> None:
+        self.net, self.hosted, self.steps, self.snapshots = membership, hosted, steps, snapshots
+
+    async def on_adopt(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        new, old = str(peer), self.net.coordinator
+        if old is not None and old != new:
+            await self._refuse_if_alive(old, new)
+        run = self.steps.run
+        if run is not None and not run.ready():
+            await self.steps.drop("dropped: the coordinator changed")
+            run = None
+        self.net.coordinator = new
+        self.net.heard_from_coordinator()
+        log.info("coordinator %s took over run %s (previous: %s)", new, self.net.run_id, old)
+        hosted = self.hosted
+        return {"stage": hosted.index, "state": hosted.state.value, "next_step": hosted.next_step,
+                "omega": hosted.omega, "token": self.net.token(),
+                "config": hosted.cfg.to_json() if hosted.cfg is not None else None,
+                "ready": None if run is None else {"step": run.step, "attempt": run.attempt,
+                                                   "losses": {str(k): v for k, v in run.losses.items()},
+                                                   **run.figures()},
+                "finished": list(self.steps.finished) if self.steps.finished is not None else None,
+                "last_commit": hosted.last_commit,
+                "snapshots": self.snapshots.steps_held()}, []
+
+    async def _refuse_if_alive(self, old: str, new: str) -> None:
+        """Refuse the takeover by `new` if the current coordinator `old` answers at all."""
+        try:
+            await self.net.transport.call(old, RPC.STATUS, {"run": self.net.run_id}, timeout=self.net.t.rpc_timeout)
+        except (TimeoutError, TransportError, OSError):
+            return  # gone: the takeover may proceed
+        except RemoteError:  # it answers, if only with an error: alive
+            pass
+        raise ProtocolError(f"coordinator {old} of run {self.net.run_id!r} is alive; takeover by {new} refused",
+                            Kind.COORDINATOR_ALIVE)

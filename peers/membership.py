@@ -1,0 +1,223 @@
+"""A peer's membership of a run: its network handles, and the coordinator it answers to.
+
+Finding the coordinator in the DHT and joining (the reply is the run's config), the DHT
+heartbeat that announces the peer while it lives, the watch that gives up on a coordinator
+silent for too long, the graceful leave, and `admit`: the one check every request to this
+peer passes (peers.checks), with the coordinator and secret it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from checkfree.auth import (
+    coordinator_proof,
+    join_token,
+    load_secret,
+    sign_record,
+    verify,
+)
+from checkfree.config import RunConfig, config_from_dict
+from checkfree.net.transport import (
+    RemoteError,
+    Transport,
+    TransportError,
+    announce,
+    live_members_async,
+)
+from checkfree.protocol import (
+    RPC,
+    Kind,
+    Timeouts,
+    coordinator_from_records,
+    coordinator_key,
+    members_key,
+)
+from peers.checks import admit
+from peers.stage import HostedStage, PeerState
+
+__all__ = ["Handler", "Membership"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]
+
+
+class Membership:
+    """This peer in the run's swarm: transport, DHT, run secret, and who its coordinator is."""
+
+    def __init__(self, run_id: str, timeouts: Timeouts, secret_file: str | None, hosted: HostedStage,
+                 stop: asyncio.Event) -> None:
+        self.run_id, self.t, self.hosted, self.stop = run_id, timeouts, hosted, stop
+        self.secret = load_secret(secret_file)  # None: an open swarm
+        self.transport: Transport | None = None
+        self.dht = None
+        self.coordinator: str | None = None
+        self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
+        self.run_finished = False  # the coordinator said the run ended
+
+    @property
+    def me(self) -> str:
+        return str(self.transport.peer_id)
+
+    def token(self) -> str | None:
+        """This peer's membership token (None in an open swarm)."""
+        return join_token(self.secret, self.run_id, self.me) if self.secret is not None else None
+
+    def admitted(self, name: str, handler: Handler) -> Handler:
+        """`handler` behind the one admission check of RPC `name` (peers.checks.admit). A request
+        from the coordinator is a sign of its life."""
+
+        async def admitted(header: dict, tensors: list, peer) -> tuple[dict, list]:
+            if self.coordinator is not None and str(peer) == self.coordinator:
+                self.heard_from_coordinator()
+            admit(name, header, str(peer), run_id=self.run_id, secret=self.secret, coordinator=self.coordinator,
+                  me=self.me)
+            return await handler(header, tensors, peer)
+
+        return admitted
+
+    def heard_from_coordinator(self) -> None:
+        self.last_contact = time.monotonic()
+
+    # ---- joining -----------------------------------------------------------------------
+    async def join(self) -> RunConfig | None:
+        """Find the coordinator and join; the run's config, or None if told to stop first."""
+        me = self.me
+        request = {"run": self.run_id, "peer_id": me}
+        if self.secret is not None:
+            request["token"] = self.token()
+        deadline = time.monotonic() + self.t.join_timeout
+        while True:
+            self.coordinator = await self._find_coordinator()
+            if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
+                return None
+            try:
+                header, _ = await self.transport.call(self.coordinator, RPC.JOIN, request, timeout=self.t.rpc_timeout)
+                break
+            except (TimeoutError, TransportError, OSError, RemoteError) as e:
+                # the DHT may still name a coordinator that died (its record outlives it by up to
+                # 3 heartbeat TTLs), or a new one may still be taking over: look again
+                retry = not isinstance(e, RemoteError) or e.kind == Kind.TAKING_OVER
+                if not retry or time.monotonic() > deadline:
+                    raise
+                log.info("joining coordinator %s failed (%s); looking for the coordinator again", self.coordinator, e)
+                self.coordinator = None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 1.0)
+        if self.secret is not None and not verify(
+                coordinator_proof(self.secret, self.run_id, self.coordinator, me), header.get("proof")):
+            raise TransportError(f"the coordinator {self.coordinator} found in the DHT failed authentication: "
+                                 "it does not hold this run's secret")
+        return config_from_dict(json.loads(header["config"]))
+
+    async def _find_coordinator(self) -> str | None:
+        """The coordinator's peer id; None if this peer is told to stop while it looks."""
+        key = coordinator_key(self.run_id)
+        start = time.monotonic()
+        deadline, note = start + self.t.join_timeout, start + 30.0
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if time.monotonic() > note:  # waiting is visible, never silent
+                print(f"peer: still looking for the coordinator of run {self.run_id!r} "
+                      f"({time.monotonic() - start:.0f} s of --join-timeout {self.t.join_timeout:g})", flush=True)
+                note += 30.0
+            try:
+                found = await self._unless_stopped(live_members_async(self.dht, key)) or {}
+            except (ConnectionError, OSError, EOFError) as e:
+                # a signal to the whole process group can end the DHT process a moment before our
+                # own handler sets `stop`: give the signal a second to arrive before retrying
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 1.0)
+                log.debug("DHT lookup of the coordinator failed: %r", e)
+                found = {}
+            # a record signed with our secret first; else any (its JOIN reply must still prove the
+            # secret, and a peer with the wrong secret then hears why it is refused)
+            coordinator = coordinator_from_records(found, self.secret, self.run_id, self.transport.kind,
+                                                   unsigned_ok=True)
+            if coordinator is not None:
+                return coordinator
+            await asyncio.sleep(0.2)
+        if self.stop.is_set():
+            return None
+        raise TransportError(f"no coordinator for run {self.run_id!r} found in the DHT within "
+                             f"join_timeout={self.t.join_timeout:g} s: is `checkfree scheduler --run-id "
+                             f"{self.run_id}` running and reachable from --initial-peers?")
+
+    async def _unless_stopped(self, coro: Awaitable[Any]) -> Any:
+        """Await `coro`, or give up (None) once this peer is told to stop: a signal to the whole
+        process group also ends the DHT process, whose replies would then never come."""
+        task, stop = asyncio.ensure_future(coro), asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            return None
+        return task.result()
+
+    # ---- staying a member ----------------------------------------------------------------
+    async def heartbeat(self) -> None:
+        """Refresh this peer's membership entry every ttl/3 (jittered) until cancelled."""
+        key, me = members_key(self.run_id), self.me
+        while True:
+            try:
+                value = {"stage": self.hosted.index, "state": self.hosted.state.value}
+                await announce(self.dht, key, me, sign_record(self.secret, self.run_id, "member", me, value,
+                                                              self.t.heartbeat_ttl),
+                               self.t.heartbeat_ttl)
+            except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
+                log.warning("heartbeat failed: %r", e)
+            await asyncio.sleep(self.t.heartbeat_ttl / 3 * random.uniform(0.8, 1.0))
+
+    async def watch_coordinator(self, limit: float) -> bool:
+        """Return True once no coordinator has been heard from for `limit` seconds (False once the
+        run has finished): asked nothing for a heartbeat TTL, the peer asks the coordinator for its
+        STATUS; a new coordinator taking over ADOPTs this peer (a contact too). Without this, the
+        peers of a run whose coordinator died would wait (and bill) forever."""
+        while not self.run_finished:
+            await asyncio.sleep(min(self.t.heartbeat_ttl, limit / 4))
+            if self.coordinator is not None and time.monotonic() - self.last_contact > self.t.heartbeat_ttl:
+                try:
+                    await self.transport.call(self.coordinator, RPC.STATUS, {"run": self.run_id},
+                                              timeout=min(5.0, self.t.rpc_timeout))
+                    self.heard_from_coordinator()
+                except RemoteError:  # it answers, if only with an error (e.g. taking over): alive
+                    self.heard_from_coordinator()
+                except (TimeoutError, TransportError, OSError) as e:
+                    log.debug("coordinator %s did not answer: %r", self.coordinator, e)
+            silent = time.monotonic() - self.last_contact
+            if silent > limit:
+                print(f"peer: no coordinator of run {self.run_id!r} has answered for {silent:.0f} s "
+                      f"(--coordinator-timeout {limit:g}); leaving", flush=True)
+                return True
+        return False
+
+    async def leave(self, deadline: float, *, tell_coordinator: bool = True) -> None:
+        """Graceful leave (SIGTERM, e.g. a spot preemption notice): tell the coordinator; if it
+        has a replacement ready, keep serving until our exact state has been handed over (the
+        coordinator then sends SHUTDOWN, which sets `stop`) or `deadline` seconds pass.
+        tell_coordinator=False: the coordinator itself asked this peer to go."""
+        self.hosted.state = PeerState.LEAVING
+        if self.coordinator is None or not tell_coordinator:
+            return
+        try:
+            reply, _ = await self.transport.call(self.coordinator, RPC.LEAVE, {"run": self.run_id, "peer_id": self.me},
+                                                 timeout=min(5.0, self.t.rpc_timeout))
+        except (TransportError, RemoteError) as e:
+            log.info("could not announce leave to the coordinator: %s", e)
+            return
+        if reply.get("handover") and self.hosted.worker is not None:
+            log.info("handing stage %d over before leaving (deadline %.0f s)", self.hosted.index, deadline)
+            self.stop.clear()
+            try:
+                await asyncio.wait_for(self.stop.wait(), deadline)
+            except TimeoutError:
+                log.warning("no handover within %.0f s; leaving anyway", deadline)

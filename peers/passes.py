@@ -1,0 +1,250 @@
+"""Running a step on a peer: RUN_STEP starts it, FORWARD and BACKWARD passes arrive here.
+
+The coordinator's RUN_STEP names the step, its attempt and the stage -> peer table. This stage
+computes the first hop of its microbatches from its own data (a pure function of the step),
+sends each activation on to the next hop's peer (FORWARD), and a gradient back to the previous
+one (BACKWARD); the last hop computes the loss. RUN_STEP answers once every microbatch passing
+through this stage has finished its backward pass (under CheckFree+ after the two embedding and
+head holders summed their gradients, COMPONENT_GRAD). A failure is a value: the attempt fails,
+the peer keeps serving, and a neighbour that cannot be reached is reported to the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import torch
+
+from checkfree.net.transport import RemoteError, TransportError
+from checkfree.pipeline import Hop, edge_holders, route
+from checkfree.protocol import (
+    RPC,
+    STEP_TIMEOUT_MARK,
+    STRAGGLER_MARK,
+    Kind,
+    ProtocolError,
+    StepFailed,
+)
+from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError
+from peers.checks import check_activation, check_hop, check_sender
+from peers.compute import BACKWARD_FIRST, ComputeQueue
+from peers.debug import DebugHooks
+from peers.membership import Membership
+from peers.stage import HostedStage
+from peers.step import StepRun, StepTracker
+
+__all__ = ["WIRE_DTYPES", "Passes"]
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Passes:
+    """The microbatches of the active step attempt passing through this peer's stage."""
+
+    def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
+                 debug: DebugHooks) -> None:
+        self.net, self.hosted, self.steps, self.compute, self.debug = membership, hosted, steps, compute, debug
+        self.t = membership.t
+
+    # ---- handlers --------------------------------------------------------------------
+    async def on_run_step(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Run this stage's part of a step (or an evaluation) and answer when it is done."""
+        stage, cfg = self.hosted.serving().index, self.hosted.cfg
+        old = self.steps.run
+        if old is not None and not old.done.is_set():
+            old.fail("superseded by a new step")
+        routes = self._routes(header["step"], header["evaluate"])
+        announced = header.get("routes")
+        if announced is not None and announced != [[h.stage for h in hops] for hops in routes]:
+            raise ProtocolError(f"the coordinator's route table for step {header['step']} differs from this peer's "
+                                "(different strategy or config?)")
+        run = StepRun(header["step"], header["attempt"], header["evaluate"],
+                      {int(k): str(v) for k, v in header["peers"].items()}, routes, remaining=len(routes))
+        self.steps.start(run)
+        run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage]
+        window = len(run.pending_starts)
+        if cfg.train.schedule == "1f1b" and not run.evaluate:
+            window = cfg.num_stages  # at most S microbatches in flight from this first hop
+        busy0 = self.compute.busy()
+        for _ in range(min(window, len(run.pending_starts))):
+            self._start_next(run)
+        try:
+            await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
+        except TimeoutError:
+            # the peer whose own computing filled most of the step is the straggler; the others were waiting
+            busy = self.compute.busy() - busy0
+            straggler = busy >= self.t.step_timeout / 2
+            run.fail(f"{STEP_TIMEOUT_MARK} step {run.step} timed out after {self.t.step_timeout:g} s on stage "
+                     f"{stage}, {busy:.1f} s of it computing{f' {STRAGGLER_MARK}' if straggler else ''}",
+                     Kind.STRAGGLER if straggler else Kind.STEP_TIMEOUT)
+        if run.error is None and self.hosted.plus and not run.evaluate:
+            await self._sync_components(run)
+        if run.error is not None:
+            raise StepFailed(run.error, run.kind)
+        run.inflight = await self.compute.run(self.hosted.worker.take_inflight_peak)  # after this step's queued work
+        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": stage, **run.figures()}, []
+
+    async def on_forward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """An activation from the previous hop (checked before waiting for its step)."""
+        x = check_activation(tensors, "activation", self.hosted.cfg)
+        run = await self.steps.current(header["step"], header["attempt"])
+        mb, idx = check_hop(run, header, self.hosted.index)
+        if idx > 0:
+            check_sender(run, peer, mb, idx - 1)
+        self._spawn(run, self._forward_task(run, mb, idx, x))
+        return {"ok": True}, []
+
+    async def on_backward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """A gradient from the next hop (checked before waiting for its step)."""
+        g = check_activation(tensors, "gradient", self.hosted.cfg)
+        run = await self.steps.current(header["step"], header["attempt"])
+        mb, idx = check_hop(run, header, self.hosted.index)
+        if run.evaluate:
+            raise ProtocolError("an evaluation has no backward pass")
+        if idx + 1 < len(run.routes[mb]):
+            check_sender(run, peer, mb, idx + 1)
+        self._spawn(run, self._backward_task(run, mb, idx, g))
+        return {"ok": True}, []
+
+    async def on_component_grad(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """CheckFree+: this holder's embedding or head gradient of a finished step, for its partner."""
+        run = await self.steps.current(header["step"], header["attempt"])
+        await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
+        if run.error is not None or header["comp"] not in run.component_grads:
+            raise ProtocolError(f"no {header['comp']!r} gradient for step {run.step}: {run.error or 'not a holder'}")
+        return {}, [run.component_grads[header["comp"]].cpu()]
+
+    # ---- the step's microbatches -------------------------------------------------------
+    def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
+        c = self.hosted.cfg
+        s = c.num_stages
+        if evaluate:
+            return [[Hop(i, i == 0, i == s - 1) for i in range(s)] for _ in range(c.train.eval_batches)]
+        return [route(s, self.hosted.plus, step, mb, c.train.num_microbatches) for mb in range(c.train.num_microbatches)]
+
+    def _batch(self, run: StepRun, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.hosted.data
+        if run.evaluate:
+            return data.val_batches(self.hosted.cfg.train.eval_batches)[mb]
+        return data.batch(run.step, mb)
+
+    def _start_next(self, run: StepRun) -> None:
+        if run.pending_starts:
+            self._spawn(run, self._forward_task(run, run.pending_starts.pop(0), 0, None))
+
+    @staticmethod
+    def _spawn(run: StepRun, coro) -> None:
+        task = asyncio.create_task(coro)
+        run.tasks.add(task)
+        task.add_done_callback(run.tasks.discard)
+
+    def _mb_done(self, run: StepRun) -> None:
+        run.remaining -= 1
+        if run.remaining == 0:
+            worker = self.hosted.worker
+            if self.hosted.plus and not run.evaluate:
+                run.component_grads = {c: worker.component_grad(c) for c in worker.components}
+            run.done.set()
+
+    async def _forward_task(self, run: StepRun, mb: int, idx: int, x: torch.Tensor | None) -> None:
+        try:
+            hop = run.routes[mb][idx]
+            inputs, targets = self._batch(run, mb) if (hop.embed or hop.head) else (None, None)
+            if hop.embed:
+                x = inputs
+            key = (run.step, run.attempt, mb)
+            if run.evaluate:
+                out = await self.compute.run(self.hosted.worker.infer, x, hop)
+                if hop.head:
+                    run.losses[mb] = float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten()))
+                else:
+                    await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
+                self._mb_done(run)
+                return
+            out = await self._guarded_forward(key, x, hop, targets)
+            if not hop.head:
+                await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
+                return
+            run.losses[mb] = float(out)  # this microbatch's share of the step loss (already / M)
+            if not math.isfinite(run.losses[mb]):
+                log.warning("non-finite loss at step %d microbatch %d", run.step, mb)
+            await self._backward_task(run, mb, idx, None)
+        except StepFailed as e:  # expected (a soft error the guard could not correct): one line
+            log.warning("forward of microbatch %d failed: %s", mb, e)
+            run.fail(f"forward of microbatch {mb} failed on stage {self.hosted.index}: {e}", e.kind)
+        except Exception as e:  # a failure is a value: the step fails, the peer keeps serving
+            log.exception("forward of microbatch %d failed", mb)
+            run.fail(f"forward of microbatch {mb} failed on stage {self.hosted.index}: {type(e).__name__}: {e}")
+
+    async def _guarded_forward(self, key: tuple[int, int, int], x: torch.Tensor, hop: Hop,
+                               targets: torch.Tensor | None) -> torch.Tensor:
+        """Forward with one recompute if the soft-error guard cannot correct a fault; a second
+        uncorrectable fault fails the step with a SOFT_ERROR marker the coordinator counts."""
+        for attempt in range(2):
+            try:
+                return await self.compute.run(self.debug.slowed(self.hosted.worker.forward, key[0]), key, x, hop,
+                                              targets)
+            except UncorrectableSoftError as e:
+                await self.compute.run(self.hosted.worker.drop_microbatch, key)
+                if attempt == 1:
+                    raise StepFailed(f"{SOFT_ERROR_MARK} stage={self.hosted.index}: {e}", Kind.SOFT_ERROR) from e
+                log.warning("uncorrectable soft error, recomputing microbatch %s: %s", key, e)
+
+    async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
+        try:
+            grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
+                                              (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
+            self._mb_done(run)
+            if idx == 0 and self.hosted.cfg.train.schedule == "1f1b":
+                self._start_next(run)  # one microbatch finished here: admit the next
+            if idx > 0:
+                await self._send(run, run.routes[mb][idx - 1].stage, RPC.BACKWARD, {"mb": mb, "hop": idx - 1},
+                                 grad_in)
+        except Exception as e:
+            log.exception("backward of microbatch %d failed", mb)
+            run.fail(f"backward of microbatch {mb} failed on stage {self.hosted.index}: {type(e).__name__}: {e}")
+
+    # ---- neighbours --------------------------------------------------------------------
+    async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
+        header = {"run": self.net.run_id, "step": run.step, "attempt": run.attempt, **header}
+        tensor = tensor.to(WIRE_DTYPES[self.hosted.cfg.train.wire_dtype])  # optional half-precision on the wire
+        run.bytes_sent += tensor.numel() * tensor.element_size()
+        try:
+            await self.net.transport.call(run.peers[stage], name, header, [tensor], timeout=self.t.rpc_timeout)
+        except RemoteError as e:
+            run.fail(f"stage {stage} refused {name}: {e.remote_message}")
+        except (TimeoutError, TransportError, OSError) as e:
+            await self._report(run, stage, str(e))
+
+    async def _report(self, run: StepRun, stage: int, reason: str) -> None:
+        """Fail the attempt and tell the coordinator which neighbour could not be reached."""
+        run.fail(f"call to stage {stage} failed: {reason}")
+        try:
+            await self.net.transport.call(self.net.coordinator, RPC.REPORT,
+                                          {"run": self.net.run_id, "step": run.step, "attempt": run.attempt,
+                                           "stage": stage, "peer_id": run.peers.get(stage, ""),
+                                           "reason": reason[:500]},
+                                          timeout=min(5.0, self.t.rpc_timeout))
+        except (TransportError, RemoteError) as e:
+            log.warning("could not report the failure of stage %d: %s", stage, e)
+
+    async def _sync_components(self, run: StepRun) -> None:
+        """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
+        holders = edge_holders(self.hosted.cfg.num_stages, True)
+        for comp in self.hosted.worker.components:
+            partner = next(h for h in holders[comp] if h != self.hosted.index)
+            try:
+                _, (other,) = await self.net.transport.call(
+                    run.peers[partner], RPC.COMPONENT_GRAD,
+                    {"run": self.net.run_id, "step": run.step, "attempt": run.attempt, "comp": comp},
+                    timeout=self.t.rpc_timeout)
+            except (TransportError, RemoteError, ValueError) as e:
+                await self._report(run, partner, str(e))
+                return
+            mine = run.component_grads[comp]
+            run.bytes_sent += other.numel() * other.element_size()  # counted once per transfer, at the receiver
+            await self.compute.run(self.hosted.worker.set_component_grad, comp, mine + other.to(mine.device))

@@ -1,0 +1,140 @@
+"""Weights between peers: a live stage serves them, a replacement pulls them and rebuilds.
+
+Serving: GET_WEIGHTS answers with a part of this stage's weights (blocks, embedding, head or
+all) and its omega, and for a replicated component its Adam state too; GET_STATE answers with
+the stage's full state, for a leaving peer's lossless handover.
+
+Pulling: a replacement told to `recover` a lost stage (peers.assign) builds the stage without
+weights on the compute thread while it pulls every source's weights at once, then applies the
+library's rebuild (checkfree.recovery.rebuild_stage) on the compute thread; one told to take a
+`handover` pulls the leaving peer's full state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from checkfree.pipeline import COMPONENTS
+from checkfree.protocol import RPC, ProtocolError, plan_from_wire, require
+from checkfree.recovery import RecoveryPlan, rebuild_stage, recovered_optimizer_state
+from checkfree.strategies.state import optim_from_wire, optim_to_wire, state_nbytes
+from checkfree.worker import StageWorker
+from peers.compute import ComputeQueue
+from peers.debug import DebugHooks
+from peers.membership import Membership
+from peers.stage import HostedStage
+
+__all__ = ["Recovery"]
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    """Both ends of a weight transfer for this peer's stage."""
+
+    def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue,
+                 debug: DebugHooks) -> None:
+        self.net, self.hosted, self.compute, self.debug = membership, hosted, compute, debug
+
+    # ---- serving -------------------------------------------------------------------------
+    async def on_get_weights(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """This stage's weights of `part`, its omega, and for a replicated component its Adam state."""
+        worker = self.hosted.serving()
+        part = header["part"]
+        if part not in ("blocks", "embed", "head", "all"):
+            raise ProtocolError(f"unknown weights part {part!r}")
+        state = await self.compute.run(worker.state_dict)
+        items = [(k, v.detach().cpu().contiguous()) for k, v in state.items()
+                 if part == "all" or k.startswith(part + ".")]
+        stage, omega = self.hosted.index, self.hosted.omega
+        if not items:
+            raise ProtocolError(f"stage {stage} holds no {part!r} weights")
+        if isinstance(header.get("step"), int):
+            self.debug.dump(f"served-step{header['step']}-stage{stage}-{part}", dict(items), {"omega": omega})
+        reply = {"keys": [k for k, _ in items], "omega": omega, "stage": stage}
+        tensors = [v for _, v in items]
+        if part in COMPONENTS:  # a replica is recovered exactly: its Adam state comes with it
+            reply["optim"], optim = optim_to_wire(await self.compute.run(self.hosted.worker.optimizer_state,
+                                                                         part + "."))
+            tensors += optim
+        return reply, tensors
+
+    async def on_get_state(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """This stage's full state now (weights, Adam, LR scale, omega): a lossless handover."""
+        self.hosted.serving()
+        blob = await self.compute.run(self.hosted.capture_bytes, header["step"])
+        return ({"stage": self.hosted.index, "next_step": self.hosted.next_step},
+                [torch.frombuffer(bytearray(blob), dtype=torch.uint8)])
+
+    # ---- pulling -------------------------------------------------------------------------
+    async def take_handover(self, worker: StageWorker, header: dict) -> dict:
+        """Load a leaving peer's (`source`) full state into `worker`: its omega and the bytes moved."""
+        require(header, source=str, step=int)
+        _, (blob,) = await self.net.transport.call(header["source"], RPC.GET_STATE,
+                                                   {"run": self.net.run_id, "step": header["step"]},
+                                                   timeout=self.net.t.step_timeout)
+        omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
+        return {"omega": omega, "bytes": blob.numel()}
+
+    async def recover(self, stage: int, header: dict) -> tuple[StageWorker, dict]:
+        """Pull the sources' weights and norms while the compute thread builds the stage (without
+        weights: the rebuild brings them), then apply the library's rebuild on the compute thread."""
+        require(header, plan=dict, sources=dict, step=int)
+        plan = plan_from_wire(header["plan"])
+        peers = {int(k): v for k, v in header["sources"].items()}
+        t0 = time.perf_counter()
+        worker, (blocks, norms, edges, edge_optim, transfer_s) = await asyncio.gather(
+            self.compute.run(self.hosted.build, stage, False), self._pull(plan, peers, header["step"]))
+        t1 = time.perf_counter()
+        coeffs = await self.compute.run(self._rebuild, worker, plan, blocks, norms, edges, edge_optim, header["step"])
+        t2 = time.perf_counter()
+        log.info("recovery of stage %d: pulls %.3f s, stage ready %.3f s, rebuild %.3f s",
+                 stage, transfer_s, t1 - t0, t2 - t1)
+        reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
+                 "norms": [norms[s] for s in plan.sources], "transfer_s": transfer_s, "rebuild_s": t2 - t1,
+                 "bytes": state_nbytes([*blocks.values(), *edges.values(), *edge_optim.values()])}
+        await self.compute.run(self.debug.dump, f"rebuilt-step{header['step']}-stage{plan.stage}",
+                               worker.state_dict(), reply)
+        return worker, reply
+
+    async def _pull(self, plan: RecoveryPlan, peers: dict[int, str], step: int) -> tuple[dict, dict, dict, dict, float]:
+        """Every weight pull of `plan` at once: blocks and norms per source stage, the replicas'
+        weights and Adam state per component, and the seconds it took."""
+        t0 = time.perf_counter()
+        blocks, edges = await asyncio.gather(
+            asyncio.gather(*(self._fetch(peers[s], "blocks", step) for s in plan.sources)),
+            asyncio.gather(*(self._fetch(peers[s], comp, step) for comp, s in plan.edge_sources.items())))
+        return ({s: w for s, (w, _, _) in zip(plan.sources, blocks)},
+                {s: n for s, (_, n, _) in zip(plan.sources, blocks)},
+                {c: w for c, (w, _, _) in zip(plan.edge_sources, edges)},
+                {c: o for c, (_, _, o) in zip(plan.edge_sources, edges)}, time.perf_counter() - t0)
+
+    async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
+        """A live stage's weights of `part`, its omega, and (for a component) its Adam state."""
+        t0 = time.perf_counter()
+        h, ts = await self.net.transport.call(peer_id, RPC.GET_WEIGHTS,
+                                              {"run": self.net.run_id, "part": part, "step": step},
+                                              timeout=self.net.t.rpc_timeout)
+        log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
+                 sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
+        self.debug.pulled(part, h.get("stage"))  # chaos: a death in the middle of a rebuild
+        keys, okeys = h["keys"], h.get("optim", [])
+        if not isinstance(okeys, list) or len(keys) + len(okeys) != len(ts):
+            raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
+                                f"but {len(ts)} tensors")
+        return dict(zip(keys, ts)), float(h["omega"]), optim_from_wire(okeys, ts[len(keys):])
+
+    def _rebuild(self, worker: StageWorker, plan: RecoveryPlan, blocks: dict, norms: dict, edges: dict,
+                 edge_optim: dict, step: int) -> dict[int, float]:
+        """On the compute thread: the library's rebuild from the pulled weights, loaded into `worker`
+        with a fresh optimizer. Returns the coefficient of each source stage."""
+        cfg = self.hosted.cfg
+        rc = cfg.recovery
+        state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
+                                      seed=cfg.train.seed + step, std=cfg.model.init_std)
+        worker.load_recovered(state, rc.lr_scale, recovered_optimizer_state(plan, edge_optim))
+        return coeffs

@@ -1,0 +1,127 @@
+"""Snapshots of the rollback strategies: Gemini keeps them in peers' memory, checkpoint in files.
+
+On the coordinator's SNAPSHOT a stage captures its full state (weights, Adam, LR scale, RNG,
+data position) and writes it to the shared storage, or keeps it and sends it to the peers that
+hold it for others (STORE_SNAPSHOT; at most one per stage). A replacement assigned in mode
+`restore` takes the lost stage's snapshot from storage or a holder (FETCH_SNAPSHOT); on RESTORE
+a live stage rolls back to its own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from checkfree.protocol import RPC, ProtocolError, require
+from checkfree.worker import StageWorker
+from peers.checks import check_blob
+from peers.compute import ComputeQueue
+from peers.membership import Membership
+from peers.stage import HostedStage
+from peers.step import StepTracker
+
+__all__ = ["Snapshots"]
+
+
+def _write_atomic(path: Path, blob: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+
+
+class Snapshots:
+    """The snapshots this peer holds, its own stage's and others', by stage."""
+
+    def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker,
+                 compute: ComputeQueue) -> None:
+        self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
+        self.held: dict[int, tuple[int, bytes]] = {}  # stage -> (step, serialized full state)
+
+    def steps_held(self) -> dict[str, int]:
+        """The step of each snapshot held here, by stage (for a new coordinator)."""
+        return {str(k): v[0] for k, v in self.held.items()}
+
+    # ---- handlers --------------------------------------------------------------------
+    async def on_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Capture this stage's full state as of `step` and keep it in memory and send it to the
+        other holders (`holders`), or write it to `storage` as a file."""
+        stage = self.hosted.serving().index
+        t0 = time.perf_counter()
+        blob = await self.compute.run(self.hosted.capture_bytes, header["step"])
+        sent = 0
+        if isinstance(header.get("storage"), str):
+            path = Path(header["storage"]) / f"stage{stage}-step{header['step']}.pt"
+            await self.compute.run(_write_atomic, path, blob)
+        else:
+            require(header, holders=list)
+            self.held[stage] = (header["step"], blob)
+            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            for pid in header["holders"]:
+                if pid != self.net.me:
+                    await self.net.transport.call(pid, RPC.STORE_SNAPSHOT, {"run": self.net.run_id, "owner": stage,
+                                                                            "step": header["step"]}, [payload],
+                                                  timeout=self.net.t.step_timeout)
+                    sent += len(blob)
+        return {"bytes": len(blob), "sent": sent, "seconds": time.perf_counter() - t0}, []
+
+    async def on_store_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Hold another stage's snapshot (bounded: at most one blob per stage)."""
+        cfg = self.hosted.cfg
+        if cfg is None or not 0 <= header["owner"] < cfg.num_stages:
+            raise ProtocolError(f"snapshot of stage {header['owner']} out of range for "
+                                f"{cfg.num_stages if cfg else '?'} stages")
+        self.held[header["owner"]] = (header["step"], check_blob(tensors, "a snapshot"))
+        return {"ok": True, "held": sorted(self.held)}, []
+
+    async def on_fetch_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Hand a held snapshot to a replacement."""
+        held = self.held.get(header["owner"])
+        if held is None or held[0] != header["step"]:
+            raise ProtocolError(f"no snapshot of stage {header['owner']} at step {header['step']} here "
+                                f"(have: {None if held is None else held[0]})")
+        return {"ok": True}, [torch.frombuffer(bytearray(held[1]), dtype=torch.uint8)]
+
+    async def on_restore(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Roll this live stage back to its snapshot at `step` (own memory or storage), or
+        to its initial state for step 0 with source "init"."""
+        stage = self.hosted.serving().index
+        if header["step"] == 0 and header.get("source") == "init":
+            self.hosted.worker = await self.compute.run(self.hosted.build, stage)
+            self.hosted.omega = 0.0
+        else:
+            blob = await self._blob(stage, header)
+            self.hosted.omega = await self.compute.run(self.hosted.load_bytes, self.hosted.worker, blob)
+        self.steps.reset()
+        self.hosted.next_step = header["step"]
+        return {"ok": True}, []
+
+    # ---- a replacement's side ----------------------------------------------------------
+    async def restore_new(self, worker: StageWorker, header: dict) -> dict:
+        """A replacement takes the lost stage's snapshot (assign mode `restore`)."""
+        require(header, step=int)
+        t0 = time.perf_counter()
+        if header["step"] == 0 and header.get("source") == "init":
+            return {"omega": 0.0, "restore_s": 0.0, "bytes": 0}
+        blob = await self._blob(worker.index, header)
+        norm = await self.compute.run(self.hosted.load_bytes, worker, blob)
+        return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": len(blob)}
+
+    async def _blob(self, stage: int, header: dict) -> bytes:
+        """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""
+        step = header["step"]
+        if isinstance(header.get("storage"), str):
+            return (Path(header["storage"]) / f"stage{stage}-step{step}.pt").read_bytes()
+        source = header.get("source")
+        if source in (None, self.net.me):
+            held = self.held.get(stage)
+            if held is None or held[0] != step:
+                raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
+            return held[1]
+        _, (blob,) = await self.net.transport.call(source, RPC.FETCH_SNAPSHOT,
+                                                   {"run": self.net.run_id, "owner": stage, "step": step},
+                                                   timeout=self.net.t.step_timeout)
+        return blob.numpy().tobytes()

@@ -1,0 +1,103 @@
+"""What a peer hosts: the run's config once joined, and the one stage it serves (if any).
+
+`HostedStage` is the state the other parts of a peer read and change: the stage's worker
+(weights, Adam), its omega (the gradient-norm weight a CheckFree recovery averages with), the
+step its weights are ready for, and the newest commit's figures. Building a stage and
+capturing or loading its full state happen here, on the compute thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+
+from checkfree.config import RunConfig
+from checkfree.data import TokenData, build_data
+from checkfree.pipeline import edge_holders
+from checkfree.protocol import ProtocolError
+from checkfree.serialize import state_from_bytes, state_to_bytes
+from checkfree.softerrors import make_guard
+from checkfree.strategies.state import capture_worker, restore_worker
+from checkfree.worker import StageWorker, resolve_device
+
+__all__ = ["HostedStage", "PeerState"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerState(Enum):
+    JOINING = "joining"
+    STANDBY = "standby"
+    SERVING = "serving"
+    LEAVING = "leaving"
+
+
+class HostedStage:
+    """The run config and the stage of one peer."""
+
+    def __init__(self) -> None:
+        self.state = PeerState.JOINING
+        self.cfg: RunConfig | None = None
+        self.worker_cfg: RunConfig | None = None  # the config with the strategy's routes and replicas
+        self.plus = False  # CheckFree+: swapped routes, replicated embedding and head
+        self.worker: StageWorker | None = None
+        self.omega = 0.0
+        self.data: TokenData | None = None
+        self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
+        self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
+
+    @property
+    def index(self) -> int:
+        """The hosted stage, -1 while standing by."""
+        return self.worker.index if self.worker is not None else -1
+
+    def configure(self, cfg: RunConfig, device: str | None) -> None:
+        """Take the run's config (from the coordinator's JOIN reply); `device` overrides the run's."""
+        from checkfree.strategies import build_strategy, worker_config
+
+        self.cfg = cfg
+        if device:
+            cfg.train.device = device
+        resolve_device(cfg.train.device)
+        strategy = build_strategy(cfg)
+        self.plus = strategy.plus
+        self.worker_cfg = worker_config(cfg, strategy)
+        self.state = PeerState.STANDBY
+
+    def joined(self) -> RunConfig:
+        """The run's config; refuses a request that needs it before this peer has joined."""
+        if self.cfg is None:
+            raise ProtocolError("this peer has not joined a run yet")
+        return self.cfg
+
+    def serving(self) -> StageWorker:
+        """The hosted stage's worker; refuses a request that needs one while standing by."""
+        if self.worker is None:
+            raise ProtocolError("this peer hosts no stage")
+        return self.worker
+
+    # ---- on the compute thread --------------------------------------------------------
+    def build(self, stage: int, init: bool = True) -> StageWorker:
+        """The stage's worker; init=False leaves its weights unallocated (a recovery loads them)."""
+        worker = StageWorker(self.worker_cfg, stage, init=init)
+        worker.attach_guard(make_guard(self.cfg, stage))
+        if self._needs_data(stage) and self.data is None:
+            c = self.cfg
+            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.model.context_length,
+                                   seed=c.train.seed, microbatch_size=c.train.microbatch_size)
+        return worker
+
+    def _needs_data(self, stage: int) -> bool:
+        holders = edge_holders(self.cfg.num_stages, self.plus)
+        return stage in holders["embed"] or stage in holders["head"]
+
+    def capture_bytes(self, step: int) -> bytes:
+        """The hosted stage's full state as of `step` (weights, Adam, LR scale, RNG, omega)."""
+        return state_to_bytes(capture_worker(self.worker, step, self.omega))
+
+    @staticmethod
+    def load_bytes(worker: StageWorker, blob: bytes) -> float:
+        """Load a full state captured by `capture_bytes` into `worker`; returns its omega."""
+        state = state_from_bytes(blob)
+        restore_worker(worker, state)
+        return float(state["norm"])

@@ -1,0 +1,152 @@
+"""The step state machine of a peer: which step attempt is active, and how it ends.
+
+A step attempt starts with the coordinator's RUN_STEP (peers.passes runs it), and ends in one
+of three ways: COMMIT (every stage finished: clip and apply the optimizer step), ABORT (an
+attempt interrupted by a failure: its activations and gradients are dropped, and the step
+runs again as the next attempt), or a newer attempt superseding it. Messages of an attempt
+that has ended here are refused; a message for a newer one waits for its RUN_STEP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from checkfree.pipeline import Hop
+from checkfree.protocol import Kind, ProtocolError, Timeouts
+from checkfree.softerrors import guard_counts
+from checkfree.worker import InFlightPeak
+from peers.compute import ComputeQueue
+from peers.stage import HostedStage
+
+__all__ = ["StepRun", "StepTracker"]
+
+
+@dataclass
+class StepRun:
+    """One attempt of one step (or evaluation) as seen by this peer."""
+
+    step: int
+    attempt: int
+    evaluate: bool
+    peers: dict[int, str]
+    routes: list[list[Hop]]
+    remaining: int
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    losses: dict[int, float] = field(default_factory=dict)
+    error: str | None = None
+    kind: str = Kind.STEP_FAILED  # what ended the attempt (a Kind), when `error` is set
+    component_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    bytes_sent: int = 0  # tensor payload bytes this peer sent for the step
+    pending_starts: list[int] = field(default_factory=list)  # first-hop microbatches not started yet
+    inflight: InFlightPeak = field(default_factory=InFlightPeak)  # the most activations held at once
+
+    def fail(self, message: str, kind: str = Kind.STEP_FAILED) -> None:
+        if self.error is None:
+            self.error, self.kind = message, kind
+        self.done.set()
+
+    def figures(self) -> dict[str, int]:
+        """What the coordinator records for this stage and step (metrics.jsonl)."""
+        return {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
+                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
+
+    def ready(self) -> bool:
+        """Finished without error: a training step that may be committed."""
+        return self.done.is_set() and self.error is None and not self.evaluate
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (its DHT process and p2pd not included)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+class StepTracker:
+    """The active step attempt of this peer, the newest one that ended, and COMMIT/ABORT."""
+
+    def __init__(self, timeouts: Timeouts, hosted: HostedStage, compute: ComputeQueue) -> None:
+        self.t, self.hosted, self.compute = timeouts, hosted, compute
+        self.run: StepRun | None = None
+        self.finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
+        self._changed = asyncio.Event()
+
+    def start(self, run: StepRun) -> None:
+        """Make `run` the active attempt (the previous one, if any, has ended)."""
+        self._set(run)
+
+    def _set(self, run: StepRun | None) -> None:
+        if self.run is not None:
+            self.finished = max(self.finished or (-1, -1), (self.run.step, self.run.attempt))
+        self.run = run
+        self._changed.set()
+
+    def reset(self) -> None:
+        """Forget every attempt (a stage rolled back to a snapshot runs its steps again)."""
+        self._set(None)
+        self.finished = None
+
+    async def current(self, step: int, attempt: int) -> StepRun:
+        """The active attempt a message names. A neighbour may send before the coordinator's
+        RUN_STEP reached this peer: a message for a newer step waits (up to rpc_timeout) for
+        it; a message for an older or aborted attempt is refused."""
+        want = (step, attempt)
+        deadline = time.monotonic() + self.t.rpc_timeout
+        while True:
+            run = self.run
+            have = None if run is None else (run.step, run.attempt)
+            if have == want:
+                return run
+            if (have is not None and have > want) or (self.finished is not None and self.finished >= want):
+                raise ProtocolError(f"stale message for step {want[0]} attempt {want[1]} (active: {have})")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError(f"no step {want[0]} attempt {want[1]} started on this peer within "
+                                    f"rpc_timeout={self.t.rpc_timeout:g} s (active: {have})")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def drop(self, reason: str) -> None:
+        """End the active attempt here: its tasks, activations and gradients are dropped."""
+        run = self.run
+        if run is not None:
+            run.fail(reason)
+            for task in list(run.tasks):
+                task.cancel()
+        self._set(None)
+        if self.hosted.worker is not None:
+            await self.compute.run(self.hosted.worker.drop_inflight)
+
+    # ---- handlers --------------------------------------------------------------------
+    async def on_commit(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Clip and apply the optimizer step of the finished attempt; its omega for a later recovery."""
+        run = await self.current(header["step"], header["attempt"])
+        if not run.ready():
+            raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
+        hosted = self.hosted
+        stats = await self.compute.run(hosted.worker.step, run.step)
+        if not stats.skipped:
+            hosted.omega = stats.omega(hosted.cfg.recovery)
+        hosted.next_step = run.step + 1
+        hosted.last_commit = {"step": run.step, "losses": {str(k): v for k, v in run.losses.items()},
+                              "lr": stats.lr, "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post,
+                              **run.figures()}
+        self._set(None)
+        return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post,
+                "lr": stats.lr,
+                "skipped": stats.skipped, "omega": hosted.omega, "stage": hosted.index,
+                "weights_finite": stats.weights_finite,
+                "soft_errors": guard_counts([hosted.worker.guard])}, []
+
+    async def on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        await self.drop("aborted by the coordinator")
+        return {"ok": True}, []
