@@ -18,6 +18,7 @@ from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loaded
 from checkfree.recovery import FALLBACKS, RECOVERY_RULES
+from checkfree.wirecodec import WIRE_DTYPES
 
 __all__ = ["add_run_arguments", "config_from_args", "override_config", "CONFIG_FLAGS", "add_network_arguments", "add_transport_arguments",
            "network_options", "add_timeout_arguments", "timeouts_from_args", "warn_if_overwriting",
@@ -88,8 +89,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _keyed(g, "--device", "train.device", help="auto | cpu | cuda | cuda:N")
     _keyed(g, "--bf16", "train.autocast_bf16", action="store_const", const=True, help="bf16 autocast of the forward pass")
     _keyed(g, "--schedule", "train.schedule", choices=("gpipe", "1f1b"), help="pipeline schedule in the swarm")
-    _keyed(g, "--wire-dtype", "train.wire_dtype", choices=("float32", "bfloat16", "float16"),
-           help="dtype of activations/gradients sent between peers")
+    _keyed(g, "--wire-dtype", "train.wire_dtype", choices=WIRE_DTYPES,
+           help="activations/gradients between peers: as computed, cast to 16 bits, or int8 with a scale per row "
+                "(about 1/4 of float32's bytes; see checkfree.wirecodec)")
     _keyed(g, "--data", "data.source", help="'shakespeare', a text file or directory, or hf:<dataset>[:<data_files>]")
     _keyed(g, "--tokenizer", "data.tokenizer", help="tokenizer.json path or HF tokenizer name (none: train a BPE)")
     g.add_argument("--model-config", metavar="FILE",

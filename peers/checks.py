@@ -28,6 +28,7 @@ from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import RunConfig
 from checkfree.net.wire import check_finite
 from checkfree.protocol import RPC, Kind, ProtocolError, require
+from checkfree.wirecodec import decode
 
 if TYPE_CHECKING:
     from peers.step import StepRun
@@ -127,20 +128,16 @@ def check_run(header: dict, run_id: str) -> None:
 
 
 def check_activation(tensors: list[torch.Tensor], what: str, cfg: RunConfig | None) -> torch.Tensor:
-    """The one activation (or gradient) of a FORWARD (BACKWARD): its shape, a float dtype, finite."""
+    """The one activation (or gradient) of a FORWARD (BACKWARD), decoded from the run's wire dtype
+    (checkfree.wirecodec): its count, shapes, dtypes, finite values; float32."""
     if cfg is None:
         raise ProtocolError("this peer has not joined a run yet")
-    if len(tensors) != 1:
-        raise ProtocolError(f"{what} carries {len(tensors)} tensors, expected 1")
-    x = tensors[0]
     m, t = cfg.model, cfg.train
-    expect = (t.microbatch_size, m.context_length, m.d_model)
-    if tuple(x.shape) != expect:
-        raise ProtocolError(f"{what} has shape {tuple(x.shape)}, expected {expect}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ProtocolError(f"{what} has dtype {x.dtype}, expected a float tensor")
-    check_finite([x])
-    return x.float()
+    check_finite([x for x in tensors if x.is_floating_point()])
+    try:
+        return decode(tensors, t.wire_dtype, (t.microbatch_size, m.context_length, m.d_model), what)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
 
 
 def check_hop(run: StepRun, header: dict, stage: int) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from checkfree.protocol import (
     StepFailed,
 )
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError
+from checkfree.wirecodec import encode
 from peers.checks import check_activation, check_hop, check_sender
 from peers.compute import BACKWARD_FIRST, ComputeQueue
 from peers.debug import DebugHooks
@@ -35,11 +36,10 @@ from peers.membership import Membership
 from peers.stage import HostedStage
 from peers.step import StepRun, StepTracker
 
-__all__ = ["WIRE_DTYPES", "Passes"]
+__all__ = ["Passes"]
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Passes:
@@ -211,10 +211,10 @@ class Passes:
     # ---- neighbours --------------------------------------------------------------------
     async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
         header = {"run": self.net.run_id, "step": run.step, "attempt": run.attempt, **header}
-        tensor = tensor.to(WIRE_DTYPES[self.hosted.cfg.train.wire_dtype])  # optional half-precision on the wire
-        run.bytes_sent += tensor.numel() * tensor.element_size()
+        tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
+        run.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         try:
-            await self.net.transport.call(run.peers[stage], name, header, [tensor], timeout=self.t.rpc_timeout)
+            await self.net.transport.call(run.peers[stage], name, header, tensors, timeout=self.t.rpc_timeout)
         except RemoteError as e:
             run.fail(f"stage {stage} refused {name}: {e.remote_message}")
         except (TimeoutError, TransportError, OSError) as e:

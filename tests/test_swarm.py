@@ -196,3 +196,21 @@ def test_omega_over_the_blocks_only_in_swarm_and_simulator(tmp_path, cache):
     assert [m["loss"] for m in swarm] == pytest.approx([m["loss"] for m in sim], rel=1e-4)
     assert sum((m["block_grad_norms"] for m in swarm), []) == pytest.approx(sum((m["block_grad_norms"] for m in sim), []),
                                                                            rel=1e-3)
+
+
+def test_int8_wire_in_the_swarm_equals_the_simulator(tmp_path, cache):
+    """--wire-dtype int8: peers send int8 activations/gradients with row scales (checkfree.wirecodec), the
+    simulator applies the same round trip at each stage boundary, so both give the same losses; a step
+    moves about a quarter of a float32 step's bytes."""
+    from swarmrun import simulate
+
+    args = ("--steps", "4", "--eval-every", "0", "--wire-dtype", "int8")
+    proc, out = _local(tmp_path, "int8", *args, cache=cache, spares=0)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sim = simulate(tmp_path, "sim", *args, cache=cache)
+    swarm = read_jsonl(out / "metrics.jsonl")
+    assert [m["loss"] for m in swarm] == pytest.approx([m["loss"] for m in sim], rel=1e-5)
+    proc32, out32 = _local(tmp_path, "f32", "--steps", "1", "--eval-every", "0", cache=cache, spares=0)
+    assert proc32.returncode == 0, proc32.stdout[-3000:]
+    ratio = swarm[0]["wire_bytes"] / read_jsonl(out32 / "metrics.jsonl")[0]["wire_bytes"]
+    assert 0.2 < ratio < 0.35, ratio
