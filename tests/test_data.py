@@ -84,3 +84,123 @@ def test_hf_datasets_path_with_local_file(tmp_path):
     assert len(docs) == 50 and docs[0].startswith("row 0")
     with pytest.raises(DataError, match="no field"):
         load_documents(DataConfig(source=f"hf:json:{f}", hf_text_field="body"))
+
+
+def _token_file(tmp_path, d):
+    import numpy as np
+
+    (meta,) = (tmp_path / "cache").glob("tokens-*.json")
+    info = json.loads(meta.read_text())
+    return np.fromfile(meta.with_suffix(".bin"), dtype=info["dtype"]), info
+
+
+def test_token_file_equals_the_in_memory_tokenization_of_the_documents(tmp_path):
+    (tmp_path / "docs").mkdir()
+    for i in range(5):
+        (tmp_path / "docs" / f"{i}.txt").write_text(f"Document {i}: to be, or not to be. " * (50 + 20 * i))
+    (tmp_path / "docs" / "empty.txt").write_text("  \n")
+    (tmp_path / "docs" / "dir.txt").mkdir()  # a directory named like a text file is not a document
+    d = _data(tmp_path, tmp_path / "docs")
+    tokens, info = _token_file(tmp_path, d)
+    eos = d.tokenizer.token_to_id("<|endoftext|>")
+    expect = [t for enc in d.tokenizer.encode_batch(load_documents(DataConfig(source=str(tmp_path / "docs"))))
+              for t in enc.ids + [eos]]
+    assert tokens.tolist() == expect and info["tokens"] == len(expect) and info["dtype"] == "uint16"
+    assert (tokens == eos).sum() == 5
+
+
+def test_a_large_file_is_tokenized_in_pieces_to_the_same_tokens(tmp_path, monkeypatch):
+    import checkfree.data as data
+
+    text = "".join(f"line {i} of a long corpus with words\n" for i in range(2000))
+    (tmp_path / "big.txt").write_text(text)
+    monkeypatch.setattr(data, "LARGE_FILE_BYTES", 10_000)
+    monkeypatch.setattr(data, "CHUNK_BYTES", 3_000)
+    monkeypatch.setattr(data, "BATCH_TEXT_BYTES", 5_000)
+    pieces = list(data.iter_pieces(DataConfig(source=str(tmp_path / "big.txt"))))
+    assert len(pieces) > 20 and [end for _, end in pieces].count(True) == 1 and "".join(p for p, _ in pieces) == text
+    d = _data(tmp_path, tmp_path / "big.txt")
+    tokens, _ = _token_file(tmp_path, d)
+    eos = d.tokenizer.token_to_id("<|endoftext|>")
+    assert tokens.tolist() == d.tokenizer.encode(text).ids + [eos]
+
+
+def test_a_prepared_corpus_is_mapped_not_read_again(tmp_path, monkeypatch):
+    import checkfree.data as data
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    first = _data(tmp_path, tmp_path / "a.txt")
+
+    def no_reading(cfg):
+        raise AssertionError("the corpus was read again")
+
+    monkeypatch.setattr(data, "iter_pieces", no_reading)
+    again = _data(tmp_path, tmp_path / "a.txt")
+    assert type(again.train).__name__ == "memmap" or isinstance(again.train.base, __import__("numpy").memmap)
+    assert torch.equal(again.batch(3, 1)[0], first.batch(3, 1)[0])
+    (tmp_path / "a.txt").write_text("a different corpus now, with other words in it. " * 300)  # size/mtime change
+    monkeypatch.undo()
+    assert not torch.equal(_data(tmp_path, tmp_path / "a.txt").batch(3, 1)[0], first.batch(3, 1)[0])
+
+
+def test_stale_and_partial_preparations_are_never_used(tmp_path):
+    (tmp_path / "a.txt").write_text("all the world's a stage, and all the men and women merely players. " * 200)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale = cache / "tokens-deadbeef.tmp999999999.bin"  # a preparation whose process is gone
+    stale.write_bytes(b"\0" * 100)
+    d = _data(tmp_path, tmp_path / "a.txt")
+    assert not stale.exists()
+    expect = d.batch(0, 0)[0]
+    del d  # it maps the token file, which is truncated in place below (the code itself only ever renames)
+    (meta,) = cache.glob("tokens-*.json")
+    good = meta.with_suffix(".bin").read_bytes()
+    meta.unlink()  # killed between the two renames: the token file is not trusted
+    meta.with_suffix(".bin").write_bytes(good[: len(good) // 2])
+    again = _data(tmp_path, tmp_path / "a.txt")
+    assert meta.with_suffix(".bin").read_bytes() == good and torch.equal(again.batch(0, 0)[0], expect)
+
+
+def test_preparation_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
+    """tracemalloc peak while preparing a corpus 4x larger stays about the same (pieces of BATCH_TEXT_BYTES)."""
+    import tracemalloc
+
+    import checkfree.data as data
+    from checkfree.data import corpus_id, load_tokenizer, prepare_tokens
+
+    monkeypatch.setattr(data, "BATCH_TEXT_BYTES", 64_000)
+    monkeypatch.setattr(data, "ENCODE_PIECE_BYTES", 8_000)
+    words = "stage player world men women exit entrance part time acts ages".split()
+    peaks = []
+    for n_files in (4, 16):
+        src = tmp_path / f"c{n_files}"
+        src.mkdir()
+        for i in range(n_files):
+            (src / f"{i}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(50_000)))
+        cfg = DataConfig(source=str(src), cache_dir=str(tmp_path / "cache"))
+        tok = load_tokenizer(cfg, None, 300, corpus_id(cfg))
+        tracemalloc.start()
+        prepare_tokens(cfg, tok, corpus_id(cfg), progress=False)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.5 * peaks[0], peaks
+
+
+def test_encoding_in_pieces_gives_the_tokens_of_the_whole_text(tmp_path):
+    """Text cut into pieces after newlines between two non-space characters tokenizes exactly as the whole;
+    newlines next to spaces or blank lines are never cut (a byte-level pre-tokenizer joins those runs)."""
+    import random
+
+    from checkfree.data import _encode_pieces, build_tokenizer
+
+    tok = build_tokenizer(DataConfig(cache_dir=str(tmp_path / "cache")), 512)
+    rng = random.Random(0)
+    words = "all the world's a stage and all the men and women merely players".split()
+    text = "".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + rng.choice(
+        [".\n", ".\n\n", ".  \n", "\n", "!\n \n"]) for _ in range(3000))
+    pieces = list(_encode_pieces(text, 2_000))
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert [t for p in pieces for t in tok.encode(p).ids] == tok.encode(text).ids
+    for play in load_documents(DataConfig())[:2]:  # markdown: few safe cuts, still exact
+        assert [t for p in _encode_pieces(play, 2_000) for t in tok.encode(p).ids] == tok.encode(play).ids
+    assert list(_encode_pieces("no newline " * 1000, 100)) == ["no newline " * 1000]
