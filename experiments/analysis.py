@@ -18,13 +18,19 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from statistics import mean
+from statistics import mean, stdev
 from typing import Any
 
 from checkfree.rundir import read_jsonl
 from experiments.runner import run_dir
-from experiments.spec import (PAPER_ITERATION_S, PAPER_REDUNDANT_ITERATION_S, RunSpec, Settings, paper_p,
-                              rate_label)
+from experiments.spec import (
+    PAPER_ITERATION_S,
+    PAPER_REDUNDANT_ITERATION_S,
+    RunSpec,
+    Settings,
+    paper_p,
+    rate_label,
+)
 
 __all__ = ["load_run", "reference_target", "time_to_target", "analyse", "fmt_hours", "NOT_REACHED",
            "markdown_table", "write_results"]
@@ -138,10 +144,16 @@ def _cell(rs: list[dict[str, Any]], key: str = "hours") -> tuple[float | None, s
         return None, "error" if any(r["summary"].get("status") == "error" for r in rs) else "missing"
     if all(v is not None for v in vals):
         m = mean(vals)
-        spread = f" ({min(vals):.3g}-{max(vals):.3g})" if len(vals) > 1 else ""
-        return m, fmt_hours(m) + spread
+        return m, fmt_hours(m) + seed_spread(vals)
     k = sum(v is not None for v in vals)
     return None, NOT_REACHED + (f" ({k}/{len(vals)} seeds)" if k else "")
+
+
+def seed_spread(vals: list[float]) -> str:
+    """' ± s (n=k: v1 / v2 / ...)': the sample standard deviation over seeds and each seed's value ('' for one)."""
+    if len(vals) < 2:
+        return ""
+    return f" ± {stdev(vals):.2g} (n={len(vals)}: {' / '.join(f'{v:.4g}' for v in vals)})"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

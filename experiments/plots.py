@@ -69,6 +69,27 @@ def val_curves(ax, runs: list[dict[str, Any]], x: str, *, target: float | None =
     ax.grid(alpha=0.3)
 
 
+def seed_bands(ax, runs: list[dict[str, Any]], x: str, *, key=None, color_fn=None) -> None:
+    """A shaded band from the lowest to the highest validation loss over the seeds of each curve (runs grouped
+    by `key`, default their label), point by point (x: the seeds' mean); nothing for a curve with one seed."""
+    key = key or (lambda r: r["spec"]["label"])
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for r in runs:
+        if r["val"]:
+            groups.setdefault(key(r), []).append(r)
+    for rs in groups.values():
+        if len(rs) < 2:
+            continue
+        n = min(len(r["val"]) for r in rs)
+        vals = np.array([[v["val_loss"] for v in r["val"][:n]] for r in rs], dtype=float)
+        if x == "hours":
+            xs = np.mean([[v["sim_time_s"] / 3600.0 for v in r["val"][:n]] for r in rs], axis=0)
+        else:
+            xs = np.array([v["iteration"] + 1 for v in rs[0]["val"][:n]], dtype=float)
+        c = color_fn(rs[0]) if color_fn else color(rs[0]["spec"]["label"])
+        ax.fill_between(xs, vals.min(axis=0), vals.max(axis=0), color=c, alpha=0.15, lw=0)
+
+
 def _ylim(ax, runs: list[dict[str, Any]], target: float | None) -> None:
     """Zoom on the interesting range: from the best loss to a bit above the target."""
     vals = [v["val_loss"] for r in runs for v in r["val"]]
@@ -98,8 +119,13 @@ def convergence_figures(analysis: dict[str, Any], rates: list[float], strategies
             runs.sort(key=lambda r: strategies.index(r["spec"]["label"]))
             shown = runs + [r for r in ref if r["spec"]["seed"] == seed0]
             val_curves(ax, shown, x, target=target, mark_failures=(x == "iterations"))
+            every_seed = [r for r in analysis["runs"].values() if r["spec"]["rate"] == rate
+                          and r["spec"]["runtime"] == "sim" and r["spec"]["label"] in strategies]
+            seed_bands(ax, every_seed + ref, x)
             _ylim(ax, shown, target)
-            ax.set_title(f"failure rate {rate_label(rate)} (seed {seed0})"
+            seeds = len({r["spec"]["seed"] for r in every_seed})
+            ax.set_title(f"failure rate {rate_label(rate)} (seed {seed0}"
+                         + (f"; bands: min-max over {seeds} seeds)" if seeds > 1 else ")")
                          + (": x = failure" if x == "iterations" else ""))
         axes[0][-1].legend(fontsize=7, loc="upper right", ncol=2)
         paths.append(save(fig, outdir / f"{prefix}_{name}.png"))

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from checkfree.config import RunConfig, preset
-from checkfree.failures import bernoulli_schedule, per_step_probability, write_trace
+from checkfree.failures import bernoulli_schedule, per_step_probability
 
 __all__ = ["PAPER_P", "PAPER_ITERATION_S", "PAPER_REDUNDANT_ITERATION_S", "PAPER_RECOVERY_S",
            "PAPER_CHECKPOINT_EVERY", "ALL_STRATEGIES", "IN_MEMORY", "ROLLBACK", "Settings", "RunSpec",
@@ -97,6 +97,7 @@ class Settings:
     target: float | None = None  # fixed validation-loss target; None: from the failure-free run
     target_fraction: float = 0.5  # target = failure-free val loss after this fraction of the steps
     fallback: str = "copy"  # recovery.fallback for unrecoverable (adjacent) failures
+    omega_scope: str = "stage"  # recovery.omega_scope: omega over the whole stage or its blocks only
     storage_fallback: bool = True  # redundant/gemini/reft/baft also checkpoint and roll back when copies are lost
     max_iter_factor: float = 3.0  # iteration budget (recomputations included) = factor * steps
     eval_every: int = 5
@@ -193,6 +194,7 @@ def build_config(settings: Settings, strategy: str, seed: int, trace_path: str |
         t.eval_batches = settings.eval_batches
     cfg.recovery.strategy = strategy
     cfg.recovery.fallback = settings.fallback
+    cfg.recovery.omega_scope = settings.omega_scope
     st = cfg.strategy
     st.cost_profile = settings.cost_profile
     st.checkpoint_every = checkpoint_every or settings.ckpt_every
@@ -260,6 +262,7 @@ def _digest(cfg: RunConfig, out: Path, extra: dict[str, Any]) -> str:
         "snapshot_every": st.snapshot_every, "storage_fallback": st.storage_fallback,
         "cost_profile": st.cost_profile, "detection_s": None if st.detection_s is None else round(st.detection_s, 9),
         "trace": hashlib.sha256((out / cfg.failures.trace).read_bytes()).hexdigest() if cfg.failures.trace else None,
+        **({"omega_scope": r.omega_scope} if r.omega_scope != "stage" else {}),  # finished runs keep their names
         **extra,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]

@@ -21,14 +21,32 @@ import math
 import os
 import time
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 from experiments import plots
-from experiments.analysis import (NOT_REACHED, analyse, convergence_tables, fmt_hours, local_table, mapping_table,
-                                  markdown_table, write_results)
+from experiments.analysis import (
+    NOT_REACHED,
+    analyse,
+    convergence_tables,
+    fmt_hours,
+    local_table,
+    mapping_table,
+    markdown_table,
+    seed_spread,
+    write_results,
+)
 from experiments.runner import run_specs
-from experiments.spec import (LOCAL_STRATEGIES, PAPER_CHECKPOINT_EVERY, RunSpec, Settings, make_spec, paper_p,
-                              rate_label, reference_spec, write_traces)
+from experiments.spec import (
+    LOCAL_STRATEGIES,
+    PAPER_CHECKPOINT_EVERY,
+    RunSpec,
+    Settings,
+    make_spec,
+    rate_label,
+    reference_spec,
+    write_traces,
+)
 
 __all__ = ["EXPERIMENTS", "specs_for", "report", "run_experiment"]
 
@@ -118,6 +136,24 @@ def _row_stats(r: dict[str, Any]) -> list[str]:
     return [f"{fv:.4f}" if fv is not None else "n/a", f"{math.exp(fv):.2f}" if fv is not None else "n/a",
             fmt_hours(r["hours"]), f"{r['iterations_to_target']:.0f}" if r["iterations_to_target"] else NOT_REACHED,
             str(len(r["failures"])), str(r["summary"].get("status"))]
+
+
+def seeds_table(runs: list[dict[str, Any]]) -> str:
+    """Each (label, rate) over its seeds: mean ± standard deviation and the per-seed values."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["spec"]["label"], r["spec"]["rate"]), []).append(r)
+    rows = []
+    for (label, rate), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        rs.sort(key=lambda r: r["spec"]["seed"])
+        fv = [r["final_val_loss"] for r in rs if r["final_val_loss"] is not None]
+        it = [r["iterations_to_target"] for r in rs]
+        its = (f"{mean(it):.1f}{seed_spread(it)}" if all(v is not None for v in it)
+               else f"{NOT_REACHED} ({sum(v is not None for v in it)}/{len(it)} seeds)")
+        rows.append([f"{label} @ {rate_label(rate)}", ",".join(str(r["spec"]["seed"]) for r in rs),
+                     f"{mean(fv):.4f}{seed_spread(fv)}" if fv else "n/a", its])
+    return "### Over seeds (mean ± standard deviation; per-seed values in order)\n\n" + markdown_table(
+        ["run", "seeds", "final val loss", "iterations to target"], rows)
 
 
 def _sorted(runs, key) -> list[dict[str, Any]]:
@@ -215,11 +251,16 @@ def report(experiment: str, settings: Settings, out: Path, specs: list[RunSpec],
                 gaps = [b[k] - a[k] for k in common]
                 text += (f"Validation-loss gap checkfree+ - plain over the run: mean {sum(gaps) / len(gaps):+.4f}, "
                          f"at the end {gaps[-1]:+.4f} (over {len(common)} evaluations).\n\n") if gaps else ""
+        if len(settings.seeds) > 1:
+            plots.seed_bands(axes[0], [r for r in runs if any(r["spec"]["label"] == s["spec"]["label"]
+                                                               and r["spec"]["rate"] == s["spec"]["rate"] for s in sel)],
+                             "iterations", key=lambda r: (r["spec"]["label"], r["spec"]["rate"]))
         axes[0].legend(fontsize=7)
         figs.append(plots.save(fig, rdir / f"{experiment.replace('-', '_')}.png"))
         text += markdown_table(header, rows)
         if len(settings.seeds) > 1:
-            text += f"\n(rows and plots: seed {seed0}; every seed's numbers are in results.json)\n"
+            text += (f"\n(rows above and the curves: seed {seed0}; shaded bands: min-max over the seeds; "
+                     f"every seed's numbers are in results.json)\n\n" + seeds_table(runs))
     text += "\nFigures: " + ", ".join(f"[{p.name}]({p.name})" for p in figs) + "\n"
     (rdir / "table.md").write_text(text)
     return rdir

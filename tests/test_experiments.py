@@ -193,3 +193,42 @@ def test_time_to_target_interpolates_and_reports_not_reached():
     s = Settings(steps=40, target_fraction=0.5)
     assert reference_target({"val": run["val"][:2], "spec": {"name": "x"}}, s) == 4.0
     assert reference_target(run, Settings(target=3.3)) == 3.3
+
+
+def _fake_run(label: str, seed: int, final: float, iters: float | None, rate: float = 16.0) -> dict:
+    val = [{"iteration": i, "step": i, "sim_time_s": 10.0 * (i + 1), "val_loss": final + 1.0 / (i + 1) + 0.01 * seed}
+           for i in range(5)]
+    return {"spec": {"label": label, "strategy": label, "rate": rate, "seed": seed, "runtime": "sim"},
+            "final_val_loss": final, "iterations_to_target": iters, "hours": None if iters is None else iters / 100,
+            "val": val, "failures": [], "summary": {"status": "completed"}}
+
+
+def test_tables_report_mean_and_standard_deviation_over_seeds_and_plots_draw_bands(tmp_path):
+    from statistics import stdev
+
+    from experiments import plots
+    from experiments.analysis import _cell
+    from experiments.suite import seeds_table
+
+    runs = [_fake_run("checkfree", s, f, i) for s, f, i in ((0, 4.50, 40.0), (1, 4.60, 44.0), (2, 4.55, 48.0))]
+    runs += [_fake_run("random", s, 4.7, None if s == 1 else 50.0) for s in range(3)]
+    mean_h, text = _cell(runs[:3])
+    assert mean_h == pytest.approx(0.44) and f"± {stdev([0.40, 0.44, 0.48]):.2g}" in text and "(n=3: 0.4 / 0.44 / 0.48)" in text
+    assert _cell(runs[:1])[1] == "0.4"  # one seed: no spread
+    table = seeds_table(runs)
+    assert "| checkfree @ 16% | 0,1,2 | 4.5500 ± 0.05 (n=3: 4.5 / 4.6 / 4.55) | 44.0 ± 4 (n=3: 40 / 44 / 48) |" in table
+    assert f"{NOT_REACHED} (2/3 seeds)" in table
+    fig, ax = plots.plt.subplots()
+    plots.seed_bands(ax, runs, "iterations")
+    assert len(ax.collections) == 2  # one band per curve with several seeds
+    plots.save(fig, tmp_path / "bands.png")
+
+
+def test_omega_scope_blocks_runs_get_their_own_names(tmp_path):
+    settings = Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2)
+    traces = write_traces(settings, tmp_path, settings.rates)
+    stage = make_spec(settings, tmp_path, traces, "checkfree", 16.0, 0)
+    blocks = make_spec(Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2, omega_scope="blocks"), tmp_path,
+                       traces, "checkfree", 16.0, 0)
+    assert blocks.config["recovery"]["omega_scope"] == "blocks" and stage.config["recovery"]["omega_scope"] == "stage"
+    assert blocks.name != stage.name
