@@ -61,6 +61,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="target = the failure-free run's val loss after this fraction of the steps (default 0.5)")
     g.add_argument("--fallback", choices=FALLBACKS, help="unrecoverable (adjacent) failures: abort, random or copy "
                    "(default copy)")
+    g.add_argument("--data", help="corpus of every run: a text file or directory, or hf:<dataset> (default: the "
+                                  "preset's, Shakespeare)")
     g.add_argument("--omega-scope", choices=("stage", "blocks"),
                    help="CheckFree's omega over the whole stage (default, the authors' reading) or its transformer "
                         "blocks only; runs with blocks get their own names, so both can share a results directory")
@@ -83,6 +85,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                         "SIGKILLs from the same trace) beside the simulator")
     x.add_argument("--out", help="results directory (default experiments/results/<preset>, quick: .../quick)")
     x.add_argument("--report-only", action="store_true", help="only rewrite tables and plots from finished runs")
+    x.add_argument("--dry-run", action="store_true",
+                   help="check each distinct configuration of the matrix (config, data loading, one training step) "
+                        "and print the cost model's time per run; trains nothing and writes no results")
     x.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -110,7 +115,7 @@ def settings_from_args(args: argparse.Namespace):
         "preset": args.preset, "steps": args.steps, "seeds": args.seeds, "rates": args.rates,
         "rate_scale": args.rate_scale, "strategies": args.strategies, "cost_profile": args.cost_profile,
         "target": args.target, "target_fraction": args.target_fraction, "fallback": args.fallback,
-        "omega_scope": args.omega_scope,
+        "omega_scope": args.omega_scope, "data": args.data,
         "max_iter_factor": args.max_iter_factor, "eval_every": args.eval_every,
         "checkpoint_every": args.checkpoint_every, "snapshot_every": args.snapshot_every,
         "init_rate": args.init_rate, "ckpt_rate": args.ckpt_rate, "ckpt_intervals": args.ckpt_intervals,
@@ -165,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
     experiments = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     argv = [a for a in sys.argv[1:] if a != "--report-only"]
     command = "checkfree " + " ".join(shlex.quote(a) for a in argv) if argv[:1] == ["experiment"] else ""
+    if args.dry_run:
+        from experiments.suite import dry_run
+
+        return dry_run(experiments, settings)
     dirs = run_experiment(experiments, settings, progress=not args.no_progress, command=command,
                           report_only=args.report_only)
     for name, d in dirs.items():

@@ -98,6 +98,7 @@ class Settings:
     target_fraction: float = 0.5  # target = failure-free val loss after this fraction of the steps
     fallback: str = "copy"  # recovery.fallback for unrecoverable (adjacent) failures
     omega_scope: str = "stage"  # recovery.omega_scope: omega over the whole stage or its blocks only
+    data: str | None = None  # data.source (None: the preset's corpus)
     storage_fallback: bool = True  # redundant/gemini/reft/baft also checkpoint and roll back when copies are lost
     max_iter_factor: float = 3.0  # iteration budget (recomputations included) = factor * steps
     eval_every: int = 5
@@ -195,6 +196,8 @@ def build_config(settings: Settings, strategy: str, seed: int, trace_path: str |
     cfg.recovery.strategy = strategy
     cfg.recovery.fallback = settings.fallback
     cfg.recovery.omega_scope = settings.omega_scope
+    if settings.data is not None:
+        cfg.data.source = settings.data
     st = cfg.strategy
     st.cost_profile = settings.cost_profile
     st.checkpoint_every = checkpoint_every or settings.ckpt_every
@@ -263,6 +266,7 @@ def _digest(cfg: RunConfig, out: Path, extra: dict[str, Any]) -> str:
         "cost_profile": st.cost_profile, "detection_s": None if st.detection_s is None else round(st.detection_s, 9),
         "trace": hashlib.sha256((out / cfg.failures.trace).read_bytes()).hexdigest() if cfg.failures.trace else None,
         **({"omega_scope": r.omega_scope} if r.omega_scope != "stage" else {}),  # finished runs keep their names
+        **({"data": cfg.data.source} if cfg.data.source != "shakespeare" else {}),
         **extra,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]

@@ -283,6 +283,44 @@ def _matrix_log(out: Path) -> str:
                    for x in lines)
 
 
+def dry_run(experiments: list[str], settings: Settings, log=print) -> int:
+    """Check every distinct configuration of the experiments' runs without training: the config resolves, the
+    data loads, one training step runs (in the simulator, on this machine's device); then the cost model's
+    simulated wall-clock per run (`strategy.cost_profile`) and for the whole matrix. Nothing is kept."""
+    import tempfile
+
+    from checkfree.config import config_from_dict
+    from checkfree.costmodel import CostModel
+    from checkfree.simulator import Simulator
+
+    with tempfile.TemporaryDirectory(prefix="checkfree-dry-run-") as tmp:
+        out = Path(tmp)
+        specs = list({s.name: s for e in experiments for s in specs_for(e, settings, out)}.values())
+        distinct: dict[str, RunSpec] = {}
+        for spec in specs:
+            distinct.setdefault(spec.label, spec)
+        log(f"dry run: {len(specs)} runs, {len(distinct)} distinct configurations ({settings.preset}, "
+            f"{settings.steps} steps, data {settings.data or 'the preset corpus'})")
+        rows, total_h = [], 0.0
+        for spec in specs:
+            cfg = config_from_dict(spec.config)
+            total_h += CostModel(cfg).step_s() * cfg.train.num_steps / 3600
+        for label, spec in distinct.items():
+            cfg = config_from_dict(spec.config)
+            per_run_h = CostModel(cfg).step_s() * cfg.train.num_steps / 3600
+            cfg.train.num_steps, cfg.train.eval_every, cfg.failures.trace = 1, 0, None
+            t0 = time.perf_counter()
+            Simulator(cfg, out / f"dry-{len(rows)}", progress=False).run()
+            step_s = time.perf_counter() - t0
+            rows.append([label, spec.strategy, f"{step_s:.1f} s", f"{per_run_h:.2f} h"])
+            log(f"  {label}: config, data and one step OK ({step_s:.1f} s here, set-up included); "
+                f"cost model: {per_run_h:.2f} h per run")
+    log("\n" + markdown_table(["configuration", "strategy", "one step here (with set-up)",
+                                f"cost model per run ({settings.cost_profile})"], rows))
+    log(f"whole matrix ({len(specs)} runs): {total_h:.1f} h of simulated wall-clock by the cost model")
+    return 0
+
+
 def run_experiment(experiments: list[str], settings: Settings, *, progress: bool = True, command: str = "",
                    report_only: bool = False, log=print) -> dict[str, Path]:
     """Run (resuming) the union of the experiments' runs, then write each report."""

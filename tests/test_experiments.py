@@ -232,3 +232,16 @@ def test_omega_scope_blocks_runs_get_their_own_names(tmp_path):
                        traces, "checkfree", 16.0, 0)
     assert blocks.config["recovery"]["omega_scope"] == "blocks" and stage.config["recovery"]["omega_scope"] == "stage"
     assert blocks.name != stage.name
+
+
+def test_dry_run_checks_each_configuration_with_one_step_and_prints_the_cost_model(tmp_path, capsys):
+    """--dry-run on a local corpus: config, data and one step per distinct configuration; no results written."""
+    (tmp_path / "corpus.txt").write_text("All the world's a stage, and all the men and women merely players. " * 400)
+    out = tmp_path / "results"
+    assert main(["experiment", "convergence", "--preset", "tiny", "--steps", "8", "--eval-every", "2",
+                 "--strategies", "checkfree", "--rates", "16", "--data", str(tmp_path / "corpus.txt"),
+                 "--out", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "2 distinct configurations" in printed and printed.count("config, data and one step OK") == 2
+    assert "cost model per run (paper-geo)" in printed and "whole matrix (2 runs)" in printed
+    assert not (out / "runs").exists()
