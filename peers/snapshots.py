@@ -4,18 +4,17 @@ On the coordinator's SNAPSHOT a stage captures its full state (weights, Adam, LR
 data position) and writes it to the shared storage, or keeps it and sends it to the peers that
 hold it for others (STORE_SNAPSHOT; at most one per stage). A replacement assigned in mode
 `restore` takes the lost stage's snapshot from storage or a holder (FETCH_SNAPSHOT); on RESTORE
-a live stage rolls back to its own.
+a live stage rolls back to its own. Files: `checkfree.strategies.storage` (the simulator's layout).
 """
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import torch
 
 from checkfree.protocol import RPC, ProtocolError, require
+from checkfree.strategies import storage
 from checkfree.worker import StageWorker
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
@@ -24,13 +23,6 @@ from peers.stage import HostedStage
 from peers.step import StepTracker
 
 __all__ = ["Snapshots"]
-
-
-def _write_atomic(path: Path, blob: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
 
 
 class Snapshots:
@@ -53,9 +45,8 @@ class Snapshots:
         t0 = time.perf_counter()
         blob = await self.compute.run(self.hosted.capture_bytes, header["step"])
         sent = 0
-        if isinstance(header.get("storage"), str):
-            path = Path(header["storage"]) / f"stage{stage}-step{header['step']}.pt"
-            await self.compute.run(_write_atomic, path, blob)
+        if isinstance(header.get("storage"), str):  # the coordinator seals it once every stage has written
+            await self.compute.run(storage.write_stage, header["storage"], header["step"], stage, blob)
         else:
             require(header, holders=list)
             self.held[stage] = (header["step"], blob)
@@ -114,7 +105,7 @@ class Snapshots:
         """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""
         step = header["step"]
         if isinstance(header.get("storage"), str):
-            return (Path(header["storage"]) / f"stage{stage}-step{step}.pt").read_bytes()
+            return storage.read_stage(header["storage"], step, stage)
         source = header.get("source")
         if source in (None, self.net.me):
             held = self.held.get(stage)

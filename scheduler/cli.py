@@ -7,8 +7,13 @@ import asyncio
 import json
 import re
 
-from checkfree.cli import (add_network_arguments, add_run_arguments, config_from_args, network_options,
-                           warn_if_overwriting)
+from checkfree.cli import (
+    add_network_arguments,
+    add_run_arguments,
+    config_from_args,
+    network_options,
+    warn_if_overwriting,
+)
 
 __all__ = ["add_parser", "run_scheduler"]
 
@@ -20,17 +25,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "those addrs to peers as --initial-peers.")
     add_run_arguments(p)
     add_network_arguments(p)
-    p.add_argument("--chaos-trace", help="(local swarm) ask the launcher to SIGKILL these `step,stage` failures")
-    p.add_argument("--preempt-trace", help="(local swarm) ask the launcher to SIGTERM these `step,stage` peers")
-    p.add_argument("--chaos-recovery-kills", default="", help="(local swarm) comma-separated iterations at which "
+    c = p.add_argument_group("testing and chaos (fault injection of the local swarm; not for production runs)")
+    c.add_argument("--chaos-trace", help="(local swarm) ask the launcher to SIGKILL these `step,stage` failures")
+    c.add_argument("--preempt-trace", help="(local swarm) ask the launcher to SIGTERM these `step,stage` peers")
+    c.add_argument("--chaos-recovery-kills", default="", help="(local swarm) comma-separated iterations at which "
                    "the peer chosen to rebuild a failed stage is killed before it finishes")
-    p.add_argument("--chaos-rebuild-kills", default="", help="(local swarm) comma-separated iterations at which "
+    c.add_argument("--chaos-rebuild-kills", default="", help="(local swarm) comma-separated iterations at which "
                    "the peer rebuilding a failed stage SIGKILLs itself after its first weight pull (mid-rebuild)")
-    p.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
+    c.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group after it has committed half of the stages of step STEP (failover test)")
-    p.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
+    c.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
                    "off the network for one iteration")
-    add_chaos_slow_argument(p)
+    add_chaos_slow_argument(c)
     p.add_argument("--shutdown-peers", action=argparse.BooleanOptionalAction, default=True,
                    help="tell peers when the run ends (they print 'run finished' and exit unless started with "
                         "--stay); default on")
@@ -57,7 +63,7 @@ def parse_slow(specs: list[str], num_stages: int) -> dict[int, tuple[float, int]
     return out
 
 
-def add_chaos_slow_argument(p: argparse.ArgumentParser) -> None:
+def add_chaos_slow_argument(p: argparse._ActionsContainer) -> None:
     """--chaos-slow, on `checkfree scheduler` and on `checkfree local` (which passes it on)."""
     p.add_argument("--chaos-slow", action="append", default=[], metavar="STAGE:SECONDS[@STEP]",
                    help="diagnostic: the first peer of STAGE sleeps SECONDS before each forward and backward from STEP "

@@ -1,102 +1,127 @@
-"""`checkfree chaos`: a seeded long local-swarm run under heavy churn, and its tally.
-
-The trace kills (SIGKILL) at least `--kills` peers: first and last stages, adjacent pairs in
-the same step, single intermediate stages; spares join late (replacements are started only
-after kills); at `--recovery-kills` iterations the peer chosen as a replacement is killed
-while it recovers. The run uses CheckFree+ with a declared fallback for what it cannot
-recover. At the end every failure must be accounted for as a recovery or a fallback, the
-losses must be finite, and a summary counts each kind.
-
-    checkfree chaos --stages 6 --steps 160 --kills 30 --seed 0 --out runs/chaos
-"""
+"""Fault injection for the local swarm (`checkfree local` chaos flags), kept out of the coordinator's logic:
+scheduled SIGKILLs, SIGTERMs and partitions asked of the launcher (one `CHAOS ...` line each, acknowledged on
+stdin), replacements killed during their recovery, and slowed stages. A production coordinator has none of
+these options set, and none of this runs."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import subprocess
+import asyncio
+import logging
+import os
+import signal
 import sys
-from collections import Counter
-from pathlib import Path
+import time
 
-import numpy as np
+from checkfree.failures import FailureSchedule
+from checkfree.protocol import RPC
 
-from checkfree.cli import add_transport_arguments
-from checkfree.failures import write_trace
-from checkfree.rundir import read_jsonl
+__all__ = ["ChaosMixin", "chaos_line", "parse_chaos_line"]
 
-__all__ = ["add_parser", "chaos_trace", "tally"]
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chaos", help="a long local swarm under seeded heavy churn, with a tally of what happened")
-    p.add_argument("--preset", default="tiny", help="model/training preset")
-    p.add_argument("--stages", type=int, default=6, help="pipeline stages")
-    p.add_argument("--layers", type=int, default=12, help="transformer layers")
-    p.add_argument("--steps", type=int, default=160, help="optimizer steps")
-    p.add_argument("--kills", type=int, default=30, help="SIGKILLs by trace (recovery kills come on top)")
-    p.add_argument("--recovery-kills", type=int, default=2, help="replacements killed during their recovery")
-    p.add_argument("--spares", type=int, default=2, help="standby peers kept running")
-    p.add_argument("--fallback", default="copy", choices=("random", "copy", "abort"),
-                   help="what an unrecoverable (adjacent) failure does; abort ends the chaos run at the first one")
-    p.add_argument("--seed", type=int, default=0, help="seed of the failure schedule")
-    p.add_argument("--out", default="runs/chaos", help="run directory")
-    add_transport_arguments(p, port=False)
-    p.set_defaults(func=run_chaos)
+# The launcher protocol, written and read here only: the coordinator prints one line per request,
+# `CHAOS <action> key=value ...`; the launcher acts (and, for a partition, acknowledges on stdin).
+CHAOS_ACTIONS = ("kill", "rebuild-kill", "term", "partition", "heal", "coordinator-dies")
 
 
-def chaos_trace(num_stages: int, num_steps: int, kills: int, seed: int) -> list[tuple[int, int]]:
-    """Failures spread over the run: a quarter on the edge stages, a quarter as adjacent pairs."""
-    rng = np.random.default_rng(seed)
-    steps = np.linspace(2, num_steps - 3, num=kills, dtype=int)
-    events: list[tuple[int, int]] = []
-    i = 0
-    while len(events) < kills and i < len(steps):
-        t, kind = int(steps[i]), i % 4
-        if kind == 0:
-            events.append((t, int(rng.choice([0, num_stages - 1]))))
-        elif kind == 1 and len(events) + 2 <= kills:
-            s = int(rng.integers(0, num_stages - 1))
-            events += [(t, s), (t, s + 1)]
-        else:
-            events.append((t, int(rng.integers(1, num_stages - 1))))
-        i += 1
-    return sorted(set(events))
+def chaos_line(action: str, **fields: object) -> str:
+    if action not in CHAOS_ACTIONS:
+        raise ValueError(f"unknown chaos action {action!r}")
+    return " ".join(["CHAOS", action, *(f"{k.replace('_', '-')}={v}" for k, v in fields.items())])
 
 
-def tally(out: Path) -> dict:
-    events = read_jsonl(out / "events.jsonl")
-    kinds = Counter(e["event"] for e in events)
-    metrics = read_jsonl(out / "metrics.jsonl")
-    failures = [(e["step"], e["stage"]) for e in events if e["event"] == "failure"]
-    handled = [(e["step"], e["stage"]) for e in events if e["event"] in ("recovery", "fallback")
-               and e.get("fallback") != "abort"]
-    return {"failures": len(failures), "recoveries": kinds["recovery"], "fallbacks": kinds["fallback"],
-            "recovery_retries": kinds["recovery_retry"], "aborted_attempts": kinds["aborted_step"],
-            "edge_failures": sum(1 for _, s in failures if s in (0, max(s for _, s in failures))),
-            "unaccounted": sorted(set(failures) - set(handled)),
-            "finite_losses": all(isinstance(m["loss"], float) and math.isfinite(m["loss"]) for m in metrics),
-            "steps": len({m["step"] for m in metrics})}
+def parse_chaos_line(line: str) -> tuple[str, dict[str, str]] | None:
+    """(action, fields) of a chaos request line, None for any other line."""
+    parts = line.split()
+    if len(parts) < 2 or parts[0] != "CHAOS" or parts[1] not in CHAOS_ACTIONS:
+        return None
+    return parts[1], dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+
+log = logging.getLogger("scheduler.coordinator")
 
 
-def run_chaos(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    trace = chaos_trace(args.stages, args.steps, args.kills, args.seed)
-    write_trace(out / "chaos_input.csv", trace)
-    rec = sorted({int(x) for x in np.linspace(args.steps // 4, args.steps // 2, args.recovery_kills, dtype=int)})
-    rec = [t for t in rec if t in {s for s, _ in trace}] or [trace[len(trace) // 2][0]]
-    cmd = [sys.executable, "-m", "checkfree", "local", "--preset", args.preset, "--stages", str(args.stages),
-           "--layers", str(args.layers), "--steps", str(args.steps), "--strategy", "checkfree+", "--fallback",
-           args.fallback, "--trace", str(out / "chaos_input.csv"), "--spares", str(args.spares),
-           "--chaos-recovery-kills", ",".join(map(str, rec)), "--out", str(out / "run"), "--eval-every", "0",
-           "--transport", args.transport]
-    print(f"chaos: {len(trace)} SIGKILLs by trace + replacements killed during recovery at iterations {rec}")
-    code = subprocess.run(cmd).returncode
-    summary = tally(out / "run")
-    (out / "chaos_summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
-    ok = code == 0 and not summary["unaccounted"] and summary["finite_losses"] and summary["steps"] == args.steps
-    print("chaos: PASS" if ok else "chaos: FAIL")
-    return 0 if ok else 1
+class ChaosMixin:
+    """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
+
+    def _slow_header(self, stage: int) -> dict:
+        """Diagnostic (local swarm, --chaos-slow): the first peer of `stage` computes slowly."""
+        if stage not in self.opts.slow:
+            return {}
+        delay, start = self.opts.slow[stage]
+        return {"inject_delay": [delay, start]}
+
+    async def _chaos_replacement(self, pid: str, stage: int) -> None:
+        """Local swarm chaos: kill the peer just chosen to rebuild `stage` (a failure during recovery)."""
+        if self.iteration not in self.opts.chaos_recovery_kills or self.iteration in self._recovery_killed:
+            return
+        self._recovery_killed.add(self.iteration)
+        print(chaos_line("kill", step=self.iteration, stage=stage, peer=pid, during="recovery"), flush=True)
+        await self._wait_dead(pid)
+
+    def _chaos_rebuild(self, pid: str, stage: int) -> dict:
+        """Local swarm chaos (--chaos-rebuild-kills): the replacement dies (SIGKILL) in the middle of
+        its rebuild, after its first weight pull; the next standby must rebuild from the live sources."""
+        if self.iteration not in self.opts.chaos_rebuild_kills or self.iteration in self._recovery_killed:
+            return {}
+        self._recovery_killed.add(self.iteration)
+        print(chaos_line("rebuild-kill", step=self.iteration, stage=stage, peer=pid), flush=True)
+        return {"chaos_die_after_pulls": 1}
+
+    async def _launcher_ack(self) -> None:
+        """Local swarm: wait (up to rpc_timeout) for the launcher's line on stdin saying it has acted."""
+        loop = asyncio.get_running_loop()
+        if self._stdin is None:
+            self._stdin = asyncio.StreamReader()
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self._stdin), sys.stdin)
+        try:
+            await asyncio.wait_for(self._stdin.readline(), self.t.rpc_timeout)
+        except asyncio.TimeoutError:
+            log.warning("no acknowledgement from the launcher within rpc_timeout; going on")
+
+    async def _wait_dead(self, pid: str) -> None:
+        """Until a peer the launcher was asked to kill stops answering (bounded by join_timeout)."""
+        deadline = time.monotonic() + self.t.join_timeout
+        while await self._alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def _scheduled(self, schedule: FailureSchedule | None, step: int) -> list[tuple[int, str]]:
+        """(stage, peer) of the stages `schedule` names at `step` that have a peer."""
+        stages = sorted(schedule.at(step)) if schedule else []
+        return [(s, self.stage_peer[s]) for s in stages if s in self.stage_peer]
+
+    async def _chaos(self, step: int) -> None:
+        """Local swarm only: ask the launcher to SIGKILL, SIGTERM or cut off the network (--netns) the
+        scheduled stages' peers, then wait until that is in effect, so that the failure lands at the
+        start of this step. `step` is the iteration (executed steps, re-runs included), as in the
+        simulator. A partition is healed at the next iteration, once its stage has been recovered."""
+        if step in self._chaos_done:  # each scheduled failure fires once, even if the iteration is retried
+            return
+        self._chaos_done.add(step)
+        for pid in self._partitioned:
+            print(chaos_line("heal", step=step, peer=pid), flush=True)
+            self._event("chaos_heal", step=step, peer_id=pid)
+        self._partitioned.clear()
+        for stage, pid in self._scheduled(self.opts.partition, step):
+            print(chaos_line("partition", step=step, stage=stage, peer=pid), flush=True)
+            self._event("chaos_partition", step=step, stage=stage, peer_id=pid)
+            await self._launcher_ack()  # the link is cut now; detecting it is left to timeouts and heartbeats
+            self._partitioned.append(pid)
+        for stage, pid in self._scheduled(self.opts.chaos, step):
+            print(chaos_line("kill", step=step, stage=stage, peer=pid), flush=True)
+            self._event("chaos_kill", step=step, stage=stage, peer_id=pid)
+            await self._wait_dead(pid)
+            self.reported.add(pid)
+        for stage, pid in self._scheduled(self.opts.preempt, step):
+            print(chaos_line("term", step=step, stage=stage, peer=pid), flush=True)
+            deadline = time.monotonic() + self.t.rpc_timeout
+            while not self.members[pid].leaving and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the preempted peer announces its leave
+
+    async def _chaos_commit(self, step: int) -> None:
+        """Local swarm chaos (--kill-coordinator-at ... in commit): half of the stages commit `step`, then this
+        coordinator's whole process group is SIGKILLed (a standby must finish the half-done commit)."""
+        if step != self.opts.die_in_commit:
+            return
+        half = sorted(self.stage_peer)[: self.cfg.num_stages // 2]
+        await asyncio.gather(*(self._call(self.stage_peer[s], RPC.COMMIT, {"step": step, "attempt": self._last_attempt},
+                                          self.t.rpc_timeout) for s in half))
+        print(chaos_line("coordinator-dies", step=step, committed=",".join(map(str, half))), flush=True)
+        os.killpg(os.getpgid(0), signal.SIGKILL)

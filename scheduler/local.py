@@ -13,23 +13,30 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import re
 import secrets
 import signal
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.auth import SECRET_ENV
-from checkfree.cli import (TIMEOUT_FLAGS, warn_if_overwriting, add_run_arguments, add_timeout_arguments, add_transport_arguments,
-                           config_from_args, timeouts_from_args)
+from checkfree.cli import (
+    TIMEOUT_FLAGS,
+    add_run_arguments,
+    add_timeout_arguments,
+    add_transport_arguments,
+    config_from_args,
+    timeouts_from_args,
+    warn_if_overwriting,
+)
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.progress import Progress
-from checkfree.protocol import READY_COORDINATOR, READY_PEER, READY_STANDBY
+from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
+from scheduler.injector import parse_chaos_line
+from scheduler.netlab import NetLab
+from scheduler.processes import Proc, await_line, kill_group, spawn
 
 __all__ = ["add_parser", "LocalSwarm", "SwarmOptions", "NetLab"]
 
@@ -53,33 +60,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_timeout_arguments(p, step_timeout=90.0, join_timeout=120.0)
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for a process to print its ready line")
     p.add_argument("--run-id", help="run name (default: derived from --out)")
-    p.add_argument("--preempt-trace", metavar="FILE",
+    c = p.add_argument_group("testing and chaos (fault injection of the local swarm; not for production runs)")
+    c.add_argument("--preempt-trace", metavar="FILE",
                    help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
-    p.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
+    c.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the chosen replacement is killed during its recovery")
-    p.add_argument("--chaos-rebuild-kills", default="", metavar="ITERS",
+    c.add_argument("--chaos-rebuild-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the peer rebuilding a failed stage is SIGKILLed in the "
                         "middle of its rebuild (after its first weight pull); the next standby takes over")
-    p.add_argument("--dump-recovery", metavar="DIR",
+    c.add_argument("--dump-recovery", metavar="DIR",
                    help="peers save the weights served and rebuilt in recoveries, and their final state")
-    p.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
+    c.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
                    help="SIGKILL the coordinator once it has finished step STEP-1 (coordinator failover test)")
-    p.add_argument("--coordinator-failover", choices=("standby", "restart"), default="standby",
+    c.add_argument("--coordinator-failover", choices=("standby", "restart"), default="standby",
                    help="after --kill-coordinator-at: a hot standby coordinator started with the run takes over "
                         "(default), or a new coordinator is started with --takeover")
-    p.add_argument("--kill-coordinator-in", choices=("step", "commit"), default="step",
+    c.add_argument("--kill-coordinator-in", choices=("step", "commit"), default="step",
                    help="where the coordinator dies: between steps (SIGKILL by the launcher), or half-way through "
                         "committing step STEP (it SIGKILLs itself after committing half of the stages)")
     add_transport_arguments(p, port=False)
     p.add_argument("--netns", action="store_true",
                    help="run every process in a network namespace of its own, wired to one bridge (needs root and "
                         "iproute2), so that --partition-trace can cut a peer's link")
-    p.add_argument("--partition-trace", metavar="FILE",
+    c.add_argument("--partition-trace", metavar="FILE",
                    help="`step,stage` lines: cut these stages' peers off the network (alive but unreachable) at these "
                         "steps; the link comes back one iteration later (needs --netns)")
     from scheduler.cli import add_chaos_slow_argument
 
-    add_chaos_slow_argument(p)
+    add_chaos_slow_argument(c)
     p.set_defaults(func=run_local)
 
 
@@ -101,109 +109,12 @@ class SwarmOptions:
     progress_lines: bool = True  # print each peer's start-up milestones
 
 
-@dataclass
-class Proc:
-    popen: subprocess.Popen
-    lines: queue.Queue
-    log: Path
-    peer_id: str = ""
-    addrs: str = ""
-    ready: threading.Event = field(default_factory=threading.Event)
-    link: int = 0  # NetLab link number (0: no lab)
-    name: str = ""
-    started: float = field(default_factory=time.monotonic)
-    announce: bool = False  # print its start-up milestones (ready, joined, first stage) as they happen
 
 
-MILESTONES = ((READY_PEER, "listening"), ("joined run", "joined"), ("serving stage", "serving"))
 
 
-def _reader(proc: "Proc") -> None:
-    """Copy a process's output to its log and queue; note its peer id from the ready line, and
-    report a peer's start-up milestones as they happen (where a slow start-up spends its time)."""
-    with open(proc.log, "a", buffering=1) as log:
-        for line in proc.popen.stdout:
-            log.write(line)
-            if proc.announce and (hit := next((m for m in MILESTONES if m[0] in line), None)):
-                what = hit[1] + (f" (stage {m.group(1)})" if (m := re.search(r"serving stage (\d+)", line)) else "")
-                print(f"swarm: {proc.name} {what} {time.monotonic() - proc.started:.1f} s after its start",
-                      flush=True)
-                if hit[1] == "serving":
-                    proc.announce = False
-            if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
-                proc.peer_id, proc.addrs = m.group(1), m.group(2)
-                proc.ready.set()
-            proc.lines.put(line.rstrip("\n"))
-    proc.lines.put(None)
-    proc.ready.set()
 
 
-class NetLab:
-    """`--netns`: every process of a swarm in a network namespace of its own, all wired by veth pairs to
-    one bridge in a hub namespace. A partition is a real cut of one peer's link: the process keeps
-    running, but nothing gets in or out until the link is back up (connections stall, as on a real
-    network, rather than being refused). Needs root and iproute2. The addresses live only inside
-    this lab's own namespaces: nothing reaches, or comes from, any other network."""
-
-    def __init__(self) -> None:
-        self.tag = f"cf{os.getpid()}x{secrets.token_hex(2)}"
-        self.hub = f"{self.tag}-hub"
-        self.spaces: list[str] = []
-        self._ip("netns", "add", self.hub)
-        try:
-            self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-            self._ip("-n", self.hub, "link", "set", "br0", "up")
-        except RuntimeError:
-            self.close()
-            raise
-
-    @staticmethod
-    def unavailable() -> str | None:
-        """Why a lab cannot be built here (None: it can)."""
-        if os.name != "posix" or os.geteuid() != 0:
-            return "network namespaces need root"
-        try:
-            subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, timeout=10)
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"iproute2's `ip netns` does not work here ({e})"
-        return None
-
-    @staticmethod
-    def _ip(*args: str) -> None:
-        proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-        if proc.returncode != 0:
-            raise RuntimeError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
-
-    def add(self) -> tuple[int, list[str], str]:
-        """A new namespace linked to the bridge: (link number, command prefix, its address)."""
-        n = len(self.spaces) + 1
-        ns, addr = f"{self.tag}-{n}", f"10.213.{n // 200}.{n % 200 + 1}"
-        self._ip("netns", "add", ns)
-        self.spaces.append(ns)  # deleted by close() from here on
-        self._ip("link", "add", "lab0", "netns", ns, "type", "veth", "peer", "name", f"p{n}", "netns", self.hub)
-        self._ip("-n", ns, "addr", "add", f"{addr}/16", "dev", "lab0")
-        for dev in ("lo", "lab0"):
-            self._ip("-n", ns, "link", "set", dev, "up")
-        self._ip("-n", self.hub, "link", "set", f"p{n}", "master", "br0", "up")
-        return n, ["ip", "netns", "exec", ns], addr
-
-    def cut(self, n: int) -> None:
-        self._ip("-n", self.hub, "link", "set", f"p{n}", "down")
-
-    def heal(self, n: int) -> None:
-        self._ip("-n", self.hub, "link", "set", f"p{n}", "up")
-
-    def close(self) -> None:
-        for ns in [*self.spaces, self.hub]:
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
-        self.spaces.clear()
-def _kill_group(proc: Proc) -> None:
-    """SIGKILL a process's whole group (its DHT process and p2pd too), like a machine vanishing."""
-    try:
-        os.killpg(proc.popen.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.popen.wait()
 
 
 class LocalSwarm:
@@ -231,26 +142,11 @@ class LocalSwarm:
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
             link, prefix, addr = self.lab.add()
             args = [*args, "--host-maddrs", f"/ip4/{addr}/tcp/0"]
-        popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree", *args], stdin=stdin,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                 start_new_session=True)
-        proc = Proc(popen, queue.Queue(), self.opts.out / "logs" / f"{name}.log", link=link, name=name,
-                    announce=name.startswith("peer") and self.opts.progress_lines)
-        threading.Thread(target=_reader, args=(proc,), daemon=True).start()
-        return proc
+        return spawn(args, env, log=self.opts.out / "logs" / f"{name}.log", prefix=prefix, stdin=stdin, name=name,
+                     link=link, announce=name.startswith("peer") and self.opts.progress_lines)
 
     def _await_ready(self, proc: Proc, prefix: str) -> str:
-        deadline = time.monotonic() + self.opts.ready_timeout
-        while time.monotonic() < deadline:
-            try:
-                line = proc.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                raise RuntimeError(f"process exited before it was ready; see {proc.log}")
-            if line.startswith(prefix):
-                return line
-        raise TimeoutError(f"no ready line within {self.opts.ready_timeout:g} s; see {proc.log}")
+        return await_line(proc, prefix, self.opts.ready_timeout)
 
     def start_peer(self) -> Proc:
         """Start a peer process; it becomes a standby once it has joined (no waiting here)."""
@@ -267,7 +163,7 @@ class LocalSwarm:
         if proc is None:
             print(f"swarm: asked to kill unknown peer {peer_id}", flush=True)
             return
-        _kill_group(proc)
+        kill_group(proc, gone_within=0)
         self.peers.remove(proc)
         self.kills += 1
         self.start_peer()
@@ -342,15 +238,17 @@ class LocalSwarm:
                 if (self.opts.kill_coordinator_in == "step" and (m := STEP_LINE.match(line)) is not None
                         and int(m.group(1)) + 1 == self.opts.kill_coordinator_at):
                     self.kill_coordinator()
-                if line.startswith("CHAOS kill"):
-                    self.kill_peer(re.search(r"peer=(\S+)", line).group(1))
-                elif line.startswith("CHAOS rebuild-kill"):  # the replacement kills itself mid-rebuild
-                    self.kills += 1
-                    self.start_peer()
-                elif line.startswith("CHAOS term"):
-                    self.preempt_peer(re.search(r"peer=(\S+)", line).group(1))
-                elif line.startswith(("CHAOS partition", "CHAOS heal")):
-                    self.partition_peer(re.search(r"peer=(\S+)", line).group(1), heal=line.startswith("CHAOS heal"))
+                if (chaos := parse_chaos_line(line)) is not None:
+                    action, fields = chaos
+                    if action == "kill":
+                        self.kill_peer(fields["peer"])
+                    elif action == "rebuild-kill":  # the replacement kills itself mid-rebuild
+                        self.kills += 1
+                        self.start_peer()
+                    elif action == "term":
+                        self.preempt_peer(fields["peer"])
+                    elif action in ("partition", "heal"):
+                        self.partition_peer(fields["peer"], heal=action == "heal")
                 elif (m := STEP_LINE.match(line)) is not None:
                     bar.update(int(m.group(1)) + 1, loss=m.group(2), live=m.group(4), spare=m.group(5),
                                failures=m.group(6), recoveries=m.group(7))
@@ -364,7 +262,7 @@ class LocalSwarm:
         """SIGKILL the coordinator's process group; the standby takes over, or a new coordinator
         is started with --takeover, bootstrapping from live peers."""
         old = self.coordinator
-        _kill_group(old)
+        kill_group(old, gone_within=0)
         self.old_coordinators.append(old)
         self.opts.kill_coordinator_at = None
         live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]

@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import os
-import queue
-import signal
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.rundir import read_jsonl
+from scheduler.processes import Proc, await_line, kill_group
+from scheduler.processes import spawn as _spawn
+
+__all__ = ["local", "simulate", "trace", "events", "Proc", "spawn", "await_line", "kill_group"]
+
+
+def spawn(args: list[str], env: dict) -> Proc:
+    """Start `python -m checkfree ARGS` in a session of its own; its output lines are queued
+    (scheduler.processes, the launcher's own helper)."""
+    return _spawn(args, env)
 
 
 def local(tmp_path: Path, name: str, *args: str, cache: str, spares: int = 2,
@@ -47,67 +52,3 @@ def trace(tmp_path: Path, lines: list[tuple[int, int]]) -> str:
 def events(out: Path, *kinds: str) -> list[dict]:
     """The run's events of these kinds, in order."""
     return [e for e in read_jsonl(out / "events.jsonl") if e["event"] in kinds]
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen
-    lines: queue.Queue = field(default_factory=queue.Queue)
-    out: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    exited: float | None = None  # time.monotonic() when the process exited
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.out[-n:])
-
-
-def spawn(args: list[str], env: dict) -> Proc:
-    """Start `python -m checkfree ARGS` in a session of its own; its output lines are queued."""
-    popen = subprocess.Popen([sys.executable, "-m", "checkfree", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    proc = Proc(popen)
-
-    def read() -> None:
-        for line in popen.stdout:
-            proc.out.append(line.rstrip("\n"))
-            proc.lines.put(line.rstrip("\n"))
-        proc.lines.put(None)
-
-    def wait() -> None:
-        popen.wait()
-        proc.exited = time.monotonic()
-
-    threading.Thread(target=read, daemon=True).start()
-    threading.Thread(target=wait, daemon=True).start()
-    return proc
-
-
-def await_line(proc: Proc, prefix: str, timeout: float) -> str:
-    """The first output line starting with `prefix` (an error if the process exits or time runs out)."""
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = proc.lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            raise RuntimeError(f"process exited ({proc.popen.wait()}) before printing {prefix!r}:\n{proc.tail()}")
-        if line.startswith(prefix):
-            return line
-    raise TimeoutError(f"no {prefix!r} line within {timeout:g} s:\n{proc.tail()}")
-
-
-def kill_group(proc: Proc) -> None:
-    """SIGKILL the process group (the process, its DHT child and its p2pd) and wait until it is gone."""
-    try:
-        os.killpg(proc.popen.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.popen.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.popen.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)

@@ -125,7 +125,7 @@ def test_checkpoint_writes_complete_files_and_recomputes_lost_steps(replay):
     _, summary, out = runs["checkpoint"]
     dirs = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert dirs == [f"step-{STEPS:08d}"]  # only the last complete checkpoint is kept
-    assert sorted(p.name for p in (out / "checkpoints" / dirs[0]).iterdir()) == [f"stage-{i}.pt" for i in range(4)]
+    assert sorted(p.name for p in (out / "checkpoints" / dirs[0]).iterdir()) == [f"stage-{i}.bin" for i in range(4)]
     outcomes = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "failure_outcome"]
     assert [(o["iteration"], o["step"], o["rollback_to"], o["lost_steps"]) for o in outcomes] == [
         (1, 1, 0, 1), (6, 5, 4, 1), (7, 5, 4, 1)]
@@ -245,7 +245,7 @@ def test_cli_simulate_with_checkpoint_strategy(tiny_cfg_module, tmp_path, capsys
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["strategy"] == "checkpoint" and summary["lost_steps"] == 1 and summary["cost_profile"] == "local"
     assert json.loads((tmp_path / "run" / "config.json").read_text())["strategy"]["checkpoint_every"] == 2
-    assert (tmp_path / "run" / "checkpoints" / "step-00000004" / "stage-3.pt").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-00000004" / "stage-3.bin").is_file()
     assert cli_main(["simulate", "--strategy", "bogus", "--out", str(tmp_path / "x")]) == 2
 
 

@@ -117,8 +117,21 @@ class Strategy:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
+    swarm_rollback: bool = False  # the distributed runtime runs it as a rollback strategy (checkpoint, gemini)
+    snapshots_in_memory: bool = False  # keeps snapshots of every stage in peers' memory (gemini)
+
     def after_step(self, ctx: StrategyContext, step: int) -> Figures:
         return Figures()
+
+    def snapshot_due(self, next_step: int) -> bool:
+        """Take the in-memory snapshot of every stage before `next_step` (simulator and swarm alike)."""
+        return False
+
+    def checkpoint_due(self, next_step: int) -> bool:
+        """Write the persistent checkpoint of every stage before `next_step`: the strategy's own, or its storage
+        fallback's (`strategy.storage_fallback`)."""
+        storage = getattr(self, "storage", None)
+        return storage is not None and next_step % storage.every == 0
 
     def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
         raise NotImplementedError

@@ -1,32 +1,27 @@
 """Persistent checkpointing: every K steps every stage's full state goes to storage as
 files; on a failure every stage rolls back to the last complete checkpoint.
 
-Layout: ``<storage>/step-<N>/stage-<i>.pt`` (torch.save of a strategies.state dict), where N
-is the step training resumes from (= the data position). A checkpoint is written into
-``step-<N>.tmp`` and renamed when every stage's file is there, so a directory without the
-suffix is complete; the previous complete checkpoint is deleted only after that.
+Layout: `checkfree.strategies.storage` (``<storage>/step-<N>/stage-<i>.bin``), the same files the
+swarm's peers write, where N is the step training resumes from (= the data position).
 """
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
-import torch
-
 from checkfree.config import RunConfig
+from checkfree.serialize import state_from_bytes, state_to_bytes
+from checkfree.strategies import storage
 from checkfree.strategies.base import FailureOutcome, Figures, Strategy, StrategyContext
 
 __all__ = ["Checkpointer", "CheckpointStrategy"]
 
 
 class Checkpointer:
-    """Writes and reads the checkpoints of one run (also the storage fallback of others)."""
+    """Writes and reads the checkpoints of one run (also the storage fallback of others), in the layout of
+    `checkfree.strategies.storage` (shared with the swarm's peers)."""
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self.last: Path | None = None  # last complete checkpoint of this run
-        self.last_step = 0
+        self.last_step = 0  # step of the last complete checkpoint of this run (0: none, re-initialise)
 
     def maybe_save(self, ctx: StrategyContext, step: int) -> Figures:
         """After `step`: save when (step + 1) is a multiple of K."""
@@ -34,32 +29,22 @@ class Checkpointer:
 
     def save(self, ctx: StrategyContext, next_step: int) -> Figures:
         """Every peer writes its state in parallel; the step waits for the slowest."""
-        root = Path(ctx.storage_dir)
-        final, tmp = root / f"step-{next_step:08d}", root / f"step-{next_step:08d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        sizes = []
-        for s in range(ctx.num_stages):
-            path = tmp / f"stage-{s}.pt"
-            torch.save(ctx.capture(s, next_step), path)
-            sizes.append(path.stat().st_size)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        if self.last is not None and self.last != final:
-            shutil.rmtree(self.last, ignore_errors=True)
-        self.last, self.last_step = final, next_step
+        sizes = [storage.write_stage(ctx.storage_dir, next_step, s, state_to_bytes(ctx.capture(s, next_step)))
+                 for s in range(ctx.num_stages)]
+        storage.seal(ctx.storage_dir, next_step, ctx.num_stages)
+        self.last_step = next_step
         return Figures(stall_s=max(ctx.cost.storage_s(n) for n in sizes), bytes_moved=sum(sizes))
 
     def rollback(self, ctx: StrategyContext, strategy: str, step: int, failed: set[int], reason: str = "") -> FailureOutcome:
         """Every stage reloads the last complete checkpoint (step 0: re-initialise)."""
         sizes = []
         for s in range(ctx.num_stages):
-            if self.last is None:
+            if self.last_step == 0:
                 ctx.reset(s)
                 continue
-            path = self.last / f"stage-{s}.pt"
-            sizes.append(path.stat().st_size)
-            ctx.restore(s, torch.load(path, map_location="cpu", weights_only=True), replace=s in failed)
+            blob = storage.read_stage(ctx.storage_dir, self.last_step, s)
+            sizes.append(len(blob))
+            ctx.restore(s, state_from_bytes(blob), replace=s in failed)
         lost = step - self.last_step
         for s in sorted(failed):
             ctx.event("recovery", step=step, stage=s, strategy=strategy, method="rollback", source="storage",
@@ -74,13 +59,14 @@ class CheckpointStrategy(Strategy):
 
     name = "checkpoint"
     lossless = True
+    swarm_rollback = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.storage = Checkpointer(cfg.strategy.checkpoint_every)
 
     def after_step(self, ctx: StrategyContext, step: int) -> Figures:
-        return self.storage.maybe_save(ctx, step)
+        return self.storage.save(ctx, step + 1) if self.checkpoint_due(step + 1) else Figures()
 
     def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
         return self.storage.rollback(ctx, self.name, step, failed)

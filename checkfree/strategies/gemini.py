@@ -28,6 +28,8 @@ def placement(num_stages: int, m: int) -> list[list[int]]:
 
 class GeminiStrategy(InMemoryStrategy):
     name = "gemini"
+    swarm_rollback = True
+    snapshots_in_memory = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -49,8 +51,21 @@ class GeminiStrategy(InMemoryStrategy):
         slowest = max(sum(ctx.cost.transfer_s(n, i, h) for n, h in v) for i, v in sends.items())
         return moved, slowest
 
+    def snapshot_due(self, next_step: int) -> bool:
+        return next_step % self.every == 0
+
+    @staticmethod
+    def restore_source(stage: int, live_holders: list[int], cost) -> int:
+        """The live holder (by stage) a lost stage's snapshot is fetched from: the cheapest link to it."""
+        return min(live_holders, key=lambda h: (cost.transfer_s(1, h, stage), h))
+
+    def when_all_copies_lost(self) -> str:
+        """What a stage whose every holder failed gets: the storage checkpoint if there is one, else the
+        declared fallback (`recovery.fallback`)."""
+        return "checkpoint" if self.storage is not None else self.cfg.recovery.fallback
+
     def protect(self, ctx: StrategyContext, step: int) -> Figures:
-        if (step + 1) % self.every:
+        if not self.snapshot_due(step + 1):
             return Figures(extra_memory_bytes=self.memory)
         moved, slowest = self._replicate(ctx, step + 1)
         return Figures(stall_s=ctx.cost.background_stall_s(slowest, self.every), bytes_moved=moved,
@@ -61,7 +76,7 @@ class GeminiStrategy(InMemoryStrategy):
 
     def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
         alive = {s: [h for h in self.holders[s] if h not in failed] for s in failed}
-        sources = {s: min(hs, key=lambda h: ctx.cost.transfer_s(1, h, s)) for s, hs in alive.items() if hs}
+        sources = {s: self.restore_source(s, hs, ctx.cost) for s, hs in alive.items() if hs}
         lost = set(failed) - set(sources)
         if self.snap is None or not lost:
             out = self.restore_all(ctx, step, self.snap, self.snap_step, failed, sources)

@@ -1,0 +1,85 @@
+"""Types and constants shared by the parts of the coordinator (scheduler/coordinator.py and its mixins)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from checkfree.failures import FailureSchedule
+from checkfree.net.transport import RemoteError, TransportError
+from checkfree.protocol import Timeouts
+
+__all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS", "ROLLBACK_STRATEGIES",
+           "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures"]
+
+CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
+ROLLBACK_STRATEGIES = ("checkpoint", "gemini")  # rollback strategies that run for real in the swarm
+
+
+class Rollback(Exception):
+    """Every stage was rolled back; training resumes at `step`."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"rolled back to step {step}")
+        self.step = step
+
+
+EVAL_ATTEMPT = 10_000
+
+STEP_FIGURES = ("bytes_sent", "inflight_peak", "activation_peak_bytes", "peak_rss_bytes")  # a peer's, per step
+
+
+
+def step_figures(by_stage: dict[int, dict], num_stages: int) -> dict:
+    """A step record's figures from its stages' replies: the tensor bytes sent (summed) and, per stage
+    (None: not reported), the most microbatches whose activations it held at once, their bytes, and
+    its peer process's peak resident memory so far."""
+    per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]}
+    return {"wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in by_stage.values()), **per_stage}
+
+
+@dataclass(kw_only=True)
+class CoordinatorOptions:
+    run_id: str = "checkfree"
+    out: str = "runs/latest"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] | None = None
+    identity_path: str | None = None
+    startup_timeout: float = 30.0
+    transport: str = "hivemind"  # RPC transport: hivemind (p2pd) or libp2p (py-libp2p); every peer must use the same
+    libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
+    tcp_port: int = 0  # --transport tcp: port of the TCP RPC listener (0: any free port)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
+    preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
+    chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
+    chaos_rebuild_kills: frozenset[int] = frozenset()  # ...or have it SIGKILL itself after its first weight pull
+    partition: FailureSchedule | None = None  # local swarm (--netns): cut these (step, stage) peers off the network
+    slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
+    shutdown_peers: bool = True  # tell peers the run ended (they exit unless started with --stay)
+    max_attempts: int = 5  # attempts of one step before the run gives up
+    save_final: bool = True  # gather every stage into final_weights.safetensors at the end
+    secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
+    takeover: bool = False  # take over a running run whose coordinator is gone (state from the DHT and peers)
+    standby: bool = False  # watch the run's coordinator; take over when it stops answering
+    die_in_commit: int | None = None  # local swarm chaos: SIGKILL own process group half-way through this commit
+    save_every: int = 0  # gather every stage's full state into <out>/saves every N steps (0: never)
+    keep_saves: int = 2
+    resume: bool = False  # continue the run in `out` from its newest save
+    tensorboard: bool = False  # also write metrics as TensorBoard scalars into <out>/tensorboard
+
+
+@dataclass
+class Member:
+    peer_id: str
+    joined: float
+    stage: int = -1
+    leaving: bool = False
+    handover: bool = False  # leaving gracefully, waiting to hand its exact state to a standby
+    observer: bool = False  # joined to read (export), never assigned a stage
+
+
+class CoordinatorAlive(RuntimeError):
+    """A takeover was refused: the run's coordinator still answers its peers."""
+

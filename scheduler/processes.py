@@ -1,0 +1,117 @@
+"""Child processes of the local swarm and of the tests: `python -m checkfree ...` in a session of its own (a
+kill takes its DHT process and p2pd with it, like a machine vanishing), its output copied to a log and a
+queue by a thread, ready lines awaited with a deadline, whole groups killed and reaped."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from checkfree.protocol import READY_PEER
+
+__all__ = ["Proc", "spawn", "await_line", "kill_group", "MILESTONES"]
+
+MILESTONES = ((READY_PEER, "listening"), ("joined run", "joined"), ("serving stage", "serving"))
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    lines: queue.Queue = field(default_factory=queue.Queue)  # output lines, then None at the end
+    log: Path | None = None  # every output line is also written here
+    peer_id: str = ""  # from a peer's ready line
+    addrs: str = ""
+    ready: threading.Event = field(default_factory=threading.Event)
+    link: int = 0  # NetLab link number (0: no lab)
+    name: str = ""
+    started: float = field(default_factory=time.monotonic)
+    exited: float | None = None  # time.monotonic() when the process exited
+    announce: bool = False  # print its start-up milestones (ready, joined, first stage) as they happen
+    out: deque = field(default_factory=lambda: deque(maxlen=2000))  # the last output lines
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(list(self.out)[-n:])
+
+
+def _read(proc: Proc) -> None:
+    """Copy a process's output to its log and queue; note its peer id from the ready line, and report a
+    peer's start-up milestones as they happen (where a slow start-up spends its time)."""
+    log = open(proc.log, "a", buffering=1) if proc.log is not None else None
+    try:
+        for line in proc.popen.stdout:
+            if log is not None:
+                log.write(line)
+            if proc.announce and (hit := next((m for m in MILESTONES if m[0] in line), None)):
+                what = hit[1] + (f" (stage {m.group(1)})" if (m := re.search(r"serving stage (\d+)", line)) else "")
+                print(f"swarm: {proc.name} {what} {time.monotonic() - proc.started:.1f} s after its start", flush=True)
+                if hit[1] == "serving":
+                    proc.announce = False
+            if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
+                proc.peer_id, proc.addrs = m.group(1), m.group(2)
+                proc.ready.set()
+            proc.out.append(line.rstrip("\n"))
+            proc.lines.put(line.rstrip("\n"))
+    finally:
+        if log is not None:
+            log.close()
+    proc.lines.put(None)
+    proc.ready.set()
+
+
+def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: list[str] = (), stdin=subprocess.DEVNULL,
+          name: str = "", link: int = 0, announce: bool = False) -> Proc:
+    """Start `[prefix...] python -m checkfree ARGS` in a session of its own; its output lines are queued (and
+    written to `log`)."""
+    popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree", *args], stdin=stdin, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    proc = Proc(popen, log=log, name=name, link=link, announce=announce)
+
+    def wait() -> None:
+        popen.wait()
+        proc.exited = time.monotonic()
+
+    threading.Thread(target=_read, args=(proc,), daemon=True).start()
+    threading.Thread(target=wait, daemon=True).start()
+    return proc
+
+
+def await_line(proc: Proc, prefix: str, timeout: float) -> str:
+    """The first output line starting with `prefix`: RuntimeError if the process exits first, TimeoutError
+    after `timeout` s."""
+    where = f"; see {proc.log}" if proc.log else f":\n{proc.tail()}"
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = proc.lines.get(timeout=max(0.01, left))
+        except queue.Empty:
+            break
+        if line is None:
+            raise RuntimeError(f"process exited ({proc.popen.wait()}) before printing {prefix!r}{where}")
+        if line.startswith(prefix):
+            return line
+    raise TimeoutError(f"no {prefix!r} line within {timeout:g} s{where}")
+
+
+def kill_group(proc: Proc, gone_within: float = 10.0) -> None:
+    """SIGKILL the process group (the process, its DHT child and its p2pd) and wait until it is gone."""
+    try:
+        os.killpg(proc.popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.popen.wait(timeout=30)
+    deadline = time.monotonic() + gone_within
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.popen.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)

@@ -1,0 +1,144 @@
+"""Where a failed stage comes back: the recovery order (which standby rebuilds which stage from which live
+neighbours, by the strategy's plan) and, for the rollback strategies (checkpoint, gemini), the snapshots
+taken after a commit and the rollback of every stage to the last complete one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from checkfree.protocol import RPC, plan_to_wire
+from checkfree.recovery import UnrecoverableFailure, plan_recovery
+from checkfree.strategies import storage
+from checkfree.strategies.averaging import recovery_fields
+from scheduler.common import CALL_ERRORS, Rollback
+
+__all__ = ["RecoveryMixin"]
+
+log = logging.getLogger("scheduler.coordinator")
+
+
+class RecoveryMixin:
+    """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
+
+    # ---- recovery ---------------------------------------------------------------------
+    async def _recover(self, step: int, failed: set[int]) -> None:
+        strategy = self.cfg.recovery.strategy
+        detected = time.time()
+        for s in sorted(failed):
+            pid = self.stage_peer.pop(s, None)
+            if pid is not None:
+                self.members[pid].stage = -1
+                self.members[pid].leaving = True
+            self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
+        await self._retire()
+        if self.strategy.swarm_rollback:
+            await self._rollback(step, failed)
+        try:
+            plans = plan_recovery(failed, self.cfg.num_stages, strategy, self.cfg.recovery.fallback)
+        except UnrecoverableFailure as e:
+            self._event("fallback", step=step, stage=min(failed), strategy=strategy, fallback="abort", reason=str(e))
+            raise
+        for plan in plans:
+            sources = {str(s): self.stage_peer[s] for s in (*plan.sources, *plan.edge_sources.values())}
+            pid, reply, t0 = await self._assign_replacement(
+                step, plan.stage, {"mode": "recover", "plan": plan_to_wire(plan), "sources": sources, "step": step},
+                chaos=True)
+            self.norms[plan.stage] = 0.0
+            fields = recovery_fields(plan, dict(zip(plan.sources, reply.get("coefficients", []))),
+                                     self.cfg.recovery.omega_scope)
+            fields.update(peer_id=pid, norms=reply.get("norms", []), transfer_s=reply.get("transfer_s"),
+                          rebuild_s=reply.get("rebuild_s"), bytes=reply.get("bytes"),
+                          recovery_time_s=round(time.perf_counter() - t0, 6),
+                          since_detection_s=round(time.time() - detected, 6))
+            kind = "fallback" if plan.fallback else "recovery"
+            extra = {"fallback": plan.fallback, "reason": plan.reason} if plan.fallback else {}
+            self._event(kind, step=step, stage=plan.stage, strategy=strategy, **extra, **fields)
+            coeffs = "/".join(f"{c:.2f}" for c in fields["coefficients"])
+            edges = "".join(f", {c} copied from stage {h}" for c, h in plan.edge_sources.items())
+            self._status(f"stage {plan.stage} {kind}: {plan.method} of stage(s) "
+                         f"{', '.join(map(str, plan.sources)) or '-'}" + (f" (coefficients {coeffs})" if coeffs else "")
+                         + f"{edges} on peer {pid[-8:]}, {fields['recovery_time_s']:.2f} s")
+
+    async def _assign_replacement(self, step: int, stage: int, header: dict,
+                                  chaos: bool = False) -> tuple[str, dict, float]:
+        """Give `stage` to a standby; a standby that dies while taking it over is reported and the
+        next one is tried. Returns (peer, reply, time the successful assignment started)."""
+        while True:
+            pid = await self._take_standby(f"replace stage {stage}")
+            extra = {}
+            if chaos:
+                await self._chaos_replacement(pid, stage)
+                extra = self._chaos_rebuild(pid, stage)
+            t0 = time.perf_counter()
+            try:
+                return pid, await self._assign(stage, pid, {**header, **extra}), t0
+            except CALL_ERRORS as e:
+                log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
+                self._event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
+
+    # ---- rollback strategies (checkpoint, gemini): real snapshots in peers' memory / files
+    async def _protect(self, step: int) -> None:
+        """After committing `step`: take the strategy's snapshot / checkpoint when it says one is due (the same
+        rule as in the simulator). A snapshot counts only once every stage has completed it; a checkpoint is
+        sealed (checkfree.strategies.storage) only then; the previous one is kept until then."""
+        strategy, nxt = self.strategy, step + 1
+        if strategy.snapshot_due(nxt):
+            holders = {s: {h: self.stage_peer[h] for h in hs} for s, hs in enumerate(strategy.holders)}
+            if await self._snapshot_all(nxt, lambda s: {"holders": list(holders[s].values())}):
+                self.snap_step, self.snap_holders = nxt, holders
+        if strategy.checkpoint_due(nxt):
+            if await self._snapshot_all(nxt, lambda s: {"storage": self.storage_dir}):
+                storage.seal(self.storage_dir, nxt, self.cfg.num_stages)
+                self.ckpt_step = nxt
+
+    async def _snapshot_all(self, step: int, extra) -> bool:
+        t0 = time.perf_counter()
+        calls = [self._call(p, RPC.SNAPSHOT, {"step": step, **extra(s)}, self.t.step_timeout)
+                 for s, p in sorted(self.stage_peer.items())]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, Exception)]
+        kind = "storage" if "storage" in extra(0) else "memory"
+        self._event("snapshot", step=step, kind=kind, complete=not errors, seconds=round(time.perf_counter() - t0, 6),
+                    bytes=sum(r[0]["bytes"] for r in results if not isinstance(r, Exception)),
+                    sent=sum(r[0].get("sent", 0) for r in results if not isinstance(r, Exception)))
+        return not errors
+
+    async def _rollback(self, step: int, failed: set[int]) -> None:
+        """Roll every stage back to the last complete snapshot; replacements fetch the lost stages' copies from
+        the live holder the strategy picks (gemini: the cheapest link, as in the simulator) or from storage
+        (checkpoint, or gemini's storage fallback when every holder of a stage is gone)."""
+        strategy, name = self.strategy, self.cfg.recovery.strategy
+        live = set(self.stage_peer.values())
+        from_storage = not strategy.snapshots_in_memory
+        target = self.ckpt_step if from_storage else self.snap_step
+        holders = {s: [h for h, pid in self.snap_holders.get(s, {}).items() if pid in live] for s in failed}
+        lost = sorted(s for s in failed if self.snap_step and not holders[s]) if not from_storage else []
+        if lost:
+            action = strategy.when_all_copies_lost()
+            reason = f"every holder of stage(s) {lost} failed"
+            self._event("fallback", step=step, stage=min(lost), strategy=name, fallback=action, reason=reason)
+            if action != "checkpoint":  # _configure admits only abort here (see there)
+                raise UnrecoverableFailure(f"{reason} and no storage fallback is configured")
+            from_storage, target = True, self.ckpt_step
+        source: dict[int, dict] = {}
+        for s in range(self.cfg.num_stages):
+            if target == 0:
+                source[s] = {"source": "init"}
+            elif from_storage:
+                source[s] = {"storage": self.storage_dir}
+            elif s in failed:
+                source[s] = {"source": self.snap_holders[s][strategy.restore_source(s, holders[s], self.cost)]}
+            else:
+                source[s] = {"source": self.stage_peer[s]}
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self._call(p, RPC.RESTORE, {"step": target, **source[s]}, self.t.step_timeout)
+                               for s, p in self.stage_peer.items()))
+        for s in sorted(failed):
+            pid, reply, _ = await self._assign_replacement(step, s, {"mode": "restore", "step": target, **source[s]})
+            self.norms[s] = float(reply.get("omega", 0.0))
+            self._event("recovery", step=step, stage=s, strategy=name, method="rollback", rollback_to=target,
+                        lost_steps=step - target, source=source[s].get("source", "storage"), peer_id=pid,
+                        bytes=reply.get("bytes", 0), recovery_time_s=round(time.perf_counter() - t0, 6))
+        raise Rollback(target)

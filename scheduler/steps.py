@@ -1,0 +1,104 @@
+"""One step of the run: RUN_STEP to every stage peer (one attempt; the route table of its microbatches), the
+soft-error rule, the attempts of a step until one succeeds, and COMMIT once every stage is ready."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from checkfree.net.transport import RemoteError
+from checkfree.pipeline import route
+from checkfree.protocol import RPC, Kind
+from checkfree.softerrors import ESCALATE_AFTER_SKIPS
+from scheduler.common import EVAL_ATTEMPT
+
+__all__ = ["StepsMixin"]
+
+log = logging.getLogger("scheduler.coordinator")
+
+
+class StepsMixin:
+    """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
+
+    # ---- steps ------------------------------------------------------------------------
+    async def _all(self, name: str, header: dict, timeout: float) -> dict[int, dict | Exception]:
+        stages = sorted(self.stage_peer)
+        results = await asyncio.gather(*(self._call(self.stage_peer[s], name, header, timeout) for s in stages),
+                                       return_exceptions=True)
+        return {s: (r if isinstance(r, Exception) else r[0]) for s, r in zip(stages, results)}
+
+    def _route_table(self, step: int, evaluate: bool) -> list[list[int]]:
+        """Stage order of every microbatch of the step, CheckFree+ swaps included (announced so
+        that peers can check they agree; evaluation runs the plain route)."""
+        s, m = self.cfg.num_stages, self.cfg.train.num_microbatches
+        if evaluate:
+            return [list(range(s))] * self.cfg.train.eval_batches
+        return [[h.stage for h in route(s, self.plus, step, mb, m)] for mb in range(m)]
+
+    async def _attempt(self, step: int, attempt: int, evaluate: bool) -> dict[int, dict] | None:
+        """One attempt: RUN_STEP on every stage; the first error aborts the attempt everywhere."""
+        header = {"step": step, "attempt": attempt, "evaluate": evaluate,
+                  "peers": {str(s): p for s, p in self.stage_peer.items()}, "routes": self._route_table(step, evaluate)}
+        tasks = {s: asyncio.create_task(self._call(p, RPC.RUN_STEP, header, self.t.step_timeout + self.t.rpc_timeout))
+                 for s, p in self.stage_peer.items()}
+        done, pending = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+        errors = {s: t.exception() for s, t in tasks.items() if t in done and t.exception() is not None}
+        if not errors:
+            return {s: t.result()[0] for s, t in tasks.items()}
+        if pending and any(getattr(e, "kind", None) in (Kind.STEP_TIMEOUT, Kind.STRAGGLER) for e in errors.values()):
+            # every peer's step deadline passes at about the same time: hear them all before aborting,
+            # since only the straggler itself can tell that its own computing filled the step
+            _, pending = await asyncio.wait(pending, timeout=self.t.rpc_timeout)
+            errors = {s: t.exception() for s, t in tasks.items() if t.done() and t.exception() is not None}
+        await self._all(RPC.ABORT, {}, self.t.rpc_timeout)  # makes the others' RUN_STEP return at once
+        if pending:  # (asyncio.wait refuses an empty set: every call may have failed at once)
+            await asyncio.wait(pending, timeout=self.t.rpc_timeout)
+        for t in pending:
+            t.cancel()
+        log.warning("step %d attempt %d failed: %s", step, attempt,
+                    "; ".join(f"stage {s}: {str(e)[:200]}" for s, e in errors.items()))
+        for s, e in errors.items():
+            if not isinstance(e, RemoteError):  # the peer itself did not answer
+                self.reported.add(self.stage_peer[s])
+            elif e.kind == Kind.SOFT_ERROR:
+                self._soft_error(step, s)
+            elif e.kind == Kind.STRAGGLER:  # slower than step_timeout: treated as failed, recovered before the retry
+                pid = self.stage_peer[s]
+                self._event("straggler", step=step, stage=s, peer_id=pid, reason=e.remote_message[:300])
+                self.members[pid].leaving = True
+        return None
+
+    def _soft_error(self, step: int, stage: int) -> None:
+        """An uncorrectable soft error survived the peer's recompute: the attempt is redone;
+        a stage that keeps producing them is treated as failed and recovered."""
+        self.soft_skips[stage] = self.soft_skips.get(stage, 0) + 1
+        self._event("soft_error_skip", step=step, stage=stage, strategy=self.cfg.recovery.strategy)
+        if self.soft_skips[stage] >= ESCALATE_AFTER_SKIPS:
+            self.soft_skips[stage] = 0
+            self._event("soft_error_escalation", step=step, stage=stage, strategy=self.cfg.recovery.strategy)
+            self.members[self.stage_peer[stage]].leaving = True
+
+    async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:
+        """Run a step (or an evaluation) to completion: recover failed stages, abort and retry
+        an interrupted attempt. Evaluation attempts are numbered from EVAL_ATTEMPT so their
+        messages never mix with the training step's."""
+        base = EVAL_ATTEMPT if evaluate else self._attempt_floor.get(step, 0)
+        for attempt in range(base, base + self.opts.max_attempts):
+            failed = await self._detect()
+            if failed:
+                await self._recover(step, failed)
+            results = await self._attempt(step, attempt, evaluate)
+            if results is not None:
+                self._last_attempt = attempt
+                return results
+            self._event("aborted_step", step=step, attempt=attempt, evaluate=evaluate)
+        raise RuntimeError(f"step {step} failed {self.opts.max_attempts} times without a detectable peer failure; "
+                           "check the peers' logs (slow peers: raise --step-timeout)")
+
+    async def _commit(self, step: int) -> dict[int, dict]:
+        await self._chaos_commit(step)  # no-op unless the local swarm asked this coordinator to die here
+        results = await self._all(RPC.COMMIT, {"step": step, "attempt": self._last_attempt}, self.t.rpc_timeout)
+        for s, r in results.items():
+            if isinstance(r, Exception):  # dies between ready and commit: its replacement rebuilds next step
+                self.reported.add(self.stage_peer[s])
+        return results
