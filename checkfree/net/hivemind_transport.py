@@ -41,13 +41,19 @@ from checkfree.net.streams import (
     POOL_MAX_IDLE_PER_KEY,
     StreamPool,
     discard_until_eof,
+    dispatch,
     exchange,
     read_message,
     reply_within,
     stream_pool_default,
     write_frames,
 )
-from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES, PREFIX_BYTES, WireError, encode_message
+from checkfree.net.wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PREFIX_BYTES,
+    WireError,
+    encode_message,
+)
 
 __all__ = ["HivemindTransport"]
 
@@ -141,11 +147,7 @@ class HivemindTransport:
                     except asyncio.TimeoutError:
                         raise asyncio.TimeoutError(
                             f"no complete request within read_timeout={self.read_timeout:g} s") from None
-                    handler = self._handlers.get(name)
-                    if handler is None:
-                        raise TransportError(f"no handler registered for '{name}'")
-                    reply_header, reply_tensors = await handler(header, tensors, peer)
-                    frames = encode_message(reply_header, reply_tensors)
+                    frames = await dispatch(self._handlers, name, header, tensors, peer)
                 except (asyncio.IncompleteReadError, ConnectionError) as e:
                     logger.debug("%s: peer %s closed the stream mid-request: %r", name, peer, e)
                     return

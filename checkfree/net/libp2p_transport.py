@@ -58,7 +58,6 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from checkfree.net.addresses import learn_addresses
@@ -70,6 +69,7 @@ from checkfree.net.errors import (
     failed_request,
     remote_error,
 )
+from checkfree.net.streams import read_body
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PREFIX_BYTES,
@@ -202,19 +202,7 @@ async def _t_read_body(stream: Any, max_message_bytes: int) -> memoryview:
     has arrived, so the body is assembled from as many reads as it takes.
     """
     length = body_length(await _t_read_exactly(stream, PREFIX_BYTES), max_message_bytes=max_message_bytes)
-    body = np.empty(length, dtype=np.uint8)
-    view = memoryview(body)
-    pos, chunk = 0, b""
-    try:
-        while pos < length:
-            chunk = await _t_read_some(stream, min(length - pos, READ_CHUNK_BYTES))
-            view[pos : pos + len(chunk)] = chunk
-            pos += len(chunk)
-    except BaseException:
-        view.release()
-        del view, body, chunk
-        raise
-    return view
+    return await read_body(lambda n: _t_read_some(stream, n), length)
 
 
 async def _t_write_frames(stream: Any, frames: Sequence[bytes | memoryview]) -> None:

@@ -10,18 +10,24 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from checkfree.net.errors import TransportError, TransportTimeout, remote_error
-from checkfree.net.wire import PREFIX_BYTES, WireError, body_length, decode_body
+from checkfree.net.wire import (
+    PREFIX_BYTES,
+    WireError,
+    body_length,
+    decode_body,
+    encode_message,
+)
 
 __all__ = ["WRITE_CHUNK_BYTES", "WRITE_HIGH_WATER", "READ_CHUNK_BYTES", "SOCKET_SEND_BUFFER_BYTES", "POOL_IDLE_SECONDS",
            "POOL_MAX_IDLE_PER_KEY", "Stream", "StreamPool", "write_frames", "read_message", "discard_until_eof",
-           "exchange", "reply_within", "quiet_disconnects", "stream_pool_default"]
+           "exchange", "reply_within", "quiet_disconnects", "stream_pool_default", "read_body", "dispatch"]
 
 logger = logging.getLogger("checkfree.net.transport")
 
@@ -72,23 +78,46 @@ async def read_message(reader: asyncio.StreamReader, max_message_bytes: int,
     if prefix is None:
         prefix = await reader.readexactly(PREFIX_BYTES)
     length = body_length(prefix, max_message_bytes=max_message_bytes)
+
+    async def read_some(n: int) -> bytes:
+        chunk = await reader.read(n)
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        return chunk
+
+    return decode_body(await read_body(read_some, length))
+
+
+async def read_body(read_some: Callable[[int], Awaitable[bytes]], length: int) -> memoryview:
+    """`length` bytes from as many `read_some(at most n)` calls as it takes (it raises at the end of the stream),
+    into one fresh buffer that is not zero-filled (its pages are committed as bytes arrive). Works under asyncio
+    and trio alike. A read that fails or is abandoned releases the buffer at once: its exception often sits in a
+    reference cycle (traceback -> asyncio.wait_for's frame -> the task -> the exception), which used to keep
+    the buffer alive until the next garbage collection."""
     body = np.empty(length, dtype=np.uint8)
     view = memoryview(body)
     pos, chunk = 0, b""
     try:
         while pos < length:
-            chunk = await reader.read(min(length - pos, READ_CHUNK_BYTES))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"", length - pos)
+            chunk = await read_some(min(length - pos, READ_CHUNK_BYTES))
             view[pos : pos + len(chunk)] = chunk
             pos += len(chunk)
     except BaseException:
-        # An abandoned read's exception often sits in a reference cycle (its traceback holds asyncio.wait_for's
-        # frame, which holds the task that holds the exception): drop the buffer now, not at the next gc.
         view.release()
         del view, body, chunk
         raise
-    return decode_body(view)
+    return view
+
+
+async def dispatch(handlers: dict, name: str, header: dict, tensors: list[torch.Tensor], peer: Any) -> list:
+    """The encoded reply of the handler registered under `name` (looked up per request: once unregistered, a
+    reused stream or connection gets an error reply too); TransportError when there is none."""
+    handler = handlers.get(name)
+    if handler is None:
+        raise TransportError(f"no handler registered for '{name}'")
+    reply_header, reply_tensors = await handler(header, tensors, peer)
+    return encode_message(reply_header, reply_tensors)
+
 
 
 def quiet_disconnects(loop: asyncio.AbstractEventLoop) -> None:

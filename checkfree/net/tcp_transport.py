@@ -83,6 +83,7 @@ from checkfree.net.streams import (
     Stream,
     StreamPool,
     discard_until_eof,
+    dispatch,
     exchange,
     read_message,
     reply_within,
@@ -298,11 +299,7 @@ class TcpTransport:
                 except asyncio.TimeoutError:
                     raise asyncio.TimeoutError(f"no complete request within read_timeout={self.read_timeout:g} s") from None
                 name = name_bytes.decode("utf-8", errors="replace")
-                handler = self._handlers.get(name)
-                if handler is None:
-                    raise TransportError(f"no handler registered for '{name}'")
-                reply_header, reply_tensors = await handler(header, tensors, peer)
-                frames = encode_message(reply_header, reply_tensors)
+                frames = await dispatch(self._handlers, name, header, tensors, peer)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 logger.debug("tcp %s: peer %s closed the connection mid-request: %r", name, peer, e)
                 return
