@@ -67,3 +67,57 @@ def test_no_private_names_cross_modules_in_the_net_package():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("checkfree"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{path.name} imports private {private} from {node.module}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (statements anywhere in the file, and "module:function" names
+    such as the CLI's subcommand table); a submodule's import of its own package is not an edge."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    mods = {}
+    for pkg in ("checkfree", "peers", "scheduler", "cli"):
+        for p in (root / pkg).rglob("*.py"):
+            name = ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = p
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value \
+                    and node.value.split(":")[0] in mods:
+                targets = [node.value.split(":")[0]]
+            for t in targets:
+                r = resolve(t)
+                if r and r != m and not m.startswith(r + "."):
+                    graph[m].add(r)
+    return graph
+
+
+def test_no_import_circles():
+    graph = _import_graph()
+    assert len(graph) > 80 and graph["scheduler.coordinator"] >= {"scheduler.membership", "checkfree.config"}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, f"import circle: {' -> '.join(path[path.index(n):] + [n]) if n in path else n}"
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
