@@ -38,7 +38,8 @@ from checkfree.recovery import RecoveryPlan
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
            "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
            "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK",
-           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed", "Kind"]
+           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed", "Kind", "REQUEST_FIELDS",
+           "check_request", "request"]
 
 DHT_PREFIX = "checkfree"
 READY_PEER = "peer ready:"
@@ -198,3 +199,50 @@ def require(header: dict, **types: type | tuple[type, ...]) -> None:
         value = header[name]
         if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, (int, float))):
             raise ProtocolError(f"field {name!r} must be {getattr(typ, '__name__', typ)}, got {type(value).__name__}")
+
+
+# ---- the requests, defined once: both ends check a header against these ------------------------------
+_STEP = {"step": int, "attempt": int}
+_HOP = {**_STEP, "mb": int, "hop": int}
+_SNAPSHOT = {"owner": int, "step": int}
+
+REQUEST_FIELDS: dict[str, dict[str, type]] = {
+    # served by peers
+    RPC.PING: {},
+    RPC.FORWARD: _HOP,
+    RPC.BACKWARD: _HOP,
+    RPC.COMPONENT_GRAD: {**_STEP, "comp": str},
+    RPC.GET_WEIGHTS: {"part": str},
+    RPC.GET_STATE: {"step": int},
+    RPC.STORE_SNAPSHOT: _SNAPSHOT,
+    RPC.FETCH_SNAPSHOT: _SNAPSHOT,
+    RPC.ASSIGN: {"stage": int, "mode": str},
+    RPC.RUN_STEP: {**_STEP, "peers": dict, "evaluate": bool},
+    RPC.COMMIT: _STEP,
+    RPC.ABORT: {},
+    RPC.SNAPSHOT: {"step": int},
+    RPC.RESTORE: {"step": int},
+    RPC.SHUTDOWN: {},
+    RPC.ADOPT: {},
+    # served by the coordinator
+    RPC.JOIN: {"peer_id": str},
+    RPC.REPORT: {"stage": int, "peer_id": str, "reason": str},
+    RPC.LEAVE: {},
+    RPC.STATUS: {},
+}
+
+
+def check_request(name: str, header: dict) -> None:
+    """A request header against its definition (`run` and `REQUEST_FIELDS[name]`): the receiver's check, and
+    the sender's (`request`); ProtocolError names the field at fault."""
+    if name not in REQUEST_FIELDS:
+        raise ProtocolError(f"unknown request {name!r}")
+    require(header, run=str, **REQUEST_FIELDS[name])
+
+
+def request(name: str, run: str, **fields: object) -> dict:
+    """The header of a `name` request for run `run`, checked against its definition before it is sent (a
+    malformed request is a bug of the sender: it fails here, not at the receiver)."""
+    header = {"run": run, **fields}
+    check_request(name, header)
+    return header

@@ -27,7 +27,7 @@ import torch
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import RunConfig
 from checkfree.net.wire import check_finite
-from checkfree.protocol import RPC, Kind, ProtocolError, require
+from checkfree.protocol import REQUEST_FIELDS, RPC, Kind, ProtocolError, require
 from checkfree.wirecodec import decode
 
 if TYPE_CHECKING:
@@ -65,28 +65,27 @@ class Rule:
     action: str = ""  # what the request does, for a refusal ("only the run's coordinator may ...")
 
 
-_STEP = {"step": int, "attempt": int}
-_HOP = {**_STEP, "mb": int, "hop": int}
-_SNAPSHOT = {"owner": int, "step": int}
-
-RULES: dict[str, Rule] = {
-    RPC.PING: Rule(Access.ANYONE),
-    RPC.FORWARD: Rule(Access.MEMBER, _HOP),
-    RPC.BACKWARD: Rule(Access.MEMBER, _HOP),
-    RPC.COMPONENT_GRAD: Rule(Access.MEMBER, {**_STEP, "comp": str}),
-    RPC.GET_WEIGHTS: Rule(Access.MEMBER, {"part": str}),
-    RPC.GET_STATE: Rule(Access.MEMBER, {"step": int}),
-    RPC.STORE_SNAPSHOT: Rule(Access.MEMBER, _SNAPSHOT),
-    RPC.FETCH_SNAPSHOT: Rule(Access.MEMBER, _SNAPSHOT),
-    RPC.ASSIGN: Rule(Access.COORDINATOR, {"stage": int, "mode": str}, "assign a stage"),
-    RPC.RUN_STEP: Rule(Access.COORDINATOR, {**_STEP, "peers": dict, "evaluate": bool}, "start a step"),
-    RPC.COMMIT: Rule(Access.COORDINATOR, _STEP, "commit a step"),
-    RPC.ABORT: Rule(Access.COORDINATOR, {}, "abort a step"),
-    RPC.SNAPSHOT: Rule(Access.COORDINATOR, {"step": int}, "take a snapshot"),  # it names files and peers
-    RPC.RESTORE: Rule(Access.COORDINATOR, {"step": int}, "roll a stage back"),
-    RPC.SHUTDOWN: Rule(Access.COORDINATOR, {}, "shut this peer down"),
-    RPC.ADOPT: Rule(Access.NEW_COORDINATOR),
+_ACCESS: dict[str, tuple[Access, str]] = {  # who may send each RPC, and what it does (for a refusal)
+    RPC.PING: (Access.ANYONE, ""),
+    RPC.FORWARD: (Access.MEMBER, ""),
+    RPC.BACKWARD: (Access.MEMBER, ""),
+    RPC.COMPONENT_GRAD: (Access.MEMBER, ""),
+    RPC.GET_WEIGHTS: (Access.MEMBER, ""),
+    RPC.GET_STATE: (Access.MEMBER, ""),
+    RPC.STORE_SNAPSHOT: (Access.MEMBER, ""),
+    RPC.FETCH_SNAPSHOT: (Access.MEMBER, ""),
+    RPC.ASSIGN: (Access.COORDINATOR, "assign a stage"),
+    RPC.RUN_STEP: (Access.COORDINATOR, "start a step"),
+    RPC.COMMIT: (Access.COORDINATOR, "commit a step"),
+    RPC.ABORT: (Access.COORDINATOR, "abort a step"),
+    RPC.SNAPSHOT: (Access.COORDINATOR, "take a snapshot"),  # it names files and peers
+    RPC.RESTORE: (Access.COORDINATOR, "roll a stage back"),
+    RPC.SHUTDOWN: (Access.COORDINATOR, "shut this peer down"),
+    RPC.ADOPT: (Access.NEW_COORDINATOR, ""),
 }
+# the header fields come from the requests' one definition (checkfree.protocol.REQUEST_FIELDS)
+RULES: dict[str, Rule] = {name: Rule(access, dict(REQUEST_FIELDS[name]), action)
+                          for name, (access, action) in _ACCESS.items()}
 
 
 def admit(name: str, header: dict, caller: str, *, run_id: str, secret: bytes | None, coordinator: str | None,

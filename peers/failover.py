@@ -54,7 +54,7 @@ class Failover:
     async def _refuse_if_alive(self, old: str, new: str) -> None:
         """Refuse the takeover by `new` if the current coordinator `old` answers at all."""
         try:
-            await self.net.transport.call(old, RPC.STATUS, {"run": self.net.run_id}, timeout=self.net.t.rpc_timeout)
+            await self.net.call(old, RPC.STATUS, self.net.t.rpc_timeout)
         except (TimeoutError, TransportError, OSError):
             return  # gone: the takeover may proceed
         except RemoteError:  # it answers, if only with an error: alive

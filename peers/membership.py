@@ -39,6 +39,7 @@ from checkfree.protocol import (
     coordinator_from_records,
     coordinator_key,
     members_key,
+    request,
 )
 from peers.checks import admit
 from peers.stage import HostedStage, PeerState
@@ -84,6 +85,11 @@ class Membership:
 
         return admitted
 
+    async def call(self, peer: str, name: str, timeout: float, tensors=(), **fields: object) -> tuple[dict, list]:
+        """One request of this run to `peer`, its header built and checked against the request's one definition
+        (checkfree.protocol.request)."""
+        return await self.transport.call(peer, name, request(name, self.run_id, **fields), tensors, timeout=timeout)
+
     def heard_from_coordinator(self) -> None:
         self.last_contact = time.monotonic()
 
@@ -91,16 +97,14 @@ class Membership:
     async def join(self) -> RunConfig | None:
         """Find the coordinator and join; the run's config, or None if told to stop first."""
         me = self.me
-        request = {"run": self.run_id, "peer_id": me}
-        if self.secret is not None:
-            request["token"] = self.token()
+        fields = {"peer_id": me} | ({"token": self.token()} if self.secret is not None else {})
         deadline = time.monotonic() + self.t.join_timeout
         while True:
             self.coordinator = await self._find_coordinator()
             if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
                 return None
             try:
-                header, _ = await self.transport.call(self.coordinator, RPC.JOIN, request, timeout=self.t.rpc_timeout)
+                header, _ = await self.call(self.coordinator, RPC.JOIN, self.t.rpc_timeout, **fields)
                 break
             except (TimeoutError, TransportError, OSError, RemoteError) as e:
                 # the DHT may still name a coordinator that died (its record outlives it by up to
@@ -186,8 +190,7 @@ class Membership:
             await asyncio.sleep(min(self.t.heartbeat_ttl, limit / 4))
             if self.coordinator is not None and time.monotonic() - self.last_contact > self.t.heartbeat_ttl:
                 try:
-                    await self.transport.call(self.coordinator, RPC.STATUS, {"run": self.run_id},
-                                              timeout=min(5.0, self.t.rpc_timeout))
+                    await self.call(self.coordinator, RPC.STATUS, min(5.0, self.t.rpc_timeout))
                     self.heard_from_coordinator()
                 except RemoteError:  # it answers, if only with an error (e.g. taking over): alive
                     self.heard_from_coordinator()
@@ -209,8 +212,7 @@ class Membership:
         if self.coordinator is None or not tell_coordinator:
             return
         try:
-            reply, _ = await self.transport.call(self.coordinator, RPC.LEAVE, {"run": self.run_id, "peer_id": self.me},
-                                                 timeout=min(5.0, self.t.rpc_timeout))
+            reply, _ = await self.call(self.coordinator, RPC.LEAVE, min(5.0, self.t.rpc_timeout), peer_id=self.me)
         except (TransportError, RemoteError) as e:
             log.info("could not announce leave to the coordinator: %s", e)
             return

@@ -210,11 +210,11 @@ class Passes:
 
     # ---- neighbours --------------------------------------------------------------------
     async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
-        header = {"run": self.net.run_id, "step": run.step, "attempt": run.attempt, **header}
         tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
         run.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         try:
-            await self.net.transport.call(run.peers[stage], name, header, tensors, timeout=self.t.rpc_timeout)
+            await self.net.call(run.peers[stage], name, self.t.rpc_timeout, tensors, step=run.step, attempt=run.attempt,
+                                **header)
         except RemoteError as e:
             run.fail(f"stage {stage} refused {name}: {e.remote_message}")
         except (TimeoutError, TransportError, OSError) as e:
@@ -224,11 +224,8 @@ class Passes:
         """Fail the attempt and tell the coordinator which neighbour could not be reached."""
         run.fail(f"call to stage {stage} failed: {reason}")
         try:
-            await self.net.transport.call(self.net.coordinator, RPC.REPORT,
-                                          {"run": self.net.run_id, "step": run.step, "attempt": run.attempt,
-                                           "stage": stage, "peer_id": run.peers.get(stage, ""),
-                                           "reason": reason[:500]},
-                                          timeout=min(5.0, self.t.rpc_timeout))
+            await self.net.call(self.net.coordinator, RPC.REPORT, min(5.0, self.t.rpc_timeout), step=run.step,
+                                attempt=run.attempt, stage=stage, peer_id=run.peers.get(stage, ""), reason=reason[:500])
         except (TransportError, RemoteError) as e:
             log.warning("could not report the failure of stage %d: %s", stage, e)
 
@@ -238,10 +235,8 @@ class Passes:
         for comp in self.hosted.worker.components:
             partner = next(h for h in holders[comp] if h != self.hosted.index)
             try:
-                _, (other,) = await self.net.transport.call(
-                    run.peers[partner], RPC.COMPONENT_GRAD,
-                    {"run": self.net.run_id, "step": run.step, "attempt": run.attempt, "comp": comp},
-                    timeout=self.t.rpc_timeout)
+                _, (other,) = await self.net.call(run.peers[partner], RPC.COMPONENT_GRAD, self.t.rpc_timeout,
+                                                  step=run.step, attempt=run.attempt, comp=comp)
             except (TransportError, RemoteError, ValueError) as e:
                 await self._report(run, partner, str(e))
                 return

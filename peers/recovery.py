@@ -74,9 +74,7 @@ class Recovery:
     async def take_handover(self, worker: StageWorker, header: dict) -> dict:
         """Load a leaving peer's (`source`) full state into `worker`: its omega and the bytes moved."""
         require(header, source=str, step=int)
-        _, (blob,) = await self.net.transport.call(header["source"], RPC.GET_STATE,
-                                                   {"run": self.net.run_id, "step": header["step"]},
-                                                   timeout=self.net.t.step_timeout)
+        _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, self.net.t.step_timeout, step=header["step"])
         omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
         return {"omega": omega, "bytes": blob.numel()}
 
@@ -116,9 +114,7 @@ class Recovery:
     async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
         """A live stage's weights of `part`, its omega, and (for a component) its Adam state."""
         t0 = time.perf_counter()
-        h, ts = await self.net.transport.call(peer_id, RPC.GET_WEIGHTS,
-                                              {"run": self.net.run_id, "part": part, "step": step},
-                                              timeout=self.net.t.rpc_timeout)
+        h, ts = await self.net.call(peer_id, RPC.GET_WEIGHTS, self.net.t.rpc_timeout, part=part, step=step)
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
         self.debug.pulled(part, h.get("stage"))  # chaos: a death in the middle of a rebuild

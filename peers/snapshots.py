@@ -53,9 +53,8 @@ class Snapshots:
             payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
             for pid in header["holders"]:
                 if pid != self.net.me:
-                    await self.net.transport.call(pid, RPC.STORE_SNAPSHOT, {"run": self.net.run_id, "owner": stage,
-                                                                            "step": header["step"]}, [payload],
-                                                  timeout=self.net.t.step_timeout)
+                    await self.net.call(pid, RPC.STORE_SNAPSHOT, self.net.t.step_timeout, [payload], owner=stage,
+                                        step=header["step"])
                     sent += len(blob)
         return {"bytes": len(blob), "sent": sent, "seconds": time.perf_counter() - t0}, []
 
@@ -112,7 +111,5 @@ class Snapshots:
             if held is None or held[0] != step:
                 raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
             return held[1]
-        _, (blob,) = await self.net.transport.call(source, RPC.FETCH_SNAPSHOT,
-                                                   {"run": self.net.run_id, "owner": stage, "step": step},
-                                                   timeout=self.net.t.step_timeout)
+        _, (blob,) = await self.net.call(source, RPC.FETCH_SNAPSHOT, self.net.t.step_timeout, owner=stage, step=step)
         return blob.numpy().tobytes()

@@ -42,7 +42,7 @@ from checkfree.net.transport import (
     start_transport,
     stop_transport,
 )
-from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC
+from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC, request
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure
 from checkfree.rundir import RunWriter
 from scheduler.common import (
@@ -124,7 +124,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
             self.writer.event(event, **fields)
 
     async def _call(self, pid: str, name: str, header: dict, timeout: float, tensors=()):
-        return await self.transport.call(pid, name, {"run": self.opts.run_id, **header}, tensors, timeout=timeout)
+        return await self.transport.call(pid, name, request(name, self.opts.run_id, **header), tensors, timeout=timeout)
 
     def _status(self, text: str) -> None:
         print(f"status: {text}", flush=True)

@@ -18,10 +18,10 @@ from checkfree.protocol import (
     RUN_OVER,
     Kind,
     ProtocolError,
+    check_request,
     coordinator_key,
     coordinator_record,
     members_key,
-    require,
 )
 from scheduler.common import CALL_ERRORS, Member
 
@@ -34,14 +34,14 @@ class MembershipMixin:
     """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
 
     # ---- peer-facing handlers ----------------------------------------------------------
-    def _check_run(self, header: dict) -> None:
-        require(header, run=str)
+    def _check_run(self, name: str, header: dict) -> None:
+        """The request against its definition (checkfree.protocol.REQUEST_FIELDS), then the run it names."""
+        check_request(name, header)
         if header["run"] != self.opts.run_id:
             raise ProtocolError(f"request for run {header['run']!r}; this coordinator runs {self.opts.run_id!r}")
 
     async def _on_join(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(header)
-        require(header, peer_id=str)
+        self._check_run(RPC.JOIN, header)
         if self.over is not None:
             raise ProtocolError(f"{RUN_OVER}: run {self.opts.run_id!r} has ended ({self.over}); nothing to join",
                                 Kind.RUN_OVER)
@@ -66,8 +66,7 @@ class MembershipMixin:
         return reply, []
 
     async def _on_report(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(header)
-        require(header, stage=int, peer_id=str, reason=str)
+        self._check_run(RPC.REPORT, header)
         reporter = self.members.get(str(peer))
         if reporter is None:
             raise ProtocolError(f"unknown peer {peer}: reports are accepted from members only")
@@ -79,7 +78,7 @@ class MembershipMixin:
         return {"ok": True}, []
 
     async def _on_leave(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(header)
+        self._check_run(RPC.LEAVE, header)
         m = self.members.get(str(peer))
         if m is None:
             raise ProtocolError(f"unknown peer {peer}")
@@ -89,7 +88,7 @@ class MembershipMixin:
         return {"ok": True, "handover": m.handover}, []
 
     async def _on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(header)
+        self._check_run(RPC.STATUS, header)
         if self.secret is not None and str(peer) not in self.members and not verify(
                 join_token(self.secret, self.opts.run_id, str(peer)), header.get("token")):
             raise ProtocolError(f"unknown peer {peer}: status is for members only")

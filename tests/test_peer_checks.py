@@ -65,3 +65,22 @@ def test_malformed_requests_are_refused_with_the_field_at_fault_before_who_sent_
 def test_every_rpc_a_peer_serves_has_a_rule() -> None:
     served = {v for k, v in vars(RPC).items() if k.isupper()} - {RPC.JOIN, RPC.REPORT, RPC.LEAVE, RPC.STATUS}
     assert served == set(RULES)
+
+
+def test_requests_are_defined_once_and_checked_at_both_ends():
+    """Every RPC's header fields come from checkfree.protocol.REQUEST_FIELDS: the peers' admission rules, the
+    coordinator's handlers and the senders' `request` all read that one table."""
+    from checkfree.protocol import REQUEST_FIELDS, RPC, ProtocolError, check_request, request
+    from peers.checks import RULES
+
+    served_by_peers = {n for n in vars(RPC).values() if isinstance(n, str) and n.startswith("cf.")} - {
+        RPC.JOIN, RPC.REPORT, RPC.LEAVE, RPC.STATUS}
+    assert set(RULES) == served_by_peers and all(RULES[n].fields == REQUEST_FIELDS[n] for n in RULES)
+    assert request(RPC.FORWARD, "r", step=1, attempt=0, mb=2, hop=1) == {"run": "r", "step": 1, "attempt": 0,
+                                                                         "mb": 2, "hop": 1}
+    with pytest.raises(ProtocolError, match="missing field 'hop'"):
+        request(RPC.FORWARD, "r", step=1, attempt=0, mb=2)
+    with pytest.raises(ProtocolError, match="field 'stage' must be int, got str"):
+        check_request(RPC.REPORT, {"run": "r", "stage": "1", "peer_id": "p", "reason": "x"})
+    with pytest.raises(ProtocolError, match="unknown request 'cf.nope'"):
+        check_request("cf.nope", {"run": "r"})
