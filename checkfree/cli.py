@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
+from checkfree.costmodel import NETWORKS
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loaded
 from checkfree.recovery import FALLBACKS, RECOVERY_RULES
@@ -92,6 +93,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _keyed(g, "--wire-dtype", "train.wire_dtype", choices=WIRE_DTYPES,
            help="activations/gradients between peers: as computed, cast to 16 bits, or int8 with a scale per row "
                 "(about 1/4 of float32's bytes; see checkfree.wirecodec)")
+    _keyed(g, "--wan", "train.wan", choices=NETWORKS,
+           help="swarm: emulate this cost profile's network between the stages' peers (stage i in region i mod R, "
+                "the profile's latency and bandwidth on every stage-to-stage link; checkfree.wan); default: as is")
     _keyed(g, "--data", "data.source", help="'shakespeare', a text file or directory, or hf:<dataset>[:<data_files>]")
     _keyed(g, "--tokenizer", "data.tokenizer", help="tokenizer.json path or HF tokenizer name (none: train a BPE)")
     g.add_argument("--model-config", metavar="FILE",
@@ -347,6 +351,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     warn_if_overwriting(args)
+    if cfg.train.wan:
+        print(f"warning: --wan {cfg.train.wan} emulates a network between peers; the simulator has none (its "
+              f"simulated clock is the cost model's: --cost-profile {cfg.strategy.cost_profile})", file=sys.stderr)
     if args.write_trace:
         from checkfree.strategies import build_strategy
 

@@ -107,6 +107,7 @@ class TrainConfig:
     autocast_bf16: bool = False  # bf16 autocast of the forward pass
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b
     wire_dtype: str = "float32"  # activations/gradients between peers: float32 | bfloat16 | float16 | int8
+    wan: str | None = None  # swarm: emulate this cost profile's network between stages (checkfree.wan); None: as is
 
 
 @dataclass(kw_only=True)

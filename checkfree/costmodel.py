@@ -14,8 +14,13 @@ Model
   block for attention; the head counts, the embedding lookup does not), plus
   ``hop_overhead_s`` per visit, plus sending its activations (``microbatch_size * context
   * d_model * wire_bytes``) to the next stage.
-* ``pipelined`` profiles run GPipe: the slowest stage sets the pace, ``t_f = max_i (forward
-  + send)``, ``t_b = max_i (backward + send back)``, one step is ``(M + S - 1) (t_f + t_b)``.
+* ``pipelined`` profiles run the swarm's schedule across peers, played out event by event
+  (`CostModel.pipeline_s`): each stage one compute server (backward before forward), each link a
+  sender serializing at its bandwidth with the latency added after the last byte, GPipe starting all
+  M microbatches at once (1F1B: S, then one per finished microbatch). Latency is paid once per hop
+  of each microbatch and overlaps the other microbatches' compute; the closed form this replaced,
+  ``(M + S - 1) (t_f + t_b)`` with the latency inside every slot, charged it M + S - 1 times and
+  predicted 3.8x the step time measured on the emulated WAN (`python -m benchmarks.wan`).
   A non-pipelined profile (one process running every stage in turn, as the simulator
   does) sums the stages instead.
 * Redundant computation (Bamboo): every stage also runs its ring successor's forward for
@@ -33,14 +38,15 @@ publish its table). Two constants are fitted to the paper's ``paper-500m`` numbe
 (d 1024, 24 layers, 6 stages, context 1024, 4 microbatches of 64 sequences, 4 peers per
 stage, bf16 activations on the wire), with ``python -m benchmarks.calibrate --calibrate``:
 
-* ``flops_per_s = 4.74e12`` (effective, per stage group) gives 91.29 s per iteration
-  (paper 91.3 s). The bottleneck is the last stage (4 blocks + the 32k-vocabulary head):
-  t_f = 3.24 s, t_b = 6.90 s per microbatch, 88 % of it compute, the rest its sends.
+* ``flops_per_s = 3.756e12`` (effective, per stage group) gives 91.30 s per iteration
+  (paper 91.3 s). The last stage (4 blocks + the 32k-vocabulary head) is the bottleneck: 3.79 s
+  forward and 8.47 s backward per microbatch with its sends, computing for half of the step; the
+  rest is the pipeline's fill and drain through the five other stages.
 * The mechanistic part of redundant computation (the successor's forward per microbatch
-  on the critical path, plus the gradient shipment) adds 27.2 s (118.5 s per iteration);
+  on each stage, plus the gradient shipment) gives 118.6 s per iteration;
   the paper measured 151.04 s, with a baseline that halves the microbatch size and doubles
-  their count. That inefficiency is not derivable here, so ``redundant_slowdown = 2.2``
-  multiplies the redundant forward's time: 150.81 s (x1.652; paper x1.654).
+  their count. That inefficiency is not derivable here, so ``redundant_slowdown = 2.31``
+  multiplies the redundant forward's time: 151.17 s (x1.656; paper x1.654).
 * Not fitted: ``storage_Bps`` = 0.1 GiB/s per peer (remote storage), ``detection_s`` = 10 s
   (a heartbeat timeout; the paper reports ~30 s per recovery in its setup).
 
@@ -56,13 +62,15 @@ shared with other jobs (load 4-6 on 2 cores) while measuring: repeated runs gave
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 
 from checkfree.baselines import gpipe_idle_windows
 from checkfree.config import RunConfig, preset
 from checkfree.model import plan_stages
 
-__all__ = ["GIB", "Profile", "PROFILES", "get_profile", "CostModel", "stage_params", "stage_forward_flops"]
+__all__ = ["GIB", "Profile", "PROFILES", "NETWORKS", "get_profile", "swarm_profile", "CostModel", "stage_params",
+           "stage_forward_flops"]
 
 GIB = float(2**30)
 _MS = 1e-3
@@ -118,8 +126,8 @@ def _geo() -> Profile:
         name="paper-geo", regions=_GEO_REGIONS,
         latency_s=tuple(tuple(x * _MS for x in row) for row in _GEO_LATENCY_MS),
         bandwidth_Bps=tuple(tuple(x * GIB for x in row) for row in _GEO_BANDWIDTH_GIB),
-        flops_per_s=4.74e12, hop_overhead_s=0.0, peers_per_stage=4, wire_bytes=2,
-        storage_Bps=0.1 * GIB, detection_s=10.0, redundant_slowdown=2.2, pipelined=True)
+        flops_per_s=3.756e12, hop_overhead_s=0.0, peers_per_stage=4, wire_bytes=2,
+        storage_Bps=0.1 * GIB, detection_s=10.0, redundant_slowdown=2.31, pipelined=True)
 
 
 def _local() -> Profile:
@@ -149,12 +157,25 @@ def solve_local(tiny_step_s: float, small_step_s: float) -> tuple[float, float]:
 
 
 PROFILES = {"paper-geo": _geo, "local": _local}
+NETWORKS = ("paper-geo",)  # profiles with a network worth emulating (`checkfree local --wan`)
 
 
 def get_profile(name: str) -> Profile:
     if name not in PROFILES:
         raise ValueError(f"unknown cost profile {name!r}; choose one of {sorted(PROFILES)}")
     return PROFILES[name]()
+
+
+def swarm_profile(network: str, compute: str = "local", wire_bytes: int = 4) -> Profile:
+    """The links of `network` (one peer per stage, each pair of peers its own link) with the hardware of
+    `compute`, run as a pipeline across processes: what a swarm on `checkfree local --wan NETWORK` runs on,
+    and the profile `python -m benchmarks.wan` predicts its step time with."""
+    if network not in NETWORKS:
+        raise ValueError(f"unknown network {network!r}; choose one of {list(NETWORKS)}")
+    net, hw = get_profile(network), get_profile(compute)
+    return replace(net, name=f"{network}+{compute}", flops_per_s=hw.flops_per_s, hop_overhead_s=hw.hop_overhead_s,
+                   peers_per_stage=1, wire_bytes=wire_bytes, storage_Bps=hw.storage_Bps,
+                   redundant_slowdown=hw.redundant_slowdown, pipelined=True)
 
 
 def _block_params(cfg: RunConfig) -> int:
@@ -247,7 +268,69 @@ class CostModel:
         """Seconds of one training step with no fault-tolerance work."""
         if not self.profile.pipelined:
             return self.M * sum(self._compute_s(i, 1.0) + self._compute_s(i, 2.0) for i in range(self.S))
-        return (self.M + self.S - 1) * (self.t_f() + self.t_b())
+        return self.pipeline_s()
+
+    def pipeline_s(self, extra_forward: list[float] | None = None, schedule: str | None = None) -> float:
+        """One step of the swarm's pipeline schedule, played out event by event: every stage one compute
+        server (a backward before a waiting forward, else first come first served), every directed link a
+        sender that serializes its messages at the link's bandwidth, each arriving one latency after its
+        last byte left. GPipe starts all M microbatches at the first stage at once; 1F1B admits S and then
+        one more per finished microbatch (peers.passes). `extra_forward[i]`: seconds added to each forward
+        of stage i (redundant computation)."""
+        S, M = self.S, self.M
+        fwd = [self._compute_s(i, 1.0) + (extra_forward[i] if extra_forward else 0.0) for i in range(S)]
+        bwd = [self._compute_s(i, 2.0) for i in range(S)]
+        window = S if (schedule or self.cfg.train.schedule) == "1f1b" else M
+        events: list[tuple[float, int, str, int, int]] = []  # (time, seq, what, stage, microbatch)
+        seq = 0
+
+        def push(t: float, what: str, stage: int, mb: int) -> None:
+            nonlocal seq
+            heapq.heappush(events, (t, seq, what, stage, mb))
+            seq += 1
+
+        ready: list[list[tuple[int, int, str, int]]] = [[] for _ in range(S)]  # (backward first, seq, kind, mb)
+        busy = [False] * S
+        link_free: dict[tuple[int, int], float] = {}
+        admitted = min(window, M)
+        for mb in range(admitted):
+            push(0.0, "forward", 0, mb)
+        finished, now = 0, 0.0
+
+        def send(t: float, src: int, dst: int, kind: str, mb: int) -> None:
+            lat, bw = self.latency_s(src, dst), self.bandwidth_Bps(src, dst)
+            start = max(t, link_free.get((src, dst), 0.0))
+            link_free[(src, dst)] = start + self.activation_bytes / bw
+            push(link_free[(src, dst)] + lat, kind, dst, mb)
+
+        while events:
+            now, _, what, i, mb = heapq.heappop(events)
+            if what == "done-forward":
+                busy[i] = False
+                if i + 1 < S:
+                    send(now, i, i + 1, "forward", mb)
+                else:  # the head: its backward goes first in line
+                    heapq.heappush(ready[i], (0, seq, "backward", mb))
+                    seq += 1
+            elif what == "done-backward":
+                busy[i] = False
+                if i > 0:
+                    send(now, i, i - 1, "backward", mb)
+                else:
+                    finished += 1
+                    if admitted < M:
+                        push(now, "forward", 0, admitted)
+                        admitted += 1
+            else:  # a forward or backward arrived at stage i
+                heapq.heappush(ready[i], (0 if what == "backward" else 1, seq, what, mb))
+                seq += 1
+            if not busy[i] and ready[i]:
+                _, _, kind, m = heapq.heappop(ready[i])
+                busy[i] = True
+                push(now + (fwd[i] if kind == "forward" else bwd[i]), f"done-{kind}", i, m)
+        if finished != M:
+            raise RuntimeError(f"pipeline model finished {finished} of {M} microbatches")
+        return now
 
     def redundant_extra_s(self, grad_bytes: list[float] | None = None) -> float:
         """Extra seconds per step of redundant computation: the successor's forward per
@@ -258,7 +341,9 @@ class CostModel:
         if not self.profile.pipelined:
             extra = self.M * sum(self.flops[(i + 1) % self.S] for i in range(self.S)) / self.profile.flops_per_s
             return self.profile.redundant_slowdown * extra + self.S * ship
-        return (self.M + self.S - 1) * (self.t_f(redundant=True) - self.t_f()) + ship
+        extra = [self.profile.redundant_slowdown * self.flops[(i + 1) % self.S] / self.profile.flops_per_s
+                 for i in range(self.S)]
+        return self.pipeline_s(extra_forward=extra) - self.pipeline_s() + ship
 
     def comm_busy_s(self) -> float:
         """Seconds per step the busiest link carries activations (both directions)."""
@@ -285,8 +370,7 @@ def calibration(profile: str = "paper-geo") -> dict[str, float]:
     """paper-500m under `profile`: iteration time and redundant-computation iteration time."""
     cm = CostModel(preset("paper-500m"), profile)
     base = cm.step_s()
-    slots = cm.M + cm.S - 1
     plain = CostModel(cm.cfg, replace(cm.profile, redundant_slowdown=1.0))
     return {"step_s": base, "redundant_step_s": base + cm.redundant_extra_s(),
             "redundant_mechanistic_step_s": base + plain.redundant_extra_s(), "t_f": cm.t_f(), "t_b": cm.t_b(),
-            "bottleneck_compute_share": slots * 3 * max(cm.flops) / cm.profile.flops_per_s / base}
+            "bottleneck_compute_share": cm.M * 3 * max(cm.flops) / cm.profile.flops_per_s / base}

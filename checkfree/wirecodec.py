@@ -20,9 +20,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["WIRE_DTYPES", "encode", "decode", "roundtrip", "quantize_int8", "dequantize_int8"]
+__all__ = ["WIRE_DTYPES", "WIRE_BYTES", "encode", "decode", "roundtrip", "quantize_int8", "dequantize_int8"]
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}  # per value (int8's row scales aside)
 _CASTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

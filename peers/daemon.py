@@ -46,6 +46,7 @@ from checkfree.protocol import (
     Kind,
     Timeouts,
 )
+from checkfree.wan import WanEmulator
 from checkfree.worker import StageWorker
 from peers.assign import Assignment
 from peers.checks import RULES
@@ -173,6 +174,8 @@ class PeerDaemon:
         if cfg is None:  # stopped before a coordinator was found
             return
         self.hosted.configure(cfg, self.opts.device)
+        if cfg.train.wan:
+            self.membership.wan = WanEmulator(cfg)
         log.info("joined run %s as standby", self.opts.run_id)
         # pay torch's one-off lazy initialisation (~3 s on a CPU) now, not inside a recovery
         asyncio.create_task(self.compute.run(StageWorker, self.hosted.worker_cfg, cfg.num_stages - 1))

@@ -41,6 +41,7 @@ from checkfree.protocol import (
     members_key,
     request,
 )
+from checkfree.wan import WanEmulator
 from peers.checks import admit
 from peers.stage import HostedStage, PeerState
 
@@ -49,6 +50,10 @@ __all__ = ["Handler", "Membership"]
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Membership:
@@ -63,6 +68,7 @@ class Membership:
         self.coordinator: str | None = None
         self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
         self.run_finished = False  # the coordinator said the run ended
+        self.wan: WanEmulator | None = None  # the run's emulated network (train.wan), once joined
 
     @property
     def me(self) -> str:
@@ -85,10 +91,19 @@ class Membership:
 
         return admitted
 
-    async def call(self, peer: str, name: str, timeout: float, tensors=(), **fields: object) -> tuple[dict, list]:
+    async def call(self, peer: str, name: str, timeout: float, tensors=(), *, link: tuple[int, int] | None = None,
+                   **fields: object) -> tuple[dict, list]:
         """One request of this run to `peer`, its header built and checked against the request's one definition
-        (checkfree.protocol.request)."""
-        return await self.transport.call(peer, name, request(name, self.run_id, **fields), tensors, timeout=timeout)
+        (checkfree.protocol.request). `link`: (this end's stage, the peer's stage) of a transfer between stages,
+        held back by the run's emulated network if it has one (checkfree.wan), the request on the way there and
+        the reply on the way back."""
+        header = request(name, self.run_id, **fields)
+        if self.wan is None or link is None:
+            return await self.transport.call(peer, name, header, tensors, timeout=timeout)
+        await self.wan.carry(link[0], link[1], _nbytes(tensors))
+        reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
+        await self.wan.carry(link[1], link[0], _nbytes(out))
+        return reply, out
 
     def heard_from_coordinator(self) -> None:
         self.last_contact = time.monotonic()

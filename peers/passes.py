@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 
 import torch
 
@@ -95,6 +96,7 @@ class Passes:
         mb, idx = check_hop(run, header, self.hosted.index)
         if idx > 0:
             check_sender(run, peer, mb, idx - 1)
+            self._arrived(run, header, run.routes[mb][idx - 1].stage)
         self._spawn(run, self._forward_task(run, mb, idx, x))
         return {"ok": True}, []
 
@@ -107,6 +109,7 @@ class Passes:
             raise ProtocolError("an evaluation has no backward pass")
         if idx + 1 < len(run.routes[mb]):
             check_sender(run, peer, mb, idx + 1)
+            self._arrived(run, header, run.routes[mb][idx + 1].stage)
         self._spawn(run, self._backward_task(run, mb, idx, g))
         return {"ok": True}, []
 
@@ -117,6 +120,12 @@ class Passes:
         if run.error is not None or header["comp"] not in run.component_grads:
             raise ProtocolError(f"no {header['comp']!r} gradient for step {run.step}: {run.error or 'not a holder'}")
         return {}, [run.component_grads[header["comp"]].cpu()]
+
+    def _arrived(self, run: StepRun, header: dict, src: int) -> None:
+        """On an emulated WAN: record the one-way delay of a pass from stage `src` (its `sent` time)."""
+        sent = header.get("sent")
+        if self.net.wan is not None and isinstance(sent, float) and math.isfinite(sent):
+            run.arrivals.setdefault(src, []).append(time.time() - sent)
 
     # ---- the step's microbatches -------------------------------------------------------
     def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
@@ -212,9 +221,11 @@ class Passes:
     async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
         tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
         run.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        if self.net.wan is not None:
+            header = {**header, "sent": time.time()}  # the receiver measures the hop's one-way delay
         try:
-            await self.net.call(run.peers[stage], name, self.t.rpc_timeout, tensors, step=run.step, attempt=run.attempt,
-                                **header)
+            await self.net.call(run.peers[stage], name, self.t.rpc_timeout, tensors, link=(self.hosted.index, stage),
+                                step=run.step, attempt=run.attempt, **header)
         except RemoteError as e:
             run.fail(f"stage {stage} refused {name}: {e.remote_message}")
         except (TimeoutError, TransportError, OSError) as e:
@@ -236,7 +247,8 @@ class Passes:
             partner = next(h for h in holders[comp] if h != self.hosted.index)
             try:
                 _, (other,) = await self.net.call(run.peers[partner], RPC.COMPONENT_GRAD, self.t.rpc_timeout,
-                                                  step=run.step, attempt=run.attempt, comp=comp)
+                                                  link=(self.hosted.index, partner), step=run.step,
+                                                  attempt=run.attempt, comp=comp)
             except (TransportError, RemoteError, ValueError) as e:
                 await self._report(run, partner, str(e))
                 return

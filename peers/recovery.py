@@ -73,8 +73,10 @@ class Recovery:
     # ---- pulling -------------------------------------------------------------------------
     async def take_handover(self, worker: StageWorker, header: dict) -> dict:
         """Load a leaving peer's (`source`) full state into `worker`: its omega and the bytes moved."""
-        require(header, source=str, step=int)
-        _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, self.net.t.step_timeout, step=header["step"])
+        require(header, source=str, step=int, stage=int)
+        stage = header["stage"]  # the leaving peer serves the same stage, in the same region
+        _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, self.net.t.step_timeout, link=(stage, stage),
+                                         step=header["step"])
         omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
         return {"omega": omega, "bytes": blob.numel()}
 
@@ -86,7 +88,7 @@ class Recovery:
         peers = {int(k): v for k, v in header["sources"].items()}
         t0 = time.perf_counter()
         worker, (blocks, norms, edges, edge_optim, transfer_s) = await asyncio.gather(
-            self.compute.run(self.hosted.build, stage, False), self._pull(plan, peers, header["step"]))
+            self.compute.run(self.hosted.build, stage, False), self._pull(stage, plan, peers, header["step"]))
         t1 = time.perf_counter()
         coeffs = await self.compute.run(self._rebuild, worker, plan, blocks, norms, edges, edge_optim, header["step"])
         t2 = time.perf_counter()
@@ -99,22 +101,26 @@ class Recovery:
                                worker.state_dict(), reply)
         return worker, reply
 
-    async def _pull(self, plan: RecoveryPlan, peers: dict[int, str], step: int) -> tuple[dict, dict, dict, dict, float]:
-        """Every weight pull of `plan` at once: blocks and norms per source stage, the replicas'
+    async def _pull(self, stage: int, plan: RecoveryPlan, peers: dict[int, str],
+                    step: int) -> tuple[dict, dict, dict, dict, float]:
+        """Every weight pull of `plan` for `stage` at once: blocks and norms per source stage, the replicas'
         weights and Adam state per component, and the seconds it took."""
         t0 = time.perf_counter()
         blocks, edges = await asyncio.gather(
-            asyncio.gather(*(self._fetch(peers[s], "blocks", step) for s in plan.sources)),
-            asyncio.gather(*(self._fetch(peers[s], comp, step) for comp, s in plan.edge_sources.items())))
+            asyncio.gather(*(self._fetch(stage, s, peers[s], "blocks", step) for s in plan.sources)),
+            asyncio.gather(*(self._fetch(stage, s, peers[s], comp, step) for comp, s in plan.edge_sources.items())))
         return ({s: w for s, (w, _, _) in zip(plan.sources, blocks)},
                 {s: n for s, (_, n, _) in zip(plan.sources, blocks)},
                 {c: w for c, (w, _, _) in zip(plan.edge_sources, edges)},
                 {c: o for c, (_, _, o) in zip(plan.edge_sources, edges)}, time.perf_counter() - t0)
 
-    async def _fetch(self, peer_id: str, part: str, step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
-        """A live stage's weights of `part`, its omega, and (for a component) its Adam state."""
+    async def _fetch(self, stage: int, source: int, peer_id: str, part: str,
+                     step: int) -> tuple[dict[str, torch.Tensor], float, dict]:
+        """Stage `source`'s weights of `part` for the rebuild of `stage`, its omega, and (for a component) its
+        Adam state."""
         t0 = time.perf_counter()
-        h, ts = await self.net.call(peer_id, RPC.GET_WEIGHTS, self.net.t.rpc_timeout, part=part, step=step)
+        h, ts = await self.net.call(peer_id, RPC.GET_WEIGHTS, self.net.t.rpc_timeout, link=(stage, source), part=part,
+                                    step=step)
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
         self.debug.pulled(part, h.get("stage"))  # chaos: a death in the middle of a rebuild

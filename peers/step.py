@@ -46,16 +46,22 @@ class StepRun:
     bytes_sent: int = 0  # tensor payload bytes this peer sent for the step
     pending_starts: list[int] = field(default_factory=list)  # first-hop microbatches not started yet
     inflight: InFlightPeak = field(default_factory=InFlightPeak)  # the most activations held at once
+    # one-way delays of the activations/gradients that arrived here, by sending stage (an emulated WAN only:
+    # sender's and receiver's clocks are the same machine's)
+    arrivals: dict[int, list[float]] = field(default_factory=dict)
 
     def fail(self, message: str, kind: str = Kind.STEP_FAILED) -> None:
         if self.error is None:
             self.error, self.kind = message, kind
         self.done.set()
 
-    def figures(self) -> dict[str, int]:
+    def figures(self) -> dict:
         """What the coordinator records for this stage and step (metrics.jsonl)."""
-        return {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
-                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
+        out = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
+               "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
+        if self.arrivals:
+            out["hop_delay_s"] = {str(s): round(sum(d) / len(d), 6) for s, d in sorted(self.arrivals.items())}
+        return out
 
     def ready(self) -> bool:
         """Finished without error: a training step that may be committed."""

@@ -26,7 +26,9 @@ class Rollback(Exception):
 
 EVAL_ATTEMPT = 10_000
 
-STEP_FIGURES = ("bytes_sent", "inflight_peak", "activation_peak_bytes", "peak_rss_bytes")  # a peer's, per step
+# a peer's, per step (hop_delay_s only on an emulated WAN: the mean one-way delay of the passes that arrived, by
+# sending stage)
+STEP_FIGURES = ("bytes_sent", "inflight_peak", "activation_peak_bytes", "peak_rss_bytes", "hop_delay_s")
 
 
 
@@ -34,7 +36,8 @@ def step_figures(by_stage: dict[int, dict], num_stages: int) -> dict:
     """A step record's figures from its stages' replies: the tensor bytes sent (summed) and, per stage
     (None: not reported), the most microbatches whose activations it held at once, their bytes, and
     its peer process's peak resident memory so far."""
-    per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]}
+    per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]
+                 if k != "hop_delay_s" or any(k in r for r in by_stage.values())}
     return {"wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in by_stage.values()), **per_stage}
 
 

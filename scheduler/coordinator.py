@@ -45,6 +45,7 @@ from checkfree.net.transport import (
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC, request
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure
 from checkfree.rundir import RunWriter
+from checkfree.wan import WanEmulator
 from scheduler.common import (
     CoordinatorAlive,
     CoordinatorOptions,
@@ -106,6 +107,9 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
                              f"(--storage-fallback yes) or aborts; --fallback {cfg.recovery.fallback} runs in the "
                              f"simulator only")
         self.plus = self.strategy.plus
+        if cfg.train.wan:  # checked now (an unknown profile is an error before any peer starts), shown once
+            for line in WanEmulator(cfg).describe():
+                print(f"emulated WAN {cfg.train.wan}: {line}", flush=True)
         self.cost = CostModel(cfg)  # the strategies' choices that depend on links (a snapshot's source)
         self.snap_step = 0  # gemini: step of the last complete in-memory snapshot
         self.snap_holders: dict[int, dict[int, str]] = {}  # stage -> {holder stage: peer holding its snapshot}

@@ -34,6 +34,7 @@ from checkfree.cli import (
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.progress import Progress
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
+from checkfree.wan import WanEmulator
 from scheduler.injector import parse_chaos_line
 from scheduler.netlab import NetLab
 from scheduler.processes import Proc, await_line, kill_group, spawn
@@ -395,6 +396,9 @@ def run_local(args: argparse.Namespace) -> int:
         kill_coordinator_in=args.kill_coordinator_in))
     print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
           f"transport {args.transport}, logs in {out / 'logs'}", flush=True)
+    if cfg.train.wan:
+        for line in WanEmulator(cfg).describe():
+            print(f"swarm: emulated WAN {cfg.train.wan}: {line}", flush=True)
     try:
         return swarm.run()
     finally:

@@ -1,0 +1,120 @@
+"""The swarm on the emulated geo-distributed network against the cost model's prediction of it.
+
+For each configuration, `checkfree local --wan paper-geo` runs a failure-free swarm (stage i in region
+i mod 5 of the paper-geo profile; checkfree.wan) and the same swarm on plain loopback, one after the other.
+Read from the runs' metrics.jsonl: the median step time after `--warmup` steps, and per stage-to-stage
+link the measured one-way delay of the activations and gradients (sender's clock to receiver's: one
+machine) against the link's configured latency plus the message's serialization at its bandwidth. The
+cost model (`checkfree.costmodel`, profile `costmodel.swarm_profile("paper-geo")`: the same links, this
+machine's compute from the `local` calibration, one peer per stage) predicts the step time of the same
+configuration; its terms are printed beside it.
+
+    python -m benchmarks.wan            # small, and a wider model (d_model 512) whose links carry more bytes
+    python -m benchmarks.wan --quick    # small only, fewer steps: a few minutes
+
+The last line is `wan measured/predicted: X.XX` for the `small` preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from checkfree.config import config_from_dict
+from checkfree.costmodel import CostModel, swarm_profile
+from checkfree.rundir import read_jsonl
+from checkfree.wirecodec import WIRE_BYTES
+
+CONFIGS = {
+    "small": ["--preset", "small"],
+    # 4x the width, 2x the microbatch: activations of 1 MiB per microbatch, so the 0.05 GiB/s link costs ~20 ms
+    "wide": ["--preset", "small", "--d-model", "512", "--heads", "8", "--microbatch-size", "8"],
+}
+
+
+def run(name: str, extra: list[str], args, out: Path, wan: bool) -> dict:
+    cmd = [sys.executable, "-m", "checkfree", "local", *CONFIGS[name], *extra, "--steps", str(args.steps + args.warmup),
+           "--eval-every", "0", "--spares", "0", "--no-churn", "--transport", args.transport, "--out", str(out),
+           "--no-progress", *(["--wan", args.wan] if wan else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}\nexited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    metrics = read_jsonl(out / "metrics.jsonl")[args.warmup:]
+    delays: dict[tuple[int, int], list[float]] = {}
+    for m in metrics:
+        for dst, by_src in enumerate(m.get("hop_delay_s") or []):
+            for src, d in (by_src or {}).items():
+                delays.setdefault((int(src), dst), []).append(d)
+    return {"step_s": statistics.median(m["step_time_s"] for m in metrics),
+            "losses": [m["loss"] for m in metrics], "delays": {k: statistics.mean(v) for k, v in delays.items()},
+            "cfg": config_from_dict(json.loads((out / "config.json").read_text()))}
+
+
+def terms(cfg) -> tuple[CostModel, list[str]]:
+    """The cost model of `cfg` on its emulated network, and a table of its terms."""
+    cm = CostModel(cfg, swarm_profile(cfg.train.wan, wire_bytes=WIRE_BYTES[cfg.train.wire_dtype]))
+    p = cm.profile
+    rows = ["| stage | forward s | backward s | link to next: latency ms | GiB/s | activation serialization ms |",
+            "|---|---|---|---|---|---|"]
+    for i in range(cm.S):
+        f, b = cm.flops[i] / p.flops_per_s + p.hop_overhead_s, 2 * cm.flops[i] / p.flops_per_s + p.hop_overhead_s
+        if i + 1 < cm.S:
+            lat, bw = cm.latency_s(i, i + 1), cm.bandwidth_Bps(i, i + 1)
+            link = f"{lat * 1e3:.0f} | {bw / 2**30:g} | {cm.activation_bytes / bw * 1e3:.2f}"
+        else:
+            link = "- | - | -"
+        rows.append(f"| {i} | {f:.4f} | {b:.4f} | {link} |")
+    return cm, rows
+
+
+def report(name: str, wan: dict, loop: dict) -> float:
+    cm, rows = terms(wan["cfg"])
+    predicted = cm.step_s()
+    print(f"\n## {name}: M={cm.M}, S={cm.S}, activation {cm.activation_bytes / 2**10:.0f} KiB per microbatch")
+    print("\n".join(rows))
+    print(f"model: t_f {cm.t_f():.4f} s, t_b {cm.t_b():.4f} s, step {predicted:.3f} s")
+    print("\n| link | configured one-way s (latency + serialization) | measured | measured - configured ms |")
+    print("|---|---|---|---|")
+    for (src, dst), d in sorted(wan["delays"].items()):
+        lat, bw = cm.latency_s(src, dst), cm.bandwidth_Bps(src, dst)
+        want = lat + cm.activation_bytes / bw
+        print(f"| {src} -> {dst} | {want:.4f} | {d:.4f} | {(d - want) * 1e3:+.1f} |")
+    same = max(abs(a - b) for a, b in zip(wan["losses"], loop["losses"]))
+    print(f"\nstep s: WAN {wan['step_s']:.3f}, loopback {loop['step_s']:.3f}, predicted {predicted:.3f}; "
+          f"largest loss difference WAN vs loopback {same:.2e}")
+    ratio = wan["step_s"] / predicted
+    print(f"{name}: wan measured/predicted: {ratio:.2f}")
+    return ratio
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small only, 6 steps")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 12, --quick 6)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    p.add_argument("--transport", default="hivemind", choices=("hivemind", "libp2p", "tcp"))
+    p.add_argument("--wan", default="paper-geo")
+    p.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
+    p.add_argument("--microbatches", type=int, default=None, help="M (default: the preset's)")
+    p.add_argument("--keep", metavar="DIR", help="keep the run directories here")
+    args = p.parse_args()
+    args.steps = args.steps or (6 if args.quick else 12)
+    extra = ["--schedule", args.schedule] + (["--microbatches", str(args.microbatches)] if args.microbatches else [])
+    names = ["small"] if args.quick else ["wide", "small"]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep or tmp)
+        ratios = {}
+        for name in names:
+            wan = run(name, extra, args, root / f"{name}-wan", wan=True)
+            loop = run(name, extra, args, root / f"{name}-loopback", wan=False)
+            ratios[name] = report(name, wan, loop)
+    print(f"wan measured/predicted: {ratios['small']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
