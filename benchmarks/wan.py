@@ -41,7 +41,7 @@ def run(name: str, extra: list[str], args, out: Path, wan: bool) -> dict:
     cmd = [sys.executable, "-m", "checkfree", "local", *CONFIGS[name], *extra, "--steps", str(args.steps + args.warmup),
            "--eval-every", "0", "--spares", "0", "--no-churn", "--transport", args.transport, "--out", str(out),
            "--no-progress", *(["--wan", args.wan] if wan else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}\nexited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     metrics = read_jsonl(out / "metrics.jsonl")[args.warmup:]

@@ -7,12 +7,12 @@ import time
 from dataclasses import replace
 
 import pytest
+from swarmrun import events, local, simulate, trace
 
 from checkfree.config import preset
 from checkfree.costmodel import CostModel, get_profile, swarm_profile
 from checkfree.rundir import read_jsonl
 from checkfree.wan import WanEmulator
-from swarmrun import events, local, simulate, trace
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,7 +79,7 @@ def test_swarm_on_the_emulated_wan_computes_the_same_and_its_hops_take_the_confi
     for m in metrics[1:]:  # step 0 pays the peers' first-use costs
         for dst, by_src in enumerate(m["hop_delay_s"]):
             for src, delay in by_src.items():
-                lat, bw = wan.link(int(src), dst)
+                lat, _ = wan.link(int(src), dst)
                 if lat >= 0.05:
                     assert delay == pytest.approx(lat, rel=0.2), (src, dst, delay)
                 else:
