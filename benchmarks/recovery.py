@@ -64,15 +64,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--kill-step", type=int, default=4)
     p.add_argument("--keep", type=Path, help="keep the run directories here (default: a temporary directory)")
+    p.add_argument("--wan", help="run the swarms on this emulated network (checkfree.wan), e.g. paper-geo")
     args = p.parse_args()
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        rows = [measure(n, CONFIGS[n], args.kill_step, args.steps, where) for n in args.configs]
+        rows = [measure(n, CONFIGS[n] + (["--wan", args.wan] if args.wan else []), args.kill_step, args.steps, where)
+                for n in args.configs]
     load1 = os.getloadavg()
     print(f"load average {load0[0]:.2f} / {load0[1]:.2f} before, {load1[0]:.2f} / {load1[1]:.2f} after (1 / 5 min); "
-          f"cores {os.cpu_count()}; SIGKILL of stage 1 at step {args.kill_step}")
+          f"cores {os.cpu_count()}; SIGKILL of stage 1 at step {args.kill_step}"
+          + (f"; emulated WAN {args.wan}" if args.wan else ""))
     print(f"{'config':<16} {'stage params':>12} {'detect s':>8} {'MB moved':>9} {'transfer s':>10} {'average s':>10} "
           f"{'failure->recovered s':>21} {'resumed step s':>15} {'normal step s':>14}")
     for r in rows:

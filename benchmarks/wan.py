@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from checkfree.config import config_from_dict
@@ -72,9 +73,23 @@ def terms(cfg) -> tuple[CostModel, list[str]]:
     return cm, rows
 
 
+def fitted_compute(cm: CostModel, loopback_s: float) -> CostModel:
+    """`cm` with its compute rate set so that the same pipeline without the network's latency and bandwidth
+    takes the measured loopback step: the network terms alone are then what the WAN prediction adds."""
+    p = cm.profile
+    flat = replace(p, latency_s=tuple(tuple(0.0 for _ in r) for r in p.latency_s),
+                   bandwidth_Bps=tuple(tuple(float("inf") for _ in r) for r in p.bandwidth_Bps))
+    lo, hi = p.flops_per_s / 100, p.flops_per_s * 100
+    for _ in range(80):  # the step time falls as the rate rises
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if CostModel(cm.cfg, replace(flat, flops_per_s=mid)).step_s() > loopback_s else (lo, mid)
+    return CostModel(cm.cfg, replace(p, flops_per_s=lo))
+
+
 def report(name: str, wan: dict, loop: dict) -> float:
     cm, rows = terms(wan["cfg"])
     predicted = cm.step_s()
+    fit = fitted_compute(cm, loop["step_s"])
     print(f"\n## {name}: M={cm.M}, S={cm.S}, activation {cm.activation_bytes / 2**10:.0f} KiB per microbatch")
     print("\n".join(rows))
     print(f"model: t_f {cm.t_f():.4f} s, t_b {cm.t_b():.4f} s, step {predicted:.3f} s")
@@ -87,6 +102,9 @@ def report(name: str, wan: dict, loop: dict) -> float:
     same = max(abs(a - b) for a, b in zip(wan["losses"], loop["losses"]))
     print(f"\nstep s: WAN {wan['step_s']:.3f}, loopback {loop['step_s']:.3f}, predicted {predicted:.3f}; "
           f"largest loss difference WAN vs loopback {same:.2e}")
+    print(f"with the compute rate fitted to the loopback run ({fit.profile.flops_per_s:.3g} FLOP/s against the local "
+          f"profile's {cm.profile.flops_per_s:.3g}): predicted {fit.step_s():.3f} s, measured/predicted "
+          f"{wan['step_s'] / fit.step_s():.2f} (the network terms alone)")
     ratio = wan["step_s"] / predicted
     print(f"{name}: wan measured/predicted: {ratio:.2f}")
     return ratio

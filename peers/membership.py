@@ -29,6 +29,7 @@ from checkfree.net.transport import (
     RemoteError,
     Transport,
     TransportError,
+    TransportTimeout,
     announce,
     live_members_async,
 )
@@ -100,10 +101,28 @@ class Membership:
         header = request(name, self.run_id, **fields)
         if self.wan is None or link is None:
             return await self.transport.call(peer, name, header, tensors, timeout=timeout)
-        await self.wan.carry(link[0], link[1], _nbytes(tensors))
-        reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-        await self.wan.carry(link[1], link[0], _nbytes(out))
-        return reply, out
+
+        async def shaped() -> tuple[dict, list]:
+            await self.wan.carry(link[0], link[1], _nbytes(tensors))
+            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
+            await self.wan.carry(link[1], link[0], _nbytes(out))
+            return reply, out
+
+        try:  # the emulated links' time counts against the timeout, as a real WAN's would
+            return await asyncio.wait_for(shaped(), timeout)
+        except TimeoutError:
+            raise TransportTimeout(f"{name} to {peer} over the emulated {self.wan.name} link {link[0]} -> {link[1]} "
+                                   f"took over {timeout:g} s") from None
+
+    def allowance(self, src: int, dst: int, nbytes: float) -> float:
+        """Seconds to add to a call's timeout for `nbytes` crossing the link `src` -> `dst` of the run's emulated
+        network (twice what the link needs: a timeout a slow link cannot trip by accident); 0 on loopback. A
+        transfer's timeout is the RPC timeout plus this (a 100M-parameter stage's weights over a 0.01 GiB/s link
+        take ~37 s, more than the 30 s RPC timeout)."""
+        if self.wan is None:
+            return 0.0
+        latency, bandwidth = self.wan.link(src, dst)
+        return 2 * (latency + nbytes / bandwidth)
 
     def heard_from_coordinator(self) -> None:
         self.last_contact = time.monotonic()

@@ -91,17 +91,19 @@ class Passes:
 
     async def on_forward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """An activation from the previous hop (checked before waiting for its step)."""
+        arrived = time.time()
         x = check_activation(tensors, "activation", self.hosted.cfg)
         run = await self.steps.current(header["step"], header["attempt"])
         mb, idx = check_hop(run, header, self.hosted.index)
         if idx > 0:
             check_sender(run, peer, mb, idx - 1)
-            self._arrived(run, header, run.routes[mb][idx - 1].stage)
+            self._arrived(run, header, run.routes[mb][idx - 1].stage, arrived)
         self._spawn(run, self._forward_task(run, mb, idx, x))
         return {"ok": True}, []
 
     async def on_backward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """A gradient from the next hop (checked before waiting for its step)."""
+        arrived = time.time()
         g = check_activation(tensors, "gradient", self.hosted.cfg)
         run = await self.steps.current(header["step"], header["attempt"])
         mb, idx = check_hop(run, header, self.hosted.index)
@@ -109,7 +111,7 @@ class Passes:
             raise ProtocolError("an evaluation has no backward pass")
         if idx + 1 < len(run.routes[mb]):
             check_sender(run, peer, mb, idx + 1)
-            self._arrived(run, header, run.routes[mb][idx + 1].stage)
+            self._arrived(run, header, run.routes[mb][idx + 1].stage, arrived)
         self._spawn(run, self._backward_task(run, mb, idx, g))
         return {"ok": True}, []
 
@@ -121,11 +123,12 @@ class Passes:
             raise ProtocolError(f"no {header['comp']!r} gradient for step {run.step}: {run.error or 'not a holder'}")
         return {}, [run.component_grads[header["comp"]].cpu()]
 
-    def _arrived(self, run: StepRun, header: dict, src: int) -> None:
-        """On an emulated WAN: record the one-way delay of a pass from stage `src` (its `sent` time)."""
+    def _arrived(self, run: StepRun, header: dict, src: int, arrived: float) -> None:
+        """On an emulated WAN: record the one-way delay of a pass from stage `src` (its `sent` time to its handler's
+        start here, before it waited for its step's RUN_STEP)."""
         sent = header.get("sent")
         if self.net.wan is not None and isinstance(sent, float) and math.isfinite(sent):
-            run.arrivals.setdefault(src, []).append(time.time() - sent)
+            run.arrivals.setdefault(src, []).append(arrived - sent)
 
     # ---- the step's microbatches -------------------------------------------------------
     def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:

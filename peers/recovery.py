@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from checkfree.costmodel import stage_params
 from checkfree.pipeline import COMPONENTS
 from checkfree.protocol import RPC, ProtocolError, plan_from_wire, require
 from checkfree.recovery import RecoveryPlan, rebuild_stage, recovered_optimizer_state
@@ -75,7 +76,8 @@ class Recovery:
         """Load a leaving peer's (`source`) full state into `worker`: its omega and the bytes moved."""
         require(header, source=str, step=int, stage=int)
         stage = header["stage"]  # the leaving peer serves the same stage, in the same region
-        _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, self.net.t.step_timeout, link=(stage, stage),
+        timeout = self.net.t.step_timeout + self.net.allowance(stage, stage, 12 * stage_params(self.hosted.cfg)[stage])
+        _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, timeout, link=(stage, stage),
                                          step=header["step"])
         omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
         return {"omega": omega, "bytes": blob.numel()}
@@ -119,8 +121,9 @@ class Recovery:
         """Stage `source`'s weights of `part` for the rebuild of `stage`, its omega, and (for a component) its
         Adam state."""
         t0 = time.perf_counter()
-        h, ts = await self.net.call(peer_id, RPC.GET_WEIGHTS, self.net.t.rpc_timeout, link=(stage, source), part=part,
-                                    step=step)
+        # at most the source stage's weights and two Adam moments cross the link
+        timeout = self.net.t.rpc_timeout + self.net.allowance(source, stage, 12 * stage_params(self.hosted.cfg)[source])
+        h, ts = await self.net.call(peer_id, RPC.GET_WEIGHTS, timeout, link=(stage, source), part=part, step=step)
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
         self.debug.pulled(part, h.get("stage"))  # chaos: a death in the middle of a rebuild

