@@ -32,6 +32,7 @@ from checkfree.net.libp2p_transport import (  # noqa: E402
     TransportTimeout,
     start_libp2p_transport,
 )
+from checkfree.net.libp2p_support import t_read_body  # noqa: E402
 from checkfree.net.wire import WireError, decode_body, encode_message  # noqa: E402
 
 
@@ -230,7 +231,7 @@ async def _write_in_pieces(client: Libp2pTransport, peer: str, data: bytes) -> b
             if pos < 64:
                 await trio.sleep(0.01)
             pos += step
-        return await lt._t_read_body(stream, 1 << 30)  # noqa: SLF001
+        return await t_read_body(stream, 1 << 30)
     finally:
         await stream.close()
 

@@ -17,12 +17,8 @@ async API, same wire format, same error semantics:
 Handlers have the ``Transport`` signature ``async handler(header, tensors, peer)`` and run on the asyncio
 loop that started the transport; ``peer`` is the caller's peer id as a base58 string.
 
-Threading: py-libp2p is trio-based and cannot share hivemind's asyncio loop, so the libp2p host runs
-``trio.run`` in a dedicated daemon thread. asyncio -> trio: jobs are started in the trio thread with
-``TrioToken.run_sync_soon`` and their results come back through ``loop.call_soon_threadsafe`` into an
-asyncio future; cancelling that future (e.g. a timeout) cancels the trio job, which resets its stream.
-trio -> asyncio (incoming requests): the body is read in the trio thread, then the handler runs on the
-asyncio loop via ``run_coroutine_threadsafe`` and the encoded reply frames go back to the trio thread.
+Threading: the libp2p host runs in a trio thread of its own (`checkfree.net.libp2p_bridge`); an incoming
+request's body is read there, its handler runs on the asyncio loop and the reply frames go back to the trio thread.
 
 Addresses: a peer is reachable once its multiaddr is known. ``t.maddrs`` lists this transport's full
 listen multiaddrs (``/ip4/127.0.0.1/tcp/PORT/p2p/<peer id>``) to hand to others. A caller can
@@ -37,12 +33,8 @@ Fixed ports: py-libp2p listens with SO_REUSEPORT (for hole punching), so a secon
 same fixed port does not fail to start; the kernel then splits incoming connections between both.
 A port held by an ordinary socket does fail (``TransportError``).
 
-protobuf: hivemind's ``crypto.proto`` and py-libp2p's ``libp2p/crypto/pb/crypto.proto`` both define
-``crypto.pb.KeyType/PublicKey/PrivateKey``, so importing both packages into protobuf's single default
-descriptor pool fails ("duplicate symbol 'crypto.pb.KeyType'"), whichever comes first. Importing this
-module installs a router that gives the generated ``*_pb2`` modules of the ``libp2p`` package a private
-descriptor pool (everyone else keeps the default one), so both coexist in one process. Import libp2p
-through this module (or after importing it): a bare ``import libp2p`` before it breaks hivemind.
+Imports of py-libp2p go through `checkfree.net.libp2p_support` (it lets hivemind and py-libp2p share one process);
+the asyncio <-> trio bridge is `checkfree.net.libp2p_bridge`.
 """
 
 from __future__ import annotations
@@ -52,8 +44,6 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import os
-import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -69,12 +59,31 @@ from checkfree.net.errors import (
     failed_request,
     remote_error,
 )
-from checkfree.net.streams import read_body
+from checkfree.net.libp2p_bridge import TrioThread, error_text
+from checkfree.net.libp2p_support import (
+    ID,
+    LIBP2P_IMPORT_ERROR,
+    NOISE_PROTOCOL_ID,
+    PERMANENT_ADDR_TTL,
+    READ_CHUNK_BYTES,
+    IncompleteRead,
+    NoiseTransport,
+    create_new_x25519_key_pair,
+    generate_new_ed25519_identity,
+    identity_key_pair,
+    multiaddr,
+    new_host,
+    protocol_id,
+    t_close,
+    t_read_body,
+    t_read_some,
+    t_reset,
+    t_write_frames,
+    trio,
+)
 from checkfree.net.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    PREFIX_BYTES,
     WireError,
-    body_length,
     decode_body,
     encode_message,
 )
@@ -93,172 +102,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_LISTEN_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
-WRITE_CHUNK_BYTES = 1 << 20
-READ_CHUNK_BYTES = 4 << 20
 
 
-# ---------------------------------------------------------------- protobuf isolation (see module docstring)
-
-
-def _isolate_libp2p_protobufs() -> None:
-    """Route ``descriptor_pool.Default()`` calls made by ``libp2p.*`` modules to a private pool. Idempotent."""
-    try:
-        from google.protobuf import descriptor_pool
-    except ImportError:  # no protobuf: libp2p cannot be imported either
-        return
-    if getattr(descriptor_pool.Default, "_checkfree_libp2p_router", False):
-        return
-    if "libp2p" in sys.modules:
-        logger.warning(
-            "libp2p was imported before checkfree.net.libp2p_transport: its protobufs live in the default "
-            "descriptor pool and importing hivemind in this process will fail (duplicate crypto.pb symbols)"
-        )
-    original = descriptor_pool.Default
-    private = descriptor_pool.DescriptorPool()
-
-    def default() -> Any:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller == "libp2p" or caller.startswith("libp2p."):
-            return private
-        return original()
-
-    default._checkfree_libp2p_router = True  # type: ignore[attr-defined]
-    default._checkfree_private_pool = private  # type: ignore[attr-defined]
-    descriptor_pool.Default = default
-
-
-_isolate_libp2p_protobufs()
-
-try:
-    import multiaddr
-    import trio
-    from libp2p import generate_new_ed25519_identity, new_host
-    from libp2p.crypto.ed25519 import Ed25519PrivateKey
-    from libp2p.crypto.keys import KeyPair
-    from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
-    from libp2p.peer.id import ID
-    from libp2p.peer.peerstore import PERMANENT_ADDR_TTL
-    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-    from libp2p.security.noise.transport import Transport as NoiseTransport
-
-    LIBP2P_IMPORT_ERROR: ImportError | None = None
-except ImportError as _e:  # optional dependency: pip install 'checkfree[libp2p]'
-    LIBP2P_IMPORT_ERROR = _e
-
-
-def identity_key_pair(path: str) -> Any:
-    """The ed25519 key pair kept in file ``path`` (made there, mode 0600, if missing): a stable peer id."""
-    try:
-        with open(path, "rb") as f:
-            private = Ed25519PrivateKey.from_bytes(f.read())
-    except FileNotFoundError:
-        private = generate_new_ed25519_identity().private_key
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-            f.write(private.to_bytes())
-    except Exception as e:
-        raise TransportError(f"cannot read the libp2p identity in {path}: {type(e).__name__}: {e}") from e
-    return KeyPair(private, private.get_public_key())
-
-
-def protocol_id(name: str) -> str:
-    """The libp2p protocol id that serves handler ``name``."""
-    return f"/checkfree/{name}/1.0.0"
-
-
-class _IncompleteRead(Exception):
-    """The stream ended (EOF or reset) before a whole message arrived."""
-
-
-# ---------------------------------------------------------------- trio-side stream helpers
-
-
-async def _t_read_exactly(stream: Any, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await _t_read_some(stream, n - len(buf))
-        buf += chunk
-    return bytes(buf)
-
-
-async def _t_read_some(stream: Any, n: int) -> bytes:
-    """One read of at most ``n`` bytes (may return fewer); EOF/reset become ``_IncompleteRead``."""
-    try:
-        chunk = await stream.read(n)
-    except trio.Cancelled:
-        raise
-    except Exception as e:  # StreamEOF, StreamReset, StreamError, connection errors
-        raise _IncompleteRead(f"{type(e).__name__}: {e}") from e
-    if not chunk:
-        raise _IncompleteRead("end of stream")
-    return chunk
-
-
-async def _t_read_body(stream: Any, max_message_bytes: int) -> memoryview:
-    """Read one length-prefixed message body into a fresh writable buffer (no decoding here).
-
-    The declared length is checked (``WireError``) before the buffer is allocated; the buffer is not
-    zero-filled, so a peer that declares a large message and stalls costs address space, not memory, and a
-    read that fails or is abandoned releases it at once (as ``checkfree.net.streams.read_message`` does). Reads return whatever
-    has arrived, so the body is assembled from as many reads as it takes.
-    """
-    length = body_length(await _t_read_exactly(stream, PREFIX_BYTES), max_message_bytes=max_message_bytes)
-    return await read_body(lambda n: _t_read_some(stream, n), length)
-
-
-async def _t_write_frames(stream: Any, frames: Sequence[bytes | memoryview]) -> None:
-    for frame in frames:
-        view = memoryview(frame).cast("B")
-        for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
-            await stream.write(view[start : start + WRITE_CHUNK_BYTES])
-
-
-async def _t_reset(stream: Any) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(2):
-        with contextlib.suppress(Exception):
-            await stream.reset()
-
-
-async def _t_close(stream: Any) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(2):
-        with contextlib.suppress(Exception):
-            await stream.close()
-
-
-def _error_text(e: BaseException) -> str:
-    if isinstance(e, BaseExceptionGroup):
-        return "; ".join(_error_text(x) for x in e.exceptions)
-    cause = e.__cause__ or e.__context__
-    text = f"{type(e).__name__}: {e}"
-    if cause is not None and str(cause) and str(cause) not in text:
-        text += f" ({type(cause).__name__}: {cause})"
-    return text
-
-
-class _Job:
-    """Cancellation handle shared by an asyncio future and the trio task computing it (trio-thread state)."""
-
-    __slots__ = ("cancelled", "scope")
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.scope: Any = None
-
-    def cancel(self) -> None:  # runs in the trio thread
-        self.cancelled = True
-        if self.scope is not None:
-            self.scope.cancel()
-
-
-def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
-class Libp2pTransport:
+class Libp2pTransport(TrioThread):
     """Request/response RPC over a py-libp2p host (TCP + noise + yamux) running in its own trio thread.
 
     Create with ``await start_libp2p_transport(...)``; stop with ``await t.shutdown()``.
@@ -330,17 +176,8 @@ class Libp2pTransport:
                     f"libp2p host did not start within startup_timeout={startup_timeout:g} s"
                 ) from None
             raise TransportError(
-                f"libp2p host failed to listen on {[str(m) for m in self.listen_maddrs]}: {_error_text(e)}"
+                f"libp2p host failed to listen on {[str(m) for m in self.listen_maddrs]}: {error_text(e)}"
             ) from e
-
-    def _thread_main(self, ready: concurrent.futures.Future) -> None:
-        try:
-            trio.run(self._trio_main, ready)
-        except BaseException as e:  # noqa: BLE001 - reported to the starter or logged, never lost
-            if not ready.done():
-                ready.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
-            else:
-                logger.warning("libp2p trio thread ended with %s", _error_text(e))
 
     async def _trio_main(self, ready: concurrent.futures.Future) -> None:
         self._stop = trio.Event()
@@ -368,17 +205,6 @@ class Libp2pTransport:
                 scope.shield = True
                 await host.close()
 
-    def _request_stop(self) -> None:  # trio thread
-        if self._stop is not None:
-            self._stop.set()
-
-    async def _join_thread(self) -> None:
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            await asyncio.get_running_loop().run_in_executor(None, thread.join, self.shutdown_timeout)
-            if thread.is_alive():
-                logger.warning("libp2p trio thread did not stop within %.1f s", self.shutdown_timeout)
-
     async def shutdown(self) -> None:
         """Unregister all handlers, close all connections and stop the trio thread (idempotent)."""
         if self._closed:
@@ -395,80 +221,6 @@ class Libp2pTransport:
             with contextlib.suppress(Exception):  # trio.RunFinishedError: already stopped
                 self._token.run_sync_soon(self._request_stop)
         await self._join_thread()
-
-    # ------------------------------------------------------------ asyncio -> trio bridge
-
-    def _submit(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> asyncio.Future:
-        """Run ``await fn(*args)`` as a task in the trio thread; the returned asyncio future gets its result.
-
-        Cancelling the future cancels the trio task.
-        """
-        if self._closed or self._token is None:
-            raise TransportError("libp2p transport is not running (shut down or not started)")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        job = _Job()
-
-        def resolve(result: Any = None, exc: BaseException | None = None) -> None:  # trio thread
-            with contextlib.suppress(RuntimeError):  # the asyncio loop is closed: nobody is waiting
-                loop.call_soon_threadsafe(_settle, fut, result, exc)
-
-        async def run() -> None:
-            with trio.CancelScope() as scope:
-                job.scope = scope
-                if job.cancelled:
-                    scope.cancel()
-                try:
-                    result = await fn(*args)
-                except trio.Cancelled:
-                    resolve(exc=TransportError("libp2p transport is shutting down"))
-                    raise
-                except BaseException as e:  # noqa: BLE001 - handed over to the asyncio side
-                    resolve(exc=e)
-                else:
-                    resolve(result)
-                    return
-            if scope.cancelled_caught:
-                resolve(exc=TransportError("cancelled"))
-
-        def start() -> None:  # trio thread
-            if self._nursery is None:
-                resolve(exc=TransportError("libp2p transport is shutting down"))
-            else:
-                self._nursery.start_soon(run)
-
-        def on_done(f: asyncio.Future) -> None:
-            if f.cancelled():
-                with contextlib.suppress(Exception):
-                    self._token.run_sync_soon(job.cancel)
-
-        try:
-            self._token.run_sync_soon(start)
-        except Exception as e:  # trio.RunFinishedError
-            raise TransportError("libp2p transport is not running") from e
-        fut.add_done_callback(on_done)
-        return fut
-
-    # ------------------------------------------------------------ trio -> asyncio bridge
-
-    async def _t_run_on_loop(self, coro: Awaitable[Any]) -> Any:
-        """From the trio thread: run ``coro`` on the asyncio loop and wait for its result."""
-        assert self._loop is not None
-        cfut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # RuntimeError if the loop is closed
-        done = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-
-        def wake(_: concurrent.futures.Future) -> None:
-            with contextlib.suppress(Exception):  # trio.RunFinishedError
-                token.run_sync_soon(done.set)
-
-        cfut.add_done_callback(wake)
-        try:
-            await done.wait()
-        except trio.Cancelled:
-            cfut.cancel()
-            raise
-        return cfut.result()
 
     # ------------------------------------------------------------ addresses
 
@@ -538,7 +290,7 @@ class Libp2pTransport:
         try:
             await self._host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a) for a in addrs]))
         except Exception as e:
-            raise TransportError(f"cannot connect to peer {peer} at {addrs}: {_error_text(e)}") from e
+            raise TransportError(f"cannot connect to peer {peer} at {addrs}: {error_text(e)}") from e
 
     # ------------------------------------------------------------ server side
 
@@ -567,10 +319,10 @@ class Libp2pTransport:
         try:
             try:
                 with trio.fail_after(self.read_timeout):
-                    body = await _t_read_body(stream, self.max_message_bytes)
-            except _IncompleteRead as e:
+                    body = await t_read_body(stream, self.max_message_bytes)
+            except IncompleteRead as e:
                 logger.debug("%s: peer %s closed the stream mid-request: %s", name, peer, e)
-                await _t_reset(stream)
+                await t_reset(stream)
                 return
             except (WireError, trio.TooSlowError) as e:
                 if isinstance(e, trio.TooSlowError):
@@ -582,20 +334,20 @@ class Libp2pTransport:
                     frames = await self._t_run_on_loop(self._handle(name, body, peer))
                 except Exception as e:  # the asyncio loop is gone
                     frames = encode_message({"error": f"{type(e).__name__}: {e}"})
-            await _t_write_frames(stream, frames)
+            await t_write_frames(stream, frames)
             await stream.close()  # yamux half-close: FIN after the reply, the read side stays open
             with trio.move_on_after(self.linger_timeout):  # drain until the caller closes its side
                 while True:
-                    await _t_read_some(stream, READ_CHUNK_BYTES)
-            await _t_reset(stream)  # the caller never closed: drop the stream
-        except _IncompleteRead:  # the caller closed its side (normal end) or reset the stream
-            await _t_close(stream)
+                    await t_read_some(stream, READ_CHUNK_BYTES)
+            await t_reset(stream)  # the caller never closed: drop the stream
+        except IncompleteRead:  # the caller closed its side (normal end) or reset the stream
+            await t_close(stream)
         except trio.Cancelled:
-            await _t_reset(stream)
+            await t_reset(stream)
             raise
         except Exception as e:
-            logger.debug("%s: stream to %s broke while replying: %s", name, peer, _error_text(e))
-            await _t_reset(stream)
+            logger.debug("%s: stream to %s broke while replying: %s", name, peer, error_text(e))
+            await t_reset(stream)
 
     async def _handle(self, name: str, body: memoryview, peer: str) -> list[bytes | memoryview]:
         """asyncio side of an incoming request: decode, run the handler, encode the reply (or the error)."""
@@ -669,7 +421,7 @@ class Libp2pTransport:
         try:
             return await self._host.new_stream(pid, [protocol_id(name)])
         except Exception as e:
-            text = _error_text(e)
+            text = error_text(e)
             if "protocols not supported" in text or "protocol not supported" in text:
                 raise TransportError(
                     f"peer {peer} does not serve '{name}' (protocols not supported: {protocol_id(name)}): {text}"
@@ -684,18 +436,18 @@ class Libp2pTransport:
     async def _t_call(self, peer: str, addrs: Sequence[str], name: str, frames: list) -> memoryview:
         stream = await self._t_open(peer, addrs, name)
         try:
-            await _t_write_frames(stream, frames)
-            body = await _t_read_body(stream, self.max_message_bytes)
+            await t_write_frames(stream, frames)
+            body = await t_read_body(stream, self.max_message_bytes)
         except BaseException as e:
-            await _t_reset(stream)
-            if isinstance(e, _IncompleteRead):
+            await t_reset(stream)
+            if isinstance(e, IncompleteRead):
                 raise TransportError(f"peer {peer} closed stream '{name}' before a full reply ({e})") from e
             if isinstance(e, WireError):
                 raise TransportError(f"invalid reply from peer {peer} for '{name}': {e}") from e
             if isinstance(e, Exception) and not isinstance(e, TransportError):
-                raise TransportError(f"stream '{name}' to peer {peer} failed: {_error_text(e)}") from e
+                raise TransportError(f"stream '{name}' to peer {peer} failed: {error_text(e)}") from e
             raise
-        await _t_close(stream)
+        await t_close(stream)
         return body
 
     # ------------------------------------------------------------ raw access (tests, benchmarks)
@@ -708,9 +460,9 @@ class Libp2pTransport:
             stream = await self._t_open(peer, addrs, name)
             try:
                 await stream.write(data)
-                return await _t_read_body(stream, self.max_message_bytes)
+                return await t_read_body(stream, self.max_message_bytes)
             finally:
-                await _t_close(stream)
+                await t_close(stream)
 
         try:
             return await asyncio.wait_for(self._submit(run), timeout)
