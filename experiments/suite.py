@@ -156,6 +156,14 @@ def seeds_table(runs: list[dict[str, Any]]) -> str:
         ["run", "seeds", "final val loss", "iterations to target"], rows)
 
 
+def label_checkpoint_intervals(runs: list[dict[str, Any]], rate_scale: float) -> None:
+    """Name every checkpoint run of every seed by its interval (the over-seeds table groups runs by label)."""
+    for r in runs:
+        if r["spec"]["strategy"] == "checkpoint":
+            every = r["spec"]["config"]["strategy"]["checkpoint_every"]
+            r["spec"]["label"] = f"checkpoint every {every} ({every * rate_scale:g} paper it.)"
+
+
 def _sorted(runs, key) -> list[dict[str, Any]]:
     return sorted(runs, key=key)
 
@@ -196,11 +204,8 @@ def report(experiment: str, settings: Settings, out: Path, specs: list[RunSpec],
             axes[0].set_title(f"recovery initialisation, {rate_label(settings.init_rate)} failures (inner-stage trace)")
             plots.val_curves(axes[1], sel, "hours", target=target)
         elif experiment == "ablation-ckpt":
+            label_checkpoint_intervals(runs, settings.rate_scale)
             sel = [r for r in runs if r["spec"]["seed"] == seed0]
-            for r in sel:
-                if r["spec"]["strategy"] == "checkpoint":
-                    every = r["spec"]["config"]["strategy"]["checkpoint_every"]
-                    r["spec"]["label"] = f"checkpoint every {every} ({every * settings.rate_scale:g} paper it.)"
             sel = _sorted(sel, key=lambda r: (r["spec"]["rate"], r["spec"]["label"]))
             header.insert(6, "steps lost to rollbacks")
             for r in sel:

@@ -224,6 +224,23 @@ def test_tables_report_mean_and_standard_deviation_over_seeds_and_plots_draw_ban
     plots.save(fig, tmp_path / "bands.png")
 
 
+def test_checkpoint_intervals_are_labelled_alike_in_every_seed():
+    """ablation-ckpt: the interval label goes to every seed's runs, so the over-seeds table has one row per
+    interval (it once relabelled the first seed's only and split each interval into two rows)."""
+    from experiments.suite import label_checkpoint_intervals, seeds_table
+
+    runs = []
+    for seed in range(3):
+        for every, label in ((1, "checkpoint/1"), (5, "checkpoint")):
+            r = _fake_run("checkpoint", seed, 4.5, 50.0 + every, rate=10.0)
+            r["spec"]["label"], r["spec"]["config"] = label, {"strategy": {"checkpoint_every": every}}
+            runs.append(r)
+    label_checkpoint_intervals(runs, 20)
+    table = seeds_table(runs)
+    assert "| checkpoint every 1 (20 paper it.) @ 10% | 0,1,2 |" in table
+    assert "| checkpoint every 5 (100 paper it.) @ 10% | 0,1,2 |" in table and "checkpoint/1" not in table
+
+
 def test_omega_scope_blocks_runs_get_their_own_names(tmp_path):
     settings = Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2)
     traces = write_traces(settings, tmp_path, settings.rates)
