@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Hop", "stage_order", "route", "edge_holders", "COMPONENTS"]
+__all__ = ["Hop", "stage_order", "route", "plain_route", "evaluates_after", "edge_holders", "COMPONENTS"]
 
 COMPONENTS = ("embed", "head")
 
@@ -54,6 +54,17 @@ def route(num_stages: int, plus: bool, step: int, microbatch: int, num_microbatc
     order = stage_order(num_stages, plus, step * num_microbatches + microbatch)
     last = len(order) - 1
     return [Hop(stage=s, embed=i == 0, head=i == last) for i, s in enumerate(order)]
+
+
+def plain_route(num_stages: int) -> list[Hop]:
+    """Stages 0..S-1 in order, the embedding on the first and the head on the last: the route of every
+    evaluation microbatch (and of every training microbatch without CheckFree+)."""
+    return [Hop(stage=i, embed=i == 0, head=i == num_stages - 1) for i in range(num_stages)]
+
+
+def evaluates_after(step: int, eval_every: int, num_steps: int) -> bool:
+    """Whether a validation evaluation follows step `step`: every `eval_every` steps (0: never) and after the last."""
+    return bool(eval_every and (step + 1) % eval_every == 0) or step == num_steps - 1
 
 
 def edge_holders(num_stages: int, plus: bool) -> dict[str, tuple[int, ...]]:

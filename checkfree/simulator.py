@@ -29,7 +29,7 @@ from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
 from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
-from checkfree.pipeline import Hop, edge_holders, route
+from checkfree.pipeline import Hop, edge_holders, evaluates_after, plain_route, route
 from checkfree.recovery import StateDict, UnrecoverableFailure
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS, UncorrectableSoftError, guard_counts, make_guard
 from checkfree.serialize import state_from_bytes, state_to_bytes
@@ -108,12 +108,12 @@ def sync_components(workers: list[StageWorker], plus: bool) -> None:
 @torch.no_grad()
 def evaluate(workers: list[StageWorker], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean validation loss over `batches` along the plain route."""
-    last = len(workers) - 1
+    hops = plain_route(len(workers))
     losses = []
     for inputs, targets in batches:
         x = inputs
-        for i, w in enumerate(workers):
-            x = w.infer(x if i == 0 else roundtrip(x, w.cfg.train.wire_dtype), Hop(i, embed=i == 0, head=i == last))
+        for i, (w, hop) in enumerate(zip(workers, hops)):
+            x = w.infer(x if i == 0 else roundtrip(x, w.cfg.train.wire_dtype), hop)
         losses.append(float(torch.nn.functional.cross_entropy(x.flatten(0, 1), targets.to(x.device).flatten())))
     return sum(losses) / len(losses)
 
@@ -364,7 +364,7 @@ class Simulator:
         self.sim_time_s += self.cost.step_s() + figs.stall_s
         self.iterations += 1
         record.update(iteration=self.iterations - 1, sim_time_s=round(self.sim_time_s, 6))
-        if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.num_steps - 1:
+        if evaluates_after(step, t.eval_every, t.num_steps):
             record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
         return record
 

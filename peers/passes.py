@@ -19,7 +19,7 @@ import time
 import torch
 
 from checkfree.net.transport import RemoteError, TransportError
-from checkfree.pipeline import Hop, edge_holders, route
+from checkfree.pipeline import Hop, edge_holders, plain_route, route
 from checkfree.protocol import (
     RPC,
     STEP_TIMEOUT_MARK,
@@ -135,7 +135,7 @@ class Passes:
         c = self.hosted.cfg
         s = c.num_stages
         if evaluate:
-            return [[Hop(i, i == 0, i == s - 1) for i in range(s)] for _ in range(c.train.eval_batches)]
+            return [plain_route(s) for _ in range(c.train.eval_batches)]
         return [route(s, self.hosted.plus, step, mb, c.train.num_microbatches) for mb in range(c.train.num_microbatches)]
 
     def _batch(self, run: StepRun, mb: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,6 +36,7 @@ from checkfree.auth import join_token, load_secret
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
 from checkfree.model import plan_stages
+from checkfree.pipeline import evaluates_after
 from checkfree.net.transport import (
     dht_maddrs,
     rpc_note,
@@ -169,7 +170,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
                       "live_peers": len(self.stage_peer), **step_figures(results, cfg.num_stages)}
             await self._protect(step)
-            if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step == cfg.train.num_steps - 1:
+            if evaluates_after(step, cfg.train.eval_every, cfg.train.num_steps):
                 try:
                     ev = await self._run_step(step, evaluate=True)
                 except Rollback as r:

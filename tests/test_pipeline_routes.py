@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkfree.pipeline import edge_holders, route, stage_order
+from checkfree.pipeline import Hop, edge_holders, route, stage_order
 
 
 @pytest.mark.parametrize("S", [4, 6, 8])
@@ -43,3 +43,13 @@ def test_every_swapped_route_starts_and_ends_at_a_holder():
             order = stage_order(S, True, k)
             assert sorted(order) == list(range(S))
             assert order[0] in holders["embed"] and order[-1] in holders["head"]
+
+
+def test_plain_route_and_the_evaluation_rule_shared_by_simulator_and_swarm():
+    from checkfree.pipeline import evaluates_after, plain_route
+
+    assert plain_route(3) == route(3, False, 7, 1, 4) == [Hop(0, True, False), Hop(1, False, False), Hop(2, False, True)]
+    assert plain_route(1) == [Hop(0, True, True)]
+    # every eval_every steps and after the last one; eval_every 0: only after the last
+    assert [s for s in range(10) if evaluates_after(s, 4, 10)] == [3, 7, 9]
+    assert [s for s in range(10) if evaluates_after(s, 0, 10)] == [9]
