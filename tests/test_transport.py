@@ -434,6 +434,11 @@ def test_malformed_raw_bytes_get_error_reply_and_service_continues() -> None:
 
 @pytest.mark.timeout(120)
 def test_start_transport_dht_heartbeats_and_bad_bootstrap() -> None:
+    """Also: a start that fails (unreachable bootstrap peer) leaves no socket file of its p2pd behind."""
+    from checkfree.net.lifeline import socket_files
+
+    before = socket_files()
+
     async def main() -> None:
         with pytest.raises(TransportError, match="invalid initial peer"):
             await start_transport(["/ip4/127.0.0.1/tcp/1"])
@@ -475,6 +480,7 @@ def test_start_transport_dht_heartbeats_and_bad_bootstrap() -> None:
             await stop_transport(dht_a, t_a)
 
     asyncio.run(main())
+    assert not socket_files() - before, "socket files left in the temporary directory"
 
 
 def test_coordinator_record_names_its_transport() -> None:

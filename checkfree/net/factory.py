@@ -19,7 +19,12 @@ from checkfree.net.addresses import listen_ips, publish_rpc_addrs
 from checkfree.net.base import Transport
 from checkfree.net.errors import TransportError
 from checkfree.net.hivemind_transport import HivemindTransport
-from checkfree.net.lifeline import TiedDHT, quiet_fd_handoffs, sweep_stale_sockets
+from checkfree.net.lifeline import (
+    TiedDHT,
+    quiet_fd_handoffs,
+    socket_files,
+    sweep_stale_sockets,
+)
 from checkfree.net.streams import quiet_disconnects
 from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -109,6 +114,7 @@ async def start_transport(
     check_transport(transport)
     peers = _check_initial_peers(initial_peers)
     sweep_stale_sockets()
+    before = socket_files()
     quiet_disconnects(asyncio.get_running_loop())
     quiet_fd_handoffs()
     dht = TiedDHT(  # dies with this process, and takes its p2pd along (lifeline.py)
@@ -127,6 +133,7 @@ async def start_transport(
         await asyncio.get_running_loop().run_in_executor(None, dht.wait_until_ready, deadline)
     except Exception as e:
         dht.shutdown()
+        await _remove_own_sockets(before)
         text = str(e)
         if isinstance(e, TimeoutError) and not text:
             text = f"DHT not ready after {time.monotonic() - started:.1f} s"
@@ -151,6 +158,20 @@ async def start_transport(
     except BaseException:
         dht.shutdown()
         raise
+
+
+async def _remove_own_sockets(before: set[str], wait_s: float = 3.0) -> None:
+    """After a failed start: remove the socket files this start created that nothing listens on any more (a p2pd
+    stopped before it could clean up after itself), waiting up to `wait_s` for a daemon still shutting down.
+    Files of other processes that started meanwhile are left alone: they listen (or are younger than 1 s)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        new = socket_files() - before
+        if new:
+            sweep_stale_sockets(min_age_s=1.0, among=new)
+        if not socket_files() - before or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.25)
 
 
 def rpc_note(transport: Any) -> str:

@@ -37,7 +37,7 @@ import traceback
 
 from hivemind import DHT
 
-__all__ = ["TiedDHT", "quiet_fd_handoffs", "sweep_stale_sockets", "tie_to_parent"]
+__all__ = ["TiedDHT", "quiet_fd_handoffs", "socket_files", "sweep_stale_sockets", "tie_to_parent"]
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -72,12 +72,20 @@ class TiedDHT(DHT):
         super().run()
 
 
-def sweep_stale_sockets(pattern: str = SOCKET_GLOB, min_age_s: float = 10.0) -> int:
+def socket_files(pattern: str = SOCKET_GLOB) -> set[str]:
+    """The hivemind socket files in the temporary directory now."""
+    return set(glob.glob(pattern))
+
+
+def sweep_stale_sockets(pattern: str = SOCKET_GLOB, min_age_s: float = 10.0, among: set[str] | None = None) -> int:
     """Remove hivemind socket files nothing listens on (left by SIGKILLed processes); returns how many.
-    Files younger than `min_age_s` are left alone: a process starting now may not listen yet."""
+    Files younger than `min_age_s` are left alone: a process starting now may not listen yet. `among`: only
+    these files."""
     removed = 0
     now = time.time()
     for path in glob.glob(pattern):
+        if among is not None and path not in among:
+            continue
         try:
             if now - os.stat(path).st_mtime < min_age_s:
                 continue
