@@ -289,6 +289,19 @@ class LocalSwarm:
             p.popen.wait()
         if self.lab is not None:
             self.lab.close()
+        # the p2pd of a SIGKILLed peer cannot remove its socket file: once every group is gone (up to 3 s), remove
+        # the socket files nothing listens on any more
+        from checkfree.net.lifeline import sweep_stale_sockets
+
+        deadline = time.monotonic() + 3.0
+        for p in procs:
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(p.popen.pid, 0)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(0.05)
+        sweep_stale_sockets(min_age_s=1.0)
 
     @staticmethod
     def _stop(procs: list[Proc], wait_s: float, group: bool = True) -> None:
