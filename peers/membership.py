@@ -42,6 +42,7 @@ from checkfree.protocol import (
     members_key,
     request,
 )
+from checkfree.strategies.state import state_nbytes
 from checkfree.wan import WanEmulator
 from peers.checks import admit
 from peers.stage import HostedStage, PeerState
@@ -51,10 +52,6 @@ __all__ = ["Handler", "Membership"]
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Membership:
@@ -103,9 +100,9 @@ class Membership:
             return await self.transport.call(peer, name, header, tensors, timeout=timeout)
 
         async def shaped() -> tuple[dict, list]:
-            await self.wan.carry(link[0], link[1], _nbytes(tensors))
+            await self.wan.carry(link[0], link[1], state_nbytes(tensors))
             reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-            await self.wan.carry(link[1], link[0], _nbytes(out))
+            await self.wan.carry(link[1], link[0], state_nbytes(out))
             return reply, out
 
         try:  # the emulated links' time counts against the timeout, as a real WAN's would

@@ -76,7 +76,7 @@ class Recovery:
         """Load a leaving peer's (`source`) full state into `worker`: its omega and the bytes moved."""
         require(header, source=str, step=int, stage=int)
         stage = header["stage"]  # the leaving peer serves the same stage, in the same region
-        timeout = self.net.t.step_timeout + self.net.allowance(stage, stage, 12 * stage_params(self.hosted.cfg)[stage])
+        timeout = self.net.t.step_timeout + self._allowance(stage, stage)
         _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, timeout, link=(stage, stage),
                                          step=header["step"])
         omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
@@ -121,8 +121,7 @@ class Recovery:
         """Stage `source`'s weights of `part` for the rebuild of `stage`, its omega, and (for a component) its
         Adam state."""
         t0 = time.perf_counter()
-        # at most the source stage's weights and two Adam moments cross the link
-        timeout = self.net.t.rpc_timeout + self.net.allowance(source, stage, 12 * stage_params(self.hosted.cfg)[source])
+        timeout = self.net.t.rpc_timeout + self._allowance(source, stage)
         h, ts = await self.net.call(peer_id, RPC.GET_WEIGHTS, timeout, link=(stage, source), part=part, step=step)
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
@@ -132,6 +131,11 @@ class Recovery:
             raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
                                 f"but {len(ts)} tensors")
         return dict(zip(keys, ts)), float(h["omega"]), optim_from_wire(okeys, ts[len(keys):])
+
+    def _allowance(self, source: int, stage: int) -> float:
+        """Extra timeout for pulling stage `source`'s state to `stage` over the run's emulated link: at most its
+        weights and two Adam moments in float32 (Membership.allowance; 0 on loopback)."""
+        return self.net.allowance(source, stage, 12 * stage_params(self.hosted.cfg)[source])
 
     def _rebuild(self, worker: StageWorker, plan: RecoveryPlan, blocks: dict, norms: dict, edges: dict,
                  edge_optim: dict, step: int) -> dict[int, float]:
