@@ -283,24 +283,14 @@ class LocalSwarm:
         self._stop(coordinators, wait_s=8, group=False)  # its DHT and p2pd must outlive its goodbyes
         procs = [*coordinators, *self.peers]
         self._stop(procs, wait_s=4)
-        for p in procs:  # the group may hold a DHT child or p2pd even after the leader exited
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            p.popen.wait()
+        deadline = time.monotonic() + 3.0
+        for p in procs:  # the group may hold a DHT child or p2pd even after the leader exited: gone within 3 s
+            kill_group(p, gone_within=max(0.0, deadline - time.monotonic()))
         if self.lab is not None:
             self.lab.close()
-        # the p2pd of a SIGKILLed peer cannot remove its socket file: once every group is gone (up to 3 s), remove
-        # the socket files nothing listens on any more
+        # the p2pd of a SIGKILLed peer cannot remove its socket file: remove those nothing listens on any more
         from checkfree.net.lifeline import sweep_stale_sockets
 
-        deadline = time.monotonic() + 3.0
-        for p in procs:
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(p.popen.pid, 0)
-                except (ProcessLookupError, PermissionError):
-                    break
-                time.sleep(0.05)
         sweep_stale_sockets(min_age_s=1.0)
 
     @staticmethod

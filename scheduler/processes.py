@@ -105,13 +105,13 @@ def kill_group(proc: Proc, gone_within: float = 10.0) -> None:
     """SIGKILL the process group (the process, its DHT child and its p2pd) and wait until it is gone."""
     try:
         os.killpg(proc.popen.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
     proc.popen.wait(timeout=30)
     deadline = time.monotonic() + gone_within
     while time.monotonic() < deadline:
         try:
             os.killpg(proc.popen.pid, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             return
         time.sleep(0.05)
