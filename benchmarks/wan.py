@@ -27,9 +27,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from checkfree.config import config_from_dict
-from checkfree.costmodel import CostModel, swarm_profile
+from checkfree.costmodel import CostModel
 from checkfree.rundir import read_jsonl
-from checkfree.wirecodec import WIRE_BYTES
+from checkfree.wan import WanEmulator
 
 CONFIGS = {
     "small": ["--preset", "small"],
@@ -58,12 +58,11 @@ def run(name: str, extra: list[str], args, out: Path, wan: bool) -> dict:
 
 def terms(cfg) -> tuple[CostModel, list[str]]:
     """The cost model of `cfg` on its emulated network, and a table of its terms."""
-    cm = CostModel(cfg, swarm_profile(cfg.train.wan, wire_bytes=WIRE_BYTES[cfg.train.wire_dtype]))
-    p = cm.profile
+    cm = WanEmulator(cfg).model  # the model the swarm's emulated links are read from
     rows = ["| stage | forward s | backward s | link to next: latency ms | GiB/s | activation serialization ms |",
             "|---|---|---|---|---|---|"]
     for i in range(cm.S):
-        f, b = cm.flops[i] / p.flops_per_s + p.hop_overhead_s, 2 * cm.flops[i] / p.flops_per_s + p.hop_overhead_s
+        f, b = cm.compute_s(i, 1.0), cm.compute_s(i, 2.0)
         if i + 1 < cm.S:
             lat, bw = cm.latency_s(i, i + 1), cm.bandwidth_Bps(i, i + 1)
             link = f"{lat * 1e3:.0f} | {bw / 2**30:g} | {cm.activation_bytes / bw * 1e3:.2f}"

@@ -248,7 +248,8 @@ class CostModel:
         return self.profile.detection_s + transfer_s
 
     # --- steps -------------------------------------------------------------------------
-    def _compute_s(self, stage: int, passes: float) -> float:
+    def compute_s(self, stage: int, passes: float) -> float:
+        """Seconds of `passes` forward-equivalents of one microbatch on `stage` (a backward is 2), its hop included."""
         return passes * self.flops[stage] / self.profile.flops_per_s + self.profile.hop_overhead_s
 
     def _send_s(self, stage: int, to: int) -> float:
@@ -257,17 +258,17 @@ class CostModel:
     def t_f(self, redundant: bool = False) -> float:
         """Forward time per microbatch of the slowest stage, its send included."""
         extra = self.profile.redundant_slowdown if redundant else 0.0
-        return max(self._compute_s(i, 1.0) + extra * self.flops[(i + 1) % self.S] / self.profile.flops_per_s
+        return max(self.compute_s(i, 1.0) + extra * self.flops[(i + 1) % self.S] / self.profile.flops_per_s
                    + self._send_s(i, i + 1) for i in range(self.S))
 
     def t_b(self) -> float:
         """Backward time per microbatch of the slowest stage, its send back included."""
-        return max(self._compute_s(i, 2.0) + self._send_s(i, i - 1) for i in range(self.S))
+        return max(self.compute_s(i, 2.0) + self._send_s(i, i - 1) for i in range(self.S))
 
     def step_s(self) -> float:
         """Seconds of one training step with no fault-tolerance work."""
         if not self.profile.pipelined:
-            return self.M * sum(self._compute_s(i, 1.0) + self._compute_s(i, 2.0) for i in range(self.S))
+            return self.M * sum(self.compute_s(i, 1.0) + self.compute_s(i, 2.0) for i in range(self.S))
         return self.pipeline_s()
 
     def pipeline_s(self, extra_forward: list[float] | None = None, schedule: str | None = None) -> float:
@@ -278,8 +279,8 @@ class CostModel:
         one more per finished microbatch (peers.passes). `extra_forward[i]`: seconds added to each forward
         of stage i (redundant computation)."""
         S, M = self.S, self.M
-        fwd = [self._compute_s(i, 1.0) + (extra_forward[i] if extra_forward else 0.0) for i in range(S)]
-        bwd = [self._compute_s(i, 2.0) for i in range(S)]
+        fwd = [self.compute_s(i, 1.0) + (extra_forward[i] if extra_forward else 0.0) for i in range(S)]
+        bwd = [self.compute_s(i, 2.0) for i in range(S)]
         window = S if (schedule or self.cfg.train.schedule) == "1f1b" else M
         events: list[tuple[float, int, str, int, int]] = []  # (time, seq, what, stage, microbatch)
         seq = 0
