@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,7 @@ def _train_bpe(texts: Iterable[str], vocab_size: int, path: Path):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(f".{_tmp_tag()}")
     tok.save(str(tmp))
     os.replace(tmp, path)  # atomic: concurrent processes never read a half-written file
     return tok
@@ -269,7 +270,7 @@ def build_tokenizer(cfg: DataConfig, vocab_size: int):
 def save_run_tokenizer(tok, out: str | Path) -> Path:
     """The run directory keeps its tokenizer: <out>/tokenizer.json (written atomically)."""
     path = Path(out) / "tokenizer.json"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(f".{_tmp_tag()}")
     tok.save(str(tmp))
     os.replace(tmp, path)
     return path
@@ -303,10 +304,16 @@ class TokenData:
         return out
 
 
+def _tmp_tag() -> str:
+    """A temporary file's tag: ``tmp<pid>-<thread>``, so that neither two processes nor two threads of one
+    process (the in-process swarm's peers) write the same file."""
+    return f"tmp{os.getpid()}-{threading.get_ident()}"
+
+
 def _sweep_stale(directory: Path) -> None:
     """Remove the temporary files of preparations whose process is gone (killed mid-way)."""
     for tmp in directory.glob("tokens-*.tmp*"):
-        pid = tmp.name.rsplit(".tmp", 1)[1].split(".")[0]
+        pid = re.match(r"\d*", tmp.name.rsplit(".tmp", 1)[1]).group()
         try:
             os.kill(int(pid), 0)
         except (ValueError, ProcessLookupError):
@@ -332,7 +339,7 @@ def prepare_tokens(cfg: DataConfig, tok, corpus: str, *, progress: bool = True) 
     files = _source_files(cfg)
     total = sum(f.stat().st_size for f in files) if files else 0
     bar = Progress(total, "preparing tokens", unit="B", enabled=progress and total > 0, every=max(1, total // 10))
-    tmp = root / f"{stem}.tmp{os.getpid()}.bin"
+    tmp = root / f"{stem}.{_tmp_tag()}.bin"
     count, done, batch, ends, size = 0, 0, [], [], 0
     try:
         with open(tmp, "wb") as out:
@@ -359,7 +366,7 @@ def prepare_tokens(cfg: DataConfig, tok, corpus: str, *, progress: bool = True) 
         meta = {"format": 1, "dtype": np.dtype(dtype).name, "tokens": count, "source": cfg.source,
                 "vocab_size": tok.get_vocab_size(), "eos": eos}
         os.replace(tmp, path)
-        meta_tmp = meta_path.with_name(f"{stem}.tmp{os.getpid()}.json")
+        meta_tmp = meta_path.with_name(f"{stem}.{_tmp_tag()}.json")
         meta_tmp.write_text(json.dumps(meta))
         os.replace(meta_tmp, meta_path)
     finally:
