@@ -107,13 +107,15 @@ class ProtocolError(ValueError):
 class StepFailed(RuntimeError):
     """A step attempt that ended without result on this peer (aborted, superseded, timed out, a
     neighbour unreachable, a soft error): expected under churn, so servers log it as one line, not
-    a traceback; `kind` (a Kind) tells the coordinator which."""
+    a traceback; `kind` (a Kind) tells the coordinator which, `detail` (JSON values) what it may count
+    (a soft error: the guard's counters)."""
 
     expected = True
 
-    def __init__(self, message: str, kind: str = Kind.STEP_FAILED) -> None:
+    def __init__(self, message: str, kind: str = Kind.STEP_FAILED, detail: dict | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.detail = detail or {}
 
 
 @dataclass(kw_only=True)

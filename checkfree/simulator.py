@@ -15,6 +15,7 @@ carry each failure's figures, the summary their totals and `simulated_hours`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import signal
@@ -31,12 +32,13 @@ from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.pipeline import Hop, edge_holders, evaluates_after, plain_route, route
 from checkfree.recovery import StateDict, UnrecoverableFailure
-from checkfree.softerrors import ESCALATE_AFTER_SKIPS, UncorrectableSoftError, guard_counts, make_guard
+from checkfree.softerrors import UncorrectableSoftError, guard_counts, make_guard
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.export import save_export
 from checkfree.progress import Progress
 from checkfree.rundir import RunWriter
 from checkfree.saves import newest_save, read_save, write_save
+from checkfree.steprules import Commit, SoftErrorRule, apply_commits
 from checkfree.strategies import Figures, build_strategy, worker_config
 from checkfree.strategies.averaging import recovery_fields
 from checkfree.strategies.state import StageState, capture_worker, restore_worker
@@ -188,7 +190,7 @@ class Simulator:
                                                               FAILURE_HORIZON * cfg.train.num_steps,
                                                               self.strategy.fails_edges)
         self.guards = [make_guard(cfg, s) for s in range(cfg.num_stages)]
-        self.soft_skips = [0] * cfg.num_stages  # consecutive steps skipped because of each stage
+        self.soft_rule = SoftErrorRule()  # steps lost in a row to each stage's soft errors
         self.resume_at: int | None = None  # a rollback requested from inside a step
         self.pending_failed: set[int] = set()  # stages found broken (non-finite weights) in the last step
         self.workers = [self.new_worker(s) for s in range(cfg.num_stages)]
@@ -228,17 +230,15 @@ class Simulator:
                           iteration=it, **outcome.fields())
         return step if outcome.rollback_to is None else outcome.rollback_to
 
+    def _event(self, event: str, **fields) -> None:
+        self.writer.event(event, strategy=self.cfg.recovery.strategy, **fields)
+
     def _soft_error_skip(self, step: int, err: SoftErrorEscalation) -> tuple[float, list[StepStats]]:
         """An uncorrectable soft error survived a recompute: skip the step; if the same
         stage keeps causing skips, treat it as failed and recover it with the strategy."""
         for w in self.workers:
             w.drop_inflight()
-        self.soft_skips[err.stage] += 1
-        self.writer.event("soft_error_skip", step=step, stage=err.stage, strategy=self.cfg.recovery.strategy,
-                          reason=str(err)[:300])
-        if self.soft_skips[err.stage] >= ESCALATE_AFTER_SKIPS:
-            self.writer.event("soft_error_escalation", step=step, stage=err.stage, strategy=self.cfg.recovery.strategy)
-            self.soft_skips[err.stage] = 0
+        if self.soft_rule.lost(err.stage, functools.partial(self._event, step=step), reason=str(err)[:300]):
             resume = self.recover(step, {err.stage})
             if resume != step:
                 self.resume_at = resume
@@ -250,18 +250,12 @@ class Simulator:
             loss = run_microbatches(self.workers, self.data, step, self.plus)
         except SoftErrorEscalation as e:
             return self._soft_error_skip(step, e)
-        self.soft_skips = [0] * len(self.workers)
+        self.soft_rule.clear()
         sync_components(self.workers, self.plus)
         stats = [w.step(step) for w in self.workers]
-        for i, st in enumerate(stats):
-            if not st.weights_finite:
-                self.writer.event("nonfinite_weights", step=step, stage=i, strategy=self.cfg.recovery.strategy)
-                self.pending_failed.add(i)  # treated as failed: recovered before the next step
-            if st.skipped:
-                self.writer.event("skipped_step", step=step, stage=i, strategy=self.cfg.recovery.strategy,
-                                  reason="non-finite gradient")
-            else:
-                self.norms[i] = st.omega(self.cfg.recovery)
+        commits = [Commit(i, st.omega(self.cfg.recovery), st.skipped, st.weights_finite) for i, st in enumerate(stats)]
+        # a stage whose weights broke is treated as failed: recovered before the next step
+        self.pending_failed |= apply_commits(commits, self.norms, functools.partial(self._event, step=step))
         return loss, stats
 
     def save(self, step: int) -> None:

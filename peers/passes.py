@@ -28,7 +28,7 @@ from checkfree.protocol import (
     ProtocolError,
     StepFailed,
 )
-from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError
+from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts
 from checkfree.wirecodec import encode
 from peers.checks import check_activation, check_hop, check_sender
 from peers.compute import BACKWARD_FIRST, ComputeQueue
@@ -84,8 +84,9 @@ class Passes:
                      Kind.STRAGGLER if straggler else Kind.STEP_TIMEOUT)
         if run.error is None and self.hosted.plus and not run.evaluate:
             await self._sync_components(run)
-        if run.error is not None:
-            raise StepFailed(run.error, run.kind)
+        if run.error is not None:  # a soft error carries the guard's counters: the peer may be replaced for it
+            raise StepFailed(run.error, run.kind, {"soft_errors": guard_counts([self.hosted.worker.guard])}
+                             if run.kind == Kind.SOFT_ERROR else None)
         run.inflight = await self.compute.run(self.hosted.worker.take_inflight_peak)  # after this step's queued work
         return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": stage, **run.figures()}, []
 

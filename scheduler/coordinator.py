@@ -46,6 +46,7 @@ from checkfree.net.transport import (
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC, request
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure
 from checkfree.rundir import RunWriter
+from checkfree.steprules import Commit, SoftErrorRule, apply_commits
 from checkfree.wan import WanEmulator
 from scheduler.common import (
     CoordinatorAlive,
@@ -119,7 +120,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
         self._chaos_done: set[int] = set()
         self._recovery_killed: set[int] = set()
         self.norms = [0.0] * cfg.num_stages
-        self.soft_skips: dict[int, int] = {}  # stage -> consecutive attempts lost to soft errors
+        self.soft_rule = SoftErrorRule()  # attempts lost in a row to each stage's soft errors
         self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
         plan_stages(cfg.model.num_layers, cfg.num_stages)
 
@@ -153,16 +154,16 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
             loss = sum(float(v) for r in results.values() for v in r["losses"].values())
             post = [commits[s].get("post", math.nan) if isinstance(commits[s], dict) else math.nan
                     for s in range(cfg.num_stages)]
-            self.soft_skips.clear()
-            for s, r in commits.items():
-                if isinstance(r, dict):
-                    self.norms[s] = float(r["omega"])
-                    self.soft_counts[self.stage_peer[s]] = r.get("soft_errors", {})
-                    if not r.get("weights_finite", True):  # numeric guard: a broken stage is a failed stage
-                        self._event("nonfinite_weights", step=step, stage=s, peer_id=self.stage_peer[s])
-                        self.members[self.stage_peer[s]].leaving = True
-                    if r.get("skipped"):
-                        self._event("skipped_step", step=step, stage=s, reason="non-finite gradient")
+            self.soft_rule.clear()
+            done = {s: r for s, r in commits.items() if isinstance(r, dict)}
+            for s, r in done.items():
+                self.soft_counts[self.stage_peer[s]] = r.get("soft_errors", {})
+            broken = apply_commits(
+                [Commit(s, float(r["omega"]), bool(r.get("skipped")), bool(r.get("weights_finite", True)))
+                 for s, r in done.items()], self.norms,
+                lambda event, stage, **f: self._event(event, step=step, stage=stage, peer_id=self.stage_peer[stage], **f))
+            for s in broken:  # numeric guard: a broken stage is a failed stage, recovered before the next step
+                self.members[self.stage_peer[s]].leaving = True
             lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)
             block_post = [commits[s].get("block_post", math.nan) if isinstance(commits[s], dict) else math.nan
                           for s in range(cfg.num_stages)]

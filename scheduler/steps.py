@@ -1,15 +1,15 @@
 """One step of the run: RUN_STEP to every stage peer (one attempt; the route table of its microbatches), the
-soft-error rule, the attempts of a step until one succeeds, and COMMIT once every stage is ready."""
+soft-error rule (checkfree.steprules), the attempts of a step until one succeeds, and COMMIT once every stage is ready."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from checkfree.net.transport import RemoteError
 from checkfree.pipeline import route
 from checkfree.protocol import RPC, Kind
-from checkfree.softerrors import ESCALATE_AFTER_SKIPS
 from scheduler.common import EVAL_ATTEMPT
 
 __all__ = ["StepsMixin"]
@@ -61,6 +61,7 @@ class StepsMixin:
             if not isinstance(e, RemoteError):  # the peer itself did not answer
                 self.reported.add(self.stage_peer[s])
             elif e.kind == Kind.SOFT_ERROR:
+                self.soft_counts[self.stage_peer[s]] = e.detail.get("soft_errors", {})
                 self._soft_error(step, s)
             elif e.kind == Kind.STRAGGLER:  # slower than step_timeout: treated as failed, recovered before the retry
                 pid = self.stage_peer[s]
@@ -70,12 +71,9 @@ class StepsMixin:
 
     def _soft_error(self, step: int, stage: int) -> None:
         """An uncorrectable soft error survived the peer's recompute: the attempt is redone;
-        a stage that keeps producing them is treated as failed and recovered."""
-        self.soft_skips[stage] = self.soft_skips.get(stage, 0) + 1
-        self._event("soft_error_skip", step=step, stage=stage, strategy=self.cfg.recovery.strategy)
-        if self.soft_skips[stage] >= ESCALATE_AFTER_SKIPS:
-            self.soft_skips[stage] = 0
-            self._event("soft_error_escalation", step=step, stage=stage, strategy=self.cfg.recovery.strategy)
+        a stage that keeps producing them is treated as failed and recovered (checkfree.steprules)."""
+        event = functools.partial(self._event, step=step, strategy=self.cfg.recovery.strategy)
+        if self.soft_rule.lost(stage, event):
             self.members[self.stage_peer[stage]].leaving = True
 
     async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:

@@ -29,19 +29,21 @@ class TransportTimeout(TransportError, TimeoutError):
 class RemoteError(TransportError):
     """The remote handler (or the remote decoder) failed; ``remote_message`` is its error string and
     ``kind`` what happened, as a word callers branch on (the error's own ``kind``, e.g. a step's
-    ``straggler``; ``bad_request`` for malformed input; ``internal`` for a bug), never the text."""
+    ``straggler``; ``bad_request`` for malformed input; ``internal`` for a bug), never the text; ``detail``
+    the error's own figures, if it carried any (a dict, else empty)."""
 
-    def __init__(self, message: str, remote_message: str, kind: str = "internal") -> None:
+    def __init__(self, message: str, remote_message: str, kind: str = "internal", detail: dict | None = None) -> None:
         super().__init__(message)
         self.remote_message = remote_message
         self.kind = kind
+        self.detail = detail or {}
 
 
 def remote_error(peer: Any, name: str, reply_header: dict) -> RemoteError:
-    """The RemoteError of an error reply ``{"error": text, "kind": kind}``."""
-    kind = reply_header.get("kind")
+    """The RemoteError of an error reply ``{"error": text, "kind": kind[, "detail": {...}]}``."""
+    kind, detail = reply_header.get("kind"), reply_header.get("detail")
     return RemoteError(f"peer {peer} failed '{name}': {reply_header['error']}", str(reply_header["error"]),
-                       kind if isinstance(kind, str) else "internal")
+                       kind if isinstance(kind, str) else "internal", detail if isinstance(detail, dict) else None)
 
 
 class RefusalLog:
@@ -80,12 +82,14 @@ def expected(e: BaseException) -> bool:
 def failed_request(e: Exception, what: str, peer: Any, bad: tuple[type, ...] = (asyncio.TimeoutError, WireError)) -> dict:
     """Log a request that failed on a server (a rate-limited one-line warning for a ``bad`` request or
     an expected condition, the traceback for a bug in a handler) and return its error reply
-    ``{"error": text, "kind": kind}``; ``what`` names the protocol in the log."""
+    ``{"error": text, "kind": kind}`` (and the error's ``detail`` dict, if it has one); ``what`` names the
+    protocol in the log."""
     if isinstance(e, bad) or expected(e):
         REFUSALS.warn("%s: refused request from %s: %s: %s", what, peer, type(e).__name__, str(e)[:300])
         kind = getattr(e, "kind", None) or ("timeout" if isinstance(e, asyncio.TimeoutError) else "bad_request")
     else:
         logger.exception("%s: handler failed for request from %s", what, peer)
         kind = "internal"
-    return {"error": f"{type(e).__name__}: {e}", "kind": kind}
+    detail = getattr(e, "detail", None)
+    return {"error": f"{type(e).__name__}: {e}", "kind": kind, **({"detail": detail} if detail else {})}
 
