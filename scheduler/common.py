@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from checkfree.failures import FailureSchedule
@@ -71,6 +72,8 @@ class CoordinatorOptions:
     keep_saves: int = 2
     resume: bool = False  # continue the run in `out` from its newest save
     tensorboard: bool = False  # also write metrics as TensorBoard scalars into <out>/tensorboard
+    # the in-process test tier: chaos requests (action, fields) go to this coroutine instead of to the launcher
+    chaos_handler: Callable[[str, dict], Awaitable[None]] | None = None
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Fault injection for the local swarm (`checkfree local` chaos flags), kept out of the coordinator's logic:
 scheduled SIGKILLs, SIGTERMs and partitions asked of the launcher (one `CHAOS ...` line each, acknowledged on
-stdin), replacements killed during their recovery, and slowed stages. A production coordinator has none of
+stdin) or, in the in-process test tier, of `CoordinatorOptions.chaos_handler`; replacements killed during
+their recovery, and slowed stages. A production coordinator has none of
 these options set, and none of this runs."""
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ChaosMixin:
         if self.iteration not in self.opts.chaos_recovery_kills or self.iteration in self._recovery_killed:
             return
         self._recovery_killed.add(self.iteration)
-        print(chaos_line("kill", step=self.iteration, stage=stage, peer=pid, during="recovery"), flush=True)
+        await self._ask("kill", step=self.iteration, stage=stage, peer=pid, during="recovery")
         await self._wait_dead(pid)
 
     def _chaos_rebuild(self, pid: str, stage: int) -> dict:
@@ -64,6 +65,16 @@ class ChaosMixin:
         self._recovery_killed.add(self.iteration)
         print(chaos_line("rebuild-kill", step=self.iteration, stage=stage, peer=pid), flush=True)
         return {"chaos_die_after_pulls": 1}
+
+    async def _ask(self, action: str, *, ack: bool = False, **fields: object) -> None:
+        """One fault-injection request: to the in-process handler when there is one (it returns once it has
+        acted), else a CHAOS line for the launcher (``ack``: and wait for its acknowledgement on stdin)."""
+        if self.opts.chaos_handler is not None:
+            await self.opts.chaos_handler(action, fields)
+            return
+        print(chaos_line(action, **fields), flush=True)
+        if ack:
+            await self._launcher_ack()
 
     async def _launcher_ack(self) -> None:
         """Local swarm: wait (up to rpc_timeout) for the launcher's line on stdin saying it has acted."""
@@ -96,21 +107,20 @@ class ChaosMixin:
             return
         self._chaos_done.add(step)
         for pid in self._partitioned:
-            print(chaos_line("heal", step=step, peer=pid), flush=True)
+            await self._ask("heal", step=step, peer=pid)
             self._event("chaos_heal", step=step, peer_id=pid)
         self._partitioned.clear()
         for stage, pid in self._scheduled(self.opts.partition, step):
-            print(chaos_line("partition", step=step, stage=stage, peer=pid), flush=True)
             self._event("chaos_partition", step=step, stage=stage, peer_id=pid)
-            await self._launcher_ack()  # the link is cut now; detecting it is left to timeouts and heartbeats
+            await self._ask("partition", ack=True, step=step, stage=stage, peer=pid)  # cut now; detection: timeouts
             self._partitioned.append(pid)
         for stage, pid in self._scheduled(self.opts.chaos, step):
-            print(chaos_line("kill", step=step, stage=stage, peer=pid), flush=True)
+            await self._ask("kill", step=step, stage=stage, peer=pid)
             self._event("chaos_kill", step=step, stage=stage, peer_id=pid)
             await self._wait_dead(pid)
             self.reported.add(pid)
         for stage, pid in self._scheduled(self.opts.preempt, step):
-            print(chaos_line("term", step=step, stage=stage, peer=pid), flush=True)
+            await self._ask("term", step=step, stage=stage, peer=pid)
             deadline = time.monotonic() + self.t.rpc_timeout
             while not self.members[pid].leaving and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the preempted peer announces its leave

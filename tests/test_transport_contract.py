@@ -1,4 +1,5 @@
-"""One contract, three transports: hivemind (p2pd), py-libp2p and direct TCP each behave the same through the
+"""One contract, four transports: hivemind (p2pd), py-libp2p, direct TCP and the in-process test tier's memory
+network each behave the same through the
 `checkfree.net.base.Transport` interface (round trips of every dtype, concurrency, errors with their kind,
 timeouts, unknown names, the extra header, unregister, a dead peer). The transport-specific details (stream
 reuse, handshakes, daemons) stay in test_transport.py, test_libp2p_transport.py and test_tcp_transport.py."""
@@ -15,7 +16,7 @@ import torch
 
 from checkfree.net.base import Transport
 from checkfree.net.transport import RemoteError, TransportError, TransportTimeout
-from checkfree.protocol import Kind, ProtocolError
+from checkfree.protocol import Kind, ProtocolError, StepFailed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,6 +37,11 @@ async def _pair(kind: str) -> AsyncIterator[tuple[Transport, Transport]]:
 
         server = await start_libp2p_transport()
         client = await start_libp2p_transport(initial_peers=server.get_visible_maddrs())
+    elif kind == "memory":
+        from checkfree.net.memory import MemoryNetwork, MemoryTransport
+
+        net = MemoryNetwork()
+        server, client = MemoryTransport(net), MemoryTransport(net)
     else:
         from checkfree.net.tcp_transport import start_tcp_transport
 
@@ -49,7 +55,7 @@ async def _pair(kind: str) -> AsyncIterator[tuple[Transport, Transport]]:
         await server.shutdown()
 
 
-@pytest.fixture(params=["hivemind", "libp2p", "tcp"])
+@pytest.fixture(params=["hivemind", "libp2p", "tcp", "memory"])
 def kind(request) -> str:
     if request.param == "libp2p":
         from checkfree.net import libp2p_transport  # before anything imports libp2p bare (see that module)
@@ -76,6 +82,8 @@ def test_contract(kind: str) -> None:
             raise ProtocolError("step 3 is not running", Kind.STRAGGLER)
         if header["how"] == "value":
             raise ValueError("shape mismatch")
+        if header["how"] == "detail":
+            raise StepFailed("an uncorrectable soft error", Kind.SOFT_ERROR, {"soft_errors": {"escalated": 2}})
         raise RuntimeError("a bug")
 
     async def hang(header: dict, tensors: list[torch.Tensor], peer) -> tuple[dict, list[torch.Tensor]]:
@@ -105,6 +113,10 @@ def test_contract(kind: str) -> None:
                 with pytest.raises(RemoteError) as err:
                     await client.call(server.peer_id, "fail", {"how": how}, timeout=30)
                 assert err.value.kind == kind_ and text in err.value.remote_message, (how, err.value)
+                assert err.value.detail == {}
+            with pytest.raises(RemoteError) as err:  # an error's figures travel with it, as a value
+                await client.call(server.peer_id, "fail", {"how": "detail"}, timeout=30)
+            assert err.value.kind == Kind.SOFT_ERROR and err.value.detail == {"soft_errors": {"escalated": 2}}
 
             started = time.monotonic()
             with pytest.raises(TransportTimeout):

@@ -4,8 +4,9 @@
 from checkfree.net.base import Transport
 from checkfree.net.hivemind_transport import HivemindTransport
 from checkfree.net.libp2p_transport import Libp2pTransport
+from checkfree.net.memory import MemoryTransport
 from checkfree.net.tcp_transport import TcpTransport
 
 
-def conforms(h: HivemindTransport, t: TcpTransport, lp: Libp2pTransport) -> list[Transport]:
-    return [h, t, lp]
+def conforms(h: HivemindTransport, t: TcpTransport, lp: Libp2pTransport, m: MemoryTransport) -> list[Transport]:
+    return [h, t, lp, m]

@@ -1,6 +1,7 @@
 """Start and stop a process's networking: the hivemind DHT (membership, in its own process with its p2pd,
 both tied to this process's life) and one RPC transport beside it, chosen by name (hivemind, libp2p, tcp);
-the libp2p and tcp modules are imported only when chosen."""
+the libp2p and tcp modules are imported only when chosen (and the in-process `memory` network of the fast
+test tier)."""
 
 from __future__ import annotations
 
@@ -106,11 +107,17 @@ async def start_transport(
     ``libp2p_port``; its peer id is a different one than the DHT's, kept in ``<identity_path>.libp2p`` when
     ``identity_path`` is given, and the DHT carries its addresses) or ``tcp`` (a ``TcpTransport``: direct,
     unencrypted TCP on ``tcp_port`` under the DHT's peer id, its connections authenticated with the run
-    ``secret`` when there is one; the DHT carries its addresses).
+    ``secret`` when there is one; the DHT carries its addresses). ``memory``: the in-process test tier's network
+(``checkfree.net.memory``), no DHT process.
 
     Fails within ~``startup_timeout`` (+ DHT bootstrap time) with an actionable ``TransportError`` when the
     daemon does not start or no initial peer can be reached. Stop with ``await stop_transport(dht, t)``.
     """
+    if transport == "memory":  # the in-process test tier (checkfree.net.memory): one Python process only
+        from checkfree.net.memory import MEMORY, MemoryDHT, MemoryTransport
+
+        t = MemoryTransport(MEMORY)
+        return MemoryDHT(MEMORY, t.peer_id), t
     check_transport(transport)
     peers = _check_initial_peers(initial_peers)
     sweep_stale_sockets()

@@ -1,0 +1,88 @@
+"""The in-process test tier: a coordinator and several peers (the real `Coordinator` and `PeerDaemon`) in one
+event loop over the memory network (`checkfree.net.memory`), with the coordinator's own chaos schedule as a
+deterministic fault injector: a scheduled kill is `MemoryNetwork.kill` (the peer unreachable, its running
+handlers cancelled) plus the cancellation of the peer's task, at the point the launcher would SIGKILL it.
+
+For the fast paths of the runtime (steps, routes, recovery orders, rollback, soft errors). What only real
+processes show (SIGKILL of a process, p2pd, sockets, signals, the launcher) stays in the subprocess tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from checkfree.config import RunConfig
+from checkfree.failures import FailureSchedule
+from checkfree.net.memory import MEMORY
+from checkfree.protocol import Timeouts
+from peers.daemon import PeerDaemon, PeerOptions
+from scheduler.common import CoordinatorOptions
+from scheduler.coordinator import Coordinator
+
+__all__ = ["InProcessSwarm", "run_swarm"]
+
+TIMEOUTS = Timeouts(heartbeat_ttl=2.0, rpc_timeout=20.0, step_timeout=60.0, join_timeout=60.0)
+
+
+@dataclass
+class InProcessSwarm:
+    """One run: ``peers`` peer daemons (stages + spares) and a coordinator; ``killed`` the peers the fault
+    injector killed, in order, as (action, fields)."""
+
+    cfg: RunConfig
+    out: Path
+    peers: int
+    coordinator_options: dict = field(default_factory=dict)
+    killed: list[tuple[str, dict]] = field(default_factory=list)
+    daemons: dict[str, PeerDaemon] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    summary: dict | None = None
+
+    async def _inject(self, action: str, fields: dict) -> None:
+        if action not in ("kill",):
+            raise NotImplementedError(f"the in-process tier injects kills only, not {action!r}")
+        pid = str(fields["peer"])
+        self.killed.append((action, dict(fields)))
+        MEMORY.kill(pid)
+        task = self.tasks[pid]
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+    async def run(self) -> dict:
+        MEMORY.reset()
+        opts = CoordinatorOptions(run_id="inproc", out=str(self.out), transport="memory", timeouts=TIMEOUTS,
+                                  chaos_handler=self._inject, **self.coordinator_options)
+        coordinator = Coordinator(self.cfg, opts)
+        main = asyncio.create_task(coordinator.run())
+        for _ in range(self.peers):
+            d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=TIMEOUTS, leave_deadline=2.0,
+                                       coordinator_timeout=30.0))
+            task = asyncio.create_task(d.run())
+            await asyncio.sleep(0)  # the daemon's transport exists (peer id known) once it has started
+            while d.membership.transport is None:
+                await asyncio.sleep(0.01)
+            pid = str(d.membership.transport.peer_id)
+            self.daemons[pid], self.tasks[pid] = d, task
+        try:
+            summary = await main
+        finally:
+            live = [t for t in self.tasks.values() if not t.done()]
+            if live:  # told to shut down by the coordinator: they end on their own, bounded
+                _, pending = await asyncio.wait(live, timeout=10)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*live, return_exceptions=True)
+            MEMORY.reset()
+        return summary
+
+
+def run_swarm(cfg: RunConfig, out: Path, *, peers: int, chaos: FailureSchedule | None = None,
+              **coordinator_options) -> InProcessSwarm:
+    """Run a swarm in this process to its end; the finished `InProcessSwarm` (its run directory is ``out``)."""
+    swarm = InProcessSwarm(cfg, out, peers, {"chaos": chaos, **coordinator_options})
+    swarm.summary = asyncio.run(swarm.run())
+    return swarm

@@ -1,0 +1,118 @@
+"""The in-process tier (tests/inprocess.py): the real coordinator and peer daemons in one event loop over the
+memory network, faults from the coordinator's chaos schedule. Each test compares the swarm's run directory
+with the simulator's for the same config and failures, in seconds instead of the subprocess tests' minutes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from checkfree.abft import FaultInjector
+from checkfree.failures import FailureSchedule
+from checkfree.rundir import read_jsonl
+from checkfree.simulator import Simulator
+from inprocess import run_swarm
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _cfg(tiny_cfg, strategy: str, steps: int = 6):
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.recovery.strategy = strategy
+    cfg.train.num_steps, cfg.train.eval_every = steps, 3
+    return cfg
+
+
+def _simulate(cfg, out, failures: list[tuple[int, int]]):
+    cfg = copy.deepcopy(cfg)
+    if failures:
+        trace = out.parent / f"{out.name}-trace.csv"
+        trace.write_text("step,stage\n" + "".join(f"{a},{b}\n" for a, b in failures))
+        cfg.failures.trace = str(trace)
+    return Simulator(cfg, out, progress=False).run()
+
+
+def _events(out, *kinds):
+    return [e for e in read_jsonl(out / "events.jsonl") if e["event"] in kinds]
+
+
+def _same_losses(a, b):
+    ma, mb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    for x, y in zip(ma, mb):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-5), (x["step"], x["loss"], y["loss"])
+        if "val_loss" in y:
+            assert x["val_loss"] == pytest.approx(y["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["checkfree", "checkfree+"])
+def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_path, strategy):
+    """A kill of an intermediate stage (and, under CheckFree+, of the last stage) at step 3: the swarm
+    rebuilds it with the same coefficients and goes on with the simulator's losses."""
+    cfg = _cfg(tiny_cfg, strategy)
+    failures = [(3, 1)] + ([(4, cfg.num_stages - 1)] if strategy == "checkfree+" else [])
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, chaos=FailureSchedule(failures),
+                      save_final=False)
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    assert [(f["step"], f["stage"]) for _, f in swarm.killed] == failures
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
+    assert [(e["step"], e["stage"]) for e in got] == [(e["step"], e["stage"]) for e in want] == failures
+    for g, w in zip(got, want):
+        assert g.get("coefficients") == pytest.approx(w.get("coefficients"), rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["gemini", "checkpoint"])
+def test_rollback_in_one_process_restores_what_the_simulator_does(tiny_cfg, tmp_path, strategy):
+    """A kill at step 5 rolls every stage back (gemini: to the snapshot of step 4 held in another peer's
+    memory; checkpoint: to the file of step 4): the swarm reports the simulator's rollback, re-runs the lost
+    steps and keeps the simulator's losses, the re-run steps included."""
+    cfg = _cfg(tiny_cfg, strategy, steps=7)
+    cfg.strategy.snapshot_every = cfg.strategy.checkpoint_every = 2
+    failures = [(5, 2)]
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, chaos=FailureSchedule(failures),
+                      save_final=False)
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps")
+    assert [tuple(e[k] for k in fields) for e in got] == [tuple(e[k] for k in fields) for e in want] \
+        == [(5, 2, "rollback", 4, 1)]
+
+
+def test_uncorrectable_soft_errors_in_the_swarm_redo_the_attempt_then_recover_the_stage(tiny_cfg, tmp_path,
+                                                                                    monkeypatch):
+    """The swarm's soft-error path (which the subprocess tests never reach: it needs faults a guard cannot
+    correct at a chosen stage). The peer of stage 1 puts two faults into one section of every attention call
+    (the guard corrects one per section): the attempt fails after the peer's recompute
+    (soft_error_skip), the redone attempt too, and the second in a row treats stage 1 as failed
+    (soft_error_escalation, checkfree.steprules): it is rebuilt by CheckFree and step 0 then runs; the swarm
+    redoes attempts where the simulator skips steps, so no step is lost."""
+    import peers.stage
+    from checkfree.abft import AttentionGuard
+
+    faulty = FaultInjector.from_schedule([(c, "q", "nan", r, 0) for c in range(64) for r in (0, 5)])
+    original, served = peers.stage.make_guard, []
+
+    def make_guard(cfg, stage):  # the first peer to serve stage 1 has the faulty hardware, its replacement not
+        if stage == 1 and not served:
+            served.append(stage)
+            return AttentionGuard(mode="range", injector=faulty)
+        return original(cfg, stage)
+
+    monkeypatch.setattr(peers.stage, "make_guard", make_guard)
+    cfg = _cfg(tiny_cfg, "checkfree", steps=3)
+    cfg.guard.abft = True
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, save_final=False)
+    assert swarm.summary["status"] == "completed"
+    kinds = [(e["event"], e["step"]) for e in _events(tmp_path / "swarm", "soft_error_skip", "soft_error_escalation",
+                                                        "recovery")]
+    assert kinds == [("soft_error_skip", 0), ("soft_error_skip", 0), ("soft_error_escalation", 0), ("recovery", 0)]
+    assert _events(tmp_path / "swarm", "recovery")[0]["stage"] == 1
+    assert faulty.injected >= 8 and swarm.summary["soft_errors"]["escalated"] >= 4  # the replaced peer's too
+    metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2] and all(isinstance(m["loss"], float) for m in metrics)
+    assert metrics[0]["attempts"] == 3
