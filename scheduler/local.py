@@ -5,23 +5,17 @@ its own process group, so a kill takes its DHT process and p2p daemon with it, l
 machine vanishing), kills peers with SIGKILL by the seeded schedule or the trace when the
 coordinator reaches the failure's step, starts a replacement process after every kill,
 shows live progress, and on exit or Ctrl-C tears everything down.
+
+This module is the command (its flags, the demo churn, checks before any process starts); the processes
+themselves are scheduler/launcher.py's `LocalSwarm`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import re
-import secrets
-import signal
-import subprocess
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from checkfree.auth import SECRET_ENV
 from checkfree.cli import (
     TIMEOUT_FLAGS,
     add_run_arguments,
@@ -32,17 +26,11 @@ from checkfree.cli import (
     warn_if_overwriting,
 )
 from checkfree.failures import schedule_from_config, write_trace
-from checkfree.progress import Progress
-from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
 from checkfree.wan import WanEmulator
-from scheduler.injector import parse_chaos_line
+from scheduler.launcher import LocalSwarm, SwarmOptions
 from scheduler.netlab import NetLab
-from scheduler.processes import Proc, await_line, kill_group, spawn
 
-__all__ = ["add_parser", "LocalSwarm", "SwarmOptions", "NetLab"]
-
-STEP_LINE = re.compile(r"^step (\d+): loss ([-+\w.]+)(?:, val ([-+\w.]+))?.*peers (\d+)\+(\d+), failures (\d+), "
-                       r"recoveries (\d+), fallbacks (\d+)")
+__all__ = ["add_parser", "run_local", "demo_trace", "LocalSwarm", "SwarmOptions", "NetLab"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,223 +78,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     add_chaos_slow_argument(c)
     p.set_defaults(func=run_local)
-
-
-@dataclass(kw_only=True)
-class SwarmOptions:
-    out: Path
-    run_id: str
-    spares: int = 2
-    threads_per_peer: int = 1
-    ready_timeout: float = 120.0
-    progress: bool = True
-    shared_flags: list[str] = field(default_factory=list)
-    peer_flags: list[str] = field(default_factory=list)
-    coordinator_flags: list[str] = field(default_factory=list)
-    kill_coordinator_at: int | None = None
-    failover: str = "standby"  # standby | restart
-    kill_coordinator_in: str = "step"  # step | commit
-    netns: bool = False  # every process in its own network namespace (NetLab)
-    progress_lines: bool = True  # print each peer's start-up milestones
-
-
-
-
-
-
-
-
-
-
-class LocalSwarm:
-    """Processes of one local run; `run()` returns the coordinator's exit code."""
-
-    def __init__(self, config_path: Path, chaos_path: Path, opts: SwarmOptions) -> None:
-        self.config_path, self.chaos_path, self.opts = config_path, chaos_path, opts
-        self.coordinator: Proc | None = None
-        self.standby: Proc | None = None
-        self.old_coordinators: list[Proc] = []
-        self.peers: list[Proc] = []
-        self.addr = ""
-        self.secret = secrets.token_hex(16)  # every local swarm is authenticated
-        self.kills = 0
-        self.preempted = 0
-        self.partitioned = 0
-        self.lab = NetLab() if opts.netns else None
-        (opts.out / "logs").mkdir(parents=True, exist_ok=True)
-        self._n = 0
-
-    def _spawn(self, name: str, args: list[str], stdin=subprocess.DEVNULL) -> Proc:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
-               SECRET_ENV: self.secret}
-        link, prefix = 0, []
-        if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
-            link, prefix, addr = self.lab.add()
-            args = [*args, "--host-maddrs", f"/ip4/{addr}/tcp/0"]
-        return spawn(args, env, log=self.opts.out / "logs" / f"{name}.log", prefix=prefix, stdin=stdin, name=name,
-                     link=link, announce=name.startswith("peer") and self.opts.progress_lines)
-
-    def _await_ready(self, proc: Proc, prefix: str) -> str:
-        return await_line(proc, prefix, self.opts.ready_timeout)
-
-    def start_peer(self) -> Proc:
-        """Start a peer process; it becomes a standby once it has joined (no waiting here)."""
-        self._n += 1
-        proc = self._spawn(f"peer{self._n}", ["peer", "--run-id", self.opts.run_id, "--initial-peers", self.addr,
-                                              "--threads", str(self.opts.threads_per_peer), *self.opts.shared_flags,
-                                              *self.opts.peer_flags])
-        self.peers.append(proc)
-        return proc
-
-    def kill_peer(self, peer_id: str) -> None:
-        """SIGKILL the peer's whole process group (its DHT process and p2pd too), then replace it."""
-        proc = next((p for p in self.peers if p.peer_id == peer_id), None)
-        if proc is None:
-            print(f"swarm: asked to kill unknown peer {peer_id}", flush=True)
-            return
-        kill_group(proc, gone_within=0)
-        self.peers.remove(proc)
-        self.kills += 1
-        self.start_peer()
-
-    def preempt_peer(self, peer_id: str) -> None:
-        """SIGTERM a peer (a spot preemption notice): it leaves by itself, handing its stage
-        over if it can. A fresh spare is started in its place."""
-        proc = next((p for p in self.peers if p.peer_id == peer_id), None)
-        if proc is None:
-            print(f"swarm: asked to preempt unknown peer {peer_id}", flush=True)
-            return
-        proc.popen.send_signal(signal.SIGTERM)
-        self.preempted += 1
-        self.start_peer()
-
-    def _coordinator_args(self, *extra: str) -> list[str]:
-        o = self.opts
-        return ["scheduler", "--config", str(self.config_path), "--out", str(o.out), "--run-id", o.run_id,
-                "--chaos-trace", str(self.chaos_path), "--shutdown-peers", *o.shared_flags, *o.coordinator_flags,
-                *extra]
-
-    def _spawn_coordinator(self, name: str, *extra: str) -> Proc:
-        return self._spawn(name, self._coordinator_args(*extra),
-                           stdin=subprocess.PIPE)  # the launcher acknowledges partitions on it
-
-    def partition_peer(self, peer_id: str, heal: bool = False) -> None:
-        """Cut a peer's link (it stays alive but unreachable) and start a spare in its place, then tell the
-        coordinator (on its stdin) that the cut is in effect; or heal the link."""
-        proc = next((p for p in self.peers if p.peer_id == peer_id), None)
-        if proc is None or self.lab is None:
-            print(f"swarm: cannot partition peer {peer_id} (unknown, or no --netns)", flush=True)
-        elif heal:
-            self.lab.heal(proc.link)
-            state = "alive" if proc.popen.poll() is None else f"exited {proc.popen.returncode}"
-            print(f"swarm: partition of peer {peer_id} healed (process {state})", flush=True)
-        else:
-            self.lab.cut(proc.link)
-            self.partitioned += 1
-            self.start_peer()
-        if not heal:
-            with contextlib.suppress(OSError):  # the coordinator waits for this line
-                self.coordinator.popen.stdin.write("partitioned\n")
-                self.coordinator.popen.stdin.flush()
-
-    def run(self) -> int:
-        o = self.opts
-        extra = []
-        if o.kill_coordinator_at is not None and o.kill_coordinator_in == "commit":
-            extra = ["--chaos-die-in-commit", str(o.kill_coordinator_at)]
-        self.coordinator = self._spawn_coordinator("coordinator", *extra)
-        line = self._await_ready(self.coordinator, READY_COORDINATOR)
-        self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
-        if o.kill_coordinator_at is not None and o.failover == "standby":
-            self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
-            self._await_ready(self.standby, READY_STANDBY)
-        cfg = json.loads(self.config_path.read_text())
-        first = [self.start_peer() for _ in range(cfg["num_stages"] + o.spares)]
-        for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
-            if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and self.coordinator.popen.poll() is None:
-                raise RuntimeError(f"a peer did not start within {o.ready_timeout:g} s; see {proc.log}")
-        return self._follow(cfg["train"]["num_steps"])
-
-    def _follow(self, num_steps: int) -> int:
-        bar = Progress(num_steps, "swarm", enabled=self.opts.progress)
-        try:
-            while True:
-                if (line := self.coordinator.lines.get()) is None:
-                    if self.opts.kill_coordinator_at is not None and self.coordinator.popen.wait() == -signal.SIGKILL:
-                        self.kill_coordinator()  # it died in its commit, as asked
-                        continue
-                    break
-                if (self.opts.kill_coordinator_in == "step" and (m := STEP_LINE.match(line)) is not None
-                        and int(m.group(1)) + 1 == self.opts.kill_coordinator_at):
-                    self.kill_coordinator()
-                if (chaos := parse_chaos_line(line)) is not None:
-                    action, fields = chaos
-                    if action == "kill":
-                        self.kill_peer(fields["peer"])
-                    elif action == "rebuild-kill":  # the replacement kills itself mid-rebuild
-                        self.kills += 1
-                        self.start_peer()
-                    elif action == "term":
-                        self.preempt_peer(fields["peer"])
-                    elif action in ("partition", "heal"):
-                        self.partition_peer(fields["peer"], heal=action == "heal")
-                elif (m := STEP_LINE.match(line)) is not None:
-                    bar.update(int(m.group(1)) + 1, loss=m.group(2), live=m.group(4), spare=m.group(5),
-                               failures=m.group(6), recoveries=m.group(7))
-                elif line.startswith("status:") or "Error" in line or "error" in line:
-                    bar.write(line)
-            return self.coordinator.popen.wait()
-        finally:
-            bar.close()
-
-    def kill_coordinator(self) -> None:
-        """SIGKILL the coordinator's process group; the standby takes over, or a new coordinator
-        is started with --takeover, bootstrapping from live peers."""
-        old = self.coordinator
-        kill_group(old, gone_within=0)
-        self.old_coordinators.append(old)
-        self.opts.kill_coordinator_at = None
-        live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]
-        self.addr = live[0]  # later peers bootstrap from a live peer
-        print(f"swarm: coordinator SIGKILLed; {self.opts.failover} coordinator takes over", flush=True)
-        if self.standby is not None:
-            self.coordinator, self.standby = self.standby, None
-        else:
-            self.coordinator = self._spawn_coordinator("coordinator-takeover", "--takeover", "--initial-peers",
-                                                       *live[:2])
-
-    def teardown(self) -> None:
-        """Stop the coordinator first (SIGTERM: it records the run's end, saves if asked and tells the
-        peers to exit), then SIGTERM whatever still runs, then SIGKILL whole process groups: all
-        within about 13 s, whatever state the run was in."""
-        coordinators = [p for p in [self.coordinator, self.standby, *self.old_coordinators] if p is not None]
-        self._stop(coordinators, wait_s=8, group=False)  # its DHT and p2pd must outlive its goodbyes
-        procs = [*coordinators, *self.peers]
-        self._stop(procs, wait_s=4)
-        deadline = time.monotonic() + 3.0
-        for p in procs:  # the group may hold a DHT child or p2pd even after the leader exited: gone within 3 s
-            kill_group(p, gone_within=max(0.0, deadline - time.monotonic()))
-        if self.lab is not None:
-            self.lab.close()
-        # the p2pd of a SIGKILLed peer cannot remove its socket file: remove those nothing listens on any more
-        from checkfree.net.lifeline import sweep_stale_sockets
-
-        sweep_stale_sockets(min_age_s=1.0)
-
-    @staticmethod
-    def _stop(procs: list[Proc], wait_s: float, group: bool = True) -> None:
-        """SIGTERM each process (or its whole group) and wait up to `wait_s` for all to exit."""
-        for p in procs:
-            if p.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    if group:
-                        os.killpg(p.popen.pid, signal.SIGTERM)
-                    else:
-                        p.popen.terminate()
-        deadline = time.monotonic() + wait_s
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
 
 
 def demo_trace(cfg, path: Path) -> Path | None:
