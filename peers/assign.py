@@ -4,7 +4,9 @@ The modes of an assignment:
 
 * `fresh`: a newly initialised stage (the start of a run).
 * `recover`: rebuild a lost stage from live neighbours' weights (CheckFree; peers.recovery).
-* `restore`: take the lost stage's snapshot (rollback strategies; peers.snapshots).
+* `restore`: take the lost stage's snapshot (rollback strategies; peers.snapshots); with `edges`, its
+  embedding / head from their live co-holders, and with `serve_step`, serve from that step on
+  (checkfree+snap: a lone stage restored, nobody rolls back).
 * `handover`: take a leaving peer's exact state (peers.recovery).
 * `load`: a resumed run's saved state, carried by the message itself.
 
@@ -59,7 +61,10 @@ class Assignment:
         else:
             worker = await self.compute.run(self.hosted.build, stage)
         if mode == "restore":
-            reply.update(await self.snapshots.restore_new(worker, header))
+            donors = await self.recovery.components(stage, header)
+            reply.update(await self.snapshots.restore_new(worker, header, donors))
+            await self.compute.run(self.debug.dump, f"restored-step{header.get('serve_step', header['step'])}"
+                                   f"-stage{stage}", worker.state_dict(), reply)
         elif mode == "load":  # resuming a run: the saved state travels with the message
             require(header, step=int)
             blob = check_blob(tensors, "the saved state of assign mode 'load'")
@@ -70,7 +75,7 @@ class Assignment:
         elif mode == "handover":
             reply.update(await self.recovery.take_handover(worker, header))
         self.debug.arm_delay(header)
-        self._serve(worker, reply.pop("omega", 0.0), header.get("step", 0))
+        self._serve(worker, reply.pop("omega", 0.0), header.get("serve_step", header.get("step", 0)))
         reply["assign_s"] = time.perf_counter() - t0
         log.info("serving stage %d (%s)", stage, mode)
         return reply, []

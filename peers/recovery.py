@@ -103,6 +103,18 @@ class Recovery:
                                worker.state_dict(), reply)
         return worker, reply
 
+    async def components(self, stage: int, header: dict) -> dict[str, tuple[dict, dict]]:
+        """The replicated components a restored `stage` takes from live co-holders (`edges`: component ->
+        [stage, peer]): weights and Adam state of each, by name (empty without `edges`)."""
+        edges = header.get("edges") or {}
+        if not isinstance(edges, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str)
+                and c in COMPONENTS for c, v in edges.items()):
+            raise ProtocolError(f"assign 'edges' must map embed/head to [stage, peer], got {edges!r:.200}")
+        step = header.get("serve_step", header.get("step", 0))
+        fetched = await asyncio.gather(*(self._fetch(stage, s, pid, comp, step) for comp, (s, pid) in edges.items()))
+        return {comp: (w, o) for comp, (w, _, o) in zip(edges, fetched)}
+
     async def _pull(self, stage: int, plan: RecoveryPlan, peers: dict[int, str],
                     step: int) -> tuple[dict, dict, dict, dict, float]:
         """Every weight pull of `plan` for `stage` at once: blocks and norms per source stage, the replicas'

@@ -15,6 +15,7 @@ import torch
 
 from checkfree.protocol import RPC, ProtocolError, require
 from checkfree.strategies import storage
+from checkfree.strategies.state import state_nbytes
 from checkfree.worker import StageWorker
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
@@ -90,15 +91,17 @@ class Snapshots:
         return {"ok": True}, []
 
     # ---- a replacement's side ----------------------------------------------------------
-    async def restore_new(self, worker: StageWorker, header: dict) -> dict:
-        """A replacement takes the lost stage's snapshot (assign mode `restore`)."""
+    async def restore_new(self, worker: StageWorker, header: dict, donors: dict | None = None) -> dict:
+        """A replacement takes the lost stage's snapshot (assign mode `restore`), its replicated components
+        from `donors` (component -> (weights, Adam state)) when given."""
         require(header, step=int)
         t0 = time.perf_counter()
         if header["step"] == 0 and header.get("source") == "init":
             return {"omega": 0.0, "restore_s": 0.0, "bytes": 0}
         blob = await self._blob(worker.index, header)
-        norm = await self.compute.run(self.hosted.load_bytes, worker, blob)
-        return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": len(blob)}
+        norm = await self.compute.run(self.hosted.load_bytes, worker, blob, donors)
+        moved = sum(state_nbytes(list(d)) for d in (donors or {}).values())
+        return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": len(blob) + moved}
 
     async def _blob(self, stage: int, header: dict) -> bytes:
         """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""

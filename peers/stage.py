@@ -17,7 +17,7 @@ from checkfree.pipeline import edge_holders
 from checkfree.protocol import ProtocolError
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.softerrors import make_guard
-from checkfree.strategies.state import capture_worker, restore_worker
+from checkfree.strategies.state import capture_worker, restore_worker, with_components
 from checkfree.worker import StageWorker, resolve_device
 
 __all__ = ["HostedStage", "PeerState"]
@@ -96,8 +96,9 @@ class HostedStage:
         return state_to_bytes(capture_worker(self.worker, step, self.omega))
 
     @staticmethod
-    def load_bytes(worker: StageWorker, blob: bytes) -> float:
-        """Load a full state captured by `capture_bytes` into `worker`; returns its omega."""
+    def load_bytes(worker: StageWorker, blob: bytes, donors: dict | None = None) -> float:
+        """Load a full state captured by `capture_bytes` into `worker` (its replicated components from `donors`,
+        component -> (weights, Adam state), when given); returns its omega."""
         state = state_from_bytes(blob)
-        restore_worker(worker, state)
+        restore_worker(worker, with_components(state, donors) if donors else state)
         return float(state["norm"])

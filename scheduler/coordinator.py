@@ -98,12 +98,13 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
         self.cfg = cfg
         opts = self.opts
         from checkfree.strategies import build_strategy
+        from checkfree.strategies.averaging import AveragingStrategy
 
         name = cfg.recovery.strategy
         self.strategy = build_strategy(cfg)
-        if name not in RECOVERY_RULES and not self.strategy.swarm_rollback:
+        if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback):
             raise ValueError(f"strategy {name!r} runs in the simulator only; the distributed runtime supports "
-                             f"{sorted(RECOVERY_RULES)}, checkpoint and gemini")
+                             f"{sorted(RECOVERY_RULES)}, checkfree+snap, checkpoint and gemini")
         if self.strategy.snapshots_in_memory and self.strategy.when_all_copies_lost() not in ("checkpoint", "abort"):
             raise ValueError(f"{name} in the swarm: when every holder of a snapshot is lost it rolls back to storage "
                              f"(--storage-fallback yes) or aborts; --fallback {cfg.recovery.fallback} runs in the "

@@ -1,6 +1,7 @@
 """Where a failed stage comes back: the recovery order (which standby rebuilds which stage from which live
-neighbours, by the strategy's plan) and, for the rollback strategies (checkpoint, gemini), the snapshots
-taken after a commit and the rollback of every stage to the last complete one."""
+neighbours, by the strategy's plan), the snapshots taken after a commit (gemini, checkfree+snap) or
+checkpoints (checkpoint), the rollback of every stage to the last complete one (gemini, checkpoint), and
+checkfree+snap's restore of a lone lost stage from its neighbour's snapshot."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ class RecoveryMixin:
         await self._retire()
         if self.strategy.swarm_rollback:
             await self._rollback(step, failed)
+        if getattr(self.strategy, "restores_alone", False):
+            failed = failed - await self._restore_alone(step, failed)
+            if not failed:
+                return
         try:
-            plans = plan_recovery(failed, self.cfg.num_stages, strategy, self.cfg.recovery.fallback)
+            plans = plan_recovery(failed, self.cfg.num_stages, self.strategy.rule.name, self.cfg.recovery.fallback)
         except UnrecoverableFailure as e:
             self._event("fallback", step=step, stage=min(failed), strategy=strategy, fallback="abort", reason=str(e))
             raise
@@ -60,6 +65,31 @@ class RecoveryMixin:
             self._status(f"stage {plan.stage} {kind}: {plan.method} of stage(s) "
                          f"{', '.join(map(str, plan.sources)) or '-'}" + (f" (coefficients {coeffs})" if coeffs else "")
                          + f"{edges} on peer {pid[-8:]}, {fields['recovery_time_s']:.2f} s")
+
+    async def _restore_alone(self, step: int, failed: set[int]) -> set[int]:
+        """checkfree+snap: every lost stage whose snapshot a live neighbour still holds is restored from it alone
+        (up to snapshot_every - 1 steps stale; nobody rolls back, no step is lost), its embedding / head taken
+        from the live co-holder; the strategy object decides which (checkfree.strategies.hybrid), as in the
+        simulator. Returns the restored stages; the others are averaged, the restored ones among their sources."""
+        live = set(self.stage_peer.values())
+        held = {s for s, hs in self.snap_holders.items() if hs and all(p in live for p in hs.values())}
+        restored = self.strategy.restorable(failed, held if self.snap_step else set())
+        for s in sorted(restored):
+            (holder, source), = self.snap_holders[s].items()
+            edges = {comp: [d, self.stage_peer[d]] for comp, d in self.strategy.component_donors(s, failed).items()}
+            t0 = time.perf_counter()
+            pid, reply, _ = await self._assign_replacement(step, s, {"mode": "restore", "step": self.snap_step,
+                                                                     "source": source, "serve_step": step,
+                                                                     "edges": edges})
+            self.norms[s] = float(reply.get("omega", 0.0))
+            self._event("recovery", step=step, stage=s, strategy=self.cfg.recovery.strategy, method="snapshot",
+                        source=holder, snapshot_step=self.snap_step, staleness=step - self.snap_step, lost_steps=0,
+                        edge_sources={c: d for c, (d, _) in edges.items()}, peer_id=pid, bytes=reply.get("bytes", 0),
+                        recovery_time_s=round(time.perf_counter() - t0, 6))
+            self._status(f"stage {s} recovery: snapshot of step {self.snap_step} from stage {holder}"
+                         + "".join(f", {c} copied from stage {d}" for c, (d, _) in edges.items())
+                         + f" on peer {pid[-8:]}, {time.perf_counter() - t0:.2f} s")
+        return restored
 
     async def _assign_replacement(self, step: int, stage: int, header: dict,
                                   chaos: bool = False) -> tuple[str, dict, float]:

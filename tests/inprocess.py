@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class InProcessSwarm:
     out: Path
     peers: int
     coordinator_options: dict = field(default_factory=dict)
+    peer_options: dict = field(default_factory=dict)
+    on_kill: Callable[[InProcessSwarm, dict], None] | None = None  # called just before each kill
     killed: list[tuple[str, dict]] = field(default_factory=list)
     daemons: dict[str, PeerDaemon] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
@@ -46,6 +49,8 @@ class InProcessSwarm:
             raise NotImplementedError(f"the in-process tier injects kills only, not {action!r}")
         pid = str(fields["peer"])
         self.killed.append((action, dict(fields)))
+        if self.on_kill is not None:
+            self.on_kill(self, fields)
         MEMORY.kill(pid)
         task = self.tasks[pid]
         task.cancel()
@@ -60,7 +65,7 @@ class InProcessSwarm:
         main = asyncio.create_task(coordinator.run())
         for _ in range(self.peers):
             d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=TIMEOUTS, leave_deadline=2.0,
-                                       coordinator_timeout=30.0))
+                                       coordinator_timeout=30.0, **self.peer_options))
             task = asyncio.create_task(d.run())
             await asyncio.sleep(0)  # the daemon's transport exists (peer id known) once it has started
             while d.membership.transport is None:
@@ -81,8 +86,11 @@ class InProcessSwarm:
 
 
 def run_swarm(cfg: RunConfig, out: Path, *, peers: int, chaos: FailureSchedule | None = None,
+              dump_dir: str | None = None, on_kill: Callable[[InProcessSwarm, dict], None] | None = None,
               **coordinator_options) -> InProcessSwarm:
-    """Run a swarm in this process to its end; the finished `InProcessSwarm` (its run directory is ``out``)."""
-    swarm = InProcessSwarm(cfg, out, peers, {"chaos": chaos, **coordinator_options})
+    """Run a swarm in this process to its end; the finished `InProcessSwarm` (its run directory is ``out``).
+    ``dump_dir``: the peers' --dump-recovery; ``on_kill(swarm, fields)``: called before each kill."""
+    swarm = InProcessSwarm(cfg, out, peers, {"chaos": chaos, **coordinator_options},
+                           {"dump_dir": dump_dir} if dump_dir else {}, on_kill)
     swarm.summary = asyncio.run(swarm.run())
     return swarm

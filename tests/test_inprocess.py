@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from checkfree.abft import FaultInjector
 from checkfree.failures import FailureSchedule
@@ -116,3 +117,51 @@ def test_uncorrectable_soft_errors_in_the_swarm_redo_the_attempt_then_recover_th
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2] and all(isinstance(m["loss"], float) for m in metrics)
     assert metrics[0]["attempts"] == 3
+
+
+def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_snapshot(tiny_cfg, tmp_path):
+    """checkfree+snap in the swarm: every 2 steps each stage's snapshot travels into the next stage's peer. A
+    lone kill of stage 1 at step 5 restores stage 1 from stage 2's copy of the step-4 snapshot, bit for bit
+    (its embedding and that one's Adam state from stage 0, the live co-holder); nobody rolls back. The kill of
+    stage 2 at step 6 restores stage 2 from stage 3's copy of the step-6 snapshot, and takes stage 1's snapshot
+    (held by stage 2's peer) with it, so the kill of stage 1 at step 7 is averaged. Same decisions, events and
+    losses as the simulator."""
+    from safetensors.torch import load_file
+
+    from checkfree.serialize import state_from_bytes
+
+    cfg = _cfg(tiny_cfg, "checkfree+snap", steps=8)
+    cfg.strategy.snapshot_every = 2
+    failures = [(5, 1), (6, 2), (7, 1)]
+    held: dict[int, bytes] = {}
+
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 4, chaos=FailureSchedule(failures),
+                      save_final=False, dump_dir=str(tmp_path / "dump"), on_kill=lambda sw, f: held.update(
+                          {s: b for d in sw.daemons.values() for s, (_, b) in d.snapshots.held.items()
+                           if d.hosted.index == s + 1 and f["step"] == 5}))
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    fields = ("step", "stage", "method", "source", "snapshot_step", "lost_steps")
+    got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
+    assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want]
+    assert [(e["step"], e["stage"], e["method"]) for e in got] == [(5, 1, "snapshot"), (6, 2, "snapshot"),
+                                                                  (7, 1, "average")]
+    snap = state_from_bytes(held[1])["model"]  # stage 1's snapshot of step 4, as stage 2's peer held it
+    restored = load_file(str(tmp_path / "dump" / "restored-step5-stage1.safetensors"))
+    assert restored.keys() == snap.keys()
+    for k, v in snap.items():
+        if not k.startswith("embed."):  # the embedding comes from stage 0, the live co-holder
+            assert torch.equal(restored[k], v), k
+
+
+def test_the_swarm_refuses_the_strategies_it_does_not_run_before_any_peer_starts(tiny_cfg, tmp_path):
+    from scheduler.common import CoordinatorOptions
+    from scheduler.coordinator import Coordinator
+
+    for name in ("redundant", "reft", "baft"):
+        cfg = _cfg(tiny_cfg, name)
+        with pytest.raises(ValueError, match=f"strategy '{name}' runs in the simulator only.*checkfree\\+snap"):
+            Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / name)))
+    for name in ("checkfree", "checkfree+", "checkfree+snap", "gemini", "checkpoint"):
+        Coordinator(_cfg(tiny_cfg, name), CoordinatorOptions(out=str(tmp_path / name)))

@@ -217,3 +217,24 @@ def test_int8_wire_in_the_swarm_equals_the_simulator(tmp_path, cache):
     assert proc32.returncode == 0, proc32.stdout[-3000:]
     ratio = swarm[0]["wire_bytes"] / read_jsonl(out32 / "metrics.jsonl")[0]["wire_bytes"]
     assert 0.2 < ratio < 0.35, ratio
+
+
+def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_path, cache):
+    """checkfree+snap with real processes and SIGKILLs: stage 1 restored from stage 2's peer's copy of the
+    step-4 snapshot, stage 2 from stage 3's copy of step 6 (taking stage 1's snapshot with it), then stage 1
+    averaged; the same events and losses as the simulator. (Bit-exactness of the restore: test_inprocess.)"""
+    args = ["--steps", "8", "--strategy", "checkfree+snap", "--snapshot-every", "2",
+            "--trace", _trace(tmp_path, [(5, 1), (6, 2), (7, 1)])]
+    proc, out = _local(tmp_path, "snap", *args, cache=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / "sim"),
+                          "--no-progress", *args], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "CHECKFREE_CACHE": cache})
+    assert sim.returncode == 0, sim.stderr[-2000:]
+    fields = ("step", "stage", "method", "source", "snapshot_step", "lost_steps")
+    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl") if e["event"] == "recovery"]
+                 for d in (out, tmp_path / "sim"))
+    assert got == want == [(5, 1, "snapshot", 2, 4, 0), (6, 2, "snapshot", 3, 6, 0), (7, 1, "average", None, None, None)]
+    a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
+    assert [m["step"] for m in a] == list(range(8))
+    assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5)

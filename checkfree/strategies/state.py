@@ -19,8 +19,8 @@ import torch
 
 from checkfree.worker import StageWorker
 
-__all__ = ["StageState", "capture_worker", "restore_worker", "optim_to_wire", "optim_from_wire", "state_nbytes",
-           "unit_of", "unit_nbytes"]
+__all__ = ["StageState", "capture_worker", "restore_worker", "with_components", "optim_to_wire", "optim_from_wire",
+           "state_nbytes", "unit_of", "unit_nbytes"]
 
 StageState = dict[str, Any]
 
@@ -45,6 +45,19 @@ def restore_worker(worker: StageWorker, state: StageState) -> None:
     worker.lr_scale = state["lr_scale"]
     worker.drop_inflight()
     torch.set_rng_state(state["rng"])
+
+
+def with_components(state: StageState, donors: dict[str, tuple[dict[str, torch.Tensor],
+                                                                dict[str, dict[str, torch.Tensor]]]]) -> StageState:
+    """``state`` with each replicated component ``comp`` ("embed" / "head") taken from its donor, a live
+    co-holder: ``donors[comp] = (weights by name, Adam state by name)`` (entries of other parts are ignored).
+    A shallow copy: ``state`` itself is not changed."""
+    out = dict(state)
+    out["model"], out["optim"] = dict(state["model"]), {**state["optim"], "state": dict(state["optim"]["state"])}
+    for comp, (weights, optim) in donors.items():
+        out["model"].update({k: v for k, v in weights.items() if k.startswith(comp + ".")})
+        out["optim"]["state"].update({k: v for k, v in optim.items() if k.startswith(comp + ".")})
+    return out
 
 
 def optim_to_wire(state: dict[str, dict[str, torch.Tensor]]) -> tuple[list[list[str]], list[torch.Tensor]]:
