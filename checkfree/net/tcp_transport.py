@@ -24,22 +24,7 @@ handling a request with ``{"error": "<ExceptionType>: <message>"}``, then stops 
 (its framing may be lost) and closes it once the caller has closed or ``linger_timeout`` has passed;
 other connections are not affected. TCP_NODELAY is set on both ends.
 
-Handshake (every new connection, before any request; each step is one wire message of at most
-``HANDSHAKE_MAX_BYTES``):
-
-1. caller -> server: ``{"hello": 1, "peer_id": <caller id>, "nonce": <32 random bytes>, "auth": bool}``
-2. server -> caller: the same fields for the server, plus ``"proof"`` = HMAC(secret, "server" | both ids |
-   both nonces) when it has a run secret (``checkfree.auth.handshake_proof``)
-3. the caller checks that the server's id is the id it meant to call and (with a secret) the server's
-   proof, then sends ``{"proof": HMAC(secret, "caller" | ...)}``; 4. the server checks it and answers
-   ``{"ok": true}``.
-
-So with a secret (``checkfree local`` always makes one) both sides prove they hold it over fresh nonces
-(no replay) with a direction label (no reflection), and the id each side announces is bound to the proof:
-a handler's ``peer`` argument is an id claimed by a holder of the secret. Without a secret, ids are
-unauthenticated claims (a warning is logged at start). A side whose secret setting differs, a wrong
-proof or a server answering as another id fails the handshake: the connection is closed with a log line
-(the server answers ``{"error": ...}`` first) and the server keeps serving. Neither side encrypts.
+The connection handshake (each side proves the run secret over fresh nonces): ``checkfree.net.tcp_handshake``.
 
 Measured on a loaded 2-core VM (``python -m benchmarks.transport --no-libp2p``, three runs, load average
 8.5-10.3; echo of one float32 tensor, all paths interleaved; MiB/s, run 1 / 2 / 3):
@@ -63,13 +48,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
-from checkfree.auth import SECRET_ENV, handshake_proof, verify
 from checkfree.net.addresses import learn_addresses
 from checkfree.net.base import Handler
 from checkfree.net.errors import (
@@ -89,6 +72,7 @@ from checkfree.net.streams import (
     reply_within,
     write_frames,
 )
+from checkfree.net.tcp_handshake import HANDSHAKE_MAX_BYTES, HandshakeError, accept_handshake, dial_handshake
 from checkfree.net.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, encode_message
 
 __all__ = ["HANDSHAKE_MAX_BYTES", "HandshakeError", "RemoteError", "TcpTransport", "TransportError", "TransportTimeout",
@@ -96,8 +80,6 @@ __all__ = ["HANDSHAKE_MAX_BYTES", "HandshakeError", "RemoteError", "TcpTransport
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_MAX_BYTES = 4096  # one handshake message (ids, nonces, proofs) is far smaller
-NONCE_BYTES = 32
 READER_LIMIT = 4 << 20  # StreamReader buffer: the default 64 KiB pauses the socket every 128 KiB
 POOL_IDLE_SECONDS = 30.0  # a caller drops a pooled connection idle for longer (servers wait 2x)
 POOL_MAX_IDLE_PER_PEER = 8
@@ -118,10 +100,6 @@ def _nodelay(writer: asyncio.StreamWriter) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class HandshakeError(TransportError):
-    """A connection handshake failed (wrong secret, wrong peer id, malformed or missing messages)."""
 
 
 class TcpTransport:
@@ -258,20 +236,7 @@ class TcpTransport:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
         """Server half of the handshake; returns the caller's (proven, with a secret) peer id."""
-        hello, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
-        caller, nonce = _check_hello(hello, self.secret)
-        mine = secrets.token_bytes(NONCE_BYTES)
-        reply = {"hello": 1, "peer_id": self._peer_id, "nonce": mine, "auth": self.secret is not None}
-        if self.secret is not None:
-            reply["proof"] = handshake_proof(self.secret, "server", caller, self._peer_id, nonce, mine)
-        await write_frames(writer, encode_message(reply))
-        answer, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
-        if self.secret is not None and not verify(
-                handshake_proof(self.secret, "caller", caller, self._peer_id, nonce, mine), answer.get("proof")):
-            raise HandshakeError(f"peer claiming id {caller} does not prove the run secret (a different "
-                                 f"--secret-file or ${SECRET_ENV}?)")
-        await write_frames(writer, encode_message({"ok": True}))
-        return caller
+        return await accept_handshake(reader, writer, self._peer_id, self.secret)
 
     async def _reply_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: str | dict) -> None:
         """Answer an error reply (``{"error": text[, "kind": ...]}``) and wait (bounded) for the caller to close,
@@ -388,46 +353,12 @@ class TcpTransport:
             self._addresses.pop(peer, None)
 
     async def _handshake(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Caller half of the handshake (see the module docstring); ``HandshakeError`` if it fails."""
-        mine = secrets.token_bytes(NONCE_BYTES)
-        hello = {"hello": 1, "peer_id": self._peer_id, "nonce": mine, "auth": self.secret is not None}
-        try:
-            await write_frames(writer, encode_message(hello))
-            reply, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
-            if "error" in reply:
-                raise HandshakeError(f"peer {peer} refused the connection: {reply['error']}")
-            server, nonce = _check_hello(reply, self.secret)
-            if server != peer:
-                raise HandshakeError(f"the server at this address of {peer} answered as peer {server}")
-            if self.secret is not None and not verify(
-                    handshake_proof(self.secret, "server", self._peer_id, peer, mine, nonce), reply.get("proof")):
-                raise HandshakeError(f"peer {peer} does not prove the run secret")
-            proof = handshake_proof(self.secret, "caller", self._peer_id, peer, mine, nonce) if self.secret else None
-            await write_frames(writer, encode_message({"proof": proof}))
-            ack, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
-        except (asyncio.IncompleteReadError, ConnectionError, WireError) as e:
-            raise HandshakeError(f"connection handshake with peer {peer} failed: {e!r}") from e
-        except HandshakeError as e:
-            logger.warning("tcp: %s", e)
-            raise
-        if ack.get("ok") is not True:
-            raise HandshakeError(f"peer {peer} refused the connection: {ack.get('error', ack)}")
+        """Caller half of the handshake; ``HandshakeError`` if it fails."""
+        await dial_handshake(reader, writer, self._peer_id, peer, self.secret)
 
     def close_idle_streams(self) -> None:
         """Close every pooled connection (the next calls open new ones)."""
         self._pool.close_all()
-
-
-def _check_hello(hello: dict, secret: bytes | None) -> tuple[str, bytes]:
-    """(peer id, nonce) of a handshake hello; ``HandshakeError`` if malformed or its auth setting differs."""
-    peer, nonce = hello.get("peer_id"), hello.get("nonce")
-    if hello.get("hello") != 1 or not isinstance(peer, str) or not peer or not isinstance(nonce, bytes) \
-            or len(nonce) != NONCE_BYTES:
-        raise HandshakeError(f"not a checkfree tcp handshake: {str(hello)[:200]}")
-    if hello.get("auth") is not (secret is not None):
-        mine, theirs = ("a", "no") if secret is not None else ("no", "a")
-        raise HandshakeError(f"this side has {mine} run secret, peer {peer} has {theirs} run secret")
-    return peer, nonce
 
 
 async def start_tcp_transport(peer_id: str, hosts: Sequence[str] = ("127.0.0.1",), port: int = 0,
