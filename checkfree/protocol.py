@@ -70,6 +70,9 @@ class RPC:
     FETCH_SNAPSHOT = "cf.fetch_snapshot"  # hand a held snapshot to a replacement
     RESTORE = "cf.restore"  # roll back to a snapshot (own memory or storage) or to the initial state
     GET_STATE = "cf.get_state"  # full state now (weights + optimizer): a leaving peer's lossless handover
+    TAKE_REPLICA = "cf.take_replica"  # redundant: hold a current replica of the successor stage (from `source`)
+    REPLICA_GRAD = "cf.replica_grad"  # redundant: the successor's gradient of a committed step, for its replica
+    GET_REPLICA = "cf.get_replica"  # redundant: the replica's full state, for the promotion of a lost stage
     ADOPT = "cf.adopt"  # a new coordinator takes over the run (the old one is gone): report this peer's state
     PING = "cf.ping"
     SHUTDOWN = "cf.shutdown"
@@ -218,6 +221,9 @@ REQUEST_FIELDS: dict[str, dict[str, type]] = {
     RPC.GET_STATE: {"step": int},
     RPC.STORE_SNAPSHOT: _SNAPSHOT,
     RPC.FETCH_SNAPSHOT: _SNAPSHOT,
+    RPC.TAKE_REPLICA: {"source": str, "step": int},
+    RPC.REPLICA_GRAD: {"step": int, "stage": int, "names": list},
+    RPC.GET_REPLICA: {"step": int},
     RPC.ASSIGN: {"stage": int, "mode": str},
     RPC.RUN_STEP: {**_STEP, "peers": dict, "evaluate": bool},
     RPC.COMMIT: _STEP,

@@ -8,6 +8,7 @@ The modes of an assignment:
   embedding / head from their live co-holders, and with `serve_step`, serve from that step on
   (checkfree+snap: a lone stage restored, nobody rolls back).
 * `handover`: take a leaving peer's exact state (peers.recovery).
+* `promote`: take the lost stage's replica from its predecessor (`source`; redundant computation).
 * `load`: a resumed run's saved state, carried by the message itself.
 
 The reply tells the coordinator what the assignment cost (seconds, bytes moved) and, for a
@@ -20,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from checkfree.protocol import ProtocolError, require
+from checkfree.protocol import RPC, ProtocolError, require
 from checkfree.worker import StageWorker
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
@@ -33,7 +34,7 @@ __all__ = ["MODES", "Assignment"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("fresh", "recover", "restore", "handover", "load")
+MODES = ("fresh", "recover", "restore", "handover", "load", "promote")
 
 
 class Assignment:
@@ -72,8 +73,9 @@ class Assignment:
                 reply["omega"] = await self.compute.run(self.hosted.load_bytes, worker, blob)
             except (ValueError, KeyError, RuntimeError) as e:
                 raise ProtocolError(f"the saved state of stage {stage} does not load: {e}") from None
-        elif mode == "handover":
-            reply.update(await self.recovery.take_handover(worker, header))
+        elif mode in ("handover", "promote"):
+            reply.update(await self.recovery.take_handover(worker, header, RPC.GET_STATE if mode == "handover"
+                                                           else RPC.GET_REPLICA))
         self.debug.arm_delay(header)
         self._serve(worker, reply.pop("omega", 0.0), header.get("serve_step", header.get("step", 0)))
         reply["assign_s"] = time.perf_counter() - t0

@@ -16,6 +16,7 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/step.py         the step state machine: the active attempt, COMMIT, ABORT
     peers/recovery.py     GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
     peers/snapshots.py    SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
+    peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
     peers/failover.py     ADOPT: a new coordinator takes over
     peers/stage.py        the run config and the hosted stage
     peers/compute.py      the one compute thread all torch work runs on
@@ -56,6 +57,7 @@ from peers.failover import Failover
 from peers.membership import Handler, Membership
 from peers.passes import Passes
 from peers.recovery import Recovery
+from peers.replicas import Replicas
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
 from peers.step import StepTracker
@@ -100,8 +102,9 @@ class PeerDaemon:
         self.debug = DebugHooks(opts.dump_dir)
         self.hosted = HostedStage()
         self.membership = Membership(opts.run_id, opts.timeouts, opts.secret_file, self.hosted, self.stop)
-        self.steps = StepTracker(opts.timeouts, self.hosted, self.compute)
-        self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug)
+        self.replicas = Replicas(self.membership, self.hosted, self.compute)
+        self.steps = StepTracker(opts.timeouts, self.hosted, self.compute, self.replicas)
+        self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug, self.replicas)
         self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
         self.snapshots = Snapshots(self.membership, self.hosted, self.steps, self.compute)
         self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug)
@@ -118,6 +121,8 @@ class PeerDaemon:
             RPC.GET_WEIGHTS: self.recovery.on_get_weights, RPC.GET_STATE: self.recovery.on_get_state,
             RPC.SNAPSHOT: self.snapshots.on_snapshot, RPC.STORE_SNAPSHOT: self.snapshots.on_store_snapshot,
             RPC.FETCH_SNAPSHOT: self.snapshots.on_fetch_snapshot, RPC.RESTORE: self.snapshots.on_restore,
+            RPC.TAKE_REPLICA: self.replicas.on_take_replica, RPC.REPLICA_GRAD: self.replicas.on_replica_grad,
+            RPC.GET_REPLICA: self.replicas.on_get_replica,
             RPC.ADOPT: self.failover.on_adopt,
         }
         assert served.keys() == RULES.keys(), "every RPC served has an admission rule, and only those"

@@ -34,6 +34,7 @@ from peers.checks import check_activation, check_hop, check_sender
 from peers.compute import BACKWARD_FIRST, ComputeQueue
 from peers.debug import DebugHooks
 from peers.membership import Membership
+from peers.replicas import Replicas
 from peers.stage import HostedStage
 from peers.step import StepRun, StepTracker
 
@@ -47,8 +48,9 @@ class Passes:
     """The microbatches of the active step attempt passing through this peer's stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
-                 debug: DebugHooks) -> None:
+                 debug: DebugHooks, replicas: Replicas | None = None) -> None:
         self.net, self.hosted, self.steps, self.compute, self.debug = membership, hosted, steps, compute, debug
+        self.replicas = replicas
         self.t = membership.t
 
     # ---- handlers --------------------------------------------------------------------
@@ -179,6 +181,8 @@ class Passes:
                 self._mb_done(run)
                 return
             out = await self._guarded_forward(key, x, hop, targets)
+            if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
+                self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:
                 await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
                 return

@@ -72,13 +72,13 @@ class Recovery:
                 [torch.frombuffer(bytearray(blob), dtype=torch.uint8)])
 
     # ---- pulling -------------------------------------------------------------------------
-    async def take_handover(self, worker: StageWorker, header: dict) -> dict:
-        """Load a leaving peer's (`source`) full state into `worker`: its omega and the bytes moved."""
+    async def take_handover(self, worker: StageWorker, header: dict, rpc: str = RPC.GET_STATE) -> dict:
+        """Load a leaving peer's (`source`) full state into `worker` (rpc GET_STATE), or the replica a predecessor
+        holds of a lost stage (GET_REPLICA): its omega and the bytes moved."""
         require(header, source=str, step=int, stage=int)
         stage = header["stage"]  # the leaving peer serves the same stage, in the same region
         timeout = self.net.t.step_timeout + self._allowance(stage, stage)
-        _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, timeout, link=(stage, stage),
-                                         step=header["step"])
+        _, (blob,) = await self.net.call(header["source"], rpc, timeout, link=(stage, stage), step=header["step"])
         omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
         return {"omega": omega, "bytes": blob.numel()}
 

@@ -40,6 +40,7 @@ class HostedStage:
         self.cfg: RunConfig | None = None
         self.worker_cfg: RunConfig | None = None  # the config with the strategy's routes and replicas
         self.plus = False  # CheckFree+: swapped routes, replicated embedding and head
+        self.redundant = False  # redundant computation: this peer also holds its successor's replica
         self.worker: StageWorker | None = None
         self.omega = 0.0
         self.data: TokenData | None = None
@@ -61,6 +62,7 @@ class HostedStage:
         resolve_device(cfg.train.device)
         strategy = build_strategy(cfg)
         self.plus = strategy.plus
+        self.redundant = getattr(strategy, "swarm_replicas", False)
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
 
@@ -77,10 +79,12 @@ class HostedStage:
         return self.worker
 
     # ---- on the compute thread --------------------------------------------------------
-    def build(self, stage: int, init: bool = True) -> StageWorker:
-        """The stage's worker; init=False leaves its weights unallocated (a recovery loads them)."""
+    def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:
+        """The stage's worker; init=False leaves its weights unallocated (a recovery loads them); guard=False:
+        no soft-error guard (a redundant replica)."""
         worker = StageWorker(self.worker_cfg, stage, init=init)
-        worker.attach_guard(make_guard(self.cfg, stage))
+        if guard:
+            worker.attach_guard(make_guard(self.cfg, stage))
         if self._needs_data(stage) and self.data is None:
             c = self.cfg
             self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.model.context_length,

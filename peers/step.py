@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -74,11 +75,25 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
+class ReplicaHook(Protocol):
+    """What a commit asks of redundant computation (peers.replicas.Replicas): this stage's gradients before its
+    step, shipped after it to the predecessor holding its replica, and the step's redundant-forward figures."""
+
+    shipped: int
+
+    def gradients(self) -> Any: ...
+
+    async def ship(self, step: int, peers: dict[int, str], grads: Any) -> None: ...
+
+    def take_seconds(self) -> float: ...
+
+
 class StepTracker:
     """The active step attempt of this peer, the newest one that ended, and COMMIT/ABORT."""
 
-    def __init__(self, timeouts: Timeouts, hosted: HostedStage, compute: ComputeQueue) -> None:
-        self.t, self.hosted, self.compute = timeouts, hosted, compute
+    def __init__(self, timeouts: Timeouts, hosted: HostedStage, compute: ComputeQueue,
+                 replicas: ReplicaHook | None = None) -> None:
+        self.t, self.hosted, self.compute, self.replicas = timeouts, hosted, compute, replicas
         self.run: StepRun | None = None
         self.finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
         self._changed = asyncio.Event()
@@ -138,8 +153,13 @@ class StepTracker:
         run = await self.current(header["step"], header["attempt"])
         if not run.ready():
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
-        hosted = self.hosted
+        hosted, replicas = self.hosted, self.replicas
+        grads = await self.compute.run(replicas.gradients) if replicas is not None else None
         stats = await self.compute.run(hosted.worker.step, run.step)
+        redundant = {}
+        if grads is not None:  # redundant computation: the predecessor's replica takes the same step
+            await replicas.ship(run.step, run.peers, grads)
+            redundant = {"redundant_s": replicas.take_seconds(), "replica_bytes": replicas.shipped}
         if not stats.skipped:
             hosted.omega = stats.omega(hosted.cfg.recovery)
         hosted.next_step = run.step + 1
@@ -151,7 +171,7 @@ class StepTracker:
                 "lr": stats.lr,
                 "skipped": stats.skipped, "omega": hosted.omega, "stage": hosted.index,
                 "weights_finite": stats.weights_finite,
-                "soft_errors": guard_counts([hosted.worker.guard])}, []
+                "soft_errors": guard_counts([hosted.worker.guard]), **redundant}, []
 
     async def on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         await self.drop("aborted by the coordinator")

@@ -11,7 +11,7 @@ from checkfree.net.transport import RemoteError, TransportError
 from checkfree.protocol import Timeouts
 
 __all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS", "ROLLBACK_STRATEGIES",
-           "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures"]
+           "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures", "COMMIT_FIGURES", "commit_figures"]
 
 CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
 ROLLBACK_STRATEGIES = ("checkpoint", "gemini")  # rollback strategies that run for real in the swarm
@@ -40,6 +40,16 @@ def step_figures(by_stage: dict[int, dict], num_stages: int) -> dict:
     per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]
                  if k != "hop_delay_s" or any(k in r for r in by_stage.values())}
     return {"wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in by_stage.values()), **per_stage}
+
+
+COMMIT_FIGURES = ("redundant_s", "replica_bytes")  # a peer's, per committed step (redundant computation only)
+
+
+def commit_figures(by_stage: dict[int, dict | Exception], num_stages: int) -> dict:
+    """A step record's figures from its stages' COMMIT replies, per stage: the seconds of redundant forwards and
+    the gradient bytes shipped to the replica's holder (only when some stage reports them)."""
+    replies = [r if isinstance(r, dict) else {} for r in (by_stage.get(s, {}) for s in range(num_stages))]
+    return {k: [r.get(k) for r in replies] for k in COMMIT_FIGURES if any(k in r for r in replies)}
 
 
 @dataclass(kw_only=True)

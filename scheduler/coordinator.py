@@ -14,6 +14,7 @@ The coordinator is composed of parts, one module each:
     scheduler/membership.py   JOIN/REPORT/LEAVE/STATUS, standbys and ASSIGN, failure detection, retiring, handover
     scheduler/steps.py        RUN_STEP attempts, the route table, soft errors, COMMIT
     scheduler/recovery.py     recovery orders; snapshots and rollback of the rollback strategies
+    scheduler/replicas.py     redundant computation: replicas taken, a lost stage's replica promoted
     scheduler/outputs.py      saves and resume, the tokenizer, the final weights
     scheduler/failover.py     a standby coordinator taking over
     scheduler/injector.py     fault injection for the local swarm (off in production)
@@ -53,6 +54,7 @@ from scheduler.common import (
     CoordinatorOptions,
     Member,
     Rollback,
+    commit_figures,
     step_figures,
 )
 from scheduler.failover import FailoverMixin
@@ -60,6 +62,7 @@ from scheduler.injector import ChaosMixin
 from scheduler.membership import MembershipMixin
 from scheduler.outputs import OutputsMixin
 from scheduler.recovery import RecoveryMixin
+from scheduler.replicas import ReplicasMixin
 from scheduler.steps import StepsMixin
 
 __all__ = ["CoordinatorOptions", "Coordinator", "CoordinatorAlive", "Member"]
@@ -67,7 +70,7 @@ __all__ = ["CoordinatorOptions", "Coordinator", "CoordinatorAlive", "Member"]
 log = logging.getLogger(__name__)
 
 
-class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, FailoverMixin, ChaosMixin):
+class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, OutputsMixin, FailoverMixin, ChaosMixin):
     def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
         """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
         self.opts, self.t = opts, opts.timeouts
@@ -102,9 +105,13 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
 
         name = cfg.recovery.strategy
         self.strategy = build_strategy(cfg)
-        if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback):
+        swarm_replicas = getattr(self.strategy, "swarm_replicas", False)
+        if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback or swarm_replicas):
             raise ValueError(f"strategy {name!r} runs in the simulator only; the distributed runtime supports "
-                             f"{sorted(RECOVERY_RULES)}, checkfree+snap, checkpoint and gemini")
+                             f"{sorted(RECOVERY_RULES)}, checkfree+snap, checkpoint, gemini and redundant")
+        if swarm_replicas and cfg.strategy.storage_fallback:
+            raise ValueError(f"{name} in the swarm: when a replica and its holder are lost together it applies "
+                             f"--fallback; --storage-fallback runs in the simulator only")
         if self.strategy.snapshots_in_memory and self.strategy.when_all_copies_lost() not in ("checkpoint", "abort"):
             raise ValueError(f"{name} in the swarm: when every holder of a snapshot is lost it rolls back to storage "
                              f"(--storage-fallback yes) or aborts; --fallback {cfg.recovery.fallback} runs in the "
@@ -170,7 +177,8 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
                           for s in range(cfg.num_stages)]
             record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post, "block_grad_norms": block_post,
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
-                      "live_peers": len(self.stage_peer), **step_figures(results, cfg.num_stages)}
+                      "live_peers": len(self.stage_peer), **step_figures(results, cfg.num_stages),
+                      **commit_figures(commits, cfg.num_stages)}
             await self._protect(step)
             if evaluates_after(step, cfg.train.eval_every, cfg.train.num_steps):
                 try:
@@ -225,6 +233,8 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, OutputsMixin, Fail
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):
                 await self._fill_initial(saved)
+                if getattr(self.strategy, "swarm_replicas", False):  # redundant: every predecessor's replica
+                    await self._replicate(set(range(self.cfg.num_stages)), self.step)
                 if saved is not None:
                     self._event("resume", step=self.step)
                     self._status(f"resumed run at step {self.step} from {self.opts.out}/saves")

@@ -40,12 +40,38 @@ class RecoveryMixin:
             failed = failed - await self._restore_alone(step, failed)
             if not failed:
                 return
+        if getattr(self.strategy, "swarm_replicas", False):
+            await self._recover_replicated(step, failed, detected)
+            return
+        await self._rebuild(step, failed, self.strategy.rule.name, detected)
+
+    async def _recover_replicated(self, step: int, failed: set[int], detected: float) -> None:
+        """Redundant computation: promote every replica that survives; a stage lost together with its replica's
+        holder gets the declared fallback; then the new peers (and the holders of rebuilt stages, whose replica
+        is stale) take their successors' replicas."""
+        lost = failed - await self._promote(step, failed)
+        if lost:
+            fb = self.cfg.recovery.fallback
+            reason = ", ".join(f"stage {s}'s replica holder {self.strategy.holder(s)} failed too" for s in sorted(lost))
+            if fb == "abort":
+                self._event("fallback", step=step, stage=min(lost), strategy=self.cfg.recovery.strategy,
+                            fallback="abort", reason=reason)
+                raise UnrecoverableFailure(f"{self.cfg.recovery.strategy} cannot recover stage(s) {sorted(lost)}: "
+                                           f"{reason} (fallback=abort)")
+            await self._rebuild(step, lost, fb, detected, reason)
+        await self._replicate(failed, step)  # the new peers; a rebuilt stage's holder is among them (it was lost)
+
+    async def _rebuild(self, step: int, failed: set[int], rule: str, detected: float, reason: str | None = None) -> None:
+        """Rebuild `failed` from live neighbours by recovery rule `rule` (the strategy's, or a fallback's)."""
+        strategy = self.cfg.recovery.strategy
         try:
-            plans = plan_recovery(failed, self.cfg.num_stages, self.strategy.rule.name, self.cfg.recovery.fallback)
+            plans = plan_recovery(failed, self.cfg.num_stages, rule, self.cfg.recovery.fallback)
         except UnrecoverableFailure as e:
             self._event("fallback", step=step, stage=min(failed), strategy=strategy, fallback="abort", reason=str(e))
             raise
         for plan in plans:
+            if reason is not None:  # a strategy's declared fallback (recorded as one, like in the simulator)
+                plan.fallback, plan.reason = rule, reason
             sources = {str(s): self.stage_peer[s] for s in (*plan.sources, *plan.edge_sources.values())}
             pid, reply, t0 = await self._assign_replacement(
                 step, plan.stage, {"mode": "recover", "plan": plan_to_wire(plan), "sources": sources, "step": step},

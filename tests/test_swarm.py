@@ -238,3 +238,29 @@ def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_pa
     a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
     assert [m["step"] for m in a] == list(range(8))
     assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5)
+
+
+def test_redundant_computation_for_real_promotes_replicas_and_loses_nothing(tmp_path, cache):
+    """Bamboo with real processes: three non-adjacent SIGKILLs (stages 1, 3, 0) each repaired by promoting the
+    predecessor's replica; no attempt aborted, no step lost, the simulator's events, and the losses of a
+    failure-free run (the simulator's without the trace: redundant computation is lossless)."""
+    args = ["--steps", "8", "--strategy", "redundant"]
+    failures = ["--trace", _trace(tmp_path, [(2, 1), (4, 3), (6, 0)])]
+    proc, out = _local(tmp_path, "red", *args, *failures, cache=cache, spares=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {**__import__("os").environ, "CHECKFREE_CACHE": cache}
+    for name, extra in (("sim", failures), ("clean", [])):
+        sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / name),
+                              "--no-progress", *args, *extra], capture_output=True, text=True, timeout=300, env=env)
+        assert sim.returncode == 0, sim.stderr[-2000:]
+    fields = ("step", "stage", "method", "source", "lost_steps")
+    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl") if e["event"] == "recovery"]
+                 for d in (out, tmp_path / "sim"))
+    assert got == want == [(2, 1, "promote-replica", 0, 0), (4, 3, "promote-replica", 2, 0),
+                           (6, 0, "promote-replica", 3, 0)]
+    a = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in a] == list(range(8)) and all(m["attempts"] == 1 for m in a)
+    for ref in ("sim", "clean"):
+        b = read_jsonl(tmp_path / ref / "metrics.jsonl")
+        assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5), ref
+    assert all(r > 0 for m in a for r in m["redundant_s"]) and all(n > 0 for m in a for n in m["replica_bytes"])

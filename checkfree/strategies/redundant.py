@@ -23,6 +23,7 @@ __all__ = ["RedundantStrategy"]
 
 class RedundantStrategy(InMemoryStrategy):
     name = "redundant"
+    swarm_replicas = True  # the swarm runs it: each peer holds its successor's replica (peers/replicas.py)
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -30,6 +31,10 @@ class RedundantStrategy(InMemoryStrategy):
 
     def holder(self, stage: int) -> int:
         return (stage - 1) % self.cfg.num_stages
+
+    def promotable(self, failed: set[int]) -> set[int]:
+        """The lost stages whose replica survives (its holder, the ring predecessor, is not lost too)."""
+        return {s for s in failed if self.holder(s) not in failed}
 
     def protect(self, ctx: StrategyContext, step: int) -> Figures:
         self.replicas = {s: ctx.capture(s, step + 1) for s in range(ctx.num_stages)}
@@ -44,7 +49,7 @@ class RedundantStrategy(InMemoryStrategy):
     def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
         if not self.replicas:  # nothing trained yet: the initial state is the replica
             return self.restore_all(ctx, step, None, 0, failed, {})
-        lost = {s for s in failed if self.holder(s) in failed}
+        lost = set(failed) - self.promotable(failed)
         if not lost:
             return self._promote(ctx, step, failed)
         reason = ", ".join(f"stage {s}'s replica holder {self.holder(s)} failed too" for s in sorted(lost))
