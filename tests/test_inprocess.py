@@ -190,3 +190,14 @@ def test_redundant_computation_promotes_replicas_and_loses_nothing(tiny_cfg, tmp
     assert all(m["attempts"] == 1 for m in metrics)  # the kills land between steps: nothing aborted
     assert all(r > 0 for m in metrics for r in m["redundant_s"])  # every peer forwarded its replica, every step
     assert all(b > 0 for m in metrics for b in m["replica_bytes"])
+    serving = {d.hosted.index: d for d in swarm.daemons.values()
+               if d.hosted.worker is not None and d.membership.transport.peer_id not in [f["peer"] for _, f in swarm.killed]}
+    assert sorted(serving) == list(range(cfg.num_stages))
+    for s, d in serving.items():  # after the last commit, every replica equals its stage bit for bit, Adam included
+        succ = serving[(s + 1) % cfg.num_stages].hosted.worker
+        replica = d.replicas.replica
+        assert replica.index == succ.index
+        for (n, a), (_, b) in zip(replica.module.state_dict().items(), succ.module.state_dict().items()):
+            assert torch.equal(a, b), (s, n)
+        for n, st in succ.optimizer_state().items():
+            assert all(torch.equal(v, replica.optimizer_state()[n][k]) for k, v in st.items()), (s, n)
