@@ -40,8 +40,8 @@ class Snapshots:
 
     # ---- handlers --------------------------------------------------------------------
     async def on_snapshot(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        """Capture this stage's full state as of `step` and keep it in memory and send it to the
-        other holders (`holders`), or write it to `storage` as a file."""
+        """Capture this stage's full state as of `step` and keep it in memory (if this peer is among its `holders`)
+        and send it to the other holders, or write it to `storage` as a file."""
         stage = self.hosted.serving().index
         t0 = time.perf_counter()
         blob = await self.compute.run(self.hosted.capture_bytes, header["step"])
@@ -50,7 +50,8 @@ class Snapshots:
             await self.compute.run(storage.write_stage, header["storage"], header["step"], stage, blob)
         else:
             require(header, holders=list)
-            self.held[stage] = (header["step"], blob)
+            if self.net.me in header["holders"]:  # gemini keeps its own copy (a rollback of a live stage reads it)
+                self.held[stage] = (header["step"], blob)
             payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
             for pid in header["holders"]:
                 if pid != self.net.me:

@@ -48,6 +48,7 @@ from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC, request
 from checkfree.recovery import RECOVERY_RULES, UnrecoverableFailure
 from checkfree.rundir import RunWriter
 from checkfree.steprules import Commit, SoftErrorRule, apply_commits
+from checkfree.strategies.base import Figures
 from checkfree.wan import WanEmulator
 from scheduler.common import (
     CoordinatorAlive,
@@ -121,6 +122,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Out
             for line in WanEmulator(cfg).describe():
                 print(f"emulated WAN {cfg.train.wan}: {line}", flush=True)
         self.cost = CostModel(cfg)  # the strategies' choices that depend on links (a snapshot's source)
+        self.figures = Figures()  # what fault tolerance cost this run, measured: summary.json, as the simulator's
         self.snap_step = 0  # gemini: step of the last complete in-memory snapshot
         self.snap_holders: dict[int, dict[int, str]] = {}  # stage -> {holder stage: peer holding its snapshot}
         self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
@@ -139,6 +141,10 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Out
 
     async def _call(self, pid: str, name: str, header: dict, timeout: float, tensors=()):
         return await self.transport.call(pid, name, request(name, self.opts.run_id, **header), tensors, timeout=timeout)
+
+    def _charge(self, **figures) -> None:
+        """Add measured costs of fault tolerance (checkfree.strategies.base.Figures fields) to the run's."""
+        self.figures = self.figures + Figures(**figures)
 
     def _status(self, text: str) -> None:
         print(f"status: {text}", flush=True)
@@ -179,6 +185,9 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Out
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
                       "live_peers": len(self.stage_peer), **step_figures(results, cfg.num_stages),
                       **commit_figures(commits, cfg.num_stages)}
+            if "redundant_s" in record:  # the step waited for the slowest stage's redundant forwards
+                self._charge(stall_s=max(x or 0.0 for x in record["redundant_s"]),
+                             bytes_moved=sum(x or 0 for x in record["replica_bytes"]))
             await self._protect(step)
             if evaluates_after(step, cfg.train.eval_every, cfg.train.num_steps):
                 try:
@@ -268,7 +277,8 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Out
             if self.writer is not None:
                 soft = {k: sum(int(c.get(k, 0)) for c in self.soft_counts.values())
                         for k in ("injected", "detected", "corrected", "escalated")}
-                summary = self.writer.summary(status, error, run_id=self.opts.run_id, soft_errors=soft)
+                summary = self.writer.summary(status, error, run_id=self.opts.run_id, soft_errors=soft,
+                                              strategy=self.cfg.recovery.strategy, **self.figures.as_dict())
                 self.writer.close()
             if announcer is not None:
                 announcer.cancel()

@@ -25,6 +25,13 @@ class RecoveryMixin:
 
     # ---- recovery ---------------------------------------------------------------------
     async def _recover(self, step: int, failed: set[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self._recover_stages(step, failed)
+        finally:  # from detection to the recovered (or rolled back) pipeline, measured
+            self._charge(recovery_s=time.perf_counter() - t0)
+
+    async def _recover_stages(self, step: int, failed: set[int]) -> None:
         strategy = self.cfg.recovery.strategy
         detected = time.time()
         for s in sorted(failed):
@@ -83,6 +90,7 @@ class RecoveryMixin:
                           rebuild_s=reply.get("rebuild_s"), bytes=reply.get("bytes"),
                           recovery_time_s=round(time.perf_counter() - t0, 6),
                           since_detection_s=round(time.time() - detected, 6))
+            self._charge(bytes_moved=int(reply.get("bytes") or 0))
             kind = "fallback" if plan.fallback else "recovery"
             extra = {"fallback": plan.fallback, "reason": plan.reason} if plan.fallback else {}
             self._event(kind, step=step, stage=plan.stage, strategy=strategy, **extra, **fields)
@@ -108,6 +116,7 @@ class RecoveryMixin:
                                                                      "source": source, "serve_step": step,
                                                                      "edges": edges})
             self.norms[s] = float(reply.get("omega", 0.0))
+            self._charge(bytes_moved=int(reply.get("bytes") or 0))
             self._event("recovery", step=step, stage=s, strategy=self.cfg.recovery.strategy, method="snapshot",
                         source=holder, snapshot_step=self.snap_step, staleness=step - self.snap_step, lost_steps=0,
                         edge_sources={c: d for c, (d, _) in edges.items()}, peer_id=pid, bytes=reply.get("bytes", 0),
@@ -156,9 +165,19 @@ class RecoveryMixin:
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, Exception)]
         kind = "storage" if "storage" in extra(0) else "memory"
-        self._event("snapshot", step=step, kind=kind, complete=not errors, seconds=round(time.perf_counter() - t0, 6),
-                    bytes=sum(r[0]["bytes"] for r in results if not isinstance(r, Exception)),
-                    sent=sum(r[0].get("sent", 0) for r in results if not isinstance(r, Exception)))
+        seconds = time.perf_counter() - t0
+        sizes = {s: r[0]["bytes"] for s, r in zip(sorted(self.stage_peer), results) if not isinstance(r, Exception)}
+        sent = sum(r[0].get("sent", 0) for r in results if not isinstance(r, Exception))
+        self._event("snapshot", step=step, kind=kind, complete=not errors, seconds=round(seconds, 6),
+                    bytes=sum(sizes.values()), sent=sent)
+        held: dict[str, int] = {}  # memory: the snapshots each peer holds (gemini: its own among them)
+        if kind == "memory":
+            for s, n in sizes.items():
+                for pid in extra(s)["holders"]:
+                    held[pid] = held.get(pid, 0) + n
+        # the next step waited for the snapshot; the bytes went over the network (memory) or to storage
+        self._charge(stall_s=seconds, bytes_moved=sent if kind == "memory" else sum(sizes.values()),
+                     extra_memory_bytes=max(held.values(), default=0))
         return not errors
 
     async def _rollback(self, step: int, failed: set[int]) -> None:
@@ -191,9 +210,11 @@ class RecoveryMixin:
         t0 = time.perf_counter()
         await asyncio.gather(*(self._call(p, RPC.RESTORE, {"step": target, **source[s]}, self.t.step_timeout)
                                for s, p in self.stage_peer.items()))
+        self._charge(lost_steps=step - target)
         for s in sorted(failed):
             pid, reply, _ = await self._assign_replacement(step, s, {"mode": "restore", "step": target, **source[s]})
             self.norms[s] = float(reply.get("omega", 0.0))
+            self._charge(bytes_moved=int(reply.get("bytes") or 0))
             self._event("recovery", step=step, stage=s, strategy=name, method="rollback", rollback_to=target,
                         lost_steps=step - target, source=source[s].get("source", "storage"), peer_id=pid,
                         bytes=reply.get("bytes", 0), recovery_time_s=round(time.perf_counter() - t0, 6))

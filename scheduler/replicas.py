@@ -26,6 +26,7 @@ class ReplicasMixin:
         replies = await asyncio.gather(*calls)
         moved = sum(int(r[0].get("bytes", 0)) for r in replies)
         self._event("replicas", step=step, stages=sorted(stages), bytes=moved)
+        self._charge(bytes_moved=moved, extra_memory_bytes=max(int(r[0].get("bytes", 0)) for r in replies))
         return moved
 
     async def _promote(self, step: int, failed: set[int]) -> set[int]:
@@ -37,6 +38,7 @@ class ReplicasMixin:
             pid, reply, _ = await self._assign_replacement(
                 step, s, {"mode": "promote", "source": self.stage_peer[holder], "step": step, "stage": s}, chaos=True)
             self.norms[s] = float(reply.get("omega", 0.0))
+            self._charge(bytes_moved=int(reply.get("bytes") or 0))
             self._event("recovery", step=step, stage=s, strategy=self.cfg.recovery.strategy, method="promote-replica",
                         source=holder, lost_steps=0, peer_id=pid, bytes=reply.get("bytes", 0),
                         recovery_time_s=round(time.perf_counter() - t0, 6))

@@ -75,9 +75,13 @@ def test_rollback_in_one_process_restores_what_the_simulator_does(tiny_cfg, tmp_
     failures = [(5, 2)]
     swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, chaos=FailureSchedule(failures),
                       save_final=False)
-    _simulate(cfg, tmp_path / "sim", failures)
+    sim = _simulate(cfg, tmp_path / "sim", failures)
     assert swarm.summary["status"] == "completed"
     _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    # the measured costs in summary.json, under the simulator's names
+    assert swarm.summary["lost_steps"] == sim["lost_steps"] == 1
+    assert swarm.summary["bytes_moved"] > 0 and swarm.summary["stall_s"] > 0 and swarm.summary["recovery_s"] > 0
+    assert (swarm.summary["extra_memory_bytes"] > 0) == (strategy == "gemini")  # checkpoint: files, not memory
     got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
     fields = ("step", "stage", "method", "rollback_to", "lost_steps")
     assert [tuple(e[k] for k in fields) for e in got] == [tuple(e[k] for k in fields) for e in want] \
@@ -186,6 +190,8 @@ def test_redundant_computation_promotes_replicas_and_loses_nothing(tiny_cfg, tmp
     got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
     assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want] == [
         (2, 1, "promote-replica", 0, 0), (4, 3, "promote-replica", 2, 0), (6, 0, "promote-replica", 3, 0)]
+    assert swarm.summary["lost_steps"] == 0 and swarm.summary["stall_s"] > 0
+    assert swarm.summary["extra_memory_bytes"] > 0 and swarm.summary["bytes_moved"] > 0
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
     assert all(m["attempts"] == 1 for m in metrics)  # the kills land between steps: nothing aborted
     assert all(r > 0 for m in metrics for r in m["redundant_s"])  # every peer forwarded its replica, every step
