@@ -9,22 +9,16 @@ async API, same wire format, same error semantics:
   ``checkfree.net.wire`` message (8-byte length prefix, read with ``body_length`` then ``decode_body``),
   the server answers with one message and both sides half-close (yamux has a real FIN, so no linger
   trick is needed for the reply to arrive);
-- any failure while reading, decoding or handling a request is answered with
-  ``{"error": "<ExceptionType>: <message>"}`` and the server keeps serving; ``call`` raises the same
-  ``RemoteError`` / ``TransportTimeout`` / ``TransportError`` classes as ``Transport`` (imported from
-  there), and ``WireError`` locally for tensors or headers that cannot be encoded.
+- ``call`` raises the same ``RemoteError`` / ``TransportTimeout`` / ``TransportError`` classes as ``Transport``
+  (imported from there), and ``WireError`` locally for tensors or headers that cannot be encoded.
 
-Handlers have the ``Transport`` signature ``async handler(header, tensors, peer)`` and run on the asyncio
-loop that started the transport; ``peer`` is the caller's peer id as a base58 string.
+This module holds the lifecycle (start, the host in the trio thread, shutdown) and the calling side; the parts
+it is assembled from:
 
-Threading: the libp2p host runs in a trio thread of its own (`checkfree.net.libp2p_bridge`); an incoming
-request's body is read there, its handler runs on the asyncio loop and the reply frames go back to the trio thread.
-
-Addresses and fixed ports: `checkfree.net.libp2p_addresses`.
-
-Imports of py-libp2p go through `checkfree.net.libp2p_support` (it lets hivemind and py-libp2p share one process);
-the asyncio <-> trio bridge is `checkfree.net.libp2p_bridge`; the address book (the ways above to make a peer
-reachable) is `checkfree.net.libp2p_addresses`.
+- serving (``register``, error replies, where handlers run): `checkfree.net.libp2p_server`;
+- addresses and fixed ports (the ways to make a peer reachable): `checkfree.net.libp2p_addresses`;
+- the trio thread and the asyncio <-> trio bridge: `checkfree.net.libp2p_bridge`;
+- imports of py-libp2p: `checkfree.net.libp2p_support` (it lets hivemind and py-libp2p share one process).
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,16 +38,15 @@ from checkfree.net.errors import (
     RemoteError,
     TransportError,
     TransportTimeout,
-    failed_request,
     remote_error,
 )
 from checkfree.net.libp2p_addresses import Libp2pAddressBook
 from checkfree.net.libp2p_bridge import TrioThread, error_text
+from checkfree.net.libp2p_server import Libp2pServer
 from checkfree.net.libp2p_support import (
     ID,
     LIBP2P_IMPORT_ERROR,
     NOISE_PROTOCOL_ID,
-    READ_CHUNK_BYTES,
     IncompleteRead,
     NoiseTransport,
     create_new_x25519_key_pair,
@@ -65,7 +57,6 @@ from checkfree.net.libp2p_support import (
     protocol_id,
     t_close,
     t_read_body,
-    t_read_some,
     t_reset,
     t_write_frames,
     trio,
@@ -93,7 +84,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LISTEN_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
 
-class Libp2pTransport(Libp2pAddressBook, TrioThread):
+class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
     """Request/response RPC over a py-libp2p host (TCP + noise + yamux) running in its own trio thread.
 
     Create with ``await start_libp2p_transport(...)``; stop with ``await t.shutdown()``.
@@ -220,75 +211,6 @@ class Libp2pTransport(Libp2pAddressBook, TrioThread):
     def get_visible_maddrs(self) -> list[str]:
         """Full listen multiaddrs of this transport, ``/ip4/.../tcp/PORT/p2p/<peer id>``, for others to dial."""
         return list(self.maddrs)
-
-    # ------------------------------------------------------------ server side
-
-    async def register(self, name: str, handler: Handler) -> None:
-        """Serve ``handler`` under protocol ``/checkfree/<name>/1.0.0``; each incoming stream is its own task."""
-        self._handlers[name] = handler
-
-        async def install() -> None:
-            self._host.set_stream_handler(protocol_id(name), functools.partial(self._t_on_stream, name))
-
-        await self._submit(install)
-
-    async def unregister(self, name: str) -> None:
-        self._handlers.pop(name, None)
-
-        async def remove() -> None:
-            self._host.remove_stream_handler(protocol_id(name))
-
-        await self._submit(remove)
-
-    async def _t_on_stream(self, name: str, stream: Any) -> None:
-        try:
-            peer = str(stream.muxed_conn.peer_id)
-        except Exception:
-            peer = "?"
-        try:
-            try:
-                with trio.fail_after(self.read_timeout):
-                    body = await t_read_body(stream, self.max_message_bytes)
-            except IncompleteRead as e:
-                logger.debug("%s: peer %s closed the stream mid-request: %s", name, peer, e)
-                await t_reset(stream)
-                return
-            except (WireError, trio.TooSlowError) as e:
-                if isinstance(e, trio.TooSlowError):
-                    e = TimeoutError(f"request body not received within read_timeout={self.read_timeout:g} s")
-                logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
-                frames = encode_message({"error": f"{type(e).__name__}: {e}"})
-            else:
-                try:
-                    frames = await self._t_run_on_loop(self._handle(name, body, peer))
-                except Exception as e:  # the asyncio loop is gone
-                    frames = encode_message({"error": f"{type(e).__name__}: {e}"})
-            await t_write_frames(stream, frames)
-            await stream.close()  # yamux half-close: FIN after the reply, the read side stays open
-            with trio.move_on_after(self.linger_timeout):  # drain until the caller closes its side
-                while True:
-                    await t_read_some(stream, READ_CHUNK_BYTES)
-            await t_reset(stream)  # the caller never closed: drop the stream
-        except IncompleteRead:  # the caller closed its side (normal end) or reset the stream
-            await t_close(stream)
-        except trio.Cancelled:
-            await t_reset(stream)
-            raise
-        except Exception as e:
-            logger.debug("%s: stream to %s broke while replying: %s", name, peer, error_text(e))
-            await t_reset(stream)
-
-    async def _handle(self, name: str, body: memoryview, peer: str) -> list[bytes | memoryview]:
-        """asyncio side of an incoming request: decode, run the handler, encode the reply (or the error)."""
-        try:
-            handler = self._handlers.get(name)
-            if handler is None:
-                raise TransportError(f"no handler registered for '{name}'")
-            header, tensors = decode_body(body)
-            reply_header, reply_tensors = await handler(header, tensors, peer)
-            return encode_message(reply_header, reply_tensors)
-        except Exception as e:  # decoding, handler and reply-encoding errors all go back to the caller
-            return encode_message(failed_request(e, name, peer, (WireError,)))
 
     # ------------------------------------------------------------ client side
 
