@@ -73,6 +73,9 @@ class RPC:
     TAKE_REPLICA = "cf.take_replica"  # redundant: hold a current replica of the successor stage (from `source`)
     REPLICA_GRAD = "cf.replica_grad"  # redundant: the successor's gradient of a committed step, for its replica
     GET_REPLICA = "cf.get_replica"  # redundant: the replica's full state, for the promotion of a lost stage
+    BACKUP_START = "cf.backup_start"  # baft: take a backup as of `step`, to be sent in the next steps' bubbles
+    BACKUP_PART = "cf.backup_part"  # baft: a part of the predecessor's backup, sent in a bubble
+    BACKUP_COMMIT = "cf.backup_commit"  # baft: the backup of `step` is complete where every part arrived
     ADOPT = "cf.adopt"  # a new coordinator takes over the run (the old one is gone): report this peer's state
     PING = "cf.ping"
     SHUTDOWN = "cf.shutdown"
@@ -224,6 +227,9 @@ REQUEST_FIELDS: dict[str, dict[str, type]] = {
     RPC.TAKE_REPLICA: {"source": str, "step": int},
     RPC.REPLICA_GRAD: {"step": int, "stage": int, "names": list},
     RPC.GET_REPLICA: {"step": int},
+    RPC.BACKUP_START: {"step": int},
+    RPC.BACKUP_PART: {"owner": int, "step": int, "offset": int, "total": int},
+    RPC.BACKUP_COMMIT: {"step": int},
     RPC.ASSIGN: {"stage": int, "mode": str},
     RPC.RUN_STEP: {**_STEP, "peers": dict, "evaluate": bool},
     RPC.COMMIT: _STEP,

@@ -30,19 +30,38 @@ class ComputeQueue:
         self._pump: asyncio.Task | None = None
         self._busy_s = 0.0  # time the compute thread has spent on finished work
         self._busy_since: float | None = None  # start of the computation running now
+        self._idle: asyncio.Event | None = None  # set while nothing is queued or running
 
     async def run(self, fn: Callable[..., Any], *args: Any, priority: int = DEFAULT_PRIORITY) -> Any:
         """Run `fn(*args)` on the compute thread and return its result. Lower `priority` runs
         first among waiting work (BACKWARD_FIRST for backward passes)."""
         fut = asyncio.get_running_loop().create_future()
+        self._idle_event().clear()
         self._seq += 1
         self._queue.put_nowait((priority, self._seq, fn, args, fut))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._drain())
         return await fut
 
+    def _idle_event(self) -> asyncio.Event:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            self._idle.set()
+        return self._idle
+
+    async def idle(self) -> None:
+        """Until the compute thread has nothing queued or running: the stage's bubble in the running schedule."""
+        await self._idle_event().wait()
+
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
+        try:
+            await self._drain_queue(loop)
+        finally:
+            if self._queue.empty():
+                self._idle_event().set()
+
+    async def _drain_queue(self, loop: asyncio.AbstractEventLoop) -> None:
         while not self._queue.empty():
             _, _, fn, args, fut = self._queue.get_nowait()
             if fut.cancelled():

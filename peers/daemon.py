@@ -16,6 +16,7 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/step.py         the step state machine: the active attempt, COMMIT, ABORT
     peers/recovery.py     GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
     peers/snapshots.py    SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
+    peers/backups.py      BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
     peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
     peers/failover.py     ADOPT: a new coordinator takes over
     peers/stage.py        the run config and the hosted stage
@@ -50,6 +51,7 @@ from checkfree.protocol import (
 from checkfree.wan import WanEmulator
 from checkfree.worker import StageWorker
 from peers.assign import Assignment
+from peers.backups import Backups
 from peers.checks import RULES
 from peers.compute import ComputeQueue
 from peers.debug import DebugHooks
@@ -104,9 +106,11 @@ class PeerDaemon:
         self.membership = Membership(opts.run_id, opts.timeouts, opts.secret_file, self.hosted, self.stop)
         self.replicas = Replicas(self.membership, self.hosted, self.compute)
         self.steps = StepTracker(opts.timeouts, self.hosted, self.compute, self.replicas)
-        self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug, self.replicas)
-        self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
         self.snapshots = Snapshots(self.membership, self.hosted, self.steps, self.compute)
+        self.backups = Backups(self.membership, self.hosted, self.compute, self.snapshots)
+        self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug, self.replicas,
+                             self.backups)
+        self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
         self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
@@ -123,6 +127,8 @@ class PeerDaemon:
             RPC.FETCH_SNAPSHOT: self.snapshots.on_fetch_snapshot, RPC.RESTORE: self.snapshots.on_restore,
             RPC.TAKE_REPLICA: self.replicas.on_take_replica, RPC.REPLICA_GRAD: self.replicas.on_replica_grad,
             RPC.GET_REPLICA: self.replicas.on_get_replica,
+            RPC.BACKUP_START: self.backups.on_backup_start, RPC.BACKUP_PART: self.backups.on_backup_part,
+            RPC.BACKUP_COMMIT: self.backups.on_backup_commit,
             RPC.ADOPT: self.failover.on_adopt,
         }
         assert served.keys() == RULES.keys(), "every RPC served has an admission rule, and only those"

@@ -31,6 +31,7 @@ from checkfree.protocol import (
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts
 from checkfree.wirecodec import encode
 from peers.checks import check_activation, check_hop, check_sender
+from peers.backups import Backups
 from peers.compute import BACKWARD_FIRST, ComputeQueue
 from peers.debug import DebugHooks
 from peers.membership import Membership
@@ -48,9 +49,9 @@ class Passes:
     """The microbatches of the active step attempt passing through this peer's stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
-                 debug: DebugHooks, replicas: Replicas | None = None) -> None:
+                 debug: DebugHooks, replicas: Replicas | None = None, backups: Backups | None = None) -> None:
         self.net, self.hosted, self.steps, self.compute, self.debug = membership, hosted, steps, compute, debug
-        self.replicas = replicas
+        self.replicas, self.backups = replicas, backups
         self.t = membership.t
 
     # ---- handlers --------------------------------------------------------------------
@@ -75,6 +76,10 @@ class Passes:
         busy0 = self.compute.busy()
         for _ in range(min(window, len(run.pending_starts))):
             self._start_next(run)
+        send = None
+        if self.backups is not None and isinstance(header.get("backup"), dict) and not run.evaluate:
+            send = asyncio.create_task(self.backups.send_part(header["backup"]))  # after the forwards queued
+            run.tasks.add(send)
         try:
             await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
         except TimeoutError:
@@ -90,7 +95,11 @@ class Passes:
             raise StepFailed(run.error, run.kind, {"soft_errors": guard_counts([self.hosted.worker.guard])}
                              if run.kind == Kind.SOFT_ERROR else None)
         run.inflight = await self.compute.run(self.hosted.worker.take_inflight_peak)  # after this step's queued work
-        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": stage, **run.figures()}, []
+        figures = run.figures()
+        if send is not None:  # BAFT: the step is done once its part of the backup has gone (in the bubble, if it fit)
+            await send
+            figures["backup_bytes"] = self.backups.take_sent()
+        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": stage, **figures}, []
 
     async def on_forward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """An activation from the previous hop (checked before waiting for its step)."""

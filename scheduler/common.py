@@ -29,7 +29,8 @@ EVAL_ATTEMPT = 10_000
 
 # a peer's, per step (hop_delay_s only on an emulated WAN: the mean one-way delay of the passes that arrived, by
 # sending stage)
-STEP_FIGURES = ("bytes_sent", "inflight_peak", "activation_peak_bytes", "peak_rss_bytes", "hop_delay_s")
+STEP_FIGURES = ("bytes_sent", "inflight_peak", "activation_peak_bytes", "peak_rss_bytes", "hop_delay_s", "backup_bytes")
+_OPTIONAL = ("hop_delay_s", "backup_bytes")  # only an emulated WAN / BAFT reports these
 
 
 
@@ -38,7 +39,7 @@ def step_figures(by_stage: dict[int, dict], num_stages: int) -> dict:
     (None: not reported), the most microbatches whose activations it held at once, their bytes, and
     its peer process's peak resident memory so far."""
     per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]
-                 if k != "hop_delay_s" or any(k in r for r in by_stage.values())}
+                 if k not in _OPTIONAL or any(k in r for r in by_stage.values())}
     return {"wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in by_stage.values()), **per_stage}
 
 

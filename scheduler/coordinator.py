@@ -15,6 +15,7 @@ The coordinator is composed of parts, one module each:
     scheduler/steps.py        RUN_STEP attempts, the route table, soft errors, COMMIT
     scheduler/recovery.py     recovery orders; snapshots and rollback of the rollback strategies
     scheduler/replicas.py     redundant computation: replicas taken, a lost stage's replica promoted
+    scheduler/backups.py      baft: backups started, sent part by part in the bubbles, sealed
     scheduler/outputs.py      saves and resume, the tokenizer, the final weights
     scheduler/failover.py     a standby coordinator taking over
     scheduler/injector.py     fault injection for the local swarm (off in production)
@@ -50,6 +51,7 @@ from checkfree.rundir import RunWriter
 from checkfree.steprules import Commit, SoftErrorRule, apply_commits
 from checkfree.strategies.base import Figures
 from checkfree.wan import WanEmulator
+from scheduler.backups import BackupsMixin
 from scheduler.common import (
     CoordinatorAlive,
     CoordinatorOptions,
@@ -71,7 +73,8 @@ __all__ = ["CoordinatorOptions", "Coordinator", "CoordinatorAlive", "Member"]
 log = logging.getLogger(__name__)
 
 
-class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, OutputsMixin, FailoverMixin, ChaosMixin):
+class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, BackupsMixin, OutputsMixin, FailoverMixin,
+                  ChaosMixin):
     def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
         """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
         self.opts, self.t = opts, opts.timeouts
@@ -109,7 +112,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Out
         swarm_replicas = getattr(self.strategy, "swarm_replicas", False)
         if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback or swarm_replicas):
             raise ValueError(f"strategy {name!r} runs in the simulator only; the distributed runtime supports "
-                             f"{sorted(RECOVERY_RULES)}, checkfree+snap, checkpoint, gemini and redundant")
+                             f"{sorted(RECOVERY_RULES)}, checkfree+snap, checkpoint, gemini, redundant and baft")
         if swarm_replicas and cfg.strategy.storage_fallback:
             raise ValueError(f"{name} in the swarm: when a replica and its holder are lost together it applies "
                              f"--fallback; --storage-fallback runs in the simulator only")
@@ -123,7 +126,8 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Out
                 print(f"emulated WAN {cfg.train.wan}: {line}", flush=True)
         self.cost = CostModel(cfg)  # the strategies' choices that depend on links (a snapshot's source)
         self.figures = Figures()  # what fault tolerance cost this run, measured: summary.json, as the simulator's
-        self.snap_step = 0  # gemini: step of the last complete in-memory snapshot
+        self.snap_step = 0  # gemini, baft: step of the last complete in-memory snapshot / backup
+        self._backup_peers: dict[int, tuple[str, str]] = {}  # baft: stage -> (its peer, its backup holder's)
         self.snap_holders: dict[int, dict[int, str]] = {}  # stage -> {holder stage: peer holding its snapshot}
         self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
@@ -185,6 +189,8 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Out
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
                       "live_peers": len(self.stage_peer), **step_figures(results, cfg.num_stages),
                       **commit_figures(commits, cfg.num_stages)}
+            if "backup_bytes" in record:  # baft: the parts sent in this step's bubbles
+                self._charge(bytes_moved=sum(x or 0 for x in record["backup_bytes"]))
             if "redundant_s" in record:  # the step waited for the slowest stage's redundant forwards
                 self._charge(stall_s=max(x or 0.0 for x in record["redundant_s"]),
                              bytes_moved=sum(x or 0 for x in record["replica_bytes"]))

@@ -149,6 +149,8 @@ class RecoveryMixin:
         rule as in the simulator). A snapshot counts only once every stage has completed it; a checkpoint is
         sealed (checkfree.strategies.storage) only then; the previous one is kept until then."""
         strategy, nxt = self.strategy, step + 1
+        if getattr(strategy, "clock", None) is not None:  # baft: backups in the bubbles (scheduler/backups.py)
+            await self._backup(step)
         if strategy.snapshot_due(nxt):
             holders = {s: {h: self.stage_peer[h] for h in hs} for s, hs in enumerate(strategy.holders)}
             if await self._snapshot_all(nxt, lambda s: {"holders": list(holders[s].values())}):
@@ -185,6 +187,8 @@ class RecoveryMixin:
         the live holder the strategy picks (gemini: the cheapest link, as in the simulator) or from storage
         (checkpoint, or gemini's storage fallback when every holder of a stage is gone)."""
         strategy, name = self.strategy, self.cfg.recovery.strategy
+        if getattr(strategy, "clock", None) is not None:
+            strategy.clock.abandon()  # baft: the backup in flight is worthless now (as in the simulator)
         live = set(self.stage_peer.values())
         from_storage = not strategy.snapshots_in_memory
         target = self.ckpt_step if from_storage else self.snap_step

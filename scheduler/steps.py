@@ -38,7 +38,8 @@ class StepsMixin:
     async def _attempt(self, step: int, attempt: int, evaluate: bool) -> dict[int, dict] | None:
         """One attempt: RUN_STEP on every stage; the first error aborts the attempt everywhere."""
         header = {"step": step, "attempt": attempt, "evaluate": evaluate,
-                  "peers": {str(s): p for s, p in self.stage_peer.items()}, "routes": self._route_table(step, evaluate)}
+                  "peers": {str(s): p for s, p in self.stage_peer.items()}, "routes": self._route_table(step, evaluate),
+                  **({} if evaluate else self._backup_header(step))}
         tasks = {s: asyncio.create_task(self._call(p, RPC.RUN_STEP, header, self.t.step_timeout + self.t.rpc_timeout))
                  for s, p in self.stage_peer.items()}
         done, pending = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)

@@ -163,11 +163,11 @@ def test_the_swarm_refuses_the_strategies_it_does_not_run_before_any_peer_starts
     from scheduler.common import CoordinatorOptions
     from scheduler.coordinator import Coordinator
 
-    for name in ("reft", "baft"):
+    for name in ("reft",):
         cfg = _cfg(tiny_cfg, name)
-        with pytest.raises(ValueError, match=f"strategy '{name}' runs in the simulator only.*gemini and redundant"):
+        with pytest.raises(ValueError, match=f"strategy '{name}' runs in the simulator only.*redundant and baft"):
             Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / name)))
-    for name in ("checkfree", "checkfree+", "checkfree+snap", "gemini", "checkpoint", "redundant"):
+    for name in ("checkfree", "checkfree+", "checkfree+snap", "gemini", "checkpoint", "redundant", "baft"):
         Coordinator(_cfg(tiny_cfg, name), CoordinatorOptions(out=str(tmp_path / name)))
 
 
@@ -207,3 +207,29 @@ def test_redundant_computation_promotes_replicas_and_loses_nothing(tiny_cfg, tmp
             assert torch.equal(a, b), (s, n)
         for n, st in succ.optimizer_state().items():
             assert all(torch.equal(v, replica.optimizer_state()[n][k]) for k, v in st.items()), (s, n)
+
+
+def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tiny_cfg, tmp_path):
+    """BAFT in the swarm: every stage's backup, taken after a step, travels to its holder part by part in the
+    bubbles of the next steps (peers wait for their compute thread to go idle in the step) and counts once every
+    part arrived. Three non-adjacent kills roll every stage back to the last complete backup: the same rollback
+    targets and lost steps as the simulator, and in the end the losses of the failure-free run."""
+    cfg = _cfg(tiny_cfg, "baft", steps=10)
+    failures = [(3, 1), (6, 3), (8, 0)]
+    clean = run_swarm(cfg, tmp_path / "clean", peers=cfg.num_stages, save_final=False)
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
+                      save_final=False)
+    sim = _simulate(cfg, tmp_path / "sim", failures)
+    assert clean.summary["status"] == swarm.summary["status"] == "completed"
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps")
+    got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
+    assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want]
+    assert [e["stage"] for e in got] == [1, 3, 0] and swarm.summary["lost_steps"] == sim["lost_steps"] > 0
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    final = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl")}
+    assert [final[s] for s in range(10)] == pytest.approx(
+        [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")], rel=1e-5)
+    backups = _events(tmp_path / "swarm", "snapshot")
+    assert backups and all(e["kind"] == "backup" and e["complete"] for e in backups)
+    metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
+    assert sum(n or 0 for m in metrics for n in m.get("backup_bytes", [])) > 0

@@ -264,3 +264,27 @@ def test_redundant_computation_for_real_promotes_replicas_and_loses_nothing(tmp_
         b = read_jsonl(tmp_path / ref / "metrics.jsonl")
         assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5), ref
     assert all(r > 0 for m in a for r in m["redundant_s"]) and all(n > 0 for m in a for n in m["replica_bytes"])
+
+
+def test_baft_for_real_rolls_back_to_the_backups_sent_in_the_bubbles(tmp_path, cache):
+    """BAFT with real processes: backups travel in the bubbles; three non-adjacent SIGKILLs (iterations 3, 6, 8:
+    stages 1, 3, 0) roll every stage back to the last complete backup, as the simulator does (same targets,
+    same lost steps), and the run ends with the losses of a failure-free run."""
+    args = ["--steps", "10", "--strategy", "baft"]
+    failures = ["--trace", _trace(tmp_path, [(3, 1), (6, 3), (8, 0)])]
+    proc, out = _local(tmp_path, "baft", *args, *failures, cache=cache, spares=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {**__import__("os").environ, "CHECKFREE_CACHE": cache}
+    for name, extra in (("sim", failures), ("clean", [])):
+        sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / name),
+                              "--no-progress", *args, *extra], capture_output=True, text=True, timeout=300, env=env)
+        assert sim.returncode == 0, sim.stderr[-2000:]
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps")
+    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl") if e["event"] == "recovery"]
+                 for d in (out, tmp_path / "sim"))
+    assert got == want and [g[1] for g in got] == [1, 3, 0] and all(g[4] > 0 for g in got)
+    snaps = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "snapshot"]
+    assert snaps and all(e["kind"] == "backup" and e["complete"] for e in snaps)
+    final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
+    clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
+    assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)

@@ -15,6 +15,8 @@ failed too goes to the storage checkpoint if configured, else to the declared fa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from checkfree.baselines import BackupPlan, common_windows, plan_backup
 from checkfree.config import RunConfig
 from checkfree.strategies.base import FailureOutcome, Figures, StrategyContext
@@ -32,37 +34,90 @@ def _chunks(units: list[int], windows: list[tuple[float, float]], bandwidth: flo
     return [min(cap, u - i) for u in units for i in range(0, max(u, 1), cap)]
 
 
+@dataclass
+class BackupClock:
+    """When BAFT's backups start, travel and complete, step by step (the simulator's strategy and the swarm's
+    coordinator both keep one). A backup is taken as of the step after `sent_from`; the bubbles of the next
+    `rounds` steps carry parts 0 .. rounds-1; it is complete after the last of them."""
+
+    rounds: int = 1
+    sent_from: int | None = None  # the backup in flight was taken after this step (None: none in flight)
+    complete_step: int = 0  # the step the last complete backup resumes (0: the initial state)
+
+    def after(self, step: int) -> tuple[bool, bool]:
+        """After `step` is committed: (the backup in flight is complete now, a new one is taken now)."""
+        completed = self.sent_from is not None and step - self.sent_from == self.rounds
+        if completed:
+            self.complete_step, self.sent_from = self.sent_from + 1, None
+        started = self.sent_from is None
+        if started:
+            self.sent_from = step
+        return completed, started
+
+    def part(self, step: int) -> int | None:
+        """The part of the backup in flight that the bubbles of step `step` carry (None: none)."""
+        k = None if self.sent_from is None else step - self.sent_from - 1
+        return k if k is not None and 0 <= k < self.rounds else None
+
+    def abandon(self) -> None:
+        """A failure: an incomplete backup is worthless."""
+        self.sent_from = None
+
+
 class BaftStrategy(InMemoryStrategy):
     name = "baft"
+    swarm_rollback = True  # the swarm runs it: backups really sent in the bubbles (peers/backups.py)
+    snapshots_in_memory = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.plans: list[BackupPlan] | None = None
-        self.rounds = 1  # n: steps one backup takes
+        self.clock = BackupClock()
         self.complete: dict[int, StageState] | None = None  # last complete backup (None: initial state)
-        self.complete_step = 0
         self.sending: dict[int, StageState] | None = None  # backup in flight
-        self.sent_from = 0  # the step after which the in-flight backup was taken
+
+    @property
+    def rounds(self) -> int:
+        """n: the steps one backup takes."""
+        return self.clock.rounds
 
     def holder(self, stage: int) -> int:
         last = self.cfg.num_stages - 1
         return stage + 1 if stage < last else last - 1
 
-    def _plan(self, ctx: StrategyContext, states: dict[int, StageState]) -> None:
-        idle = ctx.cost.idle_windows()
+    @staticmethod
+    def restore_source(stage: int, live_holders: list[int], cost) -> int:
+        """A lost stage's backup comes from its one holder."""
+        return live_holders[0]
+
+    def plan_units(self, cost, units: dict[int, list[int]]) -> None:
+        """Plan every stage's backup (its units' bytes: embedding, blocks, head, each with its Adam state) into
+        the common bubbles of sender and holder; sets `rounds`."""
+        idle = cost.idle_windows()
         plans = []
-        for s, st in states.items():
+        for s, sizes in sorted(units.items()):
             h = self.holder(s)
             # no reserve: the cost model's t_f / t_b already include the stage's own sends
             windows = common_windows(idle[s], idle[h])
-            bw = ctx.cost.bandwidth_Bps(s, h)
+            bw = cost.bandwidth_Bps(s, h)
             try:
-                plans.append(plan_backup(_chunks(list(unit_nbytes(st).values()), windows, bw), windows, bw,
+                plans.append(plan_backup(_chunks(list(sizes), windows, bw), windows, bw,
                                          self.cfg.strategy.baft_max_iterations))
             except ValueError as e:
                 raise ValueError(f"baft: stage {s}'s backup does not fit in the bubbles of "
                                  f"{self.cfg.strategy.baft_max_iterations} step(s); raise --baft-max-iterations ({e})") from e
-        self.plans, self.rounds = plans, max(p.iterations for p in plans)
+        self.plans = plans
+        self.clock.rounds = max(p.iterations for p in plans)
+
+    def part_bounds(self, stage: int, part: int) -> tuple[float, float]:
+        """The share [lo, hi) of `stage`'s backup that part `part` carries: the plan's bytes of that step."""
+        plan = self.plans[stage]
+        per = [sum(plan.bytes_in(k, w) for w in range(len(plan.windows))) for k in range(self.rounds)]
+        total = sum(per) or 1
+        return sum(per[:part]) / total, sum(per[:part + 1]) / total
+
+    def _plan(self, ctx: StrategyContext, states: dict[int, StageState]) -> None:
+        self.plan_units(ctx.cost, {s: list(unit_nbytes(st).values()) for s, st in states.items()})
 
     def _memory(self, ctx: StrategyContext) -> int:
         """A peer holds its in-flight copy, its own complete backup and its predecessor's."""
@@ -71,27 +126,31 @@ class BaftStrategy(InMemoryStrategy):
             return 0
         return max(2 * size[p] + sum(size[s] for s in size if self.holder(s) == p) for p in size)
 
+    @property
+    def complete_step(self) -> int:
+        return self.clock.complete_step
+
     def protect(self, ctx: StrategyContext, step: int) -> Figures:
-        moved = 0
-        if self.sending is not None:
-            k = step - self.sent_from  # this step's bubbles carried part k-1 of the backup
-            moved = sum(p.bytes_in(k - 1, w) for p in self.plans for w in range(len(p.windows)))
-            if k == self.rounds:
-                self.complete, self.complete_step, self.sending = self.sending, self.sent_from + 1, None
-        if self.sending is None:
+        k = self.clock.part(step)  # the part this step's bubbles carried
+        moved = 0 if k is None else sum(p.bytes_in(k, w) for p in self.plans for w in range(len(p.windows)))
+        completed, started = self.clock.after(step)
+        if completed:
+            self.complete, self.sending = self.sending, None
+        if started:
             self.sending = {s: ctx.capture(s, step + 1) for s in range(ctx.num_stages)}
-            self.sent_from = step
             if self.plans is None:
                 self._plan(ctx, self.sending)
         return Figures(bytes_moved=moved, extra_memory_bytes=self._memory(ctx))
 
     def reprotect(self, ctx: StrategyContext, step: int) -> int:
         self.complete = {s: ctx.capture(s, step) for s in range(ctx.num_stages)}
-        self.complete_step, self.sending = step, None
+        self.clock.complete_step, self.sending = step, None
+        self.clock.abandon()
         return sum(state_nbytes(st) for st in self.complete.values())
 
     def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
         self.sending = None  # an incomplete backup is worthless
+        self.clock.abandon()
         sources = {s: self.holder(s) for s in failed if self.holder(s) not in failed}
         lost = set(failed) - set(sources)
         if self.complete is None or not lost:

@@ -59,11 +59,6 @@ class GeminiStrategy(InMemoryStrategy):
         """The live holder (by stage) a lost stage's snapshot is fetched from: the cheapest link to it."""
         return min(live_holders, key=lambda h: (cost.transfer_s(1, h, stage), h))
 
-    def when_all_copies_lost(self) -> str:
-        """What a stage whose every holder failed gets: the storage checkpoint if there is one, else the
-        declared fallback (`recovery.fallback`)."""
-        return "checkpoint" if self.storage is not None else self.cfg.recovery.fallback
-
     def protect(self, ctx: StrategyContext, step: int) -> Figures:
         if not self.snapshot_due(step + 1):
             return Figures(extra_memory_bytes=self.memory)

@@ -36,6 +36,11 @@ class InMemoryStrategy(Strategy):
         super().__init__(cfg)
         self.storage = Checkpointer(cfg.strategy.checkpoint_every) if cfg.strategy.storage_fallback else None
 
+    def when_all_copies_lost(self) -> str:
+        """What a stage whose every holder failed gets: the storage checkpoint if there is one, else the
+        declared fallback (`recovery.fallback`)."""
+        return "checkpoint" if self.storage is not None else self.cfg.recovery.fallback
+
     def after_step(self, ctx: StrategyContext, step: int) -> Figures:
         figs = self.protect(ctx, step)
         return figs if self.storage is None else figs + self.storage.maybe_save(ctx, step)

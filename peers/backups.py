@@ -1,0 +1,112 @@
+"""BAFT's backups on a peer (`--strategy baft`): this stage's backup is taken as of a step (BACKUP_START), then
+sent to the holder (the next stage; the last stage's to the one before it) part by part, each part in a bubble
+of the step that carries it: once this peer's compute thread is idle in that step (a later stage waits for its
+first activation; the first stage for its first gradient after its forwards), so the schedule the peers really
+run decides the timing. The coordinator names the part and its share of the backup in RUN_STEP (the plan of
+`checkfree.strategies.baft`). The holder assembles the parts (BACKUP_PART); at BACKUP_COMMIT a backup every part
+of which arrived becomes the holder's copy and the owner's own, in `Snapshots.held`, from where a rollback
+restores it (RESTORE, FETCH_SNAPSHOT) as gemini's snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from checkfree.net.transport import TransportError
+from checkfree.protocol import RPC, ProtocolError
+from checkfree.serialize import state_to_bytes
+from checkfree.strategies.state import capture_worker, unit_nbytes
+from peers.checks import check_blob
+from peers.compute import ComputeQueue
+from peers.membership import Membership
+from peers.snapshots import Snapshots
+from peers.stage import HostedStage
+
+__all__ = ["Backups"]
+
+log = logging.getLogger(__name__)
+
+MAX_BACKUP_BYTES = 1 << 36  # a declared backup larger than this (64 GiB) is refused before anything is allocated
+
+
+class Backups:
+    """This stage's backup in flight, and the predecessor's being assembled here."""
+
+    def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue,
+                 snapshots: Snapshots) -> None:
+        self.net, self.hosted, self.compute, self.snapshots = membership, hosted, compute, snapshots
+        self.sending: tuple[int, bytes] | None = None  # (step, serialized state)
+        self.assembling: dict[int, tuple[int, bytearray, dict[int, int]]] = {}  # owner -> (step, buffer, parts)
+        self.sent = 0  # bytes of parts sent (for the step's figures)
+
+    # ---- the owner's side --------------------------------------------------------------
+    async def on_backup_start(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Take this stage's backup as of `step`; its units' bytes let the coordinator plan the bubbles."""
+        self.hosted.serving()
+        blob, units = await self.compute.run(self._capture, header["step"])
+        self.sending = (header["step"], blob)
+        return {"bytes": len(blob), "units": units}, []
+
+    def _capture(self, step: int) -> tuple[bytes, list[int]]:
+        state = capture_worker(self.hosted.worker, step, self.hosted.omega)
+        return state_to_bytes(state), list(unit_nbytes(state).values())
+
+    async def send_part(self, backup: dict) -> None:
+        """In this step's bubble: send the share of the backup in flight that the coordinator named."""
+        stage = self.hosted.index
+        bounds, holders = backup.get("bounds", {}).get(str(stage)), backup.get("holders", {})
+        if self.sending is None or self.sending[0] != backup.get("step") or bounds is None:
+            return
+        step, blob = self.sending
+        lo, hi = int(bounds[0] * len(blob)), int(bounds[1] * len(blob))
+        if hi <= lo:
+            return
+        await self.compute.idle()  # the bubble: nothing of this stage's to compute right now
+        part = torch.frombuffer(bytearray(blob[lo:hi]), dtype=torch.uint8)
+        holder = holders.get(str(stage))
+        try:
+            await self.net.call(holder, RPC.BACKUP_PART, self.net.t.step_timeout, [part],
+                                link=(stage, int(backup.get("holder_stages", {}).get(str(stage), stage))),
+                                owner=stage, step=step, offset=lo, total=len(blob))
+            self.sent += hi - lo
+        except (TransportError, TimeoutError) as e:  # the backup stays incomplete: the coordinator keeps the last one
+            log.warning("backup part of step %d not delivered to %s: %s", step, holder, e)
+
+    def take_sent(self) -> int:
+        sent, self.sent = self.sent, 0
+        return sent
+
+    # ---- the holder's side -------------------------------------------------------------
+    async def on_backup_part(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """A part of the predecessor's backup: its bytes at `offset` of a backup of `total` bytes."""
+        owner, step, offset, total = header["owner"], header["step"], header["offset"], header["total"]
+        data = check_blob(tensors, "a backup part")
+        cfg = self.hosted.joined()
+        if not 0 <= owner < cfg.num_stages or owner == self.hosted.index:
+            raise ProtocolError(f"backup of stage {owner}: not a stage this peer holds backups of")
+        if not 0 < total <= MAX_BACKUP_BYTES or not 0 <= offset <= total - len(data):
+            raise ProtocolError(f"backup part at {offset} of {len(data)} bytes does not fit a backup of {total} bytes")
+        held = self.assembling.get(owner)
+        if held is None or held[0] != step or len(held[1]) != total:
+            held = (step, bytearray(total), {})
+            self.assembling[owner] = held
+        held[1][offset:offset + len(data)] = data
+        held[2][offset] = len(data)
+        return {"ok": True}, []
+
+    async def on_backup_commit(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """The backup of `step` is done: the owner keeps its own copy, a holder each backup whose every byte
+        arrived; returns the stages whose backup this peer now holds complete."""
+        step, held = header["step"], []
+        if self.sending is not None and self.sending[0] == step:
+            self.snapshots.held[self.hosted.index] = self.sending
+            self.sending = None
+            held.append(self.hosted.index)
+        for owner, (s, buf, parts) in list(self.assembling.items()):
+            if s == step and sum(parts.values()) == len(buf):
+                self.snapshots.held[owner] = (step, bytes(buf))
+                del self.assembling[owner]
+                held.append(owner)
+        return {"held": sorted(held)}, []
