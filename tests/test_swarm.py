@@ -15,9 +15,14 @@ from safetensors.torch import load_file
 
 from checkfree.recovery import checkfree_average
 from checkfree.rundir import read_jsonl
-from swarmrun import local as _local, trace as _trace
+from swarmrun import local as _local, simulate as _simulate, trace as _trace
 
 pytestmark = pytest.mark.timeout(400)
+
+
+def _recoveries(out, fields: tuple[str, ...]) -> list[tuple]:
+    """The run's recovery events, each as the tuple of `fields`."""
+    return [tuple(e.get(k) for k in fields) for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovery"]
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +232,9 @@ def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_pa
             "--trace", _trace(tmp_path, [(5, 1), (6, 2), (7, 1)])]
     proc, out = _local(tmp_path, "snap", *args, cache=cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / "sim"),
-                          "--no-progress", *args], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "CHECKFREE_CACHE": cache})
-    assert sim.returncode == 0, sim.stderr[-2000:]
+    _simulate(tmp_path, "sim", *args, cache=cache)
     fields = ("step", "stage", "method", "source", "snapshot_step", "lost_steps")
-    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl") if e["event"] == "recovery"]
-                 for d in (out, tmp_path / "sim"))
+    got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
     assert got == want == [(5, 1, "snapshot", 2, 4, 0), (6, 2, "snapshot", 3, 6, 0), (7, 1, "average", None, None, None)]
     a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
     assert [m["step"] for m in a] == list(range(8))
@@ -248,14 +249,10 @@ def test_redundant_computation_for_real_promotes_replicas_and_loses_nothing(tmp_
     failures = ["--trace", _trace(tmp_path, [(2, 1), (4, 3), (6, 0)])]
     proc, out = _local(tmp_path, "red", *args, *failures, cache=cache, spares=3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    env = {**__import__("os").environ, "CHECKFREE_CACHE": cache}
-    for name, extra in (("sim", failures), ("clean", [])):
-        sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / name),
-                              "--no-progress", *args, *extra], capture_output=True, text=True, timeout=300, env=env)
-        assert sim.returncode == 0, sim.stderr[-2000:]
+    _simulate(tmp_path, "sim", *args, *failures, cache=cache)
+    _simulate(tmp_path, "clean", *args, cache=cache)
     fields = ("step", "stage", "method", "source", "lost_steps")
-    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl") if e["event"] == "recovery"]
-                 for d in (out, tmp_path / "sim"))
+    got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
     assert got == want == [(2, 1, "promote-replica", 0, 0), (4, 3, "promote-replica", 2, 0),
                            (6, 0, "promote-replica", 3, 0)]
     a = read_jsonl(out / "metrics.jsonl")
@@ -274,14 +271,10 @@ def test_baft_for_real_rolls_back_to_the_backups_sent_in_the_bubbles(tmp_path, c
     failures = ["--trace", _trace(tmp_path, [(3, 1), (6, 3), (8, 0)])]
     proc, out = _local(tmp_path, "baft", *args, *failures, cache=cache, spares=3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    env = {**__import__("os").environ, "CHECKFREE_CACHE": cache}
-    for name, extra in (("sim", failures), ("clean", [])):
-        sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / name),
-                              "--no-progress", *args, *extra], capture_output=True, text=True, timeout=300, env=env)
-        assert sim.returncode == 0, sim.stderr[-2000:]
+    _simulate(tmp_path, "sim", *args, *failures, cache=cache)
+    _simulate(tmp_path, "clean", *args, cache=cache)
     fields = ("step", "stage", "method", "rollback_to", "lost_steps")
-    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl") if e["event"] == "recovery"]
-                 for d in (out, tmp_path / "sim"))
+    got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
     assert got == want and [g[1] for g in got] == [1, 3, 0] and all(g[4] > 0 for g in got)
     snaps = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "snapshot"]
     assert snaps and all(e["kind"] == "backup" and e["complete"] for e in snaps)
