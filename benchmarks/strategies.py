@@ -1,4 +1,4 @@
-"""The strategies the swarm runs (checkfree+, checkpoint, gemini, checkfree+snap, redundant, baft), measured in the swarm beside what the simulator charges for the same trace.
+"""The strategies the swarm runs (checkfree+, checkpoint, gemini, checkfree+snap, redundant, baft, reft), measured in the swarm beside what the simulator charges for the same trace.
 
 For each strategy, `checkfree local` (real processes, SIGKILLs from the trace) and `checkfree simulate` run the
 same config and failure trace; their summary.json files carry the same five figures: `stall_s` (swarm: seconds
@@ -37,6 +37,7 @@ STRATEGIES = {  # strategy -> its own flags
     "checkfree+snap": ["--snapshot-every", "4"],
     "redundant": [],
     "baft": [],
+    "reft": ["--snapshot-every", "4"],
 }
 FIGURES = ("stall_s", "bytes_moved", "extra_memory_bytes", "lost_steps", "recovery_s")
 PAPER_REDUNDANT = 151.04 / 91.3  # seconds per iteration with / without redundant computation (paper, 500M)

@@ -76,6 +76,8 @@ class RPC:
     BACKUP_START = "cf.backup_start"  # baft: take a backup as of `step`, to be sent in the next steps' bubbles
     BACKUP_PART = "cf.backup_part"  # baft: a part of the predecessor's backup, sent in a bubble
     BACKUP_COMMIT = "cf.backup_commit"  # baft: the backup of `step` is complete where every part arrived
+    REFT_CHUNK = "cf.reft_chunk"  # reft: a chunk of a group member's snapshot, for this peer's parity block
+    REFT_FETCH = "cf.reft_fetch"  # reft: this peer's snapshot and parity block, to decode a lost member
     ADOPT = "cf.adopt"  # a new coordinator takes over the run (the old one is gone): report this peer's state
     PING = "cf.ping"
     SHUTDOWN = "cf.shutdown"
@@ -230,6 +232,8 @@ REQUEST_FIELDS: dict[str, dict[str, type]] = {
     RPC.BACKUP_START: {"step": int},
     RPC.BACKUP_PART: {"owner": int, "step": int, "offset": int, "total": int},
     RPC.BACKUP_COMMIT: {"step": int},
+    RPC.REFT_CHUNK: {"step": int, "owner": int, "holder": int, "n": int, "length": int},
+    RPC.REFT_FETCH: {"step": int},
     RPC.ASSIGN: {"stage": int, "mode": str},
     RPC.RUN_STEP: {**_STEP, "peers": dict, "evaluate": bool},
     RPC.COMMIT: _STEP,

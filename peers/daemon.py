@@ -16,6 +16,7 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/step.py         the step state machine: the active attempt, COMMIT, ABORT
     peers/recovery.py     GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
     peers/snapshots.py    SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
+    peers/parity.py       REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
     peers/backups.py      BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
     peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
     peers/failover.py     ADOPT: a new coordinator takes over
@@ -129,6 +130,7 @@ class PeerDaemon:
             RPC.GET_REPLICA: self.replicas.on_get_replica,
             RPC.BACKUP_START: self.backups.on_backup_start, RPC.BACKUP_PART: self.backups.on_backup_part,
             RPC.BACKUP_COMMIT: self.backups.on_backup_commit,
+            RPC.REFT_CHUNK: self.snapshots.parity.on_chunk, RPC.REFT_FETCH: self.snapshots.parity.on_fetch,
             RPC.ADOPT: self.failover.on_adopt,
         }
         assert served.keys() == RULES.keys(), "every RPC served has an admission rule, and only those"

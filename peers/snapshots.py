@@ -20,6 +20,7 @@ from checkfree.worker import StageWorker
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
 from peers.membership import Membership
+from peers.parity import Parity
 from peers.stage import HostedStage
 from peers.step import StepTracker
 
@@ -33,6 +34,7 @@ class Snapshots:
                  compute: ComputeQueue) -> None:
         self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
         self.held: dict[int, tuple[int, bytes]] = {}  # stage -> (step, serialized full state)
+        self.parity = Parity(membership, hosted, self.held)  # reft
 
     def steps_held(self) -> dict[str, int]:
         """The step of each snapshot held here, by stage (for a new coordinator)."""
@@ -48,6 +50,12 @@ class Snapshots:
         sent = 0
         if isinstance(header.get("storage"), str):  # the coordinator seals it once every stage has written
             await self.compute.run(storage.write_stage, header["storage"], header["step"], stage, blob)
+        elif isinstance(header.get("parity"), dict):  # reft: own copy here, a chunk to each group member
+            spec = header["parity"]
+            if not isinstance(spec.get("group"), list) or not isinstance(spec.get("index"), int):
+                raise ProtocolError(f"snapshot 'parity' must be {{group: [peers], index: int}}, got {spec!r:.200}")
+            self.held[stage] = (header["step"], blob)
+            sent = await self.parity.snapshot(header["step"], blob, spec["group"], spec["index"])
         else:
             require(header, holders=list)
             if self.net.me in header["holders"]:  # gemini keeps its own copy (a rollback of a live stage reads it)
@@ -109,6 +117,10 @@ class Snapshots:
         step = header["step"]
         if isinstance(header.get("storage"), str):
             return storage.read_stage(header["storage"], step, stage)
+        if isinstance(header.get("parity"), dict):  # reft: decoded from the group's survivors
+            blob, _ = await self.parity.decode(stage, header)
+            self.held[stage] = (step, blob)  # this replacement's own snapshot now, as the lost member's was
+            return blob
         source = header.get("source")
         if source in (None, self.net.me):
             held = self.held.get(stage)

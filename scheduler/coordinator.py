@@ -111,8 +111,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
         self.strategy = build_strategy(cfg)
         swarm_replicas = getattr(self.strategy, "swarm_replicas", False)
         if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback or swarm_replicas):
-            raise ValueError(f"strategy {name!r} runs in the simulator only; the distributed runtime supports "
-                             f"{sorted(RECOVERY_RULES)}, checkfree+snap, checkpoint, gemini, redundant and baft")
+            raise ValueError(f"strategy {name!r} runs in the simulator only: it has no distributed implementation")
         if swarm_replicas and cfg.strategy.storage_fallback:
             raise ValueError(f"{name} in the swarm: when a replica and its holder are lost together it applies "
                              f"--fallback; --storage-fallback runs in the simulator only")

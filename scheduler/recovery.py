@@ -151,7 +151,12 @@ class RecoveryMixin:
         strategy, nxt = self.strategy, step + 1
         if getattr(strategy, "clock", None) is not None:  # baft: backups in the bubbles (scheduler/backups.py)
             await self._backup(step)
-        if strategy.snapshot_due(nxt):
+        if strategy.snapshot_due(nxt) and getattr(strategy, "groups", None) is not None:  # reft: own copy + parity
+            members = {s: [self.stage_peer[m] for m in strategy.group_of(s)] for s in self.stage_peer}
+            if await self._snapshot_all(nxt, lambda s: {"parity": {"group": members[s],
+                                                                    "index": strategy.group_of(s).index(s)}}):
+                self.snap_step, self.snap_holders = nxt, {s: {s: p} for s, p in self.stage_peer.items()}
+        elif strategy.snapshot_due(nxt):
             holders = {s: {h: self.stage_peer[h] for h in hs} for s, hs in enumerate(strategy.holders)}
             if await self._snapshot_all(nxt, lambda s: {"holders": list(holders[s].values())}):
                 self.snap_step, self.snap_holders = nxt, holders
@@ -173,10 +178,13 @@ class RecoveryMixin:
         self._event("snapshot", step=step, kind=kind, complete=not errors, seconds=round(seconds, 6),
                     bytes=sum(sizes.values()), sent=sent)
         held: dict[str, int] = {}  # memory: the snapshots each peer holds (gemini: its own among them)
-        if kind == "memory":
-            for s, n in sizes.items():
+        for s, n in sizes.items():
+            if "holders" in extra(s):
                 for pid in extra(s)["holders"]:
                     held[pid] = held.get(pid, 0) + n
+            elif "parity" in extra(s):  # reft: its own snapshot and a parity block of ~1/(n-1) of the largest
+                group = self.strategy.group_of(s)
+                held[self.stage_peer[s]] = n - (-max(sizes.get(m, 0) for m in group) // (len(group) - 1))
         # the next step waited for the snapshot; the bytes went over the network (memory) or to storage
         self._charge(stall_s=seconds, bytes_moved=sent if kind == "memory" else sum(sizes.values()),
                      extra_memory_bytes=max(held.values(), default=0))
@@ -192,8 +200,11 @@ class RecoveryMixin:
         live = set(self.stage_peer.values())
         from_storage = not strategy.snapshots_in_memory
         target = self.ckpt_step if from_storage else self.snap_step
+        parity = getattr(strategy, "groups", None) is not None  # reft: a lost member is decoded from its group
         holders = {s: [h for h, pid in self.snap_holders.get(s, {}).items() if pid in live] for s in failed}
         lost = sorted(s for s in failed if self.snap_step and not holders[s]) if not from_storage else []
+        if parity and not from_storage:
+            lost = sorted(failed - strategy.decodable(failed)) if self.snap_step else []
         if lost:
             action = strategy.when_all_copies_lost()
             reason = f"every holder of stage(s) {lost} failed"
@@ -207,6 +218,9 @@ class RecoveryMixin:
                 source[s] = {"source": "init"}
             elif from_storage:
                 source[s] = {"storage": self.storage_dir}
+            elif s in failed and parity:
+                group = strategy.group_of(s)
+                source[s] = {"parity": {"group": [self.snap_holders[m][m] for m in group], "index": group.index(s)}}
             elif s in failed:
                 source[s] = {"source": self.snap_holders[s][strategy.restore_source(s, holders[s], self.cost)]}
             else:
@@ -219,7 +233,10 @@ class RecoveryMixin:
             pid, reply, _ = await self._assign_replacement(step, s, {"mode": "restore", "step": target, **source[s]})
             self.norms[s] = float(reply.get("omega", 0.0))
             self._charge(bytes_moved=int(reply.get("bytes") or 0))
+            if "parity" in source[s]:  # the replacement holds the lost member's snapshot and parity block now
+                self.snap_holders[s] = {s: pid}
             self._event("recovery", step=step, stage=s, strategy=name, method="rollback", rollback_to=target,
-                        lost_steps=step - target, source=source[s].get("source", "storage"), peer_id=pid,
+                        lost_steps=step - target, source=source[s].get("source", "parity" if "parity" in source[s]
+                                                                       else "storage"), peer_id=pid,
                         bytes=reply.get("bytes", 0), recovery_time_s=round(time.perf_counter() - t0, 6))
         raise Rollback(target)

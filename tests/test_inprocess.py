@@ -159,16 +159,17 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
             assert torch.equal(restored[k], v), k
 
 
-def test_the_swarm_refuses_the_strategies_it_does_not_run_before_any_peer_starts(tiny_cfg, tmp_path):
+def test_the_swarm_runs_every_strategy_and_refuses_a_bad_combination_before_any_peer_starts(tiny_cfg, tmp_path):
+    from checkfree.strategies import STRATEGIES
     from scheduler.common import CoordinatorOptions
     from scheduler.coordinator import Coordinator
 
-    for name in ("reft",):
-        cfg = _cfg(tiny_cfg, name)
-        with pytest.raises(ValueError, match=f"strategy '{name}' runs in the simulator only.*redundant and baft"):
-            Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / name)))
-    for name in ("checkfree", "checkfree+", "checkfree+snap", "gemini", "checkpoint", "redundant", "baft"):
+    for name in STRATEGIES:
         Coordinator(_cfg(tiny_cfg, name), CoordinatorOptions(out=str(tmp_path / name)))
+    cfg = _cfg(tiny_cfg, "gemini")
+    cfg.recovery.fallback = "random"
+    with pytest.raises(ValueError, match="--fallback random runs in the simulator only"):
+        Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / "bad")))
 
 
 def test_redundant_computation_promotes_replicas_and_loses_nothing(tiny_cfg, tmp_path):
@@ -233,3 +234,31 @@ def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tin
     assert backups and all(e["kind"] == "backup" and e["complete"] for e in backups)
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
     assert sum(n or 0 for m in metrics for n in m.get("backup_bytes", [])) > 0
+
+
+def test_reft_decodes_a_lost_member_from_its_groups_parity_and_rolls_back_like_the_simulator(tiny_cfg, tmp_path):
+    """REFT in the swarm: every 2 steps each stage keeps its snapshot and sends one chunk to every other member of
+    its parity group, which XORs them into its parity block. Three kills, one at a time: each lost member's snapshot
+    is decoded bit for bit from the survivors' snapshots and parity blocks (the replacement rebuilds its own
+    block, so the group is whole for the next loss), every stage rolls back to the snapshot: the simulator's
+    rollbacks and lost steps, and in the end the losses of the failure-free run."""
+    cfg = _cfg(tiny_cfg, "reft", steps=10)
+    cfg.strategy.snapshot_every = 2
+    # the second kill comes before the next snapshot: stage 2 is decoded with the parity block that stage 1's
+    # replacement rebuilt
+    failures = [(3, 1), (4, 2), (8, 0)]
+    clean = run_swarm(cfg, tmp_path / "clean", peers=cfg.num_stages, save_final=False)
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
+                      save_final=False)
+    sim = _simulate(cfg, tmp_path / "sim", failures)
+    assert clean.summary["status"] == swarm.summary["status"] == "completed"
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps")
+    got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
+    assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want]
+    assert [e["stage"] for e in got] == [1, 2, 0] and all(e["source"] == "parity" for e in got)
+    assert [e["rollback_to"] for e in got][:2] == [2, 2]  # no snapshot between the first two kills
+    assert swarm.summary["lost_steps"] == sim["lost_steps"] > 0
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    final = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl")}
+    assert [final[s] for s in range(10)] == pytest.approx(
+        [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")], rel=1e-5)

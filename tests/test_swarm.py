@@ -281,3 +281,22 @@ def test_baft_for_real_rolls_back_to_the_backups_sent_in_the_bubbles(tmp_path, c
     final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
     clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
     assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
+
+
+def test_reft_for_real_decodes_lost_members_from_parity(tmp_path, cache):
+    """REFT with real processes: snapshots and parity blocks held in the peers' memory; SIGKILLs of stages 1, 2
+    (before the next snapshot: decoded with the parity block stage 1's replacement rebuilt) and 0, each decoded
+    bit for bit from the group's survivors; the simulator's rollbacks and lost steps; the failure-free losses."""
+    args = ["--steps", "10", "--strategy", "reft", "--snapshot-every", "2"]
+    failures = ["--trace", _trace(tmp_path, [(3, 1), (4, 2), (8, 0)])]
+    proc, out = _local(tmp_path, "reft", *args, *failures, cache=cache, spares=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _simulate(tmp_path, "sim", *args, *failures, cache=cache)
+    _simulate(tmp_path, "clean", *args, cache=cache)
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source")
+    got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
+    assert [g[:5] for g in got] == [w[:5] for w in want] and [g[1] for g in got] == [1, 2, 0]
+    assert all(g[5] == "parity" for g in got)
+    final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
+    clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
+    assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)

@@ -34,6 +34,8 @@ __all__ = [
     "encode_parity",
     "decode_missing",
     "raim5_encode",
+    "raim5_chunk",
+    "raim5_block",
     "raim5_recover",
     "reft_survival_groups",
     "reft_survival_groups_bruteforce",
@@ -111,17 +113,29 @@ def _chunk_index(p: int, i: int, n: int) -> int:
     return (p - i - 1) % n
 
 
+def raim5_chunk(state: bytes, owner: int, holder: int, n: int) -> bytes:
+    """The chunk of peer ``owner``'s state that goes into peer ``holder``'s parity (a distributed encode: each
+    peer sends one chunk to every other member, which XORs what it receives with `raim5_block`)."""
+    if owner == holder or not (0 <= owner < n and 0 <= holder < n):
+        raise ValueError(f"owner {owner} and holder {holder} must be different peers of a group of {n}")
+    return _chunk(state, n, _chunk_index(holder, owner, n))
+
+
+def raim5_block(holder: int, chunks: Sequence[bytes], lengths: Sequence[int]) -> Raim5Block:
+    """Peer ``holder``'s parity block from the ``n-1`` chunks the other members sent it (`raim5_chunk`)."""
+    n = len(lengths)
+    if len(chunks) != n - 1:
+        raise ValueError(f"a parity block of a group of {n} XORs {n - 1} chunks, got {len(chunks)}")
+    return Raim5Block(holder, n, xor_bytes(list(chunks)).tobytes(), tuple(lengths))
+
+
 def raim5_encode(states: Sequence[bytes]) -> list[Raim5Block]:
     """Per-peer parity blocks for a group of ``n = len(states) >= 2`` peers (one stage each)."""
     n = len(states)
     if n < 2:
         raise ValueError(f"RAIM5 needs a group of at least 2 peers, got {n}")
     lengths = tuple(len(s) for s in states)
-    blocks = []
-    for p in range(n):
-        chunks = [_chunk(states[i], n, _chunk_index(p, i, n)) for i in range(n) if i != p]
-        blocks.append(Raim5Block(p, n, xor_bytes(chunks).tobytes(), lengths))
-    return blocks
+    return [raim5_block(p, [raim5_chunk(states[i], i, p, n) for i in range(n) if i != p], lengths) for p in range(n)]
 
 
 def _as_peer_map(items: Mapping[int, Any] | Sequence[Any], lost: int, n: int, what: str) -> dict[int, Any]:

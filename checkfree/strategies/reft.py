@@ -29,6 +29,8 @@ def parity_groups(num_stages: int, n: int) -> list[list[int]]:
 
 class ReftStrategy(InMemoryStrategy):
     name = "reft"
+    swarm_rollback = True  # the swarm runs it: snapshots and parity really held by the peers (peers/parity.py)
+    snapshots_in_memory = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -43,6 +45,13 @@ class ReftStrategy(InMemoryStrategy):
 
     def group_of(self, stage: int) -> list[int]:
         return next(g for g in self.groups if stage in g)
+
+    def snapshot_due(self, next_step: int) -> bool:
+        return next_step % self.every == 0
+
+    def decodable(self, failed: set[int]) -> set[int]:
+        """The lost stages rebuilt from their group's parity: the only loss of their group."""
+        return {s for s in failed if len(set(self.group_of(s)) & failed) == 1}
 
     def _snapshot(self, ctx: StrategyContext, next_step: int) -> tuple[int, float]:
         """Serialize every stage and encode parity; returns (bytes sent, slowest peer's send time)."""
@@ -59,7 +68,7 @@ class ReftStrategy(InMemoryStrategy):
         return moved, slowest
 
     def protect(self, ctx: StrategyContext, step: int) -> Figures:
-        if (step + 1) % self.every:
+        if not self.snapshot_due(step + 1):
             return Figures(extra_memory_bytes=self.memory)
         moved, slowest = self._snapshot(ctx, step + 1)
         return Figures(stall_s=ctx.cost.background_stall_s(slowest, self.every), bytes_moved=moved,
@@ -69,7 +78,7 @@ class ReftStrategy(InMemoryStrategy):
         return self._snapshot(ctx, step)[0]
 
     def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
-        lost = {s for s in failed if len(set(self.group_of(s)) & failed) > 1}
+        lost = set(failed) - self.decodable(failed)
         if self.own is None or not lost:
             return self._rollback(ctx, step, failed, set())
         reason = f"stages {sorted(lost)} failed together with another stage of their parity group (groups {self.groups})"

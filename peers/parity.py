@@ -1,0 +1,104 @@
+"""REFT's snapshots on a peer (`--strategy reft`): at a snapshot (SNAPSHOT with `parity`) this stage keeps its own
+full state in memory and sends one chunk of it to every other member of its parity group (REFT_CHUNK); each
+member XORs the chunks it receives into its parity block (checkfree.baselines.raim5_chunk / raim5_block), and
+the snapshot is answered once this peer's block is complete. A replacement for a lost member fetches every
+survivor's snapshot and parity block (REFT_FETCH), decodes the lost state bit for bit (raim5_recover) and builds
+its own parity block from the survivors' snapshots, so the group is whole again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from checkfree.baselines import Raim5Block, raim5_block, raim5_chunk, raim5_recover
+from checkfree.protocol import RPC, ProtocolError, require
+from peers.checks import check_blob
+from peers.membership import Membership
+from peers.stage import HostedStage
+
+__all__ = ["Parity"]
+
+KEEP_STEPS = 2  # chunks of older snapshots than the newest two are dropped (a bound on what strangers can pile up)
+
+
+class Parity:
+    """This peer's parity block of its group's newest snapshot, and chunks arriving for it."""
+
+    def __init__(self, membership: Membership, hosted: HostedStage, held: dict[int, tuple[int, bytes]]) -> None:
+        self.net, self.hosted, self.held = membership, hosted, held  # held: the snapshots (peers.snapshots)
+        self.blocks: dict[int, Raim5Block] = {}  # snapshot step -> this peer's parity block
+        self.chunks: dict[int, dict[int, tuple[bytes, int]]] = {}  # step -> owner index -> (chunk, owner's length)
+        self._arrived: dict[int, asyncio.Event] = {}
+
+    def _event(self, step: int) -> asyncio.Event:
+        return self._arrived.setdefault(step, asyncio.Event())
+
+    async def snapshot(self, step: int, blob: bytes, group: list[str], index: int) -> int:
+        """Send this stage's chunks to the other members, then wait for theirs and build the parity block;
+        returns the bytes sent."""
+        n = len(group)
+        if n < 2 or not 0 <= index < n or group[index] != self.net.me:
+            raise ProtocolError(f"parity group {group} with this peer at {index} is not a group it belongs to")
+        chunks = {p: raim5_chunk(blob, index, p, n) for p in range(n) if p != index}
+        await asyncio.gather(*(self.net.call(group[p], RPC.REFT_CHUNK, self.net.t.step_timeout,
+                                             [torch.frombuffer(bytearray(c), dtype=torch.uint8)] if c else
+                                             [torch.empty(0, dtype=torch.uint8)],
+                                             step=step, owner=index, holder=p, n=n, length=len(blob))
+                               for p, c in chunks.items()))
+        await asyncio.wait_for(self._event(step).wait(), self.net.t.step_timeout)
+        got = self.chunks.pop(step)
+        lengths = [len(blob) if i == index else got[i][1] for i in range(n)]
+        self.blocks = {step: raim5_block(index, [got[i][0] for i in sorted(got)], lengths)}
+        return sum(len(c) for c in chunks.values())
+
+    async def on_chunk(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """A chunk of another member's snapshot for this peer's parity block."""
+        step, owner, holder, n, length = header["step"], header["owner"], header["holder"], header["n"], header["length"]
+        if not (2 <= n and 0 <= owner < n and 0 <= holder < n and owner != holder and length >= 0):
+            raise ProtocolError(f"parity chunk of member {owner} for member {holder} of a group of {n}")
+        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+            raise ProtocolError("a parity chunk is one 1-D uint8 tensor")
+        for old in [s for s in self.chunks if s < step - KEEP_STEPS]:
+            self.chunks.pop(old, None)
+            self._arrived.pop(old, None)
+        got = self.chunks.setdefault(step, {})
+        got[owner] = (tensors[0].numpy().tobytes(), length)
+        if len(got) == n - 1:
+            self._event(step).set()
+        return {"ok": True}, []
+
+    async def on_fetch(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """This peer's snapshot of `step` and its parity block, for a lost member's replacement."""
+        step = header["step"]
+        own, block = self.held.get(self.hosted.index), self.blocks.get(step)
+        if own is None or own[0] != step or block is None:
+            raise ProtocolError(f"no snapshot and parity of step {step} here")
+        return ({"holder": block.holder, "n": block.n, "lengths": list(block.state_lengths)},
+                [torch.frombuffer(bytearray(own[1]), dtype=torch.uint8),
+                 torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)])
+
+    async def decode(self, stage: int, header: dict) -> tuple[bytes, int]:
+        """A replacement: the lost member's snapshot of `step`, decoded from the survivors (`parity`: the group's
+        peers in order and the lost one's index), and this peer's parity block rebuilt; (state, bytes moved)."""
+        require(header, step=int)
+        spec = header.get("parity")
+        if not isinstance(spec, dict) or not isinstance(spec.get("group"), list) or not isinstance(spec.get("index"), int):
+            raise ProtocolError(f"assign 'parity' must be {{group: [peers], index: int}}, got {spec!r:.200}")
+        group, lost, step = spec["group"], spec["index"], header["step"]
+        members = [(i, p) for i, p in enumerate(group) if i != lost]
+        replies = await asyncio.gather(*(self.net.call(p, RPC.REFT_FETCH, self.net.t.step_timeout, step=step)
+                                         for _, p in members))
+        states, blocks, moved = {}, {}, 0
+        for (i, _), (h, ts) in zip(members, replies):
+            if len(ts) != 2:
+                raise ProtocolError(f"REFT_FETCH reply of member {i} carries {len(ts)} tensors, not 2")
+            states[i] = check_blob(ts[:1], "a snapshot")
+            blocks[i] = Raim5Block(int(h["holder"]), int(h["n"]), check_blob(ts[1:], "a parity block"),
+                                   tuple(int(x) for x in h["lengths"]))
+            moved += len(states[i]) + len(blocks[i].parity)
+        blob = raim5_recover(lost, states, blocks)
+        n, lengths = len(group), blocks[members[0][0]].state_lengths
+        self.blocks = {step: raim5_block(lost, [raim5_chunk(states[i], i, lost, n) for i in sorted(states)], lengths)}
+        return blob, moved
