@@ -209,14 +209,10 @@ def test_redundant_computation_promotes_replicas_and_loses_nothing(tiny_cfg, tmp
         for n, st in succ.optimizer_state().items():
             assert all(torch.equal(v, replica.optimizer_state()[n][k]) for k, v in st.items()), (s, n)
 
-
-def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tiny_cfg, tmp_path):
-    """BAFT in the swarm: every stage's backup, taken after a step, travels to its holder part by part in the
-    bubbles of the next steps (peers wait for their compute thread to go idle in the step) and counts once every
-    part arrived. Three non-adjacent kills roll every stage back to the last complete backup: the same rollback
-    targets and lost steps as the simulator, and in the end the losses of the failure-free run."""
-    cfg = _cfg(tiny_cfg, "baft", steps=10)
-    failures = [(3, 1), (6, 3), (8, 0)]
+def _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, failures):
+    """Run a rollback strategy's swarm with `failures`, a failure-free swarm and the simulator: the swarm makes the
+    simulator's rollbacks (targets, lost steps), keeps its losses, and ends each step with the failure-free loss.
+    Returns (swarm, simulator summary, the swarm's recovery events)."""
     clean = run_swarm(cfg, tmp_path / "clean", peers=cfg.num_stages, save_final=False)
     swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
                       save_final=False)
@@ -225,11 +221,24 @@ def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tin
     fields = ("step", "stage", "method", "rollback_to", "lost_steps")
     got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
     assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want]
-    assert [e["stage"] for e in got] == [1, 3, 0] and swarm.summary["lost_steps"] == sim["lost_steps"] > 0
+    assert swarm.summary["lost_steps"] == sim["lost_steps"] > 0
     _same_losses(tmp_path / "swarm", tmp_path / "sim")
     final = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl")}
-    assert [final[s] for s in range(10)] == pytest.approx(
+    assert [final[s] for s in range(cfg.train.num_steps)] == pytest.approx(
         [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")], rel=1e-5)
+    return swarm, sim, got
+
+
+
+def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tiny_cfg, tmp_path):
+    """BAFT in the swarm: every stage's backup, taken after a step, travels to its holder part by part in the
+    bubbles of the next steps (peers wait for their compute thread to go idle in the step) and counts once every
+    part arrived. Three non-adjacent kills roll every stage back to the last complete backup: the same rollback
+    targets and lost steps as the simulator, and in the end the losses of the failure-free run."""
+    cfg = _cfg(tiny_cfg, "baft", steps=10)
+    failures = [(3, 1), (6, 3), (8, 0)]
+    swarm, sim, got = _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, failures)
+    assert [e["stage"] for e in got] == [1, 3, 0]
     backups = _events(tmp_path / "swarm", "snapshot")
     assert backups and all(e["kind"] == "backup" and e["complete"] for e in backups)
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
@@ -247,18 +256,6 @@ def test_reft_decodes_a_lost_member_from_its_groups_parity_and_rolls_back_like_t
     # the second kill comes before the next snapshot: stage 2 is decoded with the parity block that stage 1's
     # replacement rebuilt
     failures = [(3, 1), (4, 2), (8, 0)]
-    clean = run_swarm(cfg, tmp_path / "clean", peers=cfg.num_stages, save_final=False)
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
-                      save_final=False)
-    sim = _simulate(cfg, tmp_path / "sim", failures)
-    assert clean.summary["status"] == swarm.summary["status"] == "completed"
-    fields = ("step", "stage", "method", "rollback_to", "lost_steps")
-    got, want = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
-    assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want]
+    swarm, sim, got = _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, failures)
     assert [e["stage"] for e in got] == [1, 2, 0] and all(e["source"] == "parity" for e in got)
     assert [e["rollback_to"] for e in got][:2] == [2, 2]  # no snapshot between the first two kills
-    assert swarm.summary["lost_steps"] == sim["lost_steps"] > 0
-    _same_losses(tmp_path / "swarm", tmp_path / "sim")
-    final = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl")}
-    assert [final[s] for s in range(10)] == pytest.approx(
-        [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")], rel=1e-5)
