@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from checkfree.net.addresses import listen_ips
 from checkfree.net.transport import (
     RemoteError,
     dht_maddrs,
@@ -146,6 +147,8 @@ class PeerDaemon:
         opts, net = self.opts, self.membership
         if opts.threads:
             torch.set_num_threads(opts.threads)
+        ips = listen_ips(opts.host_maddrs)
+        self.snapshots.parity.companion_host = ips[0][1] if ips else "127.0.0.1"  # reft's snapshot companion
         net.dht, net.transport = await start_transport(
             opts.initial_peers, opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
             opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
@@ -179,6 +182,7 @@ class PeerDaemon:
         finally:
             if hb is not None:
                 hb.cancel()
+            await self.snapshots.parity.close()
             self.compute.shutdown()
             await stop_transport(net.dht, net.transport)
 

@@ -3,22 +3,37 @@ full state in memory and sends one chunk of it to every other member of its pari
 member XORs the chunks it receives into its parity block (checkfree.baselines.raim5_chunk / raim5_block), and
 the snapshot is answered once this peer's block is complete. A replacement for a lost member fetches every
 survivor's snapshot and parity block (REFT_FETCH), decodes the lost state bit for bit (raim5_recover) and builds
-its own parity block from the survivors' snapshots, so the group is whole again.
+its own parity block from the survivors' snapshots, so the group is whole again. Each snapshot and parity block
+also goes to the peer's companion process (peers/companion.py), which survives a crash of the training process
+alone: a replacement fetches from it first (`restored_from: companion`) and decodes from parity when it is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import subprocess
 
 import torch
 
 from checkfree.baselines import Raim5Block, raim5_block, raim5_chunk, raim5_recover
+from checkfree.net.tcp_transport import TcpTransport, TransportError
 from checkfree.protocol import RPC, ProtocolError, require
 from peers.checks import check_blob
+from peers.companion import (
+    COMPANION_STOP,
+    COMPANION_STORE,
+    companion_id,
+    fetch_snapshot,
+    start_companion,
+)
 from peers.membership import Membership
 from peers.stage import HostedStage
 
 __all__ = ["Parity"]
+
+log = logging.getLogger(__name__)
 
 KEEP_STEPS = 2  # chunks of older snapshots than the newest two are dropped (a bound on what strangers can pile up)
 
@@ -28,6 +43,11 @@ class Parity:
 
     def __init__(self, membership: Membership, hosted: HostedStage, held: dict[int, tuple[int, bytes]]) -> None:
         self.net, self.hosted, self.held = membership, hosted, held  # held: the snapshots (peers.snapshots)
+        self.companion_host = "127.0.0.1"  # where this peer's snapshot companion listens (the daemon's host)
+        self.companion: subprocess.Popen | None = None
+        self.companion_addr: str | None = None
+        self._client: TcpTransport | None = None
+        self.restored_from: str | None = None  # a replacement: "companion" or "parity"
         self.blocks: dict[int, Raim5Block] = {}  # snapshot step -> this peer's parity block
         self.chunks: dict[int, dict[int, tuple[bytes, int]]] = {}  # step -> owner index -> (chunk, owner's length)
         self._arrived: dict[int, asyncio.Event] = {}
@@ -51,7 +71,38 @@ class Parity:
         got = self.chunks.pop(step)
         lengths = [len(blob) if i == index else got[i][1] for i in range(n)]
         self.blocks = {step: raim5_block(index, [got[i][0] for i in sorted(got)], lengths)}
+        await self._keep(step, blob)
         return sum(len(c) for c in chunks.values())
+
+    async def _keep(self, step: int, blob: bytes) -> None:
+        """Hand the snapshot and parity block to this peer's companion (started at the first snapshot), so that
+        they survive a crash of this process alone."""
+        if self.companion is None:
+            self.companion, self.companion_addr = await asyncio.to_thread(
+                start_companion, self.net.me, self.companion_host, self.net.t.join_timeout, self.net.secret)
+            self._client = TcpTransport(self.net.me, secret=self.net.secret)
+            self._client.add_peer_address(self.companion_addr)
+        block = self.blocks[step]
+        await self._client.call(companion_id(self.net.me), COMPANION_STORE,
+                                {"step": step, "stage": self.hosted.index, "holder": block.holder, "n": block.n,
+                                 "lengths": list(block.state_lengths)},
+                                [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                                 torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)],
+                                timeout=self.net.t.step_timeout)
+
+    async def close(self) -> None:
+        """This peer leaves: so does its companion (SIGKILL if it does not within 5 s)."""
+        if self.companion is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._client.call(companion_id(self.net.me), COMPANION_STOP, {}, timeout=5.0)
+        with contextlib.suppress(Exception):
+            await self._client.shutdown()
+        try:
+            await asyncio.to_thread(self.companion.wait, 5.0)
+        except subprocess.TimeoutExpired:
+            self.companion.kill()
+            await asyncio.to_thread(self.companion.wait)
 
     async def on_chunk(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """A chunk of another member's snapshot for this peer's parity block."""
@@ -87,6 +138,17 @@ class Parity:
         if not isinstance(spec, dict) or not isinstance(spec.get("group"), list) or not isinstance(spec.get("index"), int):
             raise ProtocolError(f"assign 'parity' must be {{group: [peers], index: int}}, got {spec!r:.200}")
         group, lost, step = spec["group"], spec["index"], header["step"]
+        if isinstance(spec.get("companion"), str):  # the lost peer's companion may have survived its crash
+            try:
+                meta, blob, parity = await fetch_snapshot(self.net.me, spec["companion"], step, self.net.secret,
+                                                          self.net.t.rpc_timeout)
+                self.blocks = {step: Raim5Block(int(meta["holder"]), int(meta["n"]), parity,
+                                                tuple(int(x) for x in meta["lengths"]))}
+                self.restored_from = "companion"
+                return blob, len(blob) + len(parity)
+            except (TransportError, ProtocolError, KeyError, ValueError) as e:
+                log.warning("the lost peer's snapshot companion did not answer (%s): decoding from parity", e)
+        self.restored_from = "parity"
         members = [(i, p) for i, p in enumerate(group) if i != lost]
         replies = await asyncio.gather(*(self.net.call(p, RPC.REFT_FETCH, self.net.t.step_timeout, step=step)
                                          for _, p in members))

@@ -30,8 +30,8 @@ from checkfree.protocol import (
 )
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts
 from checkfree.wirecodec import encode
-from peers.checks import check_activation, check_hop, check_sender
 from peers.backups import Backups
+from peers.checks import check_activation, check_hop, check_sender
 from peers.compute import BACKWARD_FIRST, ComputeQueue
 from peers.debug import DebugHooks
 from peers.membership import Membership

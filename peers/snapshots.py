@@ -56,6 +56,8 @@ class Snapshots:
                 raise ProtocolError(f"snapshot 'parity' must be {{group: [peers], index: int}}, got {spec!r:.200}")
             self.held[stage] = (header["step"], blob)
             sent = await self.parity.snapshot(header["step"], blob, spec["group"], spec["index"])
+            return {"bytes": len(blob), "sent": sent, "seconds": time.perf_counter() - t0,
+                    "companion": self.parity.companion_addr}, []
         else:
             require(header, holders=list)
             if self.net.me in header["holders"]:  # gemini keeps its own copy (a rollback of a live stage reads it)
@@ -110,7 +112,10 @@ class Snapshots:
         blob = await self._blob(worker.index, header)
         norm = await self.compute.run(self.hosted.load_bytes, worker, blob, donors)
         moved = sum(state_nbytes(list(d)) for d in (donors or {}).values())
-        return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": len(blob) + moved}
+        reply = {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": len(blob) + moved}
+        if isinstance(header.get("parity"), dict):  # reft: from the lost peer's companion, or decoded from parity
+            reply["restored_from"] = self.parity.restored_from
+        return reply
 
     async def _blob(self, stage: int, header: dict) -> bytes:
         """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""

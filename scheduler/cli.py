@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("testing and chaos (fault injection of the local swarm; not for production runs)")
     c.add_argument("--chaos-trace", help="(local swarm) ask the launcher to SIGKILL these `step,stage` failures")
     c.add_argument("--preempt-trace", help="(local swarm) ask the launcher to SIGTERM these `step,stage` peers")
+    c.add_argument("--crash-trace", help="(local swarm) ask the launcher to SIGKILL only the training process of these "
+                   "`step,stage` peers (their other processes, e.g. reft's snapshot companion, live on)")
     c.add_argument("--chaos-recovery-kills", default="", help="(local swarm) comma-separated iterations at which "
                    "the peer chosen to rebuild a failed stage is killed before it finishes")
     c.add_argument("--chaos-rebuild-kills", default="", help="(local swarm) comma-separated iterations at which "
@@ -95,8 +97,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
                          "(or, for --standby, of its coordinator)")
     chaos = FailureSchedule(read_trace(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
     preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
+    crash = FailureSchedule(read_trace(args.crash_trace, cfg.num_stages)) if args.crash_trace else None
     partition = FailureSchedule(read_trace(args.partition_trace, cfg.num_stages)) if args.partition_trace else None
-    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt,
+    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt, crash=crash,
                               chaos_recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
                               chaos_rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
                               shutdown_peers=args.shutdown_peers, max_attempts=args.max_attempts, partition=partition,

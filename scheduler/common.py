@@ -68,6 +68,7 @@ class CoordinatorOptions:
     timeouts: Timeouts = field(default_factory=Timeouts)
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
+    crash: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL only these peers' main process
     chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
     chaos_rebuild_kills: frozenset[int] = frozenset()  # ...or have it SIGKILL itself after its first weight pull
     partition: FailureSchedule | None = None  # local swarm (--netns): cut these (step, stage) peers off the network

@@ -20,7 +20,7 @@ __all__ = ["ChaosMixin", "chaos_line", "parse_chaos_line"]
 
 # The launcher protocol, written and read here only: the coordinator prints one line per request,
 # `CHAOS <action> key=value ...`; the launcher acts (and, for a partition, acknowledges on stdin).
-CHAOS_ACTIONS = ("kill", "rebuild-kill", "term", "partition", "heal", "coordinator-dies")
+CHAOS_ACTIONS = ("kill", "crash", "rebuild-kill", "term", "partition", "heal", "coordinator-dies")
 
 
 def chaos_line(action: str, **fields: object) -> str:
@@ -114,11 +114,12 @@ class ChaosMixin:
             self._event("chaos_partition", step=step, stage=stage, peer_id=pid)
             await self._ask("partition", ack=True, step=step, stage=stage, peer=pid)  # cut now; detection: timeouts
             self._partitioned.append(pid)
-        for stage, pid in self._scheduled(self.opts.chaos, step):
-            await self._ask("kill", step=step, stage=stage, peer=pid)
-            self._event("chaos_kill", step=step, stage=stage, peer_id=pid)
-            await self._wait_dead(pid)
-            self.reported.add(pid)
+        for action, schedule in (("kill", self.opts.chaos), ("crash", self.opts.crash)):
+            for stage, pid in self._scheduled(schedule, step):  # crash: the training process alone
+                await self._ask(action, step=step, stage=stage, peer=pid)
+                self._event(f"chaos_{action}", step=step, stage=stage, peer_id=pid)
+                await self._wait_dead(pid)
+                self.reported.add(pid)
         for stage, pid in self._scheduled(self.opts.preempt, step):
             await self._ask("term", step=step, stage=stage, peer=pid)
             deadline = time.monotonic() + self.t.rpc_timeout

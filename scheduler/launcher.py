@@ -59,6 +59,7 @@ class LocalSwarm:
         self.standby: Proc | None = None
         self.old_coordinators: list[Proc] = []
         self.peers: list[Proc] = []
+        self.crashed: list[Proc] = []  # peers whose training process alone was SIGKILLed (their group lives on)
         self.addr = ""
         self.secret = secrets.token_hex(16)  # every local swarm is authenticated
         self.kills = 0
@@ -90,13 +91,20 @@ class LocalSwarm:
         self.peers.append(proc)
         return proc
 
-    def kill_peer(self, peer_id: str) -> None:
-        """SIGKILL the peer's whole process group (its DHT process and p2pd too), then replace it."""
+    def kill_peer(self, peer_id: str, group: bool = True) -> None:
+        """SIGKILL the peer's whole process group (its DHT process and p2pd too; group=False: its training process
+        alone, the crash of a process, not of a machine: its DHT child dies with it, a reft companion lives on
+        until the teardown), then replace it."""
         proc = next((p for p in self.peers if p.peer_id == peer_id), None)
         if proc is None:
             print(f"swarm: asked to kill unknown peer {peer_id}", flush=True)
             return
-        kill_group(proc, gone_within=0)
+        if group:
+            kill_group(proc, gone_within=0)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                proc.popen.send_signal(signal.SIGKILL)
+            self.crashed.append(proc)  # its group (the companion) is torn down with the others
         self.peers.remove(proc)
         self.kills += 1
         self.start_peer()
@@ -173,8 +181,8 @@ class LocalSwarm:
                     self.kill_coordinator()
                 if (chaos := parse_chaos_line(line)) is not None:
                     action, fields = chaos
-                    if action == "kill":
-                        self.kill_peer(fields["peer"])
+                    if action in ("kill", "crash"):
+                        self.kill_peer(fields["peer"], group=action == "kill")
                     elif action == "rebuild-kill":  # the replacement kills itself mid-rebuild
                         self.kills += 1
                         self.start_peer()
@@ -216,7 +224,7 @@ class LocalSwarm:
         procs = [*coordinators, *self.peers]
         self._stop(procs, wait_s=4)
         deadline = time.monotonic() + 3.0
-        for p in procs:  # the group may hold a DHT child or p2pd even after the leader exited: gone within 3 s
+        for p in [*procs, *self.crashed]:  # a group may outlive its leader (DHT child, p2pd, companion): gone in 3 s
             kill_group(p, gone_within=max(0.0, deadline - time.monotonic()))
         if self.lab is not None:
             self.lab.close()

@@ -50,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for a process to print its ready line")
     p.add_argument("--run-id", help="run name (default: derived from --out)")
     c = p.add_argument_group("testing and chaos (fault injection of the local swarm; not for production runs)")
+    c.add_argument("--crash-trace", metavar="FILE",
+                   help="`step,stage` lines: SIGKILL only these stages' training processes at these steps (a process "
+                        "crash; their other processes, e.g. reft's snapshot companion, live on)")
     c.add_argument("--preempt-trace", metavar="FILE",
                    help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
     c.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
@@ -162,6 +165,7 @@ def run_local(args: argparse.Namespace) -> int:
         + (["--tensorboard"] if args.tensorboard else [])
         + (["--resume", str(out)] if args.resume else [])
         + (["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
+        + (["--crash-trace", args.crash_trace] if args.crash_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])
         + (["--chaos-rebuild-kills", args.chaos_rebuild_kills] if args.chaos_rebuild_kills else [])
         + (["--partition-trace", args.partition_trace] if args.partition_trace else [])

@@ -177,6 +177,9 @@ class RecoveryMixin:
         sent = sum(r[0].get("sent", 0) for r in results if not isinstance(r, Exception))
         self._event("snapshot", step=step, kind=kind, complete=not errors, seconds=round(seconds, 6),
                     bytes=sum(sizes.values()), sent=sent)
+        if not errors:  # reft: where each stage's snapshot companion listens (it survives a crash of its peer)
+            self.companions = {s: r[0]["companion"] for s, r in zip(sorted(self.stage_peer), results)
+                               if r[0].get("companion")}
         held: dict[str, int] = {}  # memory: the snapshots each peer holds (gemini: its own among them)
         for s, n in sizes.items():
             if "holders" in extra(s):
@@ -220,7 +223,8 @@ class RecoveryMixin:
                 source[s] = {"storage": self.storage_dir}
             elif s in failed and parity:
                 group = strategy.group_of(s)
-                source[s] = {"parity": {"group": [self.snap_holders[m][m] for m in group], "index": group.index(s)}}
+                source[s] = {"parity": {"group": [self.snap_holders[m][m] for m in group], "index": group.index(s),
+                                        **({"companion": self.companions[s]} if s in self.companions else {})}}
             elif s in failed:
                 source[s] = {"source": self.snap_holders[s][strategy.restore_source(s, holders[s], self.cost)]}
             else:
@@ -235,8 +239,9 @@ class RecoveryMixin:
             self._charge(bytes_moved=int(reply.get("bytes") or 0))
             if "parity" in source[s]:  # the replacement holds the lost member's snapshot and parity block now
                 self.snap_holders[s] = {s: pid}
+                self.companions.pop(s, None)  # (its own companion starts at the next snapshot)
             self._event("recovery", step=step, stage=s, strategy=name, method="rollback", rollback_to=target,
-                        lost_steps=step - target, source=source[s].get("source", "parity" if "parity" in source[s]
-                                                                       else "storage"), peer_id=pid,
+                        lost_steps=step - target, source=source[s].get("source", reply.get("restored_from", "storage")),
+                        peer_id=pid,
                         bytes=reply.get("bytes", 0), recovery_time_s=round(time.perf_counter() - t0, 6))
         raise Rollback(target)

@@ -259,3 +259,43 @@ def test_reft_decodes_a_lost_member_from_its_groups_parity_and_rolls_back_like_t
     swarm, sim, got = _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, failures)
     assert [e["stage"] for e in got] == [1, 2, 0] and all(e["source"] == "parity" for e in got)
     assert [e["rollback_to"] for e in got][:2] == [2, 2]  # no snapshot between the first two kills
+
+
+def test_reft_companion_keeps_its_peers_snapshot_for_members_only_from_its_peer():
+    """The snapshot companion (a real process): its peer stores a snapshot and parity block, a run member fetches
+    them byte for byte, a stranger holding the secret cannot overwrite them, a wrong step is refused, and the
+    peer's stop ends the process."""
+    import asyncio
+
+    from checkfree.net.tcp_transport import RemoteError, TcpTransport
+    from peers.companion import COMPANION_STOP, COMPANION_STORE, companion_id, fetch_snapshot, start_companion
+
+    secret = b"0123456789abcdef-secret"
+    proc, addr = start_companion("QmPeer", "127.0.0.1", linger=1.0, secret=secret)
+    blob, parity = bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 10
+    header = {"step": 4, "stage": 1, "holder": 1, "n": 4, "lengths": [10240, 10240, 10240, 10240]}
+
+    async def main() -> None:
+        peer, stranger = TcpTransport("QmPeer", secret=secret), TcpTransport("QmOther", secret=secret)
+        for t in (peer, stranger):
+            t.add_peer_address(addr)
+        tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (blob, parity)]
+        try:
+            await peer.call(companion_id("QmPeer"), COMPANION_STORE, header, tensors, timeout=10)
+            with pytest.raises(RemoteError, match="only peer QmPeer stores"):
+                await stranger.call(companion_id("QmPeer"), COMPANION_STORE, header, tensors[::-1], timeout=10)
+            meta, got_blob, got_parity = await fetch_snapshot("QmOther", addr, 4, secret, 10)
+            assert (meta["stage"], got_blob, got_parity) == (1, blob, parity)
+            with pytest.raises(RemoteError, match="no snapshot of step 2"):
+                await fetch_snapshot("QmOther", addr, 2, secret, 10)
+            await peer.call(companion_id("QmPeer"), COMPANION_STOP, {}, timeout=10)
+        finally:
+            await peer.shutdown()
+            await stranger.shutdown()
+
+    try:
+        asyncio.run(main())
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,19 @@ from checkfree.rundir import read_jsonl
 from swarmrun import local as _local, simulate as _simulate, trace as _trace
 
 pytestmark = pytest.mark.timeout(400)
+
+
+def _companions_left() -> list[int]:
+    """This test session's reft snapshot companions still running."""
+    mark = f"CHECKFREE_TEST_SESSION={os.environ['CHECKFREE_TEST_SESSION']}".encode()
+    found = []
+    for pid in subprocess.run(["pgrep", "-f", "peers.companion"], capture_output=True, text=True).stdout.split():
+        try:
+            if mark in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                found.append(int(pid))
+        except OSError:  # gone meanwhile
+            pass
+    return found
 
 
 def _recoveries(out, fields: tuple[str, ...]) -> list[tuple]:
@@ -300,3 +314,25 @@ def test_reft_for_real_decodes_lost_members_from_parity(tmp_path, cache):
     final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
     clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
     assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
+
+
+def test_reft_restores_a_crashed_training_process_from_its_companion_and_a_dead_peer_from_parity(tmp_path, cache):
+    """REFT's two kinds of death, with real processes: at iteration 3 only stage 1's training process is SIGKILLed
+    (its snapshot companion lives on): the replacement takes the snapshot and parity block from the companion; at
+    iteration 6 stage 2's whole process group is SIGKILLed (companion included): the replacement decodes it from
+    the group's parity. Both roll every stage back as the simulator does; the run ends with the failure-free
+    losses; no companion process outlives the run."""
+    args = ["--steps", "10", "--strategy", "reft", "--snapshot-every", "2"]
+    proc, out = _local(tmp_path, "reft-crash", *args, "--crash-trace", _trace(tmp_path, [(3, 1)]),
+                       "--trace", _trace(tmp_path, [(6, 2)]), cache=cache, spares=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _simulate(tmp_path, "sim", *args, "--trace", _trace(tmp_path, [(3, 1), (6, 2)]), cache=cache)
+    _simulate(tmp_path, "clean", *args, cache=cache)
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source")
+    got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
+    assert [g[:5] for g in got] == [w[:5] for w in want]
+    assert [(g[1], g[5]) for g in got] == [(1, "companion"), (2, "parity")]
+    final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
+    clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
+    assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
+    assert not _companions_left(), "a snapshot companion outlived the run"
