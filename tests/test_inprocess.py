@@ -299,3 +299,29 @@ def test_reft_companion_keeps_its_peers_snapshot_for_members_only_from_its_peer(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_baft_spreads_a_backup_over_several_steps_when_the_bubbles_are_short(tiny_cfg, tmp_path, monkeypatch):
+    """When the plan needs 3 steps' bubbles for a backup (forced here: the tiny model's backup fits one step),
+    each step carries a third of every stage's backup, a backup counts only after its third part arrived, and the
+    swarm still makes the simulator's rollbacks and ends with the failure-free losses."""
+    from checkfree.strategies.baft import BaftStrategy
+
+    plan_units = BaftStrategy.plan_units
+
+    def three_steps(self, cost, units):
+        plan_units(self, cost, units)
+        self.clock.rounds = 3
+
+    monkeypatch.setattr(BaftStrategy, "plan_units", three_steps)
+    monkeypatch.setattr(BaftStrategy, "part_bounds", lambda self, stage, part: (part / 3, (part + 1) / 3))
+    cfg = _cfg(tiny_cfg, "baft", steps=12)
+    swarm, sim, got = _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, [(6, 1), (11, 2)])
+    # the backup as of step 1 completes after step 3; the one as of step 4 is cut short by the kill at iteration 6
+    # (rollback to 1); re-run from 1, the backup as of 2 completes after step 4, the next is cut short again
+    assert [e["rollback_to"] for e in got] == [1, 2]
+    backups = _events(tmp_path / "swarm", "snapshot")
+    assert [e["step"] for e in backups][:2] == [1, 2] and all(e["complete"] for e in backups)
+    sent = [m["backup_bytes"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl") if m.get("backup_bytes")]
+    whole = swarm.summary["extra_memory_bytes"]
+    assert all(0 < n < whole / 4 for per_step in sent for n in per_step)  # a third of a stage's state per step
