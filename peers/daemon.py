@@ -191,6 +191,8 @@ class PeerDaemon:
         if cfg is None:  # stopped before a coordinator was found
             return
         self.hosted.configure(cfg, self.opts.device)
+        if self.hosted.companion:  # reft's crash-surviving snapshot holder, started while standing by
+            self.snapshots.parity.prepare()
         if cfg.train.wan:
             self.membership.wan = WanEmulator(cfg)
         log.info("joined run %s as standby", self.opts.run_id)

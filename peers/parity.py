@@ -47,10 +47,23 @@ class Parity:
         self.companion: subprocess.Popen | None = None
         self.companion_addr: str | None = None
         self._client: TcpTransport | None = None
+        self._starting: asyncio.Task | None = None
         self.restored_from: str | None = None  # a replacement: "companion" or "parity"
         self.blocks: dict[int, Raim5Block] = {}  # snapshot step -> this peer's parity block
         self.chunks: dict[int, dict[int, tuple[bytes, int]]] = {}  # step -> owner index -> (chunk, owner's length)
         self._arrived: dict[int, asyncio.Event] = {}
+
+    def prepare(self) -> None:
+        """Start the snapshot companion in the background now (joining a reft run), not at the first snapshot:
+        it takes a second or two to import its libraries, which the first snapshot would otherwise wait for."""
+        if self._starting is None:
+            self._starting = asyncio.create_task(self._start_companion())
+
+    async def _start_companion(self) -> None:
+        self.companion, self.companion_addr = await asyncio.to_thread(
+            start_companion, self.net.me, self.companion_host, self.net.t.join_timeout, self.net.secret)
+        self._client = TcpTransport(self.net.me, secret=self.net.secret)
+        self._client.add_peer_address(self.companion_addr)
 
     def _event(self, step: int) -> asyncio.Event:
         return self._arrived.setdefault(step, asyncio.Event())
@@ -77,11 +90,8 @@ class Parity:
     async def _keep(self, step: int, blob: bytes) -> None:
         """Hand the snapshot and parity block to this peer's companion (started at the first snapshot), so that
         they survive a crash of this process alone."""
-        if self.companion is None:
-            self.companion, self.companion_addr = await asyncio.to_thread(
-                start_companion, self.net.me, self.companion_host, self.net.t.join_timeout, self.net.secret)
-            self._client = TcpTransport(self.net.me, secret=self.net.secret)
-            self._client.add_peer_address(self.companion_addr)
+        self.prepare()
+        await self._starting
         block = self.blocks[step]
         await self._client.call(companion_id(self.net.me), COMPANION_STORE,
                                 {"step": step, "stage": self.hosted.index, "holder": block.holder, "n": block.n,
@@ -92,6 +102,9 @@ class Parity:
 
     async def close(self) -> None:
         """This peer leaves: so does its companion (SIGKILL if it does not within 5 s)."""
+        if self._starting is not None and not self._starting.done():
+            with contextlib.suppress(Exception):
+                await self._starting
         if self.companion is None:
             return
         with contextlib.suppress(Exception):

@@ -41,6 +41,7 @@ class HostedStage:
         self.worker_cfg: RunConfig | None = None  # the config with the strategy's routes and replicas
         self.plus = False  # CheckFree+: swapped routes, replicated embedding and head
         self.redundant = False  # redundant computation: this peer also holds its successor's replica
+        self.companion = False  # reft: a companion process keeps this peer's snapshots (peers/companion.py)
         self.worker: StageWorker | None = None
         self.omega = 0.0
         self.data: TokenData | None = None
@@ -63,6 +64,7 @@ class HostedStage:
         strategy = build_strategy(cfg)
         self.plus = strategy.plus
         self.redundant = getattr(strategy, "swarm_replicas", False)
+        self.companion = getattr(strategy, "snapshot_companion", False)
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
 

@@ -31,6 +31,7 @@ class ReftStrategy(InMemoryStrategy):
     name = "reft"
     swarm_rollback = True  # the swarm runs it: snapshots and parity really held by the peers (peers/parity.py)
     snapshots_in_memory = True
+    snapshot_companion = True  # the swarm keeps each peer's snapshot in a crash-surviving companion process too
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
