@@ -96,6 +96,8 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
         self._stdin: asyncio.StreamReader | None = None  # local swarm: the launcher's acknowledgements
         self._saving: asyncio.Task | None = None  # the save being written in the background
         self.over: str | None = None  # the run's final status once it has ended (late joins are refused)
+        self._in_commit = False  # between a step's COMMIT and its record (a stop signal is deferred)
+        self._stop_after_commit = False
         if cfg is not None:
             self._configure(cfg)
         elif not (opts.takeover or opts.standby):
@@ -166,6 +168,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
             except Rollback as r:
                 step = r.step
                 continue
+            self._in_commit = True  # a stop signal waits until this step is recorded (_on_stop_signal)
             commits = await self._commit(step)
             self.iteration += 1
             attempts = self._last_attempt + 1
@@ -201,6 +204,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
                 except Rollback as r:
                     writer.metric(record)
                     step = r.step
+                    self._step_done(step)
                     continue
                 losses = [float(v) for r in ev.values() for v in r["losses"].values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
@@ -213,6 +217,22 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
                   f"{len(self.stage_peer)}+{len(self._standbys())}, failures {c['failures']}, recoveries "
                   f"{c['recoveries']}, fallbacks {c['fallbacks']}", flush=True)
             step += 1
+            self._step_done(step)
+
+    def _on_stop_signal(self, task: asyncio.Task) -> None:
+        """SIGTERM/SIGINT/SIGHUP: stop now or, during a commit, once the step is recorded. A commit is never cut
+        in half: the peers would be a step ahead of the run's record and its save would be refused."""
+        if self._in_commit:
+            self._stop_after_commit = True
+        else:
+            task.cancel()
+
+    def _step_done(self, next_step: int) -> None:
+        """The step is committed and recorded; a stop signal that came meanwhile takes effect now."""
+        self._in_commit = False
+        if self._stop_after_commit:
+            self.step = next_step
+            raise asyncio.CancelledError
 
     # ---- main -------------------------------------------------------------------------
     async def run(self) -> dict:
@@ -227,7 +247,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
         announcer = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, self._on_stop_signal, task)
         status, error = "failed", None
         try:
             for name, h in ((RPC.JOIN, self._on_join), (RPC.REPORT, self._on_report), (RPC.LEAVE, self._on_leave),

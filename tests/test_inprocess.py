@@ -4,7 +4,9 @@ with the simulator's for the same config and failures, in seconds instead of the
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import json
 
 import pytest
 import torch
@@ -325,3 +327,29 @@ def test_baft_spreads_a_backup_over_several_steps_when_the_bubbles_are_short(tin
     sent = [m["backup_bytes"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl") if m.get("backup_bytes")]
     whole = swarm.summary["extra_memory_bytes"]
     assert all(0 < n < whole / 4 for per_step in sent for n in per_step)  # a third of a stage's state per step
+
+
+def test_a_stop_signal_during_a_commit_takes_effect_once_the_step_is_recorded(tiny_cfg, tmp_path, monkeypatch):
+    """SIGTERM (the coordinator's stop handler) arriving while step 6 is being committed: the commit is not cut in
+    half. The step is recorded, the run stops before step 7, and the save is at step 7, where every peer is
+    (before, the save was refused: the peers had committed a step the run had not recorded)."""
+    from scheduler.coordinator import Coordinator
+
+    commit = Coordinator._commit
+
+    async def commit_then_stop(self, step):
+        # the COMMIT requests are under way (the peers complete them whatever the coordinator does next) when the
+        # signal lands: before the fix the coordinator's wait for them was cancelled, the step never recorded
+        committing = asyncio.ensure_future(commit(self, step))
+        if step == 6:
+            self._on_stop_signal(asyncio.current_task())
+        return await asyncio.shield(committing)
+
+    monkeypatch.setattr(Coordinator, "_commit", commit_then_stop)
+    cfg = _cfg(tiny_cfg, "checkfree", steps=12)
+    with pytest.raises(KeyboardInterrupt):
+        run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages, save_final=False, save_every=5)
+    summary = json.loads((tmp_path / "swarm" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] == 7
+    assert [m["step"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl")] == list(range(7))
+    assert sorted(p.name for p in (tmp_path / "swarm" / "saves").iterdir())[-1] == "step-00000007"
