@@ -297,6 +297,9 @@ def test_baft_for_real_rolls_back_to_the_backups_sent_in_the_bubbles(tmp_path, c
     assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
 
 
+# slow: test_inprocess's reft test covers the same three kills (the rebuilt parity block included) in seconds, and
+# the crash test below decodes a SIGKILLed process group from parity with real processes
+@pytest.mark.slow
 def test_reft_for_real_decodes_lost_members_from_parity(tmp_path, cache):
     """REFT with real processes: snapshots and parity blocks held in the peers' memory; SIGKILLs of stages 1, 2
     (before the next snapshot: decoded with the parity block stage 1's replacement rebuilt) and 0, each decoded
