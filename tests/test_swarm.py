@@ -34,6 +34,16 @@ def _companions_left() -> list[int]:
     return found
 
 
+def _swarm_with_references(tmp_path, cache, name: str, args: list[str], failures: list[str]):
+    """`checkfree local` with `failures` (3 spares), and the simulator with (tmp_path/sim) and without them
+    (tmp_path/clean); returns the swarm's run directory."""
+    proc, out = _local(tmp_path, name, *args, *failures, cache=cache, spares=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _simulate(tmp_path, "sim", *args, *failures, cache=cache)
+    _simulate(tmp_path, "clean", *args, cache=cache)
+    return out
+
+
 def _recoveries(out, fields: tuple[str, ...]) -> list[tuple]:
     """The run's recovery events, each as the tuple of `fields`."""
     return [tuple(e.get(k) for k in fields) for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovery"]
@@ -261,10 +271,7 @@ def test_redundant_computation_for_real_promotes_replicas_and_loses_nothing(tmp_
     failure-free run (the simulator's without the trace: redundant computation is lossless)."""
     args = ["--steps", "8", "--strategy", "redundant"]
     failures = ["--trace", _trace(tmp_path, [(2, 1), (4, 3), (6, 0)])]
-    proc, out = _local(tmp_path, "red", *args, *failures, cache=cache, spares=3)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _simulate(tmp_path, "sim", *args, *failures, cache=cache)
-    _simulate(tmp_path, "clean", *args, cache=cache)
+    out = _swarm_with_references(tmp_path, cache, "red", args, failures)
     fields = ("step", "stage", "method", "source", "lost_steps")
     got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
     assert got == want == [(2, 1, "promote-replica", 0, 0), (4, 3, "promote-replica", 2, 0),
@@ -283,10 +290,7 @@ def test_baft_for_real_rolls_back_to_the_backups_sent_in_the_bubbles(tmp_path, c
     same lost steps), and the run ends with the losses of a failure-free run."""
     args = ["--steps", "10", "--strategy", "baft"]
     failures = ["--trace", _trace(tmp_path, [(3, 1), (6, 3), (8, 0)])]
-    proc, out = _local(tmp_path, "baft", *args, *failures, cache=cache, spares=3)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _simulate(tmp_path, "sim", *args, *failures, cache=cache)
-    _simulate(tmp_path, "clean", *args, cache=cache)
+    out = _swarm_with_references(tmp_path, cache, "baft", args, failures)
     fields = ("step", "stage", "method", "rollback_to", "lost_steps")
     got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
     assert got == want and [g[1] for g in got] == [1, 3, 0] and all(g[4] > 0 for g in got)
@@ -306,10 +310,7 @@ def test_reft_for_real_decodes_lost_members_from_parity(tmp_path, cache):
     bit for bit from the group's survivors; the simulator's rollbacks and lost steps; the failure-free losses."""
     args = ["--steps", "10", "--strategy", "reft", "--snapshot-every", "2"]
     failures = ["--trace", _trace(tmp_path, [(3, 1), (4, 2), (8, 0)])]
-    proc, out = _local(tmp_path, "reft", *args, *failures, cache=cache, spares=3)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _simulate(tmp_path, "sim", *args, *failures, cache=cache)
-    _simulate(tmp_path, "clean", *args, cache=cache)
+    out = _swarm_with_references(tmp_path, cache, "reft", args, failures)
     fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source")
     got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
     assert [g[:5] for g in got] == [w[:5] for w in want] and [g[1] for g in got] == [1, 2, 0]
