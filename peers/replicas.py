@@ -81,8 +81,9 @@ class Replicas:
         if len(names) != len(tensors) or any(not isinstance(n, str) or n not in params for n in names):
             raise ProtocolError(f"replica gradients: {len(tensors)} tensors for names {str(names)[:200]}")
         for n, g in zip(names, tensors):
-            if g.shape != params[n].shape:
-                raise ProtocolError(f"replica gradient {n}: shape {tuple(g.shape)}, expected {tuple(params[n].shape)}")
+            if g.shape != params[n].shape or g.dtype != params[n].dtype:
+                raise ProtocolError(f"replica gradient {n}: {g.dtype} {tuple(g.shape)}, expected "
+                                    f"{params[n].dtype} {tuple(params[n].shape)}")
         stats = await self.compute.run(self._apply, replica, names, tensors, header["step"])
         if not stats.skipped:
             self.omega = stats.omega(self.hosted.cfg.recovery)
