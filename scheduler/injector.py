@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import sys
 import time
 
@@ -127,12 +125,13 @@ class ChaosMixin:
                 await asyncio.sleep(0.05)  # the preempted peer announces its leave
 
     async def _chaos_commit(self, step: int) -> None:
-        """Local swarm chaos (--kill-coordinator-at ... in commit): half of the stages commit `step`, then this
-        coordinator's whole process group is SIGKILLed (a standby must finish the half-done commit)."""
+        """Local swarm chaos (--kill-coordinator-at ... in commit): half of the stages commit `step`, then the
+        launcher is asked to SIGKILL this coordinator's whole process group, from outside, and this coordinator
+        waits for it (a standby must finish the half-done commit)."""
         if step != self.opts.die_in_commit:
             return
         half = sorted(self.stage_peer)[: self.cfg.num_stages // 2]
         await asyncio.gather(*(self._call(self.stage_peer[s], RPC.COMMIT, {"step": step, "attempt": self._last_attempt},
                                           self.t.rpc_timeout) for s in half))
-        print(chaos_line("coordinator-dies", step=step, committed=",".join(map(str, half))), flush=True)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        await self._ask("coordinator-dies", step=step, committed=",".join(map(str, half)))
+        await asyncio.Event().wait()  # until the SIGKILL

@@ -172,9 +172,6 @@ class LocalSwarm:
         try:
             while True:
                 if (line := self.coordinator.lines.get()) is None:
-                    if self.opts.kill_coordinator_at is not None and self.coordinator.popen.wait() == -signal.SIGKILL:
-                        self.kill_coordinator()  # it died in its commit, as asked
-                        continue
                     break
                 if (self.opts.kill_coordinator_in == "step" and (m := STEP_LINE.match(line)) is not None
                         and int(m.group(1)) + 1 == self.opts.kill_coordinator_at):
@@ -190,6 +187,8 @@ class LocalSwarm:
                         self.preempt_peer(fields["peer"])
                     elif action in ("partition", "heal"):
                         self.partition_peer(fields["peer"], heal=action == "heal")
+                    elif action == "coordinator-dies":  # half-way through a commit, as asked (--kill-coordinator-in)
+                        self.kill_coordinator()
                 elif (m := STEP_LINE.match(line)) is not None:
                     bar.update(int(m.group(1)) + 1, loss=m.group(2), live=m.group(4), spare=m.group(5),
                                failures=m.group(6), recoveries=m.group(7))
