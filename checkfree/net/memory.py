@@ -22,6 +22,7 @@ import torch
 
 from checkfree.net.base import Handler
 from checkfree.net.errors import TransportError, TransportTimeout, failed_request, remote_error
+from checkfree.net.streams import dispatch
 from checkfree.net.wire import WireError, decode_message, encode_message
 
 __all__ = ["MemoryNetwork", "MemoryTransport", "MemoryDHT", "MEMORY"]
@@ -103,11 +104,7 @@ class MemoryTransport:
         """The encoded reply to one request (an error reply when it fails, as the real transports send)."""
         try:
             header, tensors = decode_message(frames)
-            handler = self._handlers.get(name)
-            if handler is None:
-                raise TransportError(f"no handler registered for '{name}'")
-            reply_header, reply_tensors = await handler(header, tensors, caller)
-            return encode_message(reply_header, reply_tensors)
+            return await dispatch(self._handlers, name, header, tensors, caller)
         except asyncio.CancelledError:
             raise
         except Exception as e:
