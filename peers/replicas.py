@@ -112,10 +112,8 @@ class Replicas:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
-    def gradients(self) -> tuple[list[str], list[torch.Tensor]] | None:
+    def gradients(self) -> tuple[list[str], list[torch.Tensor]]:
         """On the compute thread, before the own step: this stage's gradients, for its predecessor's replica."""
-        if not self.active:
-            return None
         named = [(n, p.grad) for n, p in self.hosted.worker.module.named_parameters() if p.grad is not None]
         return [n for n, _ in named], [g.detach().cpu().clone() for _, g in named]
 

@@ -81,6 +81,9 @@ class ReplicaHook(Protocol):
 
     shipped: int
 
+    @property
+    def active(self) -> bool: ...
+
     def gradients(self) -> Any: ...
 
     async def ship(self, step: int, peers: dict[int, str], grads: Any) -> None: ...
@@ -154,7 +157,7 @@ class StepTracker:
         if not run.ready():
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
         hosted, replicas = self.hosted, self.replicas
-        grads = await self.compute.run(replicas.gradients) if replicas is not None else None
+        grads = await self.compute.run(replicas.gradients) if replicas is not None and replicas.active else None
         stats = await self.compute.run(hosted.worker.step, run.step)
         redundant = {}
         if grads is not None:  # redundant computation: the predecessor's replica takes the same step
