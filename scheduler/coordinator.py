@@ -128,8 +128,8 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
         self.cost = CostModel(cfg)  # the strategies' choices that depend on links (a snapshot's source)
         self.figures = Figures()  # what fault tolerance cost this run, measured: summary.json, as the simulator's
         self.snap_step = 0  # gemini, baft: step of the last complete in-memory snapshot / backup
-        self._backup_peers: dict[int, tuple[str, str]] = {}
-        self.companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address  # baft: stage -> (its peer, its backup holder's)
+        self._backup_peers: dict[int, tuple[str, str]] = {}  # baft: stage -> (its peer, its backup holder's)
+        self.companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address
         self.snap_holders: dict[int, dict[int, str]] = {}  # stage -> {holder stage: peer holding its snapshot}
         self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
