@@ -48,7 +48,6 @@ class Parity:
         self.companion_addr: str | None = None
         self._client: TcpTransport | None = None
         self._starting: asyncio.Task | None = None
-        self.restored_from: str | None = None  # a replacement: "companion" or "parity"
         self.blocks: dict[int, Raim5Block] = {}  # snapshot step -> this peer's parity block
         self.chunks: dict[int, dict[int, tuple[bytes, int]]] = {}  # step -> owner index -> (chunk, owner's length)
         self._arrived: dict[int, asyncio.Event] = {}
@@ -143,9 +142,10 @@ class Parity:
                 [torch.frombuffer(bytearray(own[1]), dtype=torch.uint8),
                  torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)])
 
-    async def decode(self, stage: int, header: dict) -> tuple[bytes, int]:
-        """A replacement: the lost member's snapshot of `step`, decoded from the survivors (`parity`: the group's
-        peers in order and the lost one's index), and this peer's parity block rebuilt; (state, bytes moved)."""
+    async def decode(self, header: dict) -> tuple[bytes, str, int]:
+        """A replacement: the lost member's snapshot of `step` from its companion if that survived, else decoded
+        from the survivors (`parity`: the group's peers in order and the lost one's index), and this peer's parity
+        block; (state, where it came from: "companion" or "parity", bytes fetched)."""
         require(header, step=int)
         spec = header.get("parity")
         if not isinstance(spec, dict) or not isinstance(spec.get("group"), list) or not isinstance(spec.get("index"), int):
@@ -157,11 +157,9 @@ class Parity:
                                                           self.net.t.rpc_timeout)
                 self.blocks = {step: Raim5Block(int(meta["holder"]), int(meta["n"]), parity,
                                                 tuple(int(x) for x in meta["lengths"]))}
-                self.restored_from = "companion"
-                return blob, len(blob) + len(parity)
+                return blob, "companion", len(blob) + len(parity)
             except (TransportError, ProtocolError, KeyError, ValueError) as e:
                 log.warning("the lost peer's snapshot companion did not answer (%s): decoding from parity", e)
-        self.restored_from = "parity"
         members = [(i, p) for i, p in enumerate(group) if i != lost]
         replies = await asyncio.gather(*(self.net.call(p, RPC.REFT_FETCH, self.net.t.step_timeout, step=step)
                                          for _, p in members))
@@ -176,4 +174,4 @@ class Parity:
         blob = raim5_recover(lost, states, blocks)
         n, lengths = len(group), blocks[members[0][0]].state_lengths
         self.blocks = {step: raim5_block(lost, [raim5_chunk(states[i], i, lost, n) for i in sorted(states)], lengths)}
-        return blob, moved
+        return blob, "parity", moved

@@ -109,23 +109,22 @@ class Snapshots:
         t0 = time.perf_counter()
         if header["step"] == 0 and header.get("source") == "init":
             return {"omega": 0.0, "restore_s": 0.0, "bytes": 0}
-        blob = await self._blob(worker.index, header)
+        origin = {}
+        if isinstance(header.get("parity"), dict):  # reft: from the lost peer's companion, or decoded from parity
+            blob, origin["restored_from"], fetched = await self.parity.decode(header)
+            self.held[worker.index] = (header["step"], blob)  # this replacement's own snapshot now, as the lost one's
+        else:
+            blob = await self._blob(worker.index, header)
+            fetched = len(blob)
         norm = await self.compute.run(self.hosted.load_bytes, worker, blob, donors)
         moved = sum(state_nbytes(list(d)) for d in (donors or {}).values())
-        reply = {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": len(blob) + moved}
-        if isinstance(header.get("parity"), dict):  # reft: from the lost peer's companion, or decoded from parity
-            reply["restored_from"] = self.parity.restored_from
-        return reply
+        return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": fetched + moved, **origin}
 
     async def _blob(self, stage: int, header: dict) -> bytes:
         """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""
         step = header["step"]
         if isinstance(header.get("storage"), str):
             return storage.read_stage(header["storage"], step, stage)
-        if isinstance(header.get("parity"), dict):  # reft: decoded from the group's survivors
-            blob, _ = await self.parity.decode(stage, header)
-            self.held[stage] = (step, blob)  # this replacement's own snapshot now, as the lost member's was
-            return blob
         source = header.get("source")
         if source in (None, self.net.me):
             held = self.held.get(stage)
