@@ -87,8 +87,8 @@ class Parity:
         return sum(len(c) for c in chunks.values())
 
     async def _keep(self, step: int, blob: bytes) -> None:
-        """Hand the snapshot and parity block to this peer's companion (started at the first snapshot), so that
-        they survive a crash of this process alone."""
+        """Hand the snapshot and parity block to this peer's companion (started when the peer joined, or now), so
+        that they survive a crash of this process alone."""
         self.prepare()
         await self._starting
         block = self.blocks[step]
