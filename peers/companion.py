@@ -6,8 +6,9 @@ The peer starts it when it joins a reft run (`python -m peers.companion`, in the
 machine's death kills both) and stores each snapshot in it over a direct TCP connection authenticated with the
 run secret (`checkfree.net.tcp_transport`, on the peer's host). A replacement for a crashed peer fetches the
 snapshot from it (assign mode `restore` whose `parity` names the `companion`), and falls back to decoding the
-snapshot from the group's parity when the companion does not answer. The companion stores only what its own peer sends, serves it to run members, and
-exits when told (its peer leaving), or `linger` seconds after its peer died (time for a replacement to fetch).
+snapshot from the group's parity when the companion does not answer. The companion stores only what its own
+peer sends, serves it to run members, and exits when told (its peer leaving), or `linger` seconds after its peer
+died (time for a replacement to fetch).
 
     python -m peers.companion --peer-id ID --host 127.0.0.1 --linger 120      # the secret: $CHECKFREE_SECRET
 """

@@ -118,7 +118,8 @@ class Parity:
 
     async def on_chunk(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """A chunk of another member's snapshot for this peer's parity block."""
-        step, owner, holder, n, length = header["step"], header["owner"], header["holder"], header["n"], header["length"]
+        step, owner, holder = header["step"], header["owner"], header["holder"]
+        n, length = header["n"], header["length"]
         if not (2 <= n and 0 <= owner < n and 0 <= holder < n and owner != holder and length >= 0):
             raise ProtocolError(f"parity chunk of member {owner} for member {holder} of a group of {n}")
         if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
@@ -148,7 +149,7 @@ class Parity:
         block; (state, where it came from: "companion" or "parity", bytes fetched)."""
         require(header, step=int)
         spec = header.get("parity")
-        if not isinstance(spec, dict) or not isinstance(spec.get("group"), list) or not isinstance(spec.get("index"), int):
+        if not (isinstance(spec, dict) and isinstance(spec.get("group"), list) and isinstance(spec.get("index"), int)):
             raise ProtocolError(f"assign 'parity' must be {{group: [peers], index: int}}, got {spec!r:.200}")
         group, lost, step = spec["group"], spec["index"], header["step"]
         if isinstance(spec.get("companion"), str):  # the lost peer's companion may have survived its crash
