@@ -63,8 +63,8 @@ class HostedStage:
         resolve_device(cfg.train.device)
         strategy = build_strategy(cfg)
         self.plus = strategy.plus
-        self.redundant = getattr(strategy, "swarm_replicas", False)
-        self.companion = getattr(strategy, "snapshot_companion", False)
+        self.redundant = strategy.swarm_replicas
+        self.companion = strategy.snapshot_companion
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
 

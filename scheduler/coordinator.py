@@ -111,7 +111,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
 
         name = cfg.recovery.strategy
         self.strategy = build_strategy(cfg)
-        swarm_replicas = getattr(self.strategy, "swarm_replicas", False)
+        swarm_replicas = self.strategy.swarm_replicas
         if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback or swarm_replicas):
             raise ValueError(f"strategy {name!r} runs in the simulator only: it has no distributed implementation")
         if swarm_replicas and cfg.strategy.storage_fallback:
@@ -268,7 +268,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):
                 await self._fill_initial(saved)
-                if getattr(self.strategy, "swarm_replicas", False):  # redundant: every predecessor's replica
+                if self.strategy.swarm_replicas:  # redundant: every predecessor's replica
                     await self._replicate(set(range(self.cfg.num_stages)), self.step)
                 if saved is not None:
                     self._event("resume", step=self.step)

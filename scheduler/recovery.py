@@ -43,11 +43,11 @@ class RecoveryMixin:
         await self._retire()
         if self.strategy.swarm_rollback:
             await self._rollback(step, failed)
-        if getattr(self.strategy, "restores_alone", False):
+        if self.strategy.restores_alone:
             failed = failed - await self._restore_alone(step, failed)
             if not failed:
                 return
-        if getattr(self.strategy, "swarm_replicas", False):
+        if self.strategy.swarm_replicas:
             await self._recover_replicated(step, failed, detected)
             return
         await self._rebuild(step, failed, self.strategy.rule.name, detected)

@@ -117,8 +117,11 @@ class Strategy:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
-    swarm_rollback: bool = False  # the distributed runtime runs it as a rollback strategy (checkpoint, gemini)
-    snapshots_in_memory: bool = False  # keeps snapshots of every stage in peers' memory (gemini)
+    swarm_rollback: bool = False  # the distributed runtime runs it as a rollback strategy (checkpoint, gemini, ...)
+    snapshots_in_memory: bool = False  # keeps snapshots of every stage in peers' memory (gemini, baft, reft)
+    swarm_replicas: bool = False  # the swarm keeps each stage's replica on its predecessor (redundant)
+    restores_alone: bool = False  # the swarm restores a lone lost stage from a snapshot, no rollback (checkfree+snap)
+    snapshot_companion: bool = False  # the swarm keeps each peer's snapshot in a companion process too (reft)
 
     def after_step(self, ctx: StrategyContext, step: int) -> Figures:
         return Figures()
