@@ -96,6 +96,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _keyed(g, "--wan", "train.wan", choices=NETWORKS,
            help="swarm: emulate this cost profile's network between the stages' peers (stage i in region i mod R, "
                 "the profile's latency and bandwidth on every stage-to-stage link; checkfree.wan); default: as is")
+    _keyed(g, "--replicas", "train.replicas", type=int,
+           help="peers per stage: each stage is served by a group of data-parallel replicas that split the step's "
+                "microbatches and sum their gradients; a lost replica costs no recovery (the simulator computes the "
+                "same global batch)")
+    _keyed(g, "--reserve", "train.reserve", type=int,
+           help="swarm: standbys kept for the recovery of a wholly lost stage; any standby beyond them joins the "
+                "group of the slowest stage (none: every standby waits)")
     _keyed(g, "--data", "data.source", help="'shakespeare', a text file or directory, or hf:<dataset>[:<data_files>]")
     _keyed(g, "--tokenizer", "data.tokenizer", help="tokenizer.json path or HF tokenizer name (none: train a BPE)")
     g.add_argument("--model-config", metavar="FILE",

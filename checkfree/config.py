@@ -108,6 +108,15 @@ class TrainConfig:
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b
     wire_dtype: str = "float32"  # activations/gradients between peers: float32 | bfloat16 | float16 | int8
     wan: str | None = None  # swarm: emulate this cost profile's network between stages (checkfree.wan); None: as is
+    replicas: int = 1  # swarm: peers per stage (a stage group of data-parallel replicas); the simulator: same batch
+    # swarm: standbys kept for whole-stage recoveries; the rest join the slowest stage's group (None: keep all)
+    reserve: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"train.replicas must be >= 1, got {self.replicas}")
+        if self.reserve is not None and self.reserve < 0:
+            raise ValueError(f"train.reserve must be >= 0 or None, got {self.reserve}")
 
 
 @dataclass(kw_only=True)

@@ -4,6 +4,11 @@ A failure of stage s at step t means the stage's peer is gone at the start of st
 the stage is rebuilt and step t then runs. Several stages may fail in one step. A trace
 file holds one `step,stage` line per failure (stages 0..S-1; `#` comments allowed), so
 every strategy can replay exactly the same failures.
+
+With stage groups (several replicas per stage, `train.replicas`), a trace line may carry a third
+column: `step,stage` is the loss of one replica of the stage (lossless while a sibling lives),
+`step,stage,all` the loss of the whole group (a stage failure: the strategy recovers it). With one
+peer per stage the two are the same.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import numpy as np
 
 from checkfree.config import FailureConfig
 
-__all__ = ["per_step_probability", "bernoulli_schedule", "read_trace", "write_trace", "FailureSchedule",
-           "schedule_from_config"]
+__all__ = ["per_step_probability", "bernoulli_schedule", "read_trace", "read_trace_scopes", "write_trace",
+           "FailureSchedule", "schedule_from_config"]
 
 
 def per_step_probability(hourly_rate: float, iteration_time_s: float) -> float:
@@ -41,23 +46,34 @@ def bernoulli_schedule(num_stages: int, num_steps: int, p: float, seed: int,
 
 
 def read_trace(path: str | Path, num_stages: int | None = None) -> list[tuple[int, int]]:
-    """Parse a `step,stage` trace; errors name the file and line."""
+    """Parse a `step,stage[,all]` trace into its (step, stage) failures; errors name the file and line."""
+    return read_trace_scopes(path, num_stages)[0]
+
+
+def read_trace_scopes(path: str | Path, num_stages: int | None = None) -> tuple[list[tuple[int, int]],
+                                                                                set[tuple[int, int]]]:
+    """Parse a `step,stage[,all]` trace: its (step, stage) failures, and those whose third column says `all`
+    (the whole stage group lost; the others lose one replica). Errors name the file and line."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"failure trace {str(p)!r} does not exist")
-    events = []
+    events, whole = [], set()
     for lineno, line in enumerate(p.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if not line or line.replace(" ", "") == "step,stage":
+        if not line or line.replace(" ", "") in ("step,stage", "step,stage,scope"):
             continue
         parts = [x.strip() for x in line.split(",")]
-        if len(parts) != 2 or not all(x.lstrip("-").isdigit() for x in parts):
-            raise ValueError(f"{p}:{lineno}: expected 'step,stage' with two integers, got {line!r}")
+        if len(parts) not in (2, 3) or not all(x.lstrip("-").isdigit() for x in parts[:2]) or (
+                len(parts) == 3 and parts[2] not in ("all", "one")):
+            raise ValueError(f"{p}:{lineno}: expected 'step,stage' with two integers (and optionally ',all' or "
+                             f"',one'), got {line!r}")
         step, stage = int(parts[0]), int(parts[1])
         if step < 0 or stage < 0 or (num_stages is not None and stage >= num_stages):
             raise ValueError(f"{p}:{lineno}: step must be >= 0 and stage in 0..{(num_stages or 1) - 1}, got {line!r}")
         events.append((step, stage))
-    return sorted(set(events))
+        if len(parts) == 3 and parts[2] == "all":
+            whole.add((step, stage))
+    return sorted(set(events)), whole
 
 
 def write_trace(path: str | Path, events: list[tuple[int, int]]) -> None:
@@ -65,16 +81,22 @@ def write_trace(path: str | Path, events: list[tuple[int, int]]) -> None:
 
 
 class FailureSchedule:
-    """Which stages fail at the start of each step."""
+    """Which stages fail at the start of each step; `whole`: the (step, stage) failures that take the stage's
+    whole group of replicas (the others take one replica)."""
 
-    def __init__(self, events: list[tuple[int, int]]) -> None:
+    def __init__(self, events: list[tuple[int, int]], whole: set[tuple[int, int]] | frozenset = frozenset()) -> None:
         self.events = sorted(set(events))
+        self.whole = frozenset(whole)
         self._by_step: dict[int, set[int]] = defaultdict(set)
         for t, s in self.events:
             self._by_step[t].add(s)
 
     def at(self, step: int) -> set[int]:
         return set(self._by_step.get(step, ()))
+
+    def all_of(self, step: int, stage: int) -> bool:
+        """Whether the failure of `stage` at `step` takes its whole group of replicas."""
+        return (step, stage) in self.whole
 
 
 def schedule_from_config(cfg: FailureConfig, num_stages: int, num_steps: int, plus: bool) -> FailureSchedule:
@@ -84,7 +106,7 @@ def schedule_from_config(cfg: FailureConfig, num_stages: int, num_steps: int, pl
     fail under plain CheckFree: unless `protect_edges` says otherwise, the first and last
     stage are protected for strategies without CheckFree+."""
     if cfg.trace:
-        return FailureSchedule(read_trace(cfg.trace, num_stages))
+        return FailureSchedule(*read_trace_scopes(cfg.trace, num_stages))
     p = per_step_probability(cfg.hourly_rate, cfg.iteration_time_s) if cfg.hourly_rate is not None else cfg.rate
     protect_edges = (not plus) if cfg.protect_edges is None else cfg.protect_edges
     protect = frozenset({0, num_stages - 1}) if protect_edges else frozenset()

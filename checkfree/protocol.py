@@ -78,6 +78,9 @@ class RPC:
     BACKUP_COMMIT = "cf.backup_commit"  # baft: the backup of `step` is complete where every part arrived
     REFT_CHUNK = "cf.reft_chunk"  # reft: a chunk of a group member's snapshot, for this peer's parity block
     REFT_FETCH = "cf.reft_fetch"  # reft: this peer's snapshot and parity block, to decode a lost member
+    REROUTE = "cf.reroute"  # stage groups: a lost replica's microbatches go to a sibling (which computes them)
+    GET_PASS = "cf.get_pass"  # stage groups: the activation this peer sent for a microbatch, for a sibling's redo
+    REDUCE = "cf.reduce"  # stage groups: sum the step's gradients within the stage's group (gloo all-reduce)
     ADOPT = "cf.adopt"  # a new coordinator takes over the run (the old one is gone): report this peer's state
     PING = "cf.ping"
     SHUTDOWN = "cf.shutdown"
@@ -234,6 +237,9 @@ REQUEST_FIELDS: dict[str, dict[str, type]] = {
     RPC.BACKUP_COMMIT: {"step": int},
     RPC.REFT_CHUNK: {"step": int, "owner": int, "holder": int, "n": int, "length": int},
     RPC.REFT_FETCH: {"step": int},
+    RPC.REROUTE: {**_STEP, "dead": str, "to": str, "mbs": list},
+    RPC.GET_PASS: {**_STEP, "mb": int, "hop": int},
+    RPC.REDUCE: {**_STEP, "prefix": str, "rank": int, "size": int, "store": str},
     RPC.ASSIGN: {"stage": int, "mode": str},
     RPC.RUN_STEP: {**_STEP, "peers": dict, "evaluate": bool},
     RPC.COMMIT: _STEP,

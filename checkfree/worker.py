@@ -289,6 +289,29 @@ class StageWorker:
             p.grad = flat[offset: offset + n].view_as(p).to(p.device, p.dtype).clone()
             offset += n
 
+    def flat_grad(self) -> Tensor:
+        """Every parameter's accumulated gradient (zeros where none), flattened into one float32 vector in
+        parameter order, then one value per parameter, 1 where it has a gradient: what the replicas of a stage
+        sum (peers/groups.py). A parameter no replica has a gradient for keeps none (Adam skips it)."""
+        params = list(self.module.parameters())
+        return torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+                            for p in params),
+                          torch.tensor([float(p.grad is not None) for p in params], device=self.device)])
+
+    def set_flat_grad(self, flat: Tensor) -> None:
+        """Replace every parameter's gradient by its slice of `flat` (the layout of `flat_grad`)."""
+        params = list(self.module.parameters())
+        total = sum(p.numel() for p in params)
+        if flat.numel() != total + len(params):
+            raise ValueError(f"a flat gradient of {flat.numel()} values for stage {self.index}'s "
+                             f"{total} + {len(params)}")
+        has = flat[total:].tolist()
+        offset = 0
+        for p, h in zip(params, has):
+            n = p.numel()
+            p.grad = flat[offset: offset + n].view_as(p).to(p.device, p.dtype).clone() if h else None
+            offset += n
+
     def step(self, step: int) -> StepStats:
         """Clip each group, apply Adam, and report the main group's gradient norms."""
         lr = lr_at(self.cfg, step) * self.lr_scale

@@ -9,6 +9,7 @@ The modes of an assignment:
   (checkfree+snap: a lone stage restored, nobody rolls back).
 * `handover`: take a leaving peer's exact state (peers.recovery).
 * `promote`: take the lost stage's replica from its predecessor (`source`; redundant computation).
+* `replica`: join a stage group: a live replica's (`source`) exact state, as a handover.
 * `load`: a resumed run's saved state, carried by the message itself.
 
 The reply tells the coordinator what the assignment cost (seconds, bytes moved) and, for a
@@ -34,7 +35,7 @@ __all__ = ["MODES", "Assignment"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("fresh", "recover", "restore", "handover", "load", "promote")
+MODES = ("fresh", "recover", "restore", "handover", "load", "promote", "replica")
 
 
 class Assignment:
@@ -73,9 +74,9 @@ class Assignment:
                 reply["omega"] = await self.compute.run(self.hosted.load_bytes, worker, blob)
             except (ValueError, KeyError, RuntimeError) as e:
                 raise ProtocolError(f"the saved state of stage {stage} does not load: {e}") from None
-        elif mode in ("handover", "promote"):
-            reply.update(await self.recovery.take_handover(worker, header, RPC.GET_STATE if mode == "handover"
-                                                           else RPC.GET_REPLICA))
+        elif mode in ("handover", "promote", "replica"):
+            reply.update(await self.recovery.take_handover(worker, header, RPC.GET_REPLICA if mode == "promote"
+                                                           else RPC.GET_STATE))
         self.debug.arm_delay(header)
         self._serve(worker, reply.pop("omega", 0.0), header.get("serve_step", header.get("step", 0)))
         reply["assign_s"] = time.perf_counter() - t0

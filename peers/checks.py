@@ -41,7 +41,9 @@ __all__ = [
     "authorize",
     "check_activation",
     "check_blob",
+    "check_groups",
     "check_hop",
+    "check_hops",
     "check_run",
     "check_sender",
 ]
@@ -89,6 +91,9 @@ _ACCESS: dict[str, tuple[Access, str]] = {  # who may send each RPC, and what it
     RPC.SNAPSHOT: (Access.COORDINATOR, "take a snapshot"),  # it names files and peers
     RPC.RESTORE: (Access.COORDINATOR, "roll a stage back"),
     RPC.SHUTDOWN: (Access.COORDINATOR, "shut this peer down"),
+    RPC.REROUTE: (Access.COORDINATOR, "reroute microbatches"),
+    RPC.GET_PASS: (Access.MEMBER, ""),
+    RPC.REDUCE: (Access.COORDINATOR, "reduce a step's gradients"),
     RPC.ADOPT: (Access.NEW_COORDINATOR, ""),
 }
 # the header fields come from the requests' one definition (checkfree.protocol.REQUEST_FIELDS)
@@ -147,22 +152,45 @@ def check_activation(tensors: list[torch.Tensor], what: str, cfg: RunConfig | No
         raise ProtocolError(str(e)) from None
 
 
-def check_hop(run: StepRun, header: dict, stage: int) -> tuple[int, int]:
-    """The (microbatch, hop) a FORWARD or BACKWARD names: in the step's routes and this peer's stage."""
+def check_hop(run: StepRun, header: dict, stage: int, me: str | None = None) -> tuple[int, int]:
+    """The (microbatch, hop) a FORWARD, BACKWARD or GET_PASS names: in the step's routes and this peer's stage
+    (in a stage group: a hop the step's table gives this peer, `me`)."""
     mb, idx = header["mb"], header["hop"]
     if not 0 <= mb < len(run.routes) or not 0 <= idx < len(run.routes[mb]):
         raise ProtocolError(f"microbatch {mb} hop {idx} out of range")
     if run.routes[mb][idx].stage != stage:
         raise ProtocolError(f"microbatch {mb} hop {idx} belongs to stage {run.routes[mb][idx].stage}, "
                             f"not to this peer's stage {stage}")
+    if run.hops is not None and me is not None and run.hops[mb][idx] != me:
+        raise ProtocolError(f"microbatch {mb} hop {idx} is computed by replica {run.hops[mb][idx]} of stage "
+                            f"{stage}, not by this peer")
     return mb, idx
+
+
+def check_hops(header: dict, routes: list) -> list[list[str]]:
+    """A RUN_STEP's `hops` table: one peer id per hop of every microbatch of its routes."""
+    hops = header["hops"]
+    if not (isinstance(hops, list) and len(hops) == len(routes) and all(
+            isinstance(h, list) and len(h) == len(r) and all(isinstance(p, str) for p in h)
+            for h, r in zip(hops, routes))):
+        raise ProtocolError("RUN_STEP 'hops' must name one peer per hop of every microbatch")
+    return [list(h) for h in hops]
+
+
+def check_groups(header: dict) -> dict[int, list[str]]:
+    """A RUN_STEP's `groups`: stage -> its replicas' peer ids."""
+    groups = header.get("groups")
+    if not (isinstance(groups, dict) and all(str(k).isdigit() and isinstance(v, list) and v
+                                             and all(isinstance(p, str) for p in v) for k, v in groups.items())):
+        raise ProtocolError("RUN_STEP 'groups' must map each stage to a non-empty list of peer ids")
+    return {int(k): list(v) for k, v in groups.items()}
 
 
 def check_sender(run: StepRun, peer: object, mb: int, idx: int) -> None:
     """Activations and gradients of a step are accepted only from the peer that this step's table
     lists for the sending hop: a retired peer (partitioned, replaced) is refused even if it holds the
     run token."""
-    expect = run.peers.get(run.routes[mb][idx].stage)
+    expect = run.peer(mb, idx) if run.hops is not None else run.peers.get(run.routes[mb][idx].stage)
     if str(peer) != expect:
         raise ProtocolError(f"peer {peer} does not serve stage {run.routes[mb][idx].stage} in step {run.step} "
                             f"attempt {run.attempt}")

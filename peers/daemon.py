@@ -19,6 +19,7 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/parity.py       REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
     peers/backups.py      BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
     peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
+    peers/groups.py       REROUTE, GET_PASS, REDUCE: one replica of a stage group
     peers/failover.py     ADOPT: a new coordinator takes over
     peers/stage.py        the run config and the hosted stage
     peers/compute.py      the one compute thread all torch work runs on
@@ -58,6 +59,7 @@ from peers.checks import RULES
 from peers.compute import ComputeQueue
 from peers.debug import DebugHooks
 from peers.failover import Failover
+from peers.groups import StageGroup
 from peers.membership import Handler, Membership
 from peers.passes import Passes
 from peers.recovery import Recovery
@@ -113,6 +115,7 @@ class PeerDaemon:
         self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug, self.replicas,
                              self.backups)
         self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
+        self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, self.debug)
         self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
@@ -132,6 +135,8 @@ class PeerDaemon:
             RPC.BACKUP_START: self.backups.on_backup_start, RPC.BACKUP_PART: self.backups.on_backup_part,
             RPC.BACKUP_COMMIT: self.backups.on_backup_commit,
             RPC.REFT_CHUNK: self.snapshots.parity.on_chunk, RPC.REFT_FETCH: self.snapshots.parity.on_fetch,
+            RPC.REROUTE: self.group.on_reroute, RPC.GET_PASS: self.group.on_get_pass,
+            RPC.REDUCE: self.group.on_reduce,
             RPC.ADOPT: self.failover.on_adopt,
         }
         assert served.keys() == RULES.keys(), "every RPC served has an admission rule, and only those"
@@ -183,6 +188,7 @@ class PeerDaemon:
             if hb is not None:
                 hb.cancel()
             await self.snapshots.parity.close()
+            self.group.close()
             self.compute.shutdown()
             await stop_transport(net.dht, net.transport)
 
@@ -217,7 +223,9 @@ class PeerDaemon:
         if run_ended and self.membership.run_finished:  # a retry of the same message (e.g. after a partition healed)
             return {"ok": True}, []
         if self.hosted.worker is not None and self.opts.dump_dir:
-            await self.compute.run(self.debug.dump_final, self.hosted.worker, self.hosted.omega)
+            t = self.hosted.cfg.train
+            tag = f"-{self.membership.me}" if t.replicas > 1 or t.reserve is not None else ""  # a stage group's
+            await self.compute.run(self.debug.dump_final, self.hosted.worker, self.hosted.omega, tag)
         if run_ended:
             self.membership.run_finished = True
             if self.opts.stay:

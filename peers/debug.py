@@ -6,6 +6,9 @@
   backward pass from a given step on — a slow GPU or an overloaded host.
 * `--chaos-rebuild-kills` (sent with ASSIGN): the replacement SIGKILLs itself after a number
   of weight pulls — a death in the middle of a rebuild.
+* stage groups (sent with RUN_STEP / REDUCE by a local swarm's chaos schedule): a replica SIGKILLs itself
+  after its first forward of a step, or half-way through the gradient all-reduce — a death mid-step.
+  `die` is the kill; the in-process test tier replaces it by its own (tests/inprocess.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,29 @@ class DebugHooks:
         self.dump_dir = dump_dir
         self.inject_delay: tuple[float, int] | None = None  # diagnostic slowness: (s per compute, from step)
         self.die_after_pulls: int | None = None  # SIGKILL self after this many weight pulls
+        self.die_after_forwards: int | None = None  # SIGKILL self after this many forwards of the armed step
+        self.die: Callable[[str], None] = self._sigkill  # the kill: this process, now
+
+    @staticmethod
+    def _sigkill(why: str) -> None:
+        print(f"CHAOS: SIGKILL of this {why}", flush=True)
+        if os.getpgrp() == os.getpid():  # a process group of its own (as the local swarm starts peers): the
+            os.killpg(os.getpid(), signal.SIGKILL)  # machine dies, its DHT process and p2pd with it
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm_step_kill(self, header: dict) -> None:
+        """Take a RUN_STEP message's `chaos_die_after_forwards` (a replica dies in the middle of the step)."""
+        if isinstance(header.get("chaos_die_after_forwards"), int):
+            self.die_after_forwards = header["chaos_die_after_forwards"]
+
+    def computed(self, run: Any) -> None:
+        """Count one forward of the step; the last one allowed kills this peer."""
+        if self.die_after_forwards is None:
+            return
+        self.die_after_forwards -= 1
+        if self.die_after_forwards <= 0:
+            self.die_after_forwards = None
+            self.die(f"replica after a forward of step {run.step} (a replica lost mid-step)")
 
     def arm_rebuild_kill(self, header: dict) -> None:
         """Take an ASSIGN message's `chaos_die_after_pulls` (before the rebuild's pulls start)."""
@@ -67,8 +93,7 @@ class DebugHooks:
             return
         self.die_after_pulls -= 1
         if self.die_after_pulls <= 0:
-            print(f"CHAOS: SIGKILL of this replacement after pulling {part} of stage {stage}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.die(f"replacement after pulling {part} of stage {stage}")
 
     def dump(self, name: str, state: dict[str, torch.Tensor], meta: dict) -> None:
         """Save a state dict and its metadata under the dump directory (if there is one)."""
@@ -81,9 +106,10 @@ class DebugHooks:
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path / f"{name}.safetensors"))
         (path / f"{name}.json").write_text(json.dumps(meta))
 
-    def dump_final(self, worker: StageWorker, omega: float) -> None:
-        """The weights and Adam state the stage ends the run with (on the compute thread)."""
+    def dump_final(self, worker: StageWorker, omega: float, tag: str = "") -> None:
+        """The weights and Adam state the stage ends the run with (on the compute thread); `tag` ends the names
+        (a stage group's replicas: the peer's id)."""
         keys, tensors = optim_to_wire(worker.optimizer_state())
-        self.dump(f"final-stage{worker.index}", worker.state_dict(), {"omega": omega})
-        self.dump(f"final-stage{worker.index}-optim", {"/".join(k): t for k, t in zip(keys, tensors)},
+        self.dump(f"final-stage{worker.index}{tag}", worker.state_dict(), {"omega": omega})
+        self.dump(f"final-stage{worker.index}{tag}-optim", {"/".join(k): t for k, t in zip(keys, tensors)},
                   {"lr_scale": worker.lr_scale})

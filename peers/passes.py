@@ -31,7 +31,7 @@ from checkfree.protocol import (
 from checkfree.softerrors import SOFT_ERROR_MARK, UncorrectableSoftError, guard_counts
 from checkfree.wirecodec import encode
 from peers.backups import Backups
-from peers.checks import check_activation, check_hop, check_sender
+from peers.checks import check_activation, check_groups, check_hop, check_hops, check_sender
 from peers.compute import BACKWARD_FIRST, ComputeQueue
 from peers.debug import DebugHooks
 from peers.membership import Membership
@@ -68,12 +68,21 @@ class Passes:
                                 "(different strategy or config?)")
         run = StepRun(header["step"], header["attempt"], header["evaluate"],
                       {int(k): str(v) for k, v in header["peers"].items()}, routes, remaining=len(routes))
+        if header.get("hops") is not None:  # a stage group: this peer computes the microbatches the table gives it
+            run.hops, run.groups = check_hops(header, routes), check_groups(header)
+            run.grouped = True
+            run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
+            run.remaining = len(run.mine)
         self.steps.start(run)
-        run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage]
+        self.debug.arm_step_kill(header)
+        run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage
+                              and run.peer(mb, 0) == self.net.me]
         window = len(run.pending_starts)
         if cfg.train.schedule == "1f1b" and not run.evaluate:
             window = cfg.num_stages  # at most S microbatches in flight from this first hop
         busy0 = self.compute.busy()
+        if run.remaining == 0:  # a replica the table gave no microbatch (more replicas than microbatches)
+            run.done.set()
         for _ in range(min(window, len(run.pending_starts))):
             self._start_next(run)
         send = None
@@ -89,8 +98,9 @@ class Passes:
             run.fail(f"{STEP_TIMEOUT_MARK} step {run.step} timed out after {self.t.step_timeout:g} s on stage "
                      f"{stage}, {busy:.1f} s of it computing{f' {STRAGGLER_MARK}' if straggler else ''}",
                      Kind.STRAGGLER if straggler else Kind.STEP_TIMEOUT)
-        if run.error is None and self.hosted.plus and not run.evaluate:
-            await self._sync_components(run)
+        run.computing_s = self.compute.busy() - busy0
+        if run.error is None and self.hosted.plus and not run.evaluate and not run.grouped:
+            await self._sync_components(run)  # (a stage group sums its gradients first: REDUCE does this then)
         if run.error is not None:  # a soft error carries the guard's counters: the peer may be replaced for it
             raise StepFailed(run.error, run.kind, {"soft_errors": guard_counts([self.hosted.worker.guard])}
                              if run.kind == Kind.SOFT_ERROR else None)
@@ -106,10 +116,14 @@ class Passes:
         arrived = time.time()
         x = check_activation(tensors, "activation", self.hosted.cfg)
         run = await self.steps.current(header["step"], header["attempt"])
-        mb, idx = check_hop(run, header, self.hosted.index)
+        mb, idx = check_hop(run, header, self.hosted.index, self.net.me)
         if idx > 0:
             check_sender(run, peer, mb, idx - 1)
             self._arrived(run, header, run.routes[mb][idx - 1].stage, arrived)
+        if mb in run.started:  # a sibling redoing a lost replica's microbatch: it needs our gradient again
+            if mb in run.sent_grad and idx > 0:
+                self._spawn(run, self._send(run, mb, idx - 1, RPC.BACKWARD, run.sent_grad[mb]))
+            return {"ok": True, "duplicate": True}, []
         self._spawn(run, self._forward_task(run, mb, idx, x))
         return {"ok": True}, []
 
@@ -118,19 +132,21 @@ class Passes:
         arrived = time.time()
         g = check_activation(tensors, "gradient", self.hosted.cfg)
         run = await self.steps.current(header["step"], header["attempt"])
-        mb, idx = check_hop(run, header, self.hosted.index)
+        mb, idx = check_hop(run, header, self.hosted.index, self.net.me)
         if run.evaluate:
             raise ProtocolError("an evaluation has no backward pass")
         if idx + 1 < len(run.routes[mb]):
             check_sender(run, peer, mb, idx + 1)
             self._arrived(run, header, run.routes[mb][idx + 1].stage, arrived)
+        if mb in run.backwarded:  # sent again for a sibling's redo: this stage's part is done already
+            return {"ok": True, "duplicate": True}, []
         self._spawn(run, self._backward_task(run, mb, idx, g))
         return {"ok": True}, []
 
     async def on_component_grad(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """CheckFree+: this holder's embedding or head gradient of a finished step, for its partner."""
         run = await self.steps.current(header["step"], header["attempt"])
-        await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
+        await asyncio.wait_for((run.reduced if run.grouped else run.done).wait(), self.t.step_timeout)
         if run.error is not None or header["comp"] not in run.component_grads:
             raise ProtocolError(f"no {header['comp']!r} gradient for step {run.step}: {run.error or 'not a holder'}")
         return {}, [run.component_grads[header["comp"]].cpu()]
@@ -157,8 +173,11 @@ class Passes:
         return data.batch(run.step, mb)
 
     def _start_next(self, run: StepRun) -> None:
-        if run.pending_starts:
-            self._spawn(run, self._forward_task(run, run.pending_starts.pop(0), 0, None))
+        while run.pending_starts:
+            mb = run.pending_starts.pop(0)
+            if mb not in run.started:  # (a redo may have started it)
+                self._spawn(run, self._forward_task(run, mb, 0, None))
+                return
 
     @staticmethod
     def _spawn(run: StepRun, coro) -> None:
@@ -170,11 +189,12 @@ class Passes:
         run.remaining -= 1
         if run.remaining == 0:
             worker = self.hosted.worker
-            if self.hosted.plus and not run.evaluate:
+            if self.hosted.plus and not run.evaluate and not run.grouped:
                 run.component_grads = {c: worker.component_grad(c) for c in worker.components}
             run.done.set()
 
     async def _forward_task(self, run: StepRun, mb: int, idx: int, x: torch.Tensor | None) -> None:
+        run.started.add(mb)
         try:
             hop = run.routes[mb][idx]
             inputs, targets = self._batch(run, mb) if (hop.embed or hop.head) else (None, None)
@@ -186,14 +206,19 @@ class Passes:
                 if hop.head:
                     run.losses[mb] = float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten()))
                 else:
-                    await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
+                    await self._send(run, mb, idx + 1, RPC.FORWARD, out)
                 self._mb_done(run)
                 return
             out = await self._guarded_forward(key, x, hop, targets)
+            run.event("forward", mb).set()
+            self.debug.computed(run)  # chaos: a replica's death in the middle of a step
             if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
                 self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:
-                await self._send(run, run.routes[mb][idx + 1].stage, RPC.FORWARD, {"mb": mb, "hop": idx + 1}, out)
+                if run.hops is not None:  # kept for a sibling's redo, should the next hop's replica be lost
+                    run.sent[mb] = out
+                    run.event("sent", mb).set()
+                await self._send(run, mb, idx + 1, RPC.FORWARD, out)
                 return
             run.losses[mb] = float(out)  # this microbatch's share of the step loss (already / M)
             if not math.isfinite(run.losses[mb]):
@@ -221,41 +246,64 @@ class Passes:
                 log.warning("uncorrectable soft error, recomputing microbatch %s: %s", key, e)
 
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
+        run.backwarded.add(mb)
         try:
+            if run.hops is not None and not run.event("forward", mb).is_set():
+                # a redo: the next hop's replica sent its gradient before this peer recomputed the forward
+                await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
             grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
                                               (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
+            if run.hops is not None:  # kept for a sibling's redo, should the previous hop's replica be lost
+                run.sent_grad[mb] = grad_in
             self._mb_done(run)
             if idx == 0 and self.hosted.cfg.train.schedule == "1f1b":
                 self._start_next(run)  # one microbatch finished here: admit the next
             if idx > 0:
-                await self._send(run, run.routes[mb][idx - 1].stage, RPC.BACKWARD, {"mb": mb, "hop": idx - 1},
-                                 grad_in)
+                await self._send(run, mb, idx - 1, RPC.BACKWARD, grad_in)
         except Exception as e:
             log.exception("backward of microbatch %d failed", mb)
             run.fail(f"backward of microbatch {mb} failed on stage {self.hosted.index}: {type(e).__name__}: {e}")
 
     # ---- neighbours --------------------------------------------------------------------
-    async def _send(self, run: StepRun, stage: int, name: str, header: dict, tensor: torch.Tensor) -> None:
+    async def _send(self, run: StepRun, mb: int, idx: int, name: str, tensor: torch.Tensor) -> None:
+        """Send microbatch `mb`'s activation (FORWARD) or gradient (BACKWARD) to the peer of its hop `idx`."""
+        stage, target = run.routes[mb][idx].stage, run.peer(mb, idx)
         tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
         run.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        header = {"mb": mb, "hop": idx}
         if self.net.wan is not None:
-            header = {**header, "sent": time.time()}  # the receiver measures the hop's one-way delay
+            header["sent"] = time.time()  # the receiver measures the hop's one-way delay
         try:
-            await self.net.call(run.peers[stage], name, self.t.rpc_timeout, tensors, link=(self.hosted.index, stage),
+            await self.net.call(target, name, self.t.rpc_timeout, tensors, link=(self.hosted.index, stage),
                                 step=run.step, attempt=run.attempt, **header)
         except RemoteError as e:
             run.fail(f"stage {stage} refused {name}: {e.remote_message}")
         except (TimeoutError, TransportError, OSError) as e:
-            await self._report(run, stage, str(e))
+            if len(run.groups.get(stage, ())) > 1:  # a replica with live siblings: the coordinator moves its work
+                log.warning("replica %s of stage %d unreachable (%s); reported", target, stage, str(e)[:200])
+                await self._report(run, stage, str(e), peer_id=target, fail=False)
+            else:
+                await self._report(run, stage, str(e))
 
-    async def _report(self, run: StepRun, stage: int, reason: str) -> None:
-        """Fail the attempt and tell the coordinator which neighbour could not be reached."""
-        run.fail(f"call to stage {stage} failed: {reason}")
+    async def _report(self, run: StepRun, stage: int, reason: str, peer_id: str | None = None,
+                      fail: bool = True) -> None:
+        """Fail the attempt (unless told not to) and tell the coordinator which neighbour could not be reached."""
+        if fail:
+            run.fail(f"call to stage {stage} failed: {reason}")
         try:
             await self.net.call(self.net.coordinator, RPC.REPORT, min(5.0, self.t.rpc_timeout), step=run.step,
-                                attempt=run.attempt, stage=stage, peer_id=run.peers.get(stage, ""), reason=reason[:500])
+                                attempt=run.attempt, stage=stage, peer_id=peer_id or run.peers.get(stage, ""),
+                                reason=reason[:500])
         except (TransportError, RemoteError) as e:
             log.warning("could not report the failure of stage %d: %s", stage, e)
+
+    def _partner(self, run: StepRun, stage: int) -> str:
+        """The peer of `stage` this peer exchanges component gradients with: its peer, or in stage groups the
+        replica of the same rank (modulo the group's size; after REDUCE every replica holds the same sums)."""
+        if not run.grouped:
+            return run.peers[stage]
+        theirs, mine = run.groups[stage], run.groups[self.hosted.index]
+        return theirs[mine.index(self.net.me) % len(theirs)]
 
     async def _sync_components(self, run: StepRun) -> None:
         """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
@@ -263,7 +311,7 @@ class Passes:
         for comp in self.hosted.worker.components:
             partner = next(h for h in holders[comp] if h != self.hosted.index)
             try:
-                _, (other,) = await self.net.call(run.peers[partner], RPC.COMPONENT_GRAD, self.t.rpc_timeout,
+                _, (other,) = await self.net.call(self._partner(run, partner), RPC.COMPONENT_GRAD, self.t.rpc_timeout,
                                                   link=(self.hosted.index, partner), step=run.step,
                                                   attempt=run.attempt, comp=comp)
             except (TransportError, RemoteError, ValueError) as e:

@@ -50,6 +50,26 @@ class StepRun:
     # one-way delays of the activations/gradients that arrived here, by sending stage (an emulated WAN only:
     # sender's and receiver's clocks are the same machine's)
     arrivals: dict[int, list[float]] = field(default_factory=dict)
+    # stage groups (several replicas per stage; None/empty: one peer per stage, as `peers` says)
+    hops: list[list[str]] | None = None  # the peer of every hop of every microbatch (moved by REROUTE)
+    groups: dict[int, list[str]] = field(default_factory=dict)  # stage -> its live replicas
+    grouped: bool = False  # the gradients are summed by REDUCE before COMMIT (the component sync comes after it)
+    mine: set[int] = field(default_factory=set)  # the microbatches this peer computes
+    started: set[int] = field(default_factory=set)  # ...whose forward has started here
+    backwarded: set[int] = field(default_factory=set)  # ...whose backward has started here
+    sent: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> the activation this peer sent on
+    sent_grad: dict[int, torch.Tensor | None] = field(default_factory=dict)  # mb -> the gradient it sent back
+    events: dict[tuple[str, int], asyncio.Event] = field(default_factory=dict)  # ("forward"|"sent", mb)
+    pre_reduce: torch.Tensor | None = None  # the gradients before the last REDUCE (restored if the group failed)
+    reduced: asyncio.Event = field(default_factory=asyncio.Event)
+    computing_s: float = 0.0  # the compute thread's busy seconds during this attempt (the replica's speed)
+
+    def peer(self, mb: int, idx: int) -> str:
+        """The peer of hop `idx` of microbatch `mb`."""
+        return self.hops[mb][idx] if self.hops is not None else self.peers[self.routes[mb][idx].stage]
+
+    def event(self, kind: str, mb: int) -> asyncio.Event:
+        return self.events.setdefault((kind, mb), asyncio.Event())
 
     def fail(self, message: str, kind: str = Kind.STEP_FAILED) -> None:
         if self.error is None:
@@ -60,6 +80,8 @@ class StepRun:
         """What the coordinator records for this stage and step (metrics.jsonl)."""
         out = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
+        if self.hops is not None:
+            out.update(microbatches=len(self.mine), computing_s=round(self.computing_s, 6))
         if self.arrivals:
             out["hop_delay_s"] = {str(s): round(sum(d) / len(d), 6) for s, d in sorted(self.arrivals.items())}
         return out

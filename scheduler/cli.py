@@ -84,7 +84,7 @@ def _iterations(text: str, flag: str) -> frozenset[int]:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    from checkfree.failures import FailureSchedule, read_trace
+    from checkfree.failures import FailureSchedule, read_trace, read_trace_scopes
     from checkfree.net.transport import TransportError
     from scheduler.coordinator import Coordinator, CoordinatorOptions
 
@@ -95,7 +95,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if failover and not args.initial_peers:
         raise ValueError("--takeover/--standby need --initial-peers: the address of a live peer of the run "
                          "(or, for --standby, of its coordinator)")
-    chaos = FailureSchedule(read_trace(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
+    chaos = FailureSchedule(*read_trace_scopes(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
     preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
     crash = FailureSchedule(read_trace(args.crash_trace, cfg.num_stages)) if args.crash_trace else None
     partition = FailureSchedule(read_trace(args.partition_trace, cfg.num_stages)) if args.partition_trace else None

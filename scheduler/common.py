@@ -69,6 +69,7 @@ class CoordinatorOptions:
     chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
     preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
     crash: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL only these peers' main process
+    reduce_kills: FailureSchedule | None = None  # local swarm, stage groups: a replica dies mid-reduce at (step, stage)
     chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
     chaos_rebuild_kills: frozenset[int] = frozenset()  # ...or have it SIGKILL itself after its first weight pull
     partition: FailureSchedule | None = None  # local swarm (--netns): cut these (step, stage) peers off the network

@@ -17,6 +17,7 @@ The coordinator is composed of parts, one module each:
     scheduler/replicas.py     redundant computation: replicas taken, a lost stage's replica promoted
     scheduler/backups.py      baft: backups started, sent part by part in the bubbles, sealed
     scheduler/outputs.py      saves and resume, the tokenizer, the final weights
+    scheduler/groups.py       stage groups: replicas placed, a group step's routes, reroutes and gradient reduce
     scheduler/failover.py     a standby coordinator taking over
     scheduler/injector.py     fault injection for the local swarm (off in production)
     scheduler/common.py       the options and types they share
@@ -61,6 +62,7 @@ from scheduler.common import (
     step_figures,
 )
 from scheduler.failover import FailoverMixin
+from scheduler.groups import GroupsMixin
 from scheduler.injector import ChaosMixin
 from scheduler.membership import MembershipMixin
 from scheduler.outputs import OutputsMixin
@@ -73,8 +75,8 @@ __all__ = ["CoordinatorOptions", "Coordinator", "CoordinatorAlive", "Member"]
 log = logging.getLogger(__name__)
 
 
-class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, BackupsMixin, OutputsMixin, FailoverMixin,
-                  ChaosMixin):
+class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, ReplicasMixin, BackupsMixin, OutputsMixin,
+                  FailoverMixin, ChaosMixin):
     def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
         """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
         self.opts, self.t = opts, opts.timeouts
@@ -98,6 +100,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
         self.over: str | None = None  # the run's final status once it has ended (late joins are refused)
         self._in_commit = False  # between a step's COMMIT and its record (a stop signal is deferred)
         self._stop_after_commit = False
+        self._init_groups()
         if cfg is not None:
             self._configure(cfg)
         elif not (opts.takeover or opts.standby):
@@ -121,6 +124,11 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
             raise ValueError(f"{name} in the swarm: when every holder of a snapshot is lost it rolls back to storage "
                              f"(--storage-fallback yes) or aborts; --fallback {cfg.recovery.fallback} runs in the "
                              f"simulator only")
+        if (cfg.train.replicas > 1 or cfg.train.reserve is not None) and not isinstance(self.strategy,
+                                                                                     AveragingStrategy):
+            raise ValueError(f"stage groups (--replicas {cfg.train.replicas}, --reserve {cfg.train.reserve}) run "
+                             f"in the swarm with the averaging strategies (checkfree, checkfree+, ...); {name} "
+                             f"keeps one peer per stage")
         self.plus = self.strategy.plus
         if cfg.train.wan:  # checked now (an unknown profile is an error before any peer starts), shown once
             for line in WanEmulator(cfg).describe():
@@ -192,6 +200,13 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
                       "live_peers": len(self.stage_peer), **step_figures(results, cfg.num_stages),
                       **commit_figures(commits, cfg.num_stages)}
+            if self._groups_on():  # stage groups: replicas per stage, and the microbatches each computed
+                record["live_peers"] = sum(self._replica_counts())
+                record["replicas"] = self._replica_counts()
+                record["replica_microbatches"] = [results.get(s, {}).get("replica_microbatches")
+                                                  for s in range(cfg.num_stages)]
+                if any("reduce_s" in r for r in results.values()):
+                    record["reduce_s"] = [results.get(s, {}).get("reduce_s") for s in range(cfg.num_stages)]
             if "backup_bytes" in record:  # baft: the parts sent in this step's bubbles
                 self._charge(bytes_moved=sum(x or 0 for x in record["backup_bytes"]))
             if "redundant_s" in record:  # the step waited for the slowest stage's redundant forwards
@@ -214,7 +229,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
             c = writer.counts
             val = f", val {last_val:.4f}" if "val_loss" in record else ""
             print(f"step {step}: loss {loss:.4f}{val}, {record['step_time_s'] * 1000:.0f} ms, peers "
-                  f"{len(self.stage_peer)}+{len(self._standbys())}, failures {c['failures']}, recoveries "
+                  f"{record['live_peers']}+{len(self._standbys())}, failures {c['failures']}, recoveries "
                   f"{c['recoveries']}, fallbacks {c['fallbacks']}", flush=True)
             step += 1
             self._step_done(step)
@@ -268,6 +283,7 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):
                 await self._fill_initial(saved)
+                await self._fill_groups()
                 if self.strategy.swarm_replicas:  # redundant: every predecessor's replica
                     await self._replicate(set(range(self.cfg.num_stages)), self.step)
                 if saved is not None:
@@ -303,8 +319,10 @@ class Coordinator(MembershipMixin, StepsMixin, RecoveryMixin, ReplicasMixin, Bac
             if self.writer is not None:
                 soft = {k: sum(int(c.get(k, 0)) for c in self.soft_counts.values())
                         for k in ("injected", "detected", "corrected", "escalated")}
+                groups = ({**self.group_counts, "stage_recoveries": self.writer.counts["recoveries"]}
+                          if self._groups_on() else {})
                 summary = self.writer.summary(status, error, run_id=self.opts.run_id, soft_errors=soft,
-                                              strategy=self.cfg.recovery.strategy, **self.figures.as_dict())
+                                              strategy=self.cfg.recovery.strategy, **groups, **self.figures.as_dict())
                 self.writer.close()
             if announcer is not None:
                 announcer.cancel()

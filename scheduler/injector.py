@@ -18,7 +18,7 @@ __all__ = ["ChaosMixin", "chaos_line", "parse_chaos_line"]
 
 # The launcher protocol, written and read here only: the coordinator prints one line per request,
 # `CHAOS <action> key=value ...`; the launcher acts (and, for a partition, acknowledges on stdin).
-CHAOS_ACTIONS = ("kill", "crash", "rebuild-kill", "term", "partition", "heal", "coordinator-dies")
+CHAOS_ACTIONS = ("kill", "crash", "rebuild-kill", "replica-kill", "term", "partition", "heal", "coordinator-dies")
 
 
 def chaos_line(action: str, **fields: object) -> str:
@@ -114,15 +114,37 @@ class ChaosMixin:
             self._partitioned.append(pid)
         for action, schedule in (("kill", self.opts.chaos), ("crash", self.opts.crash)):
             for stage, pid in self._scheduled(schedule, step):  # crash: the training process alone
+                group = self._group(stage)
+                if action == "kill" and len(group) > 1:  # a stage group: one replica mid-step, or all of them now
+                    if not schedule.all_of(step, stage):
+                        self._arm_replica_kill(step, stage, group[-1], "step")
+                        continue
+                    for p in group[1:]:
+                        await self._ask(action, step=step, stage=stage, peer=p)
+                        self._event(f"chaos_{action}", step=step, stage=stage, peer_id=p, whole_group=True)
+                        await self._wait_dead(p)
+                        self.reported.add(p)
                 await self._ask(action, step=step, stage=stage, peer=pid)
                 self._event(f"chaos_{action}", step=step, stage=stage, peer_id=pid)
                 await self._wait_dead(pid)
                 self.reported.add(pid)
+        for stage, _ in self._scheduled(self.opts.reduce_kills, step):
+            if len(group := self._group(stage)) > 1:
+                self._arm_replica_kill(step, stage, group[-1], "reduce")
         for stage, pid in self._scheduled(self.opts.preempt, step):
             await self._ask("term", step=step, stage=stage, peer=pid)
             deadline = time.monotonic() + self.t.rpc_timeout
             while not self.members[pid].leaving and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the preempted peer announces its leave
+
+    def _arm_replica_kill(self, step: int, stage: int, pid: str, during: str) -> None:
+        """Local swarm chaos, stage groups: replica `pid` of `stage` SIGKILLs itself in this step, after its first
+        forward (`during` "step") or half-way through the gradient all-reduce ("reduce"); the launcher starts a
+        fresh spare in its place."""
+        (self._die_mid_step if during == "step" else self._die_in_reduce)[pid] = step
+        self._event("chaos_kill", step=step, stage=stage, peer_id=pid, during=during)
+        if self.opts.chaos_handler is None:
+            print(chaos_line("replica-kill", step=step, stage=stage, peer=pid), flush=True)
 
     async def _chaos_commit(self, step: int) -> None:
         """Local swarm chaos (--kill-coordinator-at ... in commit): half of the stages commit `step`, then the

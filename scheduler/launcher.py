@@ -180,7 +180,7 @@ class LocalSwarm:
                     action, fields = chaos
                     if action in ("kill", "crash"):
                         self.kill_peer(fields["peer"], group=action == "kill")
-                    elif action == "rebuild-kill":  # the replacement kills itself mid-rebuild
+                    elif action in ("rebuild-kill", "replica-kill"):  # it kills itself mid-rebuild / mid-step
                         self.kills += 1
                         self.start_peer()
                     elif action == "term":

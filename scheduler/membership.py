@@ -72,8 +72,9 @@ class MembershipMixin:
             raise ProtocolError(f"unknown peer {peer}: reports are accepted from members only")
         if reporter.leaving and reporter.stage < 0:  # e.g. a partitioned peer's report arriving after it was replaced
             raise ProtocolError(f"peer {peer} was retired from the run: its report is ignored")
-        if self.stage_peer.get(header["stage"]) == header["peer_id"]:
+        if header["peer_id"] in self._group(header["stage"]):
             self.reported.add(header["peer_id"])
+            self._report_event.set()
             log.info("peer %s reports stage %d unreachable: %s", peer, header["stage"], header["reason"][:200])
         return {"ok": True}, []
 
@@ -83,7 +84,8 @@ class MembershipMixin:
         if m is None:
             raise ProtocolError(f"unknown peer {peer}")
         m.leaving = True
-        m.handover = m.stage >= 0 and bool(self._standbys())
+        # a replica with live siblings leaves at once: they hold the same state
+        m.handover = m.stage >= 0 and bool(self._standbys()) and len(self._group(m.stage)) < 2
         self._event("leave", peer_id=m.peer_id, stage=m.stage, handover=m.handover)
         return {"ok": True, "handover": m.handover}, []
 
@@ -95,6 +97,7 @@ class MembershipMixin:
         if self.cfg is None:
             raise ProtocolError("this coordinator is not running the run (standby or taking over)")
         return {"step": self.step, "stages": {str(s): p for s, p in self.stage_peer.items()},
+                "groups": {str(s): self._group(s) for s in self.stage_peer},
                 "standby": self._standbys(), "config": self.cfg.to_json()}, []
 
     def _standbys(self) -> list[str]:
@@ -174,6 +177,7 @@ class MembershipMixin:
         except Exception as e:  # the DHT read is advisory: pings decide
             log.warning("reading heartbeats failed: %r", e)
             live = None
+        await self._prune_groups(live)  # lost replicas of a group leave it (no recovery)
         failed = set()
         for stage, pid in list(self.stage_peer.items()):
             m = self.members[pid]

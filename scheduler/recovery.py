@@ -36,9 +36,11 @@ class RecoveryMixin:
         detected = time.time()
         for s in sorted(failed):
             pid = self.stage_peer.pop(s, None)
-            if pid is not None:
-                self.members[pid].stage = -1
-                self.members[pid].leaving = True
+            for p in [pid, *self.extra.pop(s, [])]:  # (a stage group is lost when every replica is)
+                if p is not None:
+                    self.members[p].stage = -1
+                    self.members[p].leaving = True
+            self.group_gen[s] = self.group_gen.get(s, 0) + 1
             self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
         await self._retire()
         if self.strategy.swarm_rollback:

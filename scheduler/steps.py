@@ -22,10 +22,19 @@ class StepsMixin:
 
     # ---- steps ------------------------------------------------------------------------
     async def _all(self, name: str, header: dict, timeout: float) -> dict[int, dict | Exception]:
-        stages = sorted(self.stage_peer)
-        results = await asyncio.gather(*(self._call(self.stage_peer[s], name, header, timeout) for s in stages),
+        """`name` on every stage's peer (every replica of a stage group); by stage, its primary's reply (a failed
+        replica is reported)."""
+        calls = [(s, p) for s in sorted(self.stage_peer) for p in self._group(s)]
+        results = await asyncio.gather(*(self._call(p, name, header, timeout) for _, p in calls),
                                        return_exceptions=True)
-        return {s: (r if isinstance(r, Exception) else r[0]) for s, r in zip(stages, results)}
+        out = {}
+        for (s, p), r in zip(calls, results):
+            if p != self.stage_peer[s]:
+                if isinstance(r, Exception) and not isinstance(r, RemoteError):
+                    self.reported.add(p)
+                continue
+            out[s] = r if isinstance(r, Exception) else r[0]
+        return out
 
     def _route_table(self, step: int, evaluate: bool) -> list[list[int]]:
         """Stage order of every microbatch of the step, CheckFree+ swaps included (announced so
@@ -40,6 +49,8 @@ class StepsMixin:
         header = {"step": step, "attempt": attempt, "evaluate": evaluate,
                   "peers": {str(s): p for s, p in self.stage_peer.items()}, "routes": self._route_table(step, evaluate),
                   **({} if evaluate else self._backup_header(step))}
+        if not evaluate and self._grouped():  # several replicas of some stage (an evaluation runs on the primaries)
+            return await self._attempt_group(step, attempt, header)
         tasks = {s: asyncio.create_task(self._call(p, RPC.RUN_STEP, header, self.t.step_timeout + self.t.rpc_timeout))
                  for s, p in self.stage_peer.items()}
         done, pending = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
@@ -86,6 +97,8 @@ class StepsMixin:
             failed = await self._detect()
             if failed:
                 await self._recover(step, failed)
+            if not evaluate:
+                await self._fill_groups()
             results = await self._attempt(step, attempt, evaluate)
             if results is not None:
                 self._last_attempt = attempt

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +59,15 @@ class InProcessSwarm:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
 
+    def _die(self, pid: str, loop: asyncio.AbstractEventLoop, why: str) -> None:
+        """A peer's own chaos kill (a replica mid-step or mid-reduce): the in-process SIGKILL, from the event loop or
+        the peer's compute thread; raises so that the dying peer computes nothing more."""
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._inject("kill", {"peer": pid, "why": why})))
+        if threading.current_thread() is threading.main_thread():
+            MEMORY.kill(pid)  # unreachable at once (the task's cancellation follows)
+            raise asyncio.CancelledError
+        raise RuntimeError(f"in-process chaos: peer {pid} killed ({why})")
+
     async def run(self) -> dict:
         MEMORY.reset()
         opts = CoordinatorOptions(run_id="inproc", out=str(self.out), transport="memory", timeouts=TIMEOUTS,
@@ -72,6 +83,7 @@ class InProcessSwarm:
                 await asyncio.sleep(0.01)
             pid = str(d.membership.transport.peer_id)
             self.daemons[pid], self.tasks[pid] = d, task
+            d.debug.die = functools.partial(self._die, pid, asyncio.get_running_loop())
         try:
             summary = await main
         finally:

@@ -1,0 +1,69 @@
+"""Stage groups: several data-parallel replicas serve one stage. Pure functions shared by the coordinator (which
+replica computes which microbatch, where a joining peer goes, a lost replica's microbatches moved to a sibling)
+and the simulator (the same table, for its `replica_lost` / `rerouted` events).
+
+Every microbatch of a step visits every stage once (CheckFree+ swaps only reorder them), so a step's table names
+one replica per stage for each microbatch: `hops[mb][i]` is the peer of the microbatch's i-th hop. The
+replicas of a stage split the step's M microbatches in proportion to their measured speed (microbatches per
+second of computing in the last step; equal shares until measured), interleaved so that every replica starts
+at once; the replicas then sum their gradients, so the step's update is the whole batch's, as with one peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = ["spread", "hop_table", "move", "slowest", "stage_load"]
+
+
+def spread(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, float] | None = None) -> list[str]:
+    """The replica that computes each microbatch of one stage: each next microbatch goes to the replica that would
+    finish its share soonest ((count + 1) / speed), ties to the earlier one in `replicas`. Unknown or non-positive
+    speeds count as the mean of the known ones (all equal when none is known)."""
+    if not replicas:
+        raise ValueError("a stage group needs at least one replica")
+    known = [v for r, v in (speeds or {}).items() if r in replicas and v > 0]
+    mean = sum(known) / len(known) if known else 1.0
+    w = {r: (speeds or {}).get(r, 0.0) if (speeds or {}).get(r, 0.0) > 0 else mean for r in replicas}
+    counts = dict.fromkeys(replicas, 0)
+    order = {r: i for i, r in enumerate(replicas)}
+    out = []
+    for _ in range(num_microbatches):
+        r = min(replicas, key=lambda x: ((counts[x] + 1) / w[x], order[x]))
+        counts[r] += 1
+        out.append(r)
+    return out
+
+
+def hop_table(routes: Sequence[Sequence[int]], groups: Mapping[int, Sequence[str]],
+              speeds: Mapping[str, float] | None = None) -> list[list[str]]:
+    """The peer of every hop of every microbatch (`routes[mb]` lists its stages in visiting order)."""
+    by_stage = {s: spread(len(routes), g, speeds) for s, g in groups.items()}
+    return [[by_stage[s][mb] for s in stages] for mb, stages in enumerate(routes)]
+
+
+def move(hops: list[list[str]], dead: str, to: str) -> list[int]:
+    """Give every hop of `dead` to its sibling `to` (in place); the microbatches moved."""
+    moved = []
+    for mb, peers in enumerate(hops):
+        for i, p in enumerate(peers):
+            if p == dead:
+                peers[i] = to
+                moved.append(mb)
+    return moved
+
+
+def stage_load(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, float]) -> float:
+    """Seconds a stage group needs for a step's microbatches: M over the sum of its replicas' speeds (unknown
+    speeds: the mean of the known)."""
+    known = [speeds[r] for r in replicas if speeds.get(r, 0) > 0]
+    if not known:
+        return float(num_microbatches) / max(len(replicas), 1)
+    mean = sum(known) / len(known)
+    return num_microbatches / sum(speeds[r] if speeds.get(r, 0) > 0 else mean for r in replicas)
+
+
+def slowest(groups: Mapping[int, Sequence[str]], num_microbatches: int, speeds: Mapping[str, float]) -> int:
+    """The stage a new replica helps most: the group with the longest measured step share (before any
+    measurement: the fewest replicas), ties to the lower stage."""
+    return max(sorted(groups), key=lambda s: (stage_load(num_microbatches, groups[s], speeds), -s))

@@ -1,0 +1,191 @@
+"""Stage groups on a peer: several replicas serve one stage and split each step's microbatches.
+
+* REROUTE (from the coordinator, once a replica of some stage is gone in the middle of a step): the lost
+  replica's hops go to a live sibling. Every peer of the step moves them in its table; the sibling (`to`)
+  then redoes each of those microbatches at its stage: the input activation is pulled from the previous hop's
+  peer (GET_PASS: every peer of a group step keeps what it sent until the step ends), the forward is computed
+  and sent on; the next hop's peer, which may have seen this microbatch already, then sends its kept gradient
+  again instead of computing anything twice, and a previous hop that already has its gradient ignores the
+  repeat. The step completes with the same global batch and no attempt is aborted.
+* REDUCE (after every microbatch is done, before COMMIT): the replicas of a stage sum their gradients with a
+  gloo all-reduce (torch.distributed's `ProcessGroupGloo` over the coordinator's TCPStore, formed once per
+  group membership and kept while the group stays the same), in buckets, into the gradients themselves. The
+  gradients as they were before are kept: if any member fails mid-reduce (the others' gloo calls raise within
+  milliseconds of a SIGKILL), every survivor restores them — a partly summed gradient is never committed — and
+  the coordinator has a sibling redo the lost replica's microbatches and reduces again in the smaller group.
+  Under CheckFree+ the embedding/head holders exchange their component gradients after the reduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+
+import torch.distributed as dist
+
+from checkfree.protocol import RPC, Kind, ProtocolError, StepFailed
+from checkfree.wirecodec import encode
+from peers.checks import check_activation, check_hop
+from peers.compute import ComputeQueue
+from peers.debug import DebugHooks
+from peers.membership import Membership
+from peers.passes import Passes
+from peers.stage import HostedStage
+from peers.step import StepRun, StepTracker
+
+__all__ = ["StageGroup"]
+
+log = logging.getLogger(__name__)
+
+
+class StageGroup:
+    """This peer as one replica of its stage's group."""
+
+    def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
+                 passes: Passes, debug: DebugHooks) -> None:
+        self.net, self.hosted, self.steps, self.compute, self.passes, self.debug = (membership, hosted, steps,
+                                                                                    compute, passes, debug)
+        self.t = membership.t
+        self._pg: dist.ProcessGroupGloo | None = None
+        self._prefix: str | None = None  # the group membership `_pg` was formed for
+
+    # ---- a lost replica's microbatches ------------------------------------------------------
+    async def on_reroute(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Move the lost replica's (`dead`) hops of `mbs` to `to`; if that is this peer, redo them and answer
+        once they are done (their losses, for a head stage)."""
+        run = await self.steps.current(header["step"], header["attempt"])
+        if run.hops is None:
+            raise ProtocolError("REROUTE of a step without stage groups")
+        dead, to, mbs = header["dead"], header["to"], header["mbs"]
+        if not all(isinstance(mb, int) and 0 <= mb < len(run.hops) for mb in mbs):
+            raise ProtocolError(f"REROUTE names microbatches outside the step: {mbs!r:.200}")
+        for mb in mbs:
+            run.hops[mb] = [to if p == dead else p for p in run.hops[mb]]
+        for g in run.groups.values():
+            if dead in g:
+                g.remove(dead)
+        if to != self.net.me:
+            return {"ok": True}, []
+        new = [mb for mb in mbs if mb not in run.mine]
+        run.mine.update(new)
+        run.remaining += len(new)
+        if new:
+            run.done.clear()
+        t0 = time.perf_counter()
+        for mb in new:
+            idx = [h.stage for h in run.routes[mb]].index(self.hosted.index)
+            self.passes._spawn(run, self._redo(run, mb, idx))
+        try:
+            await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
+        except TimeoutError:
+            run.fail(f"the redo of microbatches {new} did not finish within step_timeout")
+        if run.error is not None:
+            raise StepFailed(run.error, run.kind)
+        return {"losses": {str(mb): run.losses[mb] for mb in new if mb in run.losses}, "redone": len(new),
+                "redo_s": round(time.perf_counter() - t0, 6), "bytes_sent": run.bytes_sent}, []
+
+    async def _redo(self, run: StepRun, mb: int, idx: int) -> None:
+        """Compute microbatch `mb` at this stage for a lost sibling: its input from the previous hop's peer."""
+        x = None
+        if idx > 0:
+            prev = run.peer(mb, idx - 1)
+            try:
+                _, ts = await self.net.call(prev, RPC.GET_PASS, self.t.rpc_timeout,
+                                            link=(self.hosted.index, run.routes[mb][idx - 1].stage), step=run.step,
+                                            attempt=run.attempt, mb=mb, hop=idx - 1)
+                x = check_activation(ts, "activation", self.hosted.cfg)
+            except Exception as e:  # noqa: BLE001 - the attempt fails; the coordinator sees why
+                run.fail(f"redo of microbatch {mb}: its input from {prev} could not be had: {e}")
+                return
+        if mb in run.started:  # the previous hop pushed it meanwhile (its table moved first)
+            return
+        await self.passes._forward_task(run, mb, idx, x)
+
+    async def on_get_pass(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """The activation this peer sent on for microbatch `mb` (waiting until it has computed it)."""
+        run = await self.steps.current(header["step"], header["attempt"])
+        if run.hops is None:
+            raise ProtocolError("GET_PASS of a step without stage groups")
+        mb, idx = check_hop(run, header, self.hosted.index, self.net.me)
+        try:
+            await asyncio.wait_for(run.event("sent", mb).wait(), self.t.rpc_timeout)
+        except TimeoutError:
+            raise ProtocolError(f"microbatch {mb} has no activation here within rpc_timeout") from None
+        out = encode(run.sent[mb], self.hosted.cfg.train.wire_dtype)
+        run.bytes_sent += sum(t.numel() * t.element_size() for t in out)
+        return {"ok": True}, out
+
+    # ---- the gradient all-reduce -----------------------------------------------------------
+    async def on_reduce(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+        """Sum this step's gradients over the stage's group (rank `rank` of `size`); then, under CheckFree+,
+        exchange the component gradients with the partner stage."""
+        run = await self.steps.current(header["step"], header["attempt"])
+        if not run.ready() or not run.grouped:
+            raise ProtocolError(f"step {run.step} is not ready to reduce ({run.error or 'still running'})")
+        run.reduced.clear()
+        t0 = time.perf_counter()
+        nbytes = await self.compute.run(self._reduce, run, header)
+        reduce_s = time.perf_counter() - t0
+        if self.hosted.plus:
+            worker = self.hosted.worker
+            run.component_grads = {c: worker.component_grad(c) for c in worker.components}
+            run.reduced.set()
+            await self.passes._sync_components(run)
+            if run.error is not None:
+                raise StepFailed(run.error, run.kind)
+        run.reduced.set()
+        return {"reduce_s": round(reduce_s, 6), "reduce_bytes": nbytes}, []
+
+    def _reduce(self, run: StepRun, header: dict) -> int:
+        """On the compute thread: restore the gradients of a failed earlier reduce, keep them, all-reduce them in
+        buckets, and set the sums; on any failure the kept gradients are restored and StepFailed raised."""
+        worker = self.hosted.worker
+        if run.pre_reduce is not None:
+            worker.set_flat_grad(run.pre_reduce)
+        flat = worker.flat_grad()
+        run.pre_reduce = flat.clone()
+        size = header["size"]
+        if size == 1:
+            return 0
+        buckets = header.get("buckets", 1)
+        if not isinstance(buckets, int) or buckets < 1:
+            raise ProtocolError(f"REDUCE 'buckets' must be a positive integer, got {buckets!r}")
+        try:
+            pg = self._group(header)
+            for i, part in enumerate(flat.chunk(buckets)):
+                if i == 1 and header.get("chaos_die_in_reduce") is True:
+                    pg.abort()
+                    self._pg = None
+                    self.debug.die(f"replica half-way through the gradient all-reduce of step {run.step}")
+                pg.allreduce([part]).wait()
+        except Exception as e:
+            self._pg = None  # (a group with a dead member cannot be used again)
+            worker.set_flat_grad(run.pre_reduce)
+            run.pre_reduce = None  # restored: a sibling's redo may add to them before the next reduce
+            raise StepFailed(f"the gradient all-reduce of stage {self.hosted.index} failed: {str(e)[:300]}",
+                             Kind.STEP_FAILED) from None
+        worker.set_flat_grad(flat)
+        return flat.numel() * flat.element_size()
+
+    def _group(self, header: dict) -> dist.ProcessGroupGloo:
+        """The gloo group of this membership (`prefix`), formed on first use: every member connects through the
+        coordinator's TCPStore (`store`: host:port)."""
+        if self._pg is not None and self._prefix == header["prefix"]:
+            return self._pg
+        if self._pg is not None:
+            self._pg.abort()
+        self._pg = None
+        host, _, port = header["store"].rpartition(":")
+        timeout = datetime.timedelta(seconds=self.t.rpc_timeout)
+        store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(header["prefix"], store), header["rank"], header["size"],
+                                         timeout)
+        self._prefix = header["prefix"]
+        return self._pg
+
+    def close(self) -> None:
+        if self._pg is not None:
+            self._pg.abort()
+            self._pg = None
