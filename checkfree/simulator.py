@@ -30,6 +30,7 @@ from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
 from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
+from checkfree.groups import spread
 from checkfree.pipeline import Hop, edge_holders, evaluates_after, plain_route, route
 from checkfree.recovery import StateDict, UnrecoverableFailure
 from checkfree.softerrors import UncorrectableSoftError, guard_counts, make_guard
@@ -207,6 +208,7 @@ class Simulator:
         self.cost = CostModel(cfg)
         self.ctx = SimContext(self)
         self.progress = progress
+        self.group_counts = {"replicas_lost": 0, "rerouted_microbatches": 0}  # stage groups (train.replicas > 1)
         self.last_val = math.nan
         self.sim_time_s = 0.0
         self.totals = Figures()
@@ -317,9 +319,13 @@ class Simulator:
                     raise KeyboardInterrupt(self.stop_signal)
                 failed = self.failures.at(self.iterations) | self.pending_failed
                 self.pending_failed = set()
+                lost = self._replicas_lost(step, failed) if t.replicas > 1 else set()
+                failed -= lost
                 if failed:
                     step = self.recover(step, failed, self.iterations)
                 record = self._iteration(step)
+                if t.replicas > 1:  # stage groups: the replicas that served each stage in this step
+                    record["replicas"] = [t.replicas - (s in lost) for s in range(self.cfg.num_stages)]
                 self.writer.metric(record)
                 shown = {"val": f"{self.last_val:.4f}"} if math.isfinite(self.last_val) else {}
                 bar.update(step + 1, loss=f"{record['loss']:.4f}", **shown,  # a rollback moves it back
@@ -343,6 +349,24 @@ class Simulator:
         finally:
             bar.close()
             self.writer.close()
+
+    def _replicas_lost(self, step: int, failed: set[int]) -> set[int]:
+        """Stage groups (train.replicas > 1): the scheduled failures that take one replica of a stage (a trace line
+        without `all`) cost nothing but the replica: its microbatches go to a sibling in the same step (the same
+        global batch, so the same update) and a standby takes its place for the next step. The swarm's events,
+        with replicas named r0..r{R-1} and the last one lost. Returns those stages."""
+        t = self.cfg.train
+        lost = {s for s in failed - self.pending_failed if not self.failures.all_of(self.iterations, s)}
+        names = [f"r{i}" for i in range(t.replicas)]
+        share = spread(t.num_microbatches, names)
+        for s in sorted(lost):
+            moved = [mb for mb, r in enumerate(share) if r == names[-1]]
+            self.writer.event("replica_lost", step=step, stage=s, peer_id=names[-1], reason="lost mid-step",
+                              replicas=t.replicas - 1, iteration=self.iterations)
+            self.writer.event("rerouted", step=step, stage=s, microbatches=moved, **{"from": names[-1], "to": names[0]})
+            self.group_counts["replicas_lost"] += 1
+            self.group_counts["rerouted_microbatches"] += len(moved)
+        return lost
 
     def _iteration(self, step: int) -> dict:
         """Train `step`, let the strategy protect it, and price it; returns the metrics line."""
@@ -368,7 +392,10 @@ class Simulator:
                     self.writer.out / "final_weights.safetensors")
 
     def _summary(self, status: str, error: str | None = None) -> dict:
+        groups = ({**self.group_counts, "stage_recoveries": self.writer.counts["recoveries"]}
+                  if self.cfg.train.replicas > 1 else {})
         return self.writer.summary(status, error, strategy=self.cfg.recovery.strategy, cost_profile=self.cost.profile.name,
+                                   **groups,
                                    iterations=self.iterations, sim_time_s=round(self.sim_time_s, 6),
                                    simulated_hours=self.sim_time_s / 3600.0, **self.totals.as_dict(),
                                    soft_errors=guard_counts(self.guards))

@@ -80,8 +80,9 @@ class StepRun:
         """What the coordinator records for this stage and step (metrics.jsonl)."""
         out = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
-        if self.hops is not None:
-            out.update(microbatches=len(self.mine), computing_s=round(self.computing_s, 6))
+        # this peer's speed: the microbatches it computed and its compute thread's busy seconds
+        out.update(microbatches=len(self.mine) if self.hops is not None else len(self.routes),
+                   computing_s=round(self.computing_s, 6))
         if self.arrivals:
             out["hop_delay_s"] = {str(s): round(sum(d) / len(d), 6) for s, d in sorted(self.arrivals.items())}
         return out

@@ -82,19 +82,24 @@ class GroupsMixin:
     async def _prune_groups(self, live: dict | None) -> None:
         """Between steps: replicas that are gone (no heartbeat and no answer, reported, leaving) leave their group;
         a stage keeps at least one peer here (when all are gone, membership's detection makes it a failed stage)."""
-        for stage in list(self.extra):
+        for stage in [s for s, e in self.extra.items() if e]:
+            gone = []
             for pid in self._group(stage):
                 m = self.members[pid]
                 suspect = m.leaving or pid in self.reported or (live is not None and pid not in live)
-                if not suspect or len(self._group(stage)) < 2:
-                    continue
-                if m.leaving or not await self._alive(pid):
-                    self._drop_replica(stage, pid, "left" if m.leaving and m.handover else "gone")
+                if suspect and (m.leaving or not await self._alive(pid)):
+                    gone.append(pid)
+                elif suspect:
                     self.reported.discard(pid)
-                    m.handover = False
-                    await self._retire()
-                else:
-                    self.reported.discard(pid)
+            if len(gone) == len(self._group(stage)):
+                continue  # the whole group: a failed stage (membership's detection), recovered by the strategy
+            for pid in gone:
+                m = self.members[pid]
+                self._drop_replica(stage, pid, "left" if m.leaving and not m.handover else "gone")
+                self.reported.discard(pid)
+                m.handover = False
+            if gone:
+                await self._retire()
 
     async def _fill_groups(self) -> None:
         """Standbys join groups: below `train.replicas` first, then (with `train.reserve`) beyond it into the
@@ -301,11 +306,15 @@ class GroupsMixin:
             if any("hop_delay_s" in r for r in rs):
                 merged["hop_delay_s"] = next(r["hop_delay_s"] for r in rs if "hop_delay_s" in r)
             by_stage[s] = merged
-            for p, r in zip(g, rs):
-                n, busy = r.get("microbatches"), r.get("computing_s")
-                if isinstance(n, int) and n > 0 and isinstance(busy, float) and busy > 0 and math.isfinite(busy):
-                    self.speeds[p] = n / busy
+        self._measure(replies)
         return by_stage
+
+    def _measure(self, replies: dict[str, dict]) -> None:
+        """Each peer's speed in the step just run (microbatches per second of its compute thread's busy time)."""
+        for p, r in replies.items():
+            n, busy = r.get("microbatches"), r.get("computing_s")
+            if isinstance(n, int) and n > 0 and isinstance(busy, float) and busy > 0 and math.isfinite(busy):
+                self.speeds[p] = n / busy
 
     async def _abort_group(self, tasks: dict[asyncio.Task, str]) -> None:
         await self._all(RPC.ABORT, {}, self.t.rpc_timeout)

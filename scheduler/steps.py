@@ -56,7 +56,10 @@ class StepsMixin:
         done, pending = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
         errors = {s: t.exception() for s, t in tasks.items() if t in done and t.exception() is not None}
         if not errors:
-            return {s: t.result()[0] for s, t in tasks.items()}
+            results = {s: t.result()[0] for s, t in tasks.items()}
+            if not evaluate:
+                self._measure({self.stage_peer[s]: r for s, r in results.items()})
+            return results
         if pending and any(getattr(e, "kind", None) in (Kind.STEP_TIMEOUT, Kind.STRAGGLER) for e in errors.values()):
             # every peer's step deadline passes at about the same time: hear them all before aborting,
             # since only the straggler itself can tell that its own computing filled the step

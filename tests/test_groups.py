@@ -1,0 +1,180 @@
+"""Stage groups (several replicas per stage) in the in-process tier: the real coordinator and peers, gloo for the
+gradient reduce, kills injected at the point a SIGKILL would land (mid-step, mid-reduce, a whole group). Each run
+is compared with the simulator's for the same config and trace. The subprocess test with real SIGKILLs is in
+tests/test_swarm.py."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkfree.failures import FailureSchedule
+from checkfree.groups import hop_table, move, slowest, spread
+from checkfree.rundir import read_jsonl
+from checkfree.simulator import Simulator
+from inprocess import run_swarm
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _cfg(tiny_cfg, strategy: str = "checkfree", replicas: int = 2, steps: int = 5):
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.recovery.strategy = strategy
+    cfg.train.num_steps, cfg.train.eval_every = steps, 0
+    cfg.train.replicas = replicas
+    return cfg
+
+
+def _simulate(cfg, out: Path, trace: str = "") -> dict:
+    cfg = copy.deepcopy(cfg)
+    if trace:
+        path = out.parent / f"{out.name}-trace.csv"
+        path.write_text("step,stage\n" + trace)
+        cfg.failures.trace = str(path)
+    return Simulator(cfg, out, progress=False).run()
+
+
+def _events(out: Path, *kinds: str) -> list[dict]:
+    return [e for e in read_jsonl(out / "events.jsonl") if e["event"] in kinds]
+
+
+def _same_losses(a: Path, b: Path) -> None:
+    ma, mb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    for x, y in zip(ma, mb):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-5), (x["step"], x["loss"], y["loss"])
+
+
+def _finals(dump: Path, stage: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The final weights and Adam state of every replica of `stage` that lived to the end, by peer id."""
+    out = {}
+    for f in sorted(dump.glob(f"final-stage{stage}-*.safetensors")):
+        if f.name.endswith("-optim.safetensors"):
+            continue
+        pid = f.name[len(f"final-stage{stage}-"):-len(".safetensors")]
+        out[pid] = {**load_file(str(f)), **{"optim/" + k: v for k, v in
+                                            load_file(str(dump / f"final-stage{stage}-{pid}-optim.safetensors")).items()}}
+    return out
+
+
+def _identical(states: dict[str, dict[str, torch.Tensor]]) -> None:
+    assert len(states) >= 2, states.keys()
+    first, *rest = states.values()
+    for other in rest:
+        assert first.keys() == other.keys()
+        for k in first:
+            assert torch.equal(first[k], other[k]), k
+
+
+def test_spread_balances_by_speed_and_interleaves():
+    assert spread(4, ["a", "b"]) == ["a", "b", "a", "b"]
+    assert spread(6, ["a", "b"], {"a": 2.0, "b": 1.0}).count("a") == 4  # twice as fast: twice the share
+    assert spread(3, ["a", "b", "c", "d"]) == ["a", "b", "c"]  # more replicas than microbatches: some idle
+    hops = hop_table([[0, 1], [1, 0]], {0: ["a", "b"], 1: ["c"]})
+    assert hops == [["a", "c"], ["c", "b"]]
+    assert move(hops, "b", "a") == [1] and hops == [["a", "c"], ["c", "a"]]
+    assert slowest({0: ["a"], 1: ["b", "c"]}, 4, {}) == 0  # unmeasured: the fewest replicas
+    assert slowest({0: ["a"], 1: ["b", "c"]}, 4, {"a": 10.0, "b": 1.0, "c": 1.0}) == 1  # measured: the slowest
+
+
+@pytest.mark.parametrize("strategy", ["checkfree", "checkfree+"])
+def test_two_replicas_per_stage_train_like_the_simulator_and_stay_identical(tiny_cfg, tmp_path, strategy):
+    """No failures: the replicas split every step's microbatches, sum their gradients, and the run's losses are
+    the simulator's (one process, the same global batch); every stage's replicas end bit-identical."""
+    cfg = _cfg(tiny_cfg, strategy, steps=4)
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages, save_final=False,
+                      dump_dir=str(tmp_path / "dump"))
+    _simulate(cfg, tmp_path / "sim")
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl"):
+        assert m["replicas"] == [2] * cfg.num_stages and m["attempts"] == 1
+        assert all(sum(c) == cfg.train.num_microbatches and len(c) == 2 for c in m["replica_microbatches"])
+        assert all(x > 0 for x in m["reduce_s"])
+    assert swarm.summary["replicas_lost"] == 0 and swarm.summary["stage_recoveries"] == 0
+    for s in range(cfg.num_stages):
+        _identical(_finals(tmp_path / "dump", s))
+
+
+@pytest.mark.parametrize("strategy,stage", [("checkfree", 1), ("checkfree+", 0), ("checkfree+", 3)])
+def test_a_replica_lost_mid_step_is_rerouted_without_an_abort(tiny_cfg, tmp_path, strategy, stage):
+    """One replica dies after its first forward of step 2: its microbatches are redone by its sibling in the
+    same step (no aborted attempt, no recovery) and the losses are those of a run without failures; a standby
+    then joins the group with the sibling's exact state."""
+    cfg = _cfg(tiny_cfg, strategy)
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages + 1, save_final=False,
+                      chaos=FailureSchedule([(2, stage)]), dump_dir=str(tmp_path / "dump"))
+    _simulate(cfg, tmp_path / "sim")  # no failure at all: a lost replica must not change the run
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    out = tmp_path / "swarm"
+    assert not _events(out, "aborted_step", "failure", "recovery")
+    (lost,) = _events(out, "replica_lost")
+    (rerouted,) = _events(out, "rerouted")
+    assert lost["stage"] == stage and lost["step"] == 2 and rerouted["from"] == lost["peer_id"]
+    assert rerouted["microbatches"] and rerouted["to"] != lost["peer_id"]
+    joined = [e for e in _events(out, "replica_joined") if e["step"] > 2]
+    assert joined and joined[0]["stage"] == stage and joined[0]["source"] == rerouted["to"]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["attempts"] == 1 for m in metrics)
+    assert metrics[2]["replicas"][stage] == 1 and metrics[3]["replicas"][stage] == 2
+    assert swarm.summary["replicas_lost"] == 1 and swarm.summary["stage_recoveries"] == 0
+    assert swarm.summary["rerouted_microbatches"] == len(rerouted["microbatches"])
+    _identical(_finals(tmp_path / "dump", stage))  # the sibling and the newcomer
+
+
+def test_a_whole_group_lost_is_recovered_by_checkfree_from_the_neighbouring_groups(tiny_cfg, tmp_path):
+    """Both replicas of stage 2 die at step 2 (`2,2,all`): a stage failure, rebuilt by CheckFree from the
+    neighbouring groups' norms, with the simulator's coefficients and losses."""
+    cfg = _cfg(tiny_cfg)
+    run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages + 1, save_final=False,
+              chaos=FailureSchedule([(2, 2)], {(2, 2)}))
+    _simulate(cfg, tmp_path / "sim", "2,2,all\n")
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    (rec,) = _events(tmp_path / "swarm", "recovery")
+    (sim,) = _events(tmp_path / "sim", "recovery")
+    assert rec["stage"] == 2 and rec["sources"] == [1, 3] == sim["sources"]
+    assert rec["coefficients"] == pytest.approx(sim["coefficients"], rel=1e-5)
+    assert not _events(tmp_path / "swarm", "replica_lost", "rerouted")
+
+
+def test_a_replica_killed_mid_reduce_never_leaves_a_partly_summed_gradient(tiny_cfg, tmp_path):
+    """Three replicas per stage; one of stage 2's dies after the first of two buckets of step 2's all-reduce (the survivors'
+    first bucket is summed, their second is not). They restore their own gradients, the dead one's microbatches
+    are redone by a sibling, the smaller group reduces again: the two survivors end bit-identical and the
+    losses are the failure-free ones."""
+    cfg = _cfg(tiny_cfg, replicas=3)
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=3 * cfg.num_stages + 1, save_final=False,
+                      reduce_kills=FailureSchedule([(2, 2)]), dump_dir=str(tmp_path / "dump"))
+    _simulate(cfg, tmp_path / "sim")
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    out = tmp_path / "swarm"
+    (kill,) = _events(out, "chaos_kill")
+    assert kill["during"] == "reduce" and kill["stage"] == 2
+    (lost,) = _events(out, "replica_lost")
+    assert lost["peer_id"] == kill["peer_id"] and not _events(out, "aborted_step", "failure")
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert metrics[1]["replicas"][2] == 3 and metrics[2]["replicas"][2] == 2
+    assert all(m["attempts"] == 1 for m in metrics)
+    assert len(_finals(tmp_path / "dump", 2)) == 3  # the survivors and the spare that joined after step 2
+    _identical(_finals(tmp_path / "dump", 2))
+    assert swarm.summary["replicas_lost"] == 1
+
+
+def test_a_standby_beyond_the_reserve_joins_the_slowest_stage(tiny_cfg, tmp_path):
+    """One peer per stage, stage 2 slowed down, one peer more and no reserve: once every stage's speed is measured
+    (after step 0), the extra peer joins stage 2's group with its sibling's exact state; after the next steps both
+    replicas of stage 2 are bit-identical, and the losses are still the simulator's."""
+    cfg = _cfg(tiny_cfg, replicas=1, steps=4)
+    cfg.train.reserve = 0
+    run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 1, save_final=False, slow={2: (0.05, 0)},
+              dump_dir=str(tmp_path / "dump"))
+    _simulate(cfg, tmp_path / "sim")
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    (joined,) = _events(tmp_path / "swarm", "replica_joined")
+    assert joined["stage"] == 2 and joined["step"] == 1
+    metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
+    assert metrics[0].get("replicas", [1] * 4) == [1, 1, 1, 1] and metrics[1]["replicas"] == [1, 1, 2, 1]
+    _identical(_finals(tmp_path / "dump", 2))
