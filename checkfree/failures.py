@@ -76,8 +76,11 @@ def read_trace_scopes(path: str | Path, num_stages: int | None = None) -> tuple[
     return sorted(set(events)), whole
 
 
-def write_trace(path: str | Path, events: list[tuple[int, int]]) -> None:
-    Path(path).write_text("step,stage\n" + "".join(f"{t},{s}\n" for t, s in sorted(events)))
+def write_trace(path: str | Path, events: list[tuple[int, int]],
+                whole: set[tuple[int, int]] | frozenset = frozenset()) -> None:
+    """A trace file of `events`; those in `whole` carry the third column `all` (a stage group's loss)."""
+    Path(path).write_text("step,stage\n" + "".join(f"{t},{s}{',all' if (t, s) in whole else ''}\n"
+                                                    for t, s in sorted(events)))
 
 
 class FailureSchedule:

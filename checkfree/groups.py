@@ -17,9 +17,10 @@ __all__ = ["spread", "hop_table", "move", "slowest", "stage_load"]
 
 
 def spread(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, float] | None = None) -> list[str]:
-    """The replica that computes each microbatch of one stage: each next microbatch goes to the replica that would
-    finish its share soonest ((count + 1) / speed), ties to the earlier one in `replicas`. Unknown or non-positive
-    speeds count as the mean of the known ones (all equal when none is known)."""
+    """The replica that computes each microbatch of one stage: one each first (while there are microbatches: every
+    replica keeps being measured), then each next microbatch to the replica that would finish its share soonest
+    ((count + 1) / speed), ties to the earlier one in `replicas`. Unknown or non-positive speeds count as the mean
+    of the known ones (all equal when none is known)."""
     if not replicas:
         raise ValueError("a stage group needs at least one replica")
     known = [v for r, v in (speeds or {}).items() if r in replicas and v > 0]
@@ -28,8 +29,8 @@ def spread(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, 
     counts = dict.fromkeys(replicas, 0)
     order = {r: i for i, r in enumerate(replicas)}
     out = []
-    for _ in range(num_microbatches):
-        r = min(replicas, key=lambda x: ((counts[x] + 1) / w[x], order[x]))
+    for mb in range(num_microbatches):
+        r = replicas[mb] if mb < len(replicas) else min(replicas, key=lambda x: ((counts[x] + 1) / w[x], order[x]))
         counts[r] += 1
         out.append(r)
     return out

@@ -36,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the peer rebuilding a failed stage SIGKILLs itself after its first weight pull (mid-rebuild)")
     c.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group after it has committed half of the stages of step STEP (failover test)")
+    c.add_argument("--chaos-reduce-trace", help="(local swarm, stage groups) at these `step,stage` lines one replica "
+                   "of the stage SIGKILLs itself half-way through the step's gradient all-reduce")
     c.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
                    "off the network for one iteration")
     add_chaos_slow_argument(c)
@@ -99,7 +101,10 @@ def run_scheduler(args: argparse.Namespace) -> int:
     preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
     crash = FailureSchedule(read_trace(args.crash_trace, cfg.num_stages)) if args.crash_trace else None
     partition = FailureSchedule(read_trace(args.partition_trace, cfg.num_stages)) if args.partition_trace else None
+    reduce_kills = (FailureSchedule(read_trace(args.chaos_reduce_trace, cfg.num_stages)) if args.chaos_reduce_trace
+                    else None)
     opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt, crash=crash,
+                              reduce_kills=reduce_kills,
                               chaos_recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
                               chaos_rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
                               shutdown_peers=args.shutdown_peers, max_attempts=args.max_attempts, partition=partition,

@@ -1,9 +1,11 @@
 """Stage groups on the coordinator: several replicas serve one stage (`train.replicas`, `train.reserve`).
 
 Placement: standbys fill empty stages first (membership), then groups below `train.replicas` (the fewest
-replicas first, then the slowest); with `train.reserve` set, every standby beyond that reserve joins the group
-of the slowest stage by measured speed (checkfree.groups.slowest), once every stage has been measured. A new
-replica copies a live sibling's exact state (weights, Adam, step), as a handover does.
+replicas first, then the slowest): all of them at the start, later (a group that lost a replica) only while
+more than the reserve of standbys remain (`train.reserve`, default 1: a wholly lost stage needs a standby at
+once); with `train.reserve` set, every standby beyond it joins the group of the slowest stage by measured speed
+(checkfree.groups.slowest), once every stage has been measured. A new replica copies a live sibling's exact
+state (weights, Adam, step), as a handover does.
 
 A group step: RUN_STEP names, for every microbatch, the replica of each stage that computes it
 (checkfree.groups.hop_table, balanced by the replicas' measured speed). A replica lost in the middle of the step
@@ -46,6 +48,7 @@ class GroupsMixin:
         self._store = None  # the TCPStore the groups' gloo collectives meet at (made on first use)
         self._store_addr = ""
         self._report_event = asyncio.Event()
+        self._rerouting: dict[str, tuple[int, float]] = {}  # sibling -> (stage, when it was given a lost replica's work)
         self._die_mid_step: dict[str, int] = {}  # chaos: replica -> step it dies in (after its first forward)
         self._die_in_reduce: dict[str, int] = {}  # chaos: replica -> step it dies in (half-way through the reduce)
 
@@ -106,10 +109,11 @@ class GroupsMixin:
         slowest measured stage."""
         cfg = self.cfg
         target, reserve, m = cfg.train.replicas, cfg.train.reserve, cfg.train.num_microbatches
+        keep = 0 if self.iteration == 0 else 1 if reserve is None else reserve  # standbys kept for stage recoveries
         while len(self.stage_peer) == cfg.num_stages and (standbys := self._standbys()):
             groups = {s: self._group(s) for s in range(cfg.num_stages)}
             below = [s for s in groups if len(groups[s]) < target]
-            if below:
+            if below and len(standbys) > keep:
                 stage = min(below, key=lambda s: (len(groups[s]), -stage_load(m, groups[s], self.speeds), s))
             elif reserve is not None and len(standbys) > reserve and all(
                     p in self.speeds for g in groups.values() for p in g):
@@ -205,9 +209,12 @@ class GroupsMixin:
                 if t.exception() is None:
                     reply = t.result()[0]
                     prev = replies.get(pid)
-                    if prev is not None:  # a REROUTE's answer: the redone microbatches' losses join the peer's
-                        reply = {**prev, "losses": {**prev.get("losses", {}), **reply.get("losses", {})},
-                                 "redo_s": reply.get("redo_s")}
+                    if "redone" in reply:  # a REROUTE's answer: the lost replica's microbatches are done
+                        stage, t0 = self._rerouting.pop(pid, (self._stage_of(pid), time.perf_counter()))
+                        self._event("reroute_done", step=step, stage=stage, peer_id=pid, microbatches=reply["redone"],
+                                    redo_s=reply.get("redo_s"), since_lost_s=round(time.perf_counter() - t0, 6))
+                    if prev is not None:  # the redone microbatches' losses join the peer's
+                        reply = {**prev, "losses": {**prev.get("losses", {}), **reply.get("losses", {})}}
                     replies[pid] = reply
                     continue
                 e = t.exception()
@@ -240,7 +247,7 @@ class GroupsMixin:
         self._drop_replica(stage, dead, "lost mid-step")
         self.reported.discard(dead)
         self.group_counts["rerouted_microbatches"] += len(moved)
-        self._rerouted_at = time.perf_counter()
+        self._rerouting[to] = (stage, time.perf_counter())
         self._event("rerouted", step=step, stage=stage, microbatches=moved, **{"from": dead, "to": to})
         for t in [t for t, p in tasks.items() if p == dead]:
             t.cancel()
@@ -310,11 +317,12 @@ class GroupsMixin:
         return by_stage
 
     def _measure(self, replies: dict[str, dict]) -> None:
-        """Each peer's speed in the step just run (microbatches per second of its compute thread's busy time)."""
+        """Each peer's speed (microbatches per second of its compute thread's busy time), averaged over its steps
+        (half the weight on the newest: one noisy step on a shared machine does not starve a replica)."""
         for p, r in replies.items():
             n, busy = r.get("microbatches"), r.get("computing_s")
             if isinstance(n, int) and n > 0 and isinstance(busy, float) and busy > 0 and math.isfinite(busy):
-                self.speeds[p] = n / busy
+                self.speeds[p] = n / busy if p not in self.speeds else 0.5 * (self.speeds[p] + n / busy)
 
     async def _abort_group(self, tasks: dict[asyncio.Task, str]) -> None:
         await self._all(RPC.ABORT, {}, self.t.rpc_timeout)

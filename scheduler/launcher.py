@@ -161,7 +161,7 @@ class LocalSwarm:
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
             self._await_ready(self.standby, READY_STANDBY)
         cfg = json.loads(self.config_path.read_text())
-        first = [self.start_peer() for _ in range(cfg["num_stages"] + o.spares)]
+        first = [self.start_peer() for _ in range(cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares)]
         for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
             if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and self.coordinator.popen.poll() is None:
                 raise RuntimeError(f"a peer did not start within {o.ready_timeout:g} s; see {proc.log}")

@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--crash-trace", metavar="FILE",
                    help="`step,stage` lines: SIGKILL only these stages' training processes at these steps (a process "
                         "crash; their other processes, e.g. reft's snapshot companion, live on)")
+    c.add_argument("--reduce-kill-trace", metavar="FILE",
+                   help="`step,stage` lines (stage groups): one replica of the stage SIGKILLs itself (its process group) "
+                        "half-way through that step's gradient all-reduce")
     c.add_argument("--preempt-trace", metavar="FILE",
                    help="`step,stage` lines: SIGTERM (a preemption notice) these stages' peers at these steps")
     c.add_argument("--chaos-recovery-kills", default="", metavar="ITERS",
@@ -142,9 +145,9 @@ def run_local(args: argparse.Namespace) -> int:
     config_path.write_text(cfg.to_json())
     sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps, build_strategy(cfg).fails_edges)
     chaos_path = out / "chaos_trace.csv"
-    write_trace(chaos_path, sched.events)
+    write_trace(chaos_path, sched.events, sched.whole)
     if args.write_trace:
-        write_trace(args.write_trace, sched.events)
+        write_trace(args.write_trace, sched.events, sched.whole)
     timeouts_from_args(args)  # validate the hierarchy before any process starts
     flags = [x for name in TIMEOUT_FLAGS for x in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
     flags += ["--transport", args.transport]
@@ -166,13 +169,15 @@ def run_local(args: argparse.Namespace) -> int:
         + (["--resume", str(out)] if args.resume else [])
         + (["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])
         + (["--crash-trace", args.crash_trace] if args.crash_trace else [])
+        + (["--chaos-reduce-trace", args.reduce_kill_trace] if args.reduce_kill_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])
         + (["--chaos-rebuild-kills", args.chaos_rebuild_kills] if args.chaos_rebuild_kills else [])
         + (["--partition-trace", args.partition_trace] if args.partition_trace else [])
         + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)],
         kill_coordinator_at=args.kill_coordinator_at, failover=args.coordinator_failover,
         kill_coordinator_in=args.kill_coordinator_in))
-    print(f"swarm: {cfg.num_stages} stages + {args.spares} spares, {len(sched.events)} scheduled failures, "
+    groups = f" x {cfg.train.replicas} replicas" if cfg.train.replicas > 1 else ""
+    print(f"swarm: {cfg.num_stages} stages{groups} + {args.spares} spares, {len(sched.events)} scheduled failures, "
           f"transport {args.transport}, logs in {out / 'logs'}", flush=True)
     if cfg.train.wan:
         for line in WanEmulator(cfg).describe():

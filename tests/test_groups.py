@@ -73,6 +73,7 @@ def _identical(states: dict[str, dict[str, torch.Tensor]]) -> None:
 def test_spread_balances_by_speed_and_interleaves():
     assert spread(4, ["a", "b"]) == ["a", "b", "a", "b"]
     assert spread(6, ["a", "b"], {"a": 2.0, "b": 1.0}).count("a") == 4  # twice as fast: twice the share
+    assert spread(4, ["a", "b"], {"a": 100.0, "b": 1.0}) == ["a", "b", "a", "a"]  # one each: b stays measured
     assert spread(3, ["a", "b", "c", "d"]) == ["a", "b", "c"]  # more replicas than microbatches: some idle
     hops = hop_table([[0, 1], [1, 0]], {0: ["a", "b"], 1: ["c"]})
     assert hops == [["a", "c"], ["c", "b"]]
@@ -103,9 +104,10 @@ def test_two_replicas_per_stage_train_like_the_simulator_and_stay_identical(tiny
 def test_a_replica_lost_mid_step_is_rerouted_without_an_abort(tiny_cfg, tmp_path, strategy, stage):
     """One replica dies after its first forward of step 2: its microbatches are redone by its sibling in the
     same step (no aborted attempt, no recovery) and the losses are those of a run without failures; a standby
-    then joins the group with the sibling's exact state."""
+    then joins the group with the sibling's exact state (one of the two spares: the other is kept for a stage
+    recovery)."""
     cfg = _cfg(tiny_cfg, strategy)
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages + 1, save_final=False,
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages + 2, save_final=False,
                       chaos=FailureSchedule([(2, stage)]), dump_dir=str(tmp_path / "dump"))
     _simulate(cfg, tmp_path / "sim")  # no failure at all: a lost replica must not change the run
     _same_losses(tmp_path / "swarm", tmp_path / "sim")
@@ -113,6 +115,9 @@ def test_a_replica_lost_mid_step_is_rerouted_without_an_abort(tiny_cfg, tmp_path
     assert not _events(out, "aborted_step", "failure", "recovery")
     (lost,) = _events(out, "replica_lost")
     (rerouted,) = _events(out, "rerouted")
+    (done,) = _events(out, "reroute_done")
+    assert done["peer_id"] == rerouted["to"] and done["microbatches"] == len(rerouted["microbatches"])
+    assert 0 < done["since_lost_s"] < 60
     assert lost["stage"] == stage and lost["step"] == 2 and rerouted["from"] == lost["peer_id"]
     assert rerouted["microbatches"] and rerouted["to"] != lost["peer_id"]
     joined = [e for e in _events(out, "replica_joined") if e["step"] > 2]
@@ -146,7 +151,7 @@ def test_a_replica_killed_mid_reduce_never_leaves_a_partly_summed_gradient(tiny_
     are redone by a sibling, the smaller group reduces again: the two survivors end bit-identical and the
     losses are the failure-free ones."""
     cfg = _cfg(tiny_cfg, replicas=3)
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=3 * cfg.num_stages + 1, save_final=False,
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=3 * cfg.num_stages + 2, save_final=False,
                       reduce_kills=FailureSchedule([(2, 2)]), dump_dir=str(tmp_path / "dump"))
     _simulate(cfg, tmp_path / "sim")
     _same_losses(tmp_path / "swarm", tmp_path / "sim")

@@ -340,3 +340,45 @@ def test_reft_restores_a_crashed_training_process_from_its_companion_and_a_dead_
     clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
     assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
     assert not _companions_left(), "a snapshot companion outlived the run"
+
+
+def test_stage_groups_for_real_lose_replicas_without_an_abort(tmp_path, cache):
+    """Two replicas per stage as real processes (hivemind, gloo): one replica of stage 1 SIGKILLs its process
+    group after its first forward of step 2, one of stage 2 half-way through step 4's all-reduce (rerouted,
+    no aborted attempt, no recovery), both replicas of stage 2 are SIGKILLed at step 6 (`6,2,all`: a CheckFree
+    recovery from the neighbouring groups). The losses are the simulator's for the same trace, the survivors'
+    final states bit-identical within each group, and no process is left behind."""
+    trace = tmp_path / "groups.csv"
+    trace.write_text("step,stage\n2,1\n6,2,all\n")
+    reduce_kill = _trace(tmp_path, [(4, 2)])
+    args = ["--steps", "8", "--replicas", "2", "--eval-every", "4", "--trace", str(trace)]
+    dump = tmp_path / "dump"
+    proc, out = _local(tmp_path, "groups", *args, "--reduce-kill-trace", reduce_kill, "--dump-recovery", str(dump),
+                       cache=cache, spares=3)  # 2 refill the groups after steps 2 and 4; 1 is kept for step 6
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 stages x 2 replicas + 3 spares" in proc.stdout and "4 peers SIGKILLed" in proc.stdout
+    sim = _simulate(tmp_path, "sim", *args, cache=cache)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(8)) and all(m["attempts"] == 1 for m in metrics)
+    for x, y in zip(metrics, sim):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-5), (x["step"], x["loss"], y["loss"])
+    assert [m["replicas"][1] for m in metrics[:4]] == [2, 2, 1, 2]
+    assert [m["replicas"][2] for m in metrics[3:6]] == [2, 1, 2]  # (rebuilt at step 6: a spare joins when one is free)
+    events = read_jsonl(out / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert "aborted_step" not in kinds
+    lost = [(e["step"], e["stage"]) for e in events if e["event"] == "replica_lost"]
+    assert lost == [(2, 1), (4, 2)]
+    assert [(e["step"], e["stage"]) for e in events if e["event"] == "rerouted"] == [(2, 1), (4, 2)]
+    (rec,) = [e for e in events if e["event"] == "recovery"]
+    (sim_rec,) = [e for e in read_jsonl(tmp_path / "sim" / "events.jsonl") if e["event"] == "recovery"]
+    assert (rec["step"], rec["stage"], rec["sources"]) == (6, 2, [1, 3])
+    assert rec["coefficients"] == pytest.approx(sim_rec["coefficients"], rel=1e-5)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["replicas_lost"], summary["stage_recoveries"]) == (2, 1) and summary["rerouted_microbatches"] > 0
+    for stage in range(4):
+        finals = sorted(p for p in dump.glob(f"final-stage{stage}-*.safetensors") if "optim" not in p.name)
+        assert len(finals) >= (1 if stage == 2 else 2), finals
+        first = load_file(str(finals[0]))
+        for other in finals[1:]:
+            assert all(torch.equal(first[k], v) for k, v in load_file(str(other)).items()), other.name
