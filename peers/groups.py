@@ -49,7 +49,7 @@ class StageGroup:
                                                                                     compute, passes, debug)
         self.t = membership.t
         self._pg: dist.ProcessGroupGloo | None = None
-        self._prefix: str | None = None  # the group membership `_pg` was formed for
+        self._prefix: str | None = None  # the store and group membership `_pg` was formed for
 
     # ---- a lost replica's microbatches ------------------------------------------------------
     async def on_reroute(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
@@ -172,7 +172,8 @@ class StageGroup:
     def _group(self, header: dict) -> dist.ProcessGroupGloo:
         """The gloo group of this membership (`prefix`), formed on first use: every member connects through the
         coordinator's TCPStore (`store`: host:port)."""
-        if self._pg is not None and self._prefix == header["prefix"]:
+        key = f"{header['store']}/{header['prefix']}"  # (a new coordinator's store numbers its groups afresh)
+        if self._pg is not None and self._prefix == key:
             return self._pg
         if self._pg is not None:
             self._pg.abort()
@@ -182,7 +183,7 @@ class StageGroup:
         store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore(header["prefix"], store), header["rank"], header["size"],
                                          timeout)
-        self._prefix = header["prefix"]
+        self._prefix = key
         return self._pg
 
     def close(self) -> None:

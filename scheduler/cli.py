@@ -70,9 +70,9 @@ def parse_slow(specs: list[str], num_stages: int) -> dict[int, tuple[float, int]
 def add_chaos_slow_argument(p: argparse._ActionsContainer) -> None:
     """--chaos-slow, on `checkfree scheduler` and on `checkfree local` (which passes it on)."""
     p.add_argument("--chaos-slow", action="append", default=[], metavar="STAGE:SECONDS[@STEP]",
-                   help="diagnostic: the first peer of STAGE sleeps SECONDS before each forward and backward from STEP "
-                        "on (default 0; a slow GPU); slower than --step-timeout, it is replaced as a straggler; "
-                        "repeatable")
+                   help="diagnostic: the peer of STAGE (every replica of its group) sleeps SECONDS before each forward "
+                        "and backward from STEP on (default 0; a slow GPU); slower than --step-timeout, it is replaced "
+                        "as a straggler; repeatable")
 
 
 def _iterations(text: str, flag: str) -> frozenset[int]:

@@ -103,8 +103,13 @@ class FailoverMixin:
         lagging = []
         for stage, hs in sorted(holders.items()):
             hs.sort(key=lambda x: -x[1]["next_step"])
-            for pid, _ in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
-                self.members[pid].leaving = True
+            groups = cfg.train.replicas > 1 or cfg.train.reserve is not None
+            for pid, r in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
+                if groups and r["next_step"] == step == hs[0][1]["next_step"]:  # a stage group's replica
+                    self.members[pid].stage = stage
+                    self.extra.setdefault(stage, []).append(pid)
+                else:
+                    self.members[pid].leaving = True
             pid, r = hs[0]
             self.members[pid].stage, self.stage_peer[stage] = stage, pid
             self.norms[stage] = float(r["omega"])

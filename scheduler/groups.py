@@ -27,7 +27,7 @@ import time
 
 from checkfree.groups import hop_table, move, slowest, stage_load
 from checkfree.net.addresses import listen_ips
-from checkfree.protocol import RPC
+from checkfree.protocol import RPC, Kind
 from scheduler.common import CALL_ERRORS
 
 __all__ = ["GroupsMixin"]
@@ -221,6 +221,7 @@ class GroupsMixin:
                 if any(pid in g for g in groups.values()):
                     suspects.add(pid)
                 log.warning("step %d: replica %s: %s", step, pid[:12], str(e)[:200])
+                self._replica_error(step, pid, e)
             for pid in sorted(suspects):
                 if not any(pid in g for g in groups.values()):
                     continue
@@ -230,6 +231,17 @@ class GroupsMixin:
                 if not await self._reroute(step, attempt, pid, groups, hops, tasks):
                     return False
         return True
+
+    def _replica_error(self, step: int, pid: str, e: BaseException) -> None:
+        """What a replica's failed RUN_STEP says, as for a stage's (a straggler or a soft-error source leaves its
+        group before the attempt runs again)."""
+        stage = self._stage_of(pid)
+        if getattr(e, "kind", None) == Kind.SOFT_ERROR:
+            self.soft_counts[pid] = e.detail.get("soft_errors", {})
+            self._soft_error(step, stage, pid)
+        elif getattr(e, "kind", None) == Kind.STRAGGLER:
+            self._event("straggler", step=step, stage=stage, peer_id=pid, reason=e.remote_message[:300])
+            self.members[pid].leaving = True
 
     async def _reroute(self, step: int, attempt: int, dead: str, groups: dict[int, list[str]],
                        hops: list[list[str]], tasks: dict[asyncio.Task, str]) -> bool:

@@ -41,7 +41,7 @@ class ChaosMixin:
     """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
 
     def _slow_header(self, stage: int) -> dict:
-        """Diagnostic (local swarm, --chaos-slow): the first peer of `stage` computes slowly."""
+        """Diagnostic (local swarm, --chaos-slow): the peers of `stage` (each replica of its group) compute slowly."""
         if stage not in self.opts.slow:
             return {}
         delay, start = self.opts.slow[stage]

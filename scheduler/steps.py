@@ -84,12 +84,13 @@ class StepsMixin:
                 self.members[pid].leaving = True
         return None
 
-    def _soft_error(self, step: int, stage: int) -> None:
+    def _soft_error(self, step: int, stage: int, pid: str | None = None) -> None:
         """An uncorrectable soft error survived the peer's recompute: the attempt is redone;
-        a stage that keeps producing them is treated as failed and recovered (checkfree.steprules)."""
+        a stage that keeps producing them is treated as failed and recovered (checkfree.steprules); in a stage
+        group the replica `pid` that produced them leaves its group."""
         event = functools.partial(self._event, step=step, strategy=self.cfg.recovery.strategy)
         if self.soft_rule.lost(stage, event):
-            self.members[self.stage_peer[stage]].leaving = True
+            self.members[pid or self.stage_peer[stage]].leaving = True
 
     async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:
         """Run a step (or an evaluation) to completion: recover failed stages, abort and retry
