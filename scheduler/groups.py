@@ -213,8 +213,9 @@ class GroupsMixin:
                         stage, t0 = self._rerouting.pop(pid, (self._stage_of(pid), time.perf_counter()))
                         self._event("reroute_done", step=step, stage=stage, peer_id=pid, microbatches=reply["redone"],
                                     redo_s=reply.get("redo_s"), since_lost_s=round(time.perf_counter() - t0, 6))
-                    if prev is not None:  # the redone microbatches' losses join the peer's
-                        reply = {**prev, "losses": {**prev.get("losses", {}), **reply.get("losses", {})}}
+                    if prev is not None:  # a RUN_STEP's and a REROUTE's answers, in either order: one
+                        reply = {**prev, **reply, "losses": {**prev.get("losses", {}), **reply.get("losses", {})},
+                                 "bytes_sent": max(int(prev.get("bytes_sent", 0)), int(reply.get("bytes_sent", 0)))}
                     replies[pid] = reply
                     continue
                 e = t.exception()
