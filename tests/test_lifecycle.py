@@ -16,6 +16,7 @@ import pytest
 from swarmrun import await_line, kill_group, simulate, spawn, trace
 
 from checkfree.config import preset
+from checkfree.net.lifeline import held_socket_files, living, process_tree
 from checkfree.protocol import (
     EXIT_COORDINATOR_GONE,
     READY_COORDINATOR,
@@ -36,62 +37,13 @@ def _env(cache: str) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CHECKFREE_CACHE": cache}
 
 
-def _tree(pid: int) -> set[int]:
-    """`pid` and all its descendants now."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        out.add(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for p in pids:
-        try:
-            state = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(p)
-    return alive
-
-
 def _wait_gone(pids: set[int], timeout: float) -> float:
     """Seconds until every one of `pids` is gone (fails after `timeout`)."""
     t0 = time.monotonic()
-    while _alive(pids):
-        assert time.monotonic() - t0 < timeout, f"still alive after {timeout:g} s: {sorted(_alive(pids))}"
+    while living(pids):
+        assert time.monotonic() - t0 < timeout, f"still alive after {timeout:g} s: {sorted(living(pids))}"
         time.sleep(0.1)
     return time.monotonic() - t0
-
-
-def _sockets(pids: set[int]) -> set[str]:
-    """The unix socket files these processes hold open (hivemind's p2pd / p2pclient sockets)."""
-    inodes = set()
-    for p in pids:
-        try:
-            for fd in os.listdir(f"/proc/{p}/fd"):
-                link = os.readlink(f"/proc/{p}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            continue
-    paths = set()
-    for line in open("/proc/net/unix").read().splitlines()[1:]:
-        parts = line.split()
-        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/tmp/hivemind-"):
-            paths.add(parts[7])
-    return paths
 
 
 @pytest.mark.timeout(240)
@@ -110,11 +62,11 @@ def test_peers_leave_when_their_coordinator_is_gone_and_leave_nothing_behind(tmp
         for p in peers:
             await_line(p, READY_PEER, 120)
         await_line(coord, "step 2:", 180)
-        family = set().union(*(_tree(p.popen.pid) for p in peers))
+        family = set().union(*(process_tree(p.popen.pid) for p in peers))
         assert len(family) >= 4 * 3  # each peer with its DHT process and p2pd at least
-        peer_sockets = _sockets(family)
+        peer_sockets = held_socket_files(family)
         assert peer_sockets
-        coord_sockets = _sockets(_tree(coord.popen.pid))
+        coord_sockets = held_socket_files(process_tree(coord.popen.pid))
         kill_group(coord)
         t0 = time.monotonic()
         gone_s = _wait_gone(family, 10 + 30)
@@ -147,7 +99,7 @@ def test_sigterm_stops_local_swarm_and_resume_continues_the_same_losses(tmp_path
         while not (out / "metrics.jsonl").exists() or len(read_jsonl(out / "metrics.jsonl")) < 12:
             assert time.monotonic() < deadline and launcher.popen.poll() is None, launcher.tail()
             time.sleep(0.1)
-        family = _tree(launcher.popen.pid)
+        family = process_tree(launcher.popen.pid)
         launcher.popen.send_signal(signal.SIGTERM)
         assert _wait_gone(family, 15) < 15
         assert launcher.popen.wait(timeout=5) == 130
@@ -181,7 +133,7 @@ def test_kill_9_of_a_standalone_peer_takes_its_dht_process_and_p2pd_along(cache)
     peer = spawn(["peer", "--run-id", "alone", "--join-timeout", "300", "--step-timeout", "200"], _env(cache))
     try:
         await_line(peer, READY_PEER, 120)
-        family = _tree(peer.popen.pid)
+        family = process_tree(peer.popen.pid)
         assert len(family) >= 3, family  # the peer, its DHT process, its p2pd
         os.kill(peer.popen.pid, signal.SIGKILL)  # the peer alone, not its process group
         assert _wait_gone(family, 10) < 10

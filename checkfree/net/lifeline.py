@@ -37,7 +37,8 @@ import traceback
 
 from hivemind import DHT
 
-__all__ = ["TiedDHT", "quiet_fd_handoffs", "socket_files", "sweep_stale_sockets", "tie_to_parent"]
+__all__ = ["TiedDHT", "held_socket_files", "living", "process_tree", "quiet_fd_handoffs", "socket_files",
+           "sweep_stale_sockets", "tie_to_parent"]
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -75,6 +76,60 @@ class TiedDHT(DHT):
 def socket_files(pattern: str = SOCKET_GLOB) -> set[str]:
     """The hivemind socket files in the temporary directory now."""
     return set(glob.glob(pattern))
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and all its descendants now (from /proc; Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def living(pids: set[int]) -> set[int]:
+    """Those of `pids` that still run (gone and zombie processes are not)."""
+    alive = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(p)
+    return alive
+
+
+def held_socket_files(pids: set[int], prefix: str = "/tmp/hivemind-") -> set[str]:
+    """The unix socket files under `prefix` that these processes hold open (hivemind's p2pd / p2pclient
+    sockets; from /proc, Linux)."""
+    inodes = set()
+    for p in pids:
+        try:
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                link = os.readlink(f"/proc/{p}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    paths = set()
+    with open("/proc/net/unix") as f:
+        for line in f.read().splitlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith(prefix):
+                paths.add(parts[7])
+    return paths
 
 
 def sweep_stale_sockets(pattern: str = SOCKET_GLOB, min_age_s: float = 10.0, among: set[str] | None = None) -> int:
