@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,28 @@ def test_scaling_quick_reports_every_configuration(tmp_path):
         for key in ("swarm_over_single", "overhead_over_compute", "peers_peak_mib_sum_over_single",
                     "swarm_cpu_over_single_cpu", "single_cpu_s"):
             assert math.isfinite(r[key]) and r[key] > 0
+
+
+def test_collectives_quick_reports_the_table_and_the_gloo_checks():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--quick"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| library | N | size (elements) | median ms | group formation ms |" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ") and "library" not in line]
+    measured = {(" ".join(r[0].split()[:2]), int(r[1])) for r in rows}
+    for world in (2, 3):  # gloo, the averager and the runner, each for N = 2 and 3
+        assert {("gloo allreduce", world), ("hivemind DecentralizedAverager.step,", world),
+                ("hivemind AllReduceRunner,", world)} <= measured
+    assert all(r[2] == "295,296" and float(r[3]) > 0 for r in rows)  # the small preset's middle stage
+    assert all(float(r[4]) > 0 for r in rows if r[0].startswith("gloo"))  # group formation is measured
+    assert "gloo bit-identity: N=2 identical, N=3 identical" in out
+    for world in (2, 3):  # the survivors of a SIGKILLed member raise, within the group's timeout
+        assert re.search(rf"gloo kill check N={world}: .* the survivors raised after [\d, ]+ ms \(within the 5 s "
+                         r"timeout\): RuntimeError", out), out
+    assert "left behind: 0 processes, 0 socket files" in out
+    assert re.fullmatch(r"collectives: gloo/hivemind ratio \d+\.\d\d", out.strip().splitlines()[-1])
 
 
 def test_profile_parses_py_spy_raw_stacks(tmp_path):
