@@ -86,8 +86,8 @@ def main() -> None:
     print("| config | replicas per stage | tokens/s | median step s | all-reduce s per step (share of step) |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['replicas']} | {r['tokens_s']:.0f} | {r['step_s']:.3f} | "
-              f"{r['reduce_s']:.4f} ({r['reduce_s'] / r['step_s']:.1%}) |")
+        reduce = f"{r['reduce_s']:.4f} ({r['reduce_s'] / r['step_s']:.1%})" if r["reduce_s"] else "none (no group)"
+        print(f"| {r['config']} | {r['replicas']} | {r['tokens_s']:.0f} | {r['step_s']:.3f} | {reduce} |")
     lost = rows[-1]
     print(f"lost replica: redone microbatches complete {lost['since_lost_s']:.3f} s after the loss was detected; "
           f"that step took {lost['lost_step_s']:.3f} s (others {lost['step_s']:.3f} s); aborted attempts: "

@@ -13,7 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["spread", "hop_table", "move", "slowest", "stage_load"]
+__all__ = ["spread", "hop_table", "move", "slowest", "stage_load", "check_swarm_groups"]
+
+
+def check_swarm_groups(cfg) -> None:
+    """Refuse (ValueError) stage groups the swarm does not run: they run with the averaging strategies only (a
+    rollback or redundancy strategy keeps one peer per stage)."""
+    from checkfree.strategies import build_strategy
+    from checkfree.strategies.averaging import AveragingStrategy
+
+    t = cfg.train
+    if (t.replicas > 1 or t.reserve is not None) and not isinstance(build_strategy(cfg), AveragingStrategy):
+        raise ValueError(f"stage groups (--replicas {t.replicas}, --reserve {t.reserve}) run in the swarm with the "
+                         f"averaging strategies (checkfree, checkfree+, uniform, copy, random); "
+                         f"{cfg.recovery.strategy} keeps one peer per stage")
 
 
 def spread(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, float] | None = None) -> list[str]:

@@ -38,6 +38,7 @@ from pathlib import Path
 from checkfree.auth import join_token, load_secret
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
+from checkfree.groups import check_swarm_groups
 from checkfree.model import plan_stages
 from checkfree.pipeline import evaluates_after
 from checkfree.net.transport import (
@@ -124,11 +125,7 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
             raise ValueError(f"{name} in the swarm: when every holder of a snapshot is lost it rolls back to storage "
                              f"(--storage-fallback yes) or aborts; --fallback {cfg.recovery.fallback} runs in the "
                              f"simulator only")
-        if (cfg.train.replicas > 1 or cfg.train.reserve is not None) and not isinstance(self.strategy,
-                                                                                     AveragingStrategy):
-            raise ValueError(f"stage groups (--replicas {cfg.train.replicas}, --reserve {cfg.train.reserve}) run "
-                             f"in the swarm with the averaging strategies (checkfree, checkfree+, ...); {name} "
-                             f"keeps one peer per stage")
+        check_swarm_groups(cfg)
         self.plus = self.strategy.plus
         if cfg.train.wan:  # checked now (an unknown profile is an error before any peer starts), shown once
             for line in WanEmulator(cfg).describe():

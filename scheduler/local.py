@@ -27,6 +27,7 @@ from checkfree.cli import (
 )
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.wan import WanEmulator
+from checkfree.groups import check_swarm_groups
 from scheduler.launcher import LocalSwarm, SwarmOptions
 from scheduler.netlab import NetLab
 
@@ -124,6 +125,8 @@ def run_local(args: argparse.Namespace) -> int:
     if args.threads_per_peer < 1:
         raise ValueError(f"--threads-per-peer must be >= 1, got {args.threads_per_peer}")
     cfg = config_from_args(args)
+    check_swarm_groups(cfg)  # stage groups with a strategy that keeps one peer per stage: before anything is written
+    timeouts_from_args(args)  # the timeout hierarchy, too
     out = Path(args.out)
     warn_if_overwriting(args)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +151,6 @@ def run_local(args: argparse.Namespace) -> int:
     write_trace(chaos_path, sched.events, sched.whole)
     if args.write_trace:
         write_trace(args.write_trace, sched.events, sched.whole)
-    timeouts_from_args(args)  # validate the hierarchy before any process starts
     flags = [x for name in TIMEOUT_FLAGS for x in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
     flags += ["--transport", args.transport]
     if args.partition_trace and not args.netns:

@@ -74,6 +74,9 @@ def test_simulate_output_in_a_log_file_has_no_carriage_returns(tmp_path):
     (["export", "--run", "x", "--output", "/missing/dir/model.safetensors"], "directory '/missing/dir' does not exist"),
     (["simulate", "--save-every", "-2"], "--save-every must be >= 0"),
     (["simulate", "--resume", "/nonexistent-run"], "not a run directory"),
+    (["simulate", "--replicas", "0"], "train.replicas must be >= 1, got 0"),
+    (["local", "--replicas", "2", "--strategy", "gemini", "--no-churn"],
+     "stage groups (--replicas 2, --reserve None) run in the swarm with the averaging strategies"),
 ])
 def test_bad_input_is_one_line_error(args, message, capsys):
     assert main(args) == 2
