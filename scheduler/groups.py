@@ -211,8 +211,11 @@ class GroupsMixin:
                     prev = replies.get(pid)
                     if "redone" in reply:  # a REROUTE's answer: the lost replica's microbatches are done
                         stage, t0 = self._rerouting.pop(pid, (self._stage_of(pid), time.perf_counter()))
+                        since = time.perf_counter() - t0
                         self._event("reroute_done", step=step, stage=stage, peer_id=pid, microbatches=reply["redone"],
-                                    redo_s=reply.get("redo_s"), since_lost_s=round(time.perf_counter() - t0, 6))
+                                    redo_s=reply.get("redo_s"), since_lost_s=round(since, 6))
+                        self._status(f"stage {stage}: {reply['redone']} microbatch(es) of the lost replica redone by "
+                                     f"{pid[:12]}, {since:.2f} s after the loss; step {step} goes on")
                     if prev is not None:  # a RUN_STEP's and a REROUTE's answers, in either order: one
                         reply = {**prev, **reply, "losses": {**prev.get("losses", {}), **reply.get("losses", {})},
                                  "bytes_sent": max(int(prev.get("bytes_sent", 0)), int(reply.get("bytes_sent", 0)))}
@@ -221,7 +224,7 @@ class GroupsMixin:
                 e = t.exception()
                 if any(pid in g for g in groups.values()):
                     suspects.add(pid)
-                log.warning("step %d: replica %s: %s", step, pid[:12], str(e)[:200])
+                log.info("step %d: replica %s: %s", step, pid[:12], str(e)[:200])  # (a lost one: a status line)
                 self._replica_error(step, pid, e)
             for pid in sorted(suspects):
                 if not any(pid in g for g in groups.values()):
@@ -262,6 +265,8 @@ class GroupsMixin:
         self.group_counts["rerouted_microbatches"] += len(moved)
         self._rerouting[to] = (stage, time.perf_counter())
         self._event("rerouted", step=step, stage=stage, microbatches=moved, **{"from": dead, "to": to})
+        self._status(f"stage {stage}: replica {dead[:12]} lost in step {step}; microbatches {moved} go to {to[:12]} "
+                     f"({len(siblings)} replica(s) left, no recovery)")
         for t in [t for t, p in tasks.items() if p == dead]:
             t.cancel()
             tasks.pop(t)

@@ -106,8 +106,9 @@ def demo_trace(cfg, path: Path) -> Path | None:
     second = (0 if 0 in others else others[-1]) if others else first
     steps = (max(1, n * 3 // 10), max(2, n * 6 // 10))
     write_trace(path, [(steps[0], first), (steps[1], second)])
-    print(f"swarm: demo churn (--no-churn for a failure-free run): stage {first} SIGKILLed at step {steps[0]}, "
-          f"stage {second} at step {steps[1]}", flush=True)
+    what = "a replica of stage" if cfg.train.replicas > 1 else "stage"  # (stage groups: lost mid-step, rerouted)
+    print(f"swarm: demo churn (--no-churn for a failure-free run): {what} {first} SIGKILLed at step {steps[0]}, "
+          f"{what} {second} at step {steps[1]}", flush=True)
     return path
 
 
