@@ -10,6 +10,9 @@ The modes of an assignment:
 * `handover`: take a leaving peer's exact state (peers.recovery).
 * `promote`: take the lost stage's replica from its predecessor (`source`; redundant computation).
 * `replica`: join a stage group: a live replica's (`source`) exact state, as a handover.
+
+With `release`, a replica of a stage group first lets its stage go (no standby was left to rebuild a lost
+stage; its group keeps the other replicas).
 * `load`: a resumed run's saved state, carried by the message itself.
 
 The reply tells the coordinator what the assignment cost (seconds, bytes moved) and, for a
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from checkfree.protocol import RPC, ProtocolError, require
@@ -42,12 +46,16 @@ class Assignment:
     """Makes this standby peer serve the stage the coordinator assigns it."""
 
     def __init__(self, hosted: HostedStage, compute: ComputeQueue, recovery: Recovery, snapshots: Snapshots,
-                 debug: DebugHooks) -> None:
+                 debug: DebugHooks, release: Callable[[], Awaitable[None]] | None = None) -> None:
         self.hosted, self.compute, self.recovery, self.snapshots, self.debug = (hosted, compute, recovery,
                                                                                 snapshots, debug)
+        self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
 
     async def on_assign(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         cfg, stage, mode = self.hosted.joined(), header["stage"], header["mode"]
+        if self.hosted.worker is not None and header.get("release") is True and self.release is not None:
+            log.info("leaving stage %d's group to serve stage %d", self.hosted.index, stage)
+            await self.release()
         if self.hosted.worker is not None:
             raise ProtocolError(f"this peer already hosts stage {self.hosted.index}")
         if not 0 <= stage < cfg.num_stages:

@@ -65,7 +65,7 @@ from peers.passes import Passes
 from peers.recovery import Recovery
 from peers.replicas import Replicas
 from peers.snapshots import Snapshots
-from peers.stage import HostedStage
+from peers.stage import HostedStage, PeerState
 from peers.step import StepTracker
 
 __all__ = ["PeerDaemon", "PeerOptions"]
@@ -116,7 +116,8 @@ class PeerDaemon:
                              self.backups)
         self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
         self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, self.debug)
-        self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug)
+        self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug,
+                                     self._release)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
     def handlers(self) -> dict[str, Handler]:
@@ -209,6 +210,15 @@ class PeerDaemon:
         if await self.membership.watch_coordinator(self.opts.coordinator_timeout):
             self.exit_code = EXIT_COORDINATOR_GONE
             self.stop.set()
+
+    async def _release(self) -> None:
+        """Let the hosted stage go and stand by again (a stage group's replica moved elsewhere by the
+        coordinator): its step state, gloo group and weights are dropped."""
+        await self.steps.drop("this replica leaves its stage")
+        self.steps.reset()
+        self.group.close()
+        self.hosted.worker, self.hosted.omega, self.hosted.next_step = None, 0.0, 0
+        self.hosted.state = PeerState.STANDBY
 
     # ---- handlers --------------------------------------------------------------------
     async def _on_ping(self, header: dict, tensors: list, peer) -> tuple[dict, list]:

@@ -82,6 +82,23 @@ class GroupsMixin:
         self.group_counts["replicas_lost"] += 1
         self._event("replica_lost", step=self.step, stage=stage, peer_id=pid, reason=reason, replicas=len(rest))
 
+    def _borrow_replica(self, step: int, lost: int) -> str | None:
+        """No standby is left and `lost` must be rebuilt: take a replica from the group with the most replicas
+        (the fastest of those groups, by measured load), which keeps the others. None: every group has one."""
+        groups = {s: self._group(s) for s in self.stage_peer if s != lost}
+        big = [s for s, g in groups.items() if len(g) >= 2]
+        if not big:
+            return None
+        m = self.cfg.train.num_microbatches
+        stage = max(big, key=lambda s: (len(groups[s]), -stage_load(m, groups[s], self.speeds), -s))
+        pid = groups[stage][-1]
+        rest = [p for p in groups[stage] if p != pid]
+        self.stage_peer[stage], self.extra[stage] = rest[0], rest[1:]
+        self.group_gen[stage] = self.group_gen.get(stage, 0) + 1
+        self._event("replica_moved", step=step, stage=stage, peer_id=pid, to_stage=lost, replicas=len(rest))
+        self._status(f"no standby: replica {pid[:12]} of stage {stage} leaves its group to rebuild stage {lost}")
+        return pid
+
     async def _prune_groups(self, live: dict | None) -> None:
         """Between steps: replicas that are gone (no heartbeat and no answer, reported, leaving) leave their group;
         a stage keeps at least one peer here (when all are gone, membership's detection makes it a failed stage)."""

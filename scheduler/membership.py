@@ -138,6 +138,8 @@ class MembershipMixin:
         """Give `stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
         assignment fails is passed over and, in case it is merely slow and goes on to host the stage
         anyway, retired."""
+        if self.members[pid].stage >= 0:  # a replica moved from its stage group: it lets its stage go first
+            header = {**header, "release": True}
         try:
             reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header},
                                         timeout=timeout or self.t.step_timeout, tensors=tensors)

@@ -133,7 +133,10 @@ class RecoveryMixin:
         """Give `stage` to a standby; a standby that dies while taking it over is reported and the
         next one is tried. Returns (peer, reply, time the successful assignment started)."""
         while True:
-            pid = await self._take_standby(f"replace stage {stage}")
+            # no standby: a stage group's spare replica rebuilds the lost stage (a stage loss costs more than a
+            # group running one replica short)
+            pid = (None if self._standbys() else self._borrow_replica(step, stage)) or \
+                await self._take_standby(f"replace stage {stage}")
             extra = {}
             if chaos:
                 await self._chaos_replacement(pid, stage)

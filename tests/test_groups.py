@@ -183,3 +183,19 @@ def test_a_standby_beyond_the_reserve_joins_the_slowest_stage(tiny_cfg, tmp_path
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
     assert metrics[0].get("replicas", [1] * 4) == [1, 1, 1, 1] and metrics[1]["replicas"] == [1, 1, 2, 1]
     _identical(_finals(tmp_path / "dump", 2))
+
+
+def test_with_no_standby_left_a_replica_of_another_group_rebuilds_a_lost_stage(tiny_cfg, tmp_path):
+    """No spare peer: when stage 2's whole group is lost, a replica of another group lets its stage go and
+    rebuilds stage 2 (its group keeps one replica); the run goes on with the simulator's losses."""
+    cfg = _cfg(tiny_cfg)
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages, save_final=False,
+                      chaos=FailureSchedule([(2, 2)], {(2, 2)}))
+    _simulate(cfg, tmp_path / "sim", "2,2,all\n")
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    (moved,) = _events(tmp_path / "swarm", "replica_moved")
+    (rec,) = _events(tmp_path / "swarm", "recovery")
+    assert moved["to_stage"] == 2 and moved["stage"] != 2 and rec["peer_id"] == moved["peer_id"]
+    metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
+    assert sum(metrics[2]["replicas"]) == 2 * cfg.num_stages - 2 and metrics[2]["replicas"][moved["stage"]] == 1
+    assert swarm.summary["stage_recoveries"] == 1
