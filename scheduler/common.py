@@ -96,6 +96,7 @@ class Member:
     stage: int = -1
     leaving: bool = False
     handover: bool = False  # leaving gracefully, waiting to hand its exact state to a standby
+    left: bool = False  # it announced its leave (LEAVE), rather than being retired or lost
     observer: bool = False  # joined to read (export), never assigned a stage
 
 

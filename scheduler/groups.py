@@ -115,7 +115,8 @@ class GroupsMixin:
                 continue  # the whole group: a failed stage (membership's detection), recovered by the strategy
             for pid in gone:
                 m = self.members[pid]
-                self._drop_replica(stage, pid, "left" if m.leaving and not m.handover else "gone")
+                why = "left" if m.left else "retired" if m.leaving else "gone"  # (retired: soft errors, straggler)
+                self._drop_replica(stage, pid, why)
                 self.reported.discard(pid)
                 m.handover = False
             if gone:

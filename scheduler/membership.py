@@ -83,7 +83,7 @@ class MembershipMixin:
         m = self.members.get(str(peer))
         if m is None:
             raise ProtocolError(f"unknown peer {peer}")
-        m.leaving = True
+        m.leaving = m.left = True
         # a replica with live siblings leaves at once: they hold the same state
         m.handover = m.stage >= 0 and bool(self._standbys()) and len(self._group(m.stage)) < 2
         self._event("leave", peer_id=m.peer_id, stage=m.stage, handover=m.handover)

@@ -199,3 +199,35 @@ def test_with_no_standby_left_a_replica_of_another_group_rebuilds_a_lost_stage(t
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
     assert sum(metrics[2]["replicas"]) == 2 * cfg.num_stages - 2 and metrics[2]["replicas"][moved["stage"]] == 1
     assert swarm.summary["stage_recoveries"] == 1
+
+
+def test_a_replica_with_uncorrectable_soft_errors_leaves_its_group_without_a_recovery(tiny_cfg, tmp_path,
+                                                                                      monkeypatch):
+    """The first replica of stage 1 has faulty hardware (two faults in one guarded section of every attention
+    call): its step fails after its recompute, the attempt is redone, and the second failure in a row retires that
+    replica (soft_error_escalation). Its sibling holds the same state: the replica leaves the group, no stage is
+    recovered, and the losses are the simulator's."""
+    import peers.stage
+    from checkfree.abft import AttentionGuard, FaultInjector
+
+    faulty = FaultInjector.from_schedule([(c, "q", "nan", r, 0) for c in range(64) for r in (0, 5)])
+    original, served = peers.stage.make_guard, []
+
+    def make_guard(cfg, stage):
+        if stage == 1 and not served:
+            served.append(stage)
+            return AttentionGuard(mode="range", injector=faulty)
+        return original(cfg, stage)
+
+    monkeypatch.setattr(peers.stage, "make_guard", make_guard)
+    cfg = _cfg(tiny_cfg, steps=3)
+    cfg.guard.abft = True
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages, save_final=False)
+    _simulate(cfg, tmp_path / "sim")
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    out = tmp_path / "swarm"
+    kinds = [e["event"] for e in _events(out, "soft_error_skip", "soft_error_escalation", "replica_lost", "recovery")]
+    assert kinds == ["soft_error_skip", "soft_error_skip", "soft_error_escalation", "replica_lost"]
+    (lost,) = _events(out, "replica_lost")
+    assert lost["stage"] == 1 and lost["reason"] == "retired"
+    assert read_jsonl(out / "metrics.jsonl")[0]["attempts"] == 3 and swarm.summary["stage_recoveries"] == 0
