@@ -195,10 +195,9 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
                           for s in range(cfg.num_stages)]
             record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post, "block_grad_norms": block_post,
                       "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
-                      "live_peers": len(self.stage_peer), **step_figures(results, cfg.num_stages),
+                      "live_peers": sum(self._replica_counts()), **step_figures(results, cfg.num_stages),
                       **commit_figures(commits, cfg.num_stages)}
             if self._groups_on():  # stage groups: replicas per stage, and the microbatches each computed
-                record["live_peers"] = sum(self._replica_counts())
                 record["replicas"] = self._replica_counts()
                 record["replica_microbatches"] = [results.get(s, {}).get("replica_microbatches")
                                                   for s in range(cfg.num_stages)]

@@ -24,6 +24,7 @@ import datetime
 import logging
 import math
 import time
+from collections import Counter
 
 from checkfree.groups import hop_table, move, slowest, stage_load
 from checkfree.net.addresses import listen_ips
@@ -43,7 +44,7 @@ class GroupsMixin:
     def _init_groups(self) -> None:
         self.extra: dict[int, list[str]] = {}  # stage -> its replicas beyond the primary (stage_peer)
         self.speeds: dict[str, float] = {}  # peer -> microbatches per second of computing, last measured
-        self.group_gen: dict[int, int] = {}  # stage -> generation of its membership (a new gloo group each)
+        self.group_gen: Counter[int] = Counter()  # stage -> generation of its membership (a new gloo group each)
         self.group_counts = {"replicas_lost": 0, "rerouted_microbatches": 0, "replicas_joined": 0}
         self._store = None  # the TCPStore the groups' gloo collectives meet at (made on first use)
         self._store_addr = ""
@@ -71,14 +72,18 @@ class GroupsMixin:
         m = self.members.get(pid)
         return m.stage if m is not None else -1
 
-    def _drop_replica(self, stage: int, pid: str, reason: str) -> None:
-        """`pid` no longer serves `stage`; a sibling remains (it becomes the primary if `pid` was)."""
-        group = self._group(stage)
-        rest = [p for p in group if p != pid]
+    def _leave_group(self, stage: int, pid: str) -> list[str]:
+        """Take `pid` out of `stage`'s group (a sibling remains: the primary if `pid` was); the replicas left."""
+        rest = [p for p in self._group(stage) if p != pid]
         self.stage_peer[stage], self.extra[stage] = rest[0], rest[1:]
+        self.group_gen[stage] += 1
+        return rest
+
+    def _drop_replica(self, stage: int, pid: str, reason: str) -> None:
+        """`pid` no longer serves `stage`: it is lost, left or retired."""
+        rest = self._leave_group(stage, pid)
         self.members[pid].stage = -1
         self.members[pid].leaving = True
-        self.group_gen[stage] = self.group_gen.get(stage, 0) + 1
         self.group_counts["replicas_lost"] += 1
         self._event("replica_lost", step=self.step, stage=stage, peer_id=pid, reason=reason, replicas=len(rest))
 
@@ -92,9 +97,7 @@ class GroupsMixin:
         m = self.cfg.train.num_microbatches
         stage = max(big, key=lambda s: (len(groups[s]), -stage_load(m, groups[s], self.speeds), -s))
         pid = groups[stage][-1]
-        rest = [p for p in groups[stage] if p != pid]
-        self.stage_peer[stage], self.extra[stage] = rest[0], rest[1:]
-        self.group_gen[stage] = self.group_gen.get(stage, 0) + 1
+        rest = self._leave_group(stage, pid)
         self._event("replica_moved", step=step, stage=stage, peer_id=pid, to_stage=lost, replicas=len(rest))
         self._status(f"no standby: replica {pid[:12]} of stage {stage} leaves its group to rebuild stage {lost}")
         return pid
@@ -138,10 +141,9 @@ class GroupsMixin:
                 stage = slowest(groups, m, self.speeds)
             else:
                 return
-            if not await self._add_replica(stage, standbys[0]):
-                continue
+            await self._add_replica(stage, standbys[0])  # (one that fails to join is no standby any more)
 
-    async def _add_replica(self, stage: int, pid: str) -> bool:
+    async def _add_replica(self, stage: int, pid: str) -> None:
         """`pid` joins `stage`'s group with a copy of the primary's exact state."""
         source = self.stage_peer[stage]
         t0 = time.perf_counter()
@@ -153,17 +155,16 @@ class GroupsMixin:
             log.warning("stage %d's new replica %s failed to join: %s", stage, pid, e)
             self.reported.add(pid)
             self.members[pid].leaving = True
-            return False
+            return
         self.members[pid].stage = stage
         self.extra.setdefault(stage, []).append(pid)
-        self.group_gen[stage] = self.group_gen.get(stage, 0) + 1
+        self.group_gen[stage] += 1
         self.group_counts["replicas_joined"] += 1
         self._event("replica_joined", step=self.step, stage=stage, peer_id=pid, source=source,
                     bytes=reply.get("bytes", 0), join_s=round(time.perf_counter() - t0, 6),
                     replicas=len(self._group(stage)))
         self._status(f"peer {pid[:12]} joined stage {stage}'s group ({len(self._group(stage))} replicas), "
                      f"copied from {source[:12]}")
-        return True
 
     # ---- a group step --------------------------------------------------------------------
     def _store_address(self) -> str:
@@ -277,8 +278,8 @@ class GroupsMixin:
         load = {p: sum(1 for row in hops if p in row) / max(self.speeds.get(p, 1.0), 1e-9) for p in siblings}
         to = min(siblings, key=lambda p: (load[p], siblings.index(p)))
         moved = move(hops, dead, to)
-        groups[stage] = siblings
         self._drop_replica(stage, dead, "lost mid-step")
+        groups[stage] = siblings
         self.reported.discard(dead)
         self.group_counts["rerouted_microbatches"] += len(moved)
         self._rerouting[to] = (stage, time.perf_counter())
@@ -307,7 +308,7 @@ class GroupsMixin:
         store = self._store_address() if any(len(g) > 1 for g in groups.values()) else ""
         calls = {}
         for s, g in groups.items():
-            gen = self.group_gen.get(s, 0)
+            gen = self.group_gen[s]
             victim = next((p for p in g if self._die_in_reduce.get(p) == step), None)
             for rank, pid in enumerate(g):
                 h = {"step": step, "attempt": attempt, "store": store, "prefix": f"{self.opts.run_id}/s{s}/g{gen}/",
@@ -326,7 +327,7 @@ class GroupsMixin:
             return True, []
         log.warning("step %d: the gradient reduce failed on %s", step, ", ".join(p[:12] for p in failed))
         for s in {s for s, g in groups.items() if set(g) & set(failed)}:  # a new gloo group: the old one is broken
-            self.group_gen[s] = self.group_gen.get(s, 0) + 1
+            self.group_gen[s] += 1
         return False, [p for p in failed if not await self._alive(p)]
 
     def _merge(self, replies: dict[str, dict], groups: dict[int, list[str]],

@@ -40,7 +40,7 @@ class RecoveryMixin:
                 if p is not None:
                     self.members[p].stage = -1
                     self.members[p].leaving = True
-            self.group_gen[s] = self.group_gen.get(s, 0) + 1
+            self.group_gen[s] += 1
             self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
         await self._retire()
         if self.strategy.swarm_rollback:
