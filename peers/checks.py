@@ -161,7 +161,7 @@ def check_hop(run: StepRun, header: dict, stage: int, me: str | None = None) -> 
     if run.routes[mb][idx].stage != stage:
         raise ProtocolError(f"microbatch {mb} hop {idx} belongs to stage {run.routes[mb][idx].stage}, "
                             f"not to this peer's stage {stage}")
-    if run.hops is not None and me is not None and run.hops[mb][idx] != me:
+    if run.grouped and me is not None and run.hops[mb][idx] != me:
         raise ProtocolError(f"microbatch {mb} hop {idx} is computed by replica {run.hops[mb][idx]} of stage "
                             f"{stage}, not by this peer")
     return mb, idx
@@ -190,7 +190,7 @@ def check_sender(run: StepRun, peer: object, mb: int, idx: int) -> None:
     """Activations and gradients of a step are accepted only from the peer that this step's table
     lists for the sending hop: a retired peer (partitioned, replaced) is refused even if it holds the
     run token."""
-    expect = run.peer(mb, idx) if run.hops is not None else run.peers.get(run.routes[mb][idx].stage)
+    expect = run.peer(mb, idx) if run.grouped else run.peers.get(run.routes[mb][idx].stage)
     if str(peer) != expect:
         raise ProtocolError(f"peer {peer} does not serve stage {run.routes[mb][idx].stage} in step {run.step} "
                             f"attempt {run.attempt}")

@@ -56,7 +56,7 @@ class StageGroup:
         """Move the lost replica's (`dead`) hops of `mbs` to `to`; if that is this peer, redo them and answer
         once they are done (their losses, for a head stage)."""
         run = await self.steps.current(header["step"], header["attempt"])
-        if run.hops is None:
+        if not run.grouped:
             raise ProtocolError("REROUTE of a step without stage groups")
         dead, to, mbs = header["dead"], header["to"], header["mbs"]
         if not all(isinstance(mb, int) and 0 <= mb < len(run.hops) for mb in mbs):
@@ -106,7 +106,7 @@ class StageGroup:
     async def on_get_pass(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """The activation this peer sent on for microbatch `mb` (waiting until it has computed it)."""
         run = await self.steps.current(header["step"], header["attempt"])
-        if run.hops is None:
+        if not run.grouped:
             raise ProtocolError("GET_PASS of a step without stage groups")
         mb, idx = check_hop(run, header, self.hosted.index, self.net.me)
         try:
@@ -128,14 +128,14 @@ class StageGroup:
         t0 = time.perf_counter()
         nbytes = await self.compute.run(self._reduce, run, header)
         reduce_s = time.perf_counter() - t0
-        if self.hosted.plus:
-            worker = self.hosted.worker
+        worker = self.hosted.worker
+        if self.hosted.plus:  # the group's sums, which the partner stage's COMPONENT_GRAD waits for
             run.component_grads = {c: worker.component_grad(c) for c in worker.components}
-            run.reduced.set()
+        run.reduced.set()
+        if self.hosted.plus:
             await self.passes._sync_components(run)
             if run.error is not None:
                 raise StepFailed(run.error, run.kind)
-        run.reduced.set()
         return {"reduce_s": round(reduce_s, 6), "reduce_bytes": nbytes}, []
 
     def _reduce(self, run: StepRun, header: dict) -> int:

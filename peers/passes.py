@@ -70,7 +70,6 @@ class Passes:
                       {int(k): str(v) for k, v in header["peers"].items()}, routes, remaining=len(routes))
         if header.get("hops") is not None:  # a stage group: this peer computes the microbatches the table gives it
             run.hops, run.groups = check_hops(header, routes), check_groups(header)
-            run.grouped = True
             run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
@@ -210,12 +209,13 @@ class Passes:
                 self._mb_done(run)
                 return
             out = await self._guarded_forward(key, x, hop, targets)
-            run.event("forward", mb).set()
+            if run.grouped:  # (a redo's backward may be waiting for it)
+                run.event("forward", mb).set()
             self.debug.computed(run)  # chaos: a replica's death in the middle of a step
             if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
                 self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:
-                if run.hops is not None:  # kept for a sibling's redo, should the next hop's replica be lost
+                if run.grouped:  # kept for a sibling's redo, should the next hop's replica be lost
                     run.sent[mb] = out
                     run.event("sent", mb).set()
                 await self._send(run, mb, idx + 1, RPC.FORWARD, out)
@@ -248,12 +248,12 @@ class Passes:
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
         run.backwarded.add(mb)
         try:
-            if run.hops is not None and not run.event("forward", mb).is_set():
+            if run.grouped and not run.event("forward", mb).is_set():
                 # a redo: the next hop's replica sent its gradient before this peer recomputed the forward
                 await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
             grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
                                               (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
-            if run.hops is not None:  # kept for a sibling's redo, should the previous hop's replica be lost
+            if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost
                 run.sent_grad[mb] = grad_in
             self._mb_done(run)
             if idx == 0 and self.hosted.cfg.train.schedule == "1f1b":

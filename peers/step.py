@@ -53,7 +53,6 @@ class StepRun:
     # stage groups (several replicas per stage; None/empty: one peer per stage, as `peers` says)
     hops: list[list[str]] | None = None  # the peer of every hop of every microbatch (moved by REROUTE)
     groups: dict[int, list[str]] = field(default_factory=dict)  # stage -> its live replicas
-    grouped: bool = False  # the gradients are summed by REDUCE before COMMIT (the component sync comes after it)
     mine: set[int] = field(default_factory=set)  # the microbatches this peer computes
     started: set[int] = field(default_factory=set)  # ...whose forward has started here
     backwarded: set[int] = field(default_factory=set)  # ...whose backward has started here
@@ -64,9 +63,15 @@ class StepRun:
     reduced: asyncio.Event = field(default_factory=asyncio.Event)
     computing_s: float = 0.0  # the compute thread's busy seconds during this attempt (the replica's speed)
 
+    @property
+    def grouped(self) -> bool:
+        """A stage-group step: the gradients are summed by REDUCE before COMMIT (the component sync comes after
+        it), and what this peer sent is kept for a sibling's redo."""
+        return self.hops is not None
+
     def peer(self, mb: int, idx: int) -> str:
         """The peer of hop `idx` of microbatch `mb`."""
-        return self.hops[mb][idx] if self.hops is not None else self.peers[self.routes[mb][idx].stage]
+        return self.hops[mb][idx] if self.grouped else self.peers[self.routes[mb][idx].stage]
 
     def event(self, kind: str, mb: int) -> asyncio.Event:
         return self.events.setdefault((kind, mb), asyncio.Event())
@@ -81,7 +86,7 @@ class StepRun:
         out = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
         # this peer's speed: the microbatches it computed and its compute thread's busy seconds
-        out.update(microbatches=len(self.mine) if self.hops is not None else len(self.routes),
+        out.update(microbatches=len(self.mine) if self.grouped else len(self.routes),
                    computing_s=round(self.computing_s, 6))
         if self.arrivals:
             out["hop_delay_s"] = {str(s): round(sum(d) / len(d), 6) for s, d in sorted(self.arrivals.items())}

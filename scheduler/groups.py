@@ -185,7 +185,7 @@ class GroupsMixin:
         that is not a lost replica); its failures are noted for `_detect`."""
         groups = {s: self._group(s) for s in range(self.cfg.num_stages)}
         hops = hop_table(header["routes"], groups, self.speeds)
-        base = {**header, "hops": hops, "groups": {str(s): g for s, g in groups.items()}, "grouped": True}
+        base = {**header, "hops": hops, "groups": {str(s): g for s, g in groups.items()}}
         replies: dict[str, dict] = {}
         tasks: dict[asyncio.Task, str] = {}
         for pid in (p for g in groups.values() for p in g):
