@@ -112,6 +112,11 @@ class TrainConfig:
     # swarm: standbys kept for whole-stage recoveries; the rest join the slowest stage's group (None: keep all)
     reserve: int | None = None
 
+    @property
+    def stage_groups(self) -> bool:
+        """Whether a swarm run uses stage groups (its metrics, summary and replicas' dumps carry their figures)."""
+        return self.replicas > 1 or self.reserve is not None
+
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"train.replicas must be >= 1, got {self.replicas}")

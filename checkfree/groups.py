@@ -23,10 +23,18 @@ def check_swarm_groups(cfg) -> None:
     from checkfree.strategies.averaging import AveragingStrategy
 
     t = cfg.train
-    if (t.replicas > 1 or t.reserve is not None) and not isinstance(build_strategy(cfg), AveragingStrategy):
+    if t.stage_groups and not isinstance(build_strategy(cfg), AveragingStrategy):
         raise ValueError(f"stage groups (--replicas {t.replicas}, --reserve {t.reserve}) run in the swarm with the "
                          f"averaging strategies (checkfree, checkfree+, uniform, copy, random); "
                          f"{cfg.recovery.strategy} keeps one peer per stage")
+
+
+def _speeds(replicas: Sequence[str], speeds: Mapping[str, float] | None) -> dict[str, float]:
+    """Each replica's speed; an unknown or non-positive one counts as the mean of the known (1.0 when none is)."""
+    speeds = speeds or {}
+    known = [speeds[r] for r in replicas if speeds.get(r, 0) > 0]
+    mean = sum(known) / len(known) if known else 1.0
+    return {r: speeds[r] if speeds.get(r, 0) > 0 else mean for r in replicas}
 
 
 def spread(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, float] | None = None) -> list[str]:
@@ -36,9 +44,7 @@ def spread(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, 
     of the known ones (all equal when none is known)."""
     if not replicas:
         raise ValueError("a stage group needs at least one replica")
-    known = [v for r, v in (speeds or {}).items() if r in replicas and v > 0]
-    mean = sum(known) / len(known) if known else 1.0
-    w = {r: (speeds or {}).get(r, 0.0) if (speeds or {}).get(r, 0.0) > 0 else mean for r in replicas}
+    w = _speeds(replicas, speeds)
     counts = dict.fromkeys(replicas, 0)
     order = {r: i for i, r in enumerate(replicas)}
     out = []
@@ -70,11 +76,9 @@ def move(hops: list[list[str]], dead: str, to: str) -> list[int]:
 def stage_load(num_microbatches: int, replicas: Sequence[str], speeds: Mapping[str, float]) -> float:
     """Seconds a stage group needs for a step's microbatches: M over the sum of its replicas' speeds (unknown
     speeds: the mean of the known)."""
-    known = [speeds[r] for r in replicas if speeds.get(r, 0) > 0]
-    if not known:
-        return float(num_microbatches) / max(len(replicas), 1)
-    mean = sum(known) / len(known)
-    return num_microbatches / sum(speeds[r] if speeds.get(r, 0) > 0 else mean for r in replicas)
+    if not replicas:
+        return float(num_microbatches)
+    return num_microbatches / sum(_speeds(replicas, speeds).values())
 
 
 def slowest(groups: Mapping[int, Sequence[str]], num_microbatches: int, speeds: Mapping[str, float]) -> int:

@@ -233,8 +233,7 @@ class PeerDaemon:
         if run_ended and self.membership.run_finished:  # a retry of the same message (e.g. after a partition healed)
             return {"ok": True}, []
         if self.hosted.worker is not None and self.opts.dump_dir:
-            t = self.hosted.cfg.train
-            tag = f"-{self.membership.me}" if t.replicas > 1 or t.reserve is not None else ""  # a stage group's
+            tag = f"-{self.membership.me}" if self.hosted.cfg.train.stage_groups else ""  # a stage group's replica
             await self.compute.run(self.debug.dump_final, self.hosted.worker, self.hosted.omega, tag)
         if run_ended:
             self.membership.run_finished = True

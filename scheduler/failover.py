@@ -103,9 +103,8 @@ class FailoverMixin:
         lagging = []
         for stage, hs in sorted(holders.items()):
             hs.sort(key=lambda x: -x[1]["next_step"])
-            groups = cfg.train.replicas > 1 or cfg.train.reserve is not None
             for pid, r in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
-                if groups and r["next_step"] == step == hs[0][1]["next_step"]:  # a stage group's replica
+                if cfg.train.stage_groups and r["next_step"] == step == hs[0][1]["next_step"]:  # a stage group's replica
                     self.members[pid].stage = stage
                     self.extra.setdefault(stage, []).append(pid)
                 else:

@@ -63,7 +63,7 @@ class GroupsMixin:
 
     def _groups_on(self) -> bool:
         """Whether the run uses stage groups at all (its metrics and summary carry their figures)."""
-        return self.cfg.train.replicas > 1 or self.cfg.train.reserve is not None or self._grouped()
+        return self.cfg.train.stage_groups or self._grouped()
 
     def _replica_counts(self) -> list[int]:
         return [len(self._group(s)) for s in range(self.cfg.num_stages)]
