@@ -279,23 +279,17 @@ class StageWorker:
 
     def component_grad(self, comp: str) -> Tensor:
         """This holder's accumulated gradient of a replicated component, flattened."""
-        mod = getattr(self.module, comp)
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in mod.parameters()])
+        return _flat_grads(list(getattr(self.module, comp).parameters()))
 
     def set_component_grad(self, comp: str, flat: Tensor) -> None:
-        offset = 0
-        for p in getattr(self.module, comp).parameters():
-            n = p.numel()
-            p.grad = flat[offset: offset + n].view_as(p).to(p.device, p.dtype).clone()
-            offset += n
+        _set_grads(list(getattr(self.module, comp).parameters()), flat)
 
     def flat_grad(self) -> Tensor:
         """Every parameter's accumulated gradient (zeros where none), flattened into one float32 vector in
         parameter order, then one value per parameter, 1 where it has a gradient: what the replicas of a stage
         sum (peers/groups.py). A parameter no replica has a gradient for keeps none (Adam skips it)."""
         params = list(self.module.parameters())
-        return torch.cat([*((p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
-                            for p in params),
+        return torch.cat([_flat_grads(params).detach().float(),
                           torch.tensor([float(p.grad is not None) for p in params], device=self.device)])
 
     def set_flat_grad(self, flat: Tensor) -> None:
@@ -305,12 +299,7 @@ class StageWorker:
         if flat.numel() != total + len(params):
             raise ValueError(f"a flat gradient of {flat.numel()} values for stage {self.index}'s "
                              f"{total} + {len(params)}")
-        has = flat[total:].tolist()
-        offset = 0
-        for p, h in zip(params, has):
-            n = p.numel()
-            p.grad = flat[offset: offset + n].view_as(p).to(p.device, p.dtype).clone() if h else None
-            offset += n
+        _set_grads(params, flat, [bool(h) for h in flat[total:].tolist()])
 
     def step(self, step: int) -> StepStats:
         """Clip each group, apply Adam, and report the main group's gradient norms."""
@@ -360,6 +349,22 @@ class StageWorker:
         self._saved.clear()
         self._held.clear()
         self._peak = InFlightPeak()
+
+
+def _flat_grads(params: list[torch.nn.Parameter]) -> Tensor:
+    """The parameters' accumulated gradients (zeros where none), flattened into one vector in their order."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def _set_grads(params: list[torch.nn.Parameter], flat: Tensor, present: list[bool] | None = None) -> None:
+    """Each parameter's gradient from its slice of `flat` (the layout of `_flat_grads`); none where `present`
+    says so."""
+    offset = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        keep = present is None or present[i]
+        p.grad = flat[offset: offset + n].view_as(p).to(p.device, p.dtype).clone() if keep else None
+        offset += n
 
 
 def _note_storage(held: dict[int, int], t: Tensor) -> None:
