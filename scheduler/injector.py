@@ -114,20 +114,17 @@ class ChaosMixin:
             self._partitioned.append(pid)
         for action, schedule in (("kill", self.opts.chaos), ("crash", self.opts.crash)):
             for stage, pid in self._scheduled(schedule, step):  # crash: the training process alone
-                group = self._group(stage)
+                group, whole = self._group(stage), {}
                 if action == "kill" and len(group) > 1:  # a stage group: one replica mid-step, or all of them now
                     if not schedule.all_of(step, stage):
                         self._arm_replica_kill(step, stage, group[-1], "step")
                         continue
-                    for p in group[1:]:
-                        await self._ask(action, step=step, stage=stage, peer=p)
-                        self._event(f"chaos_{action}", step=step, stage=stage, peer_id=p, whole_group=True)
-                        await self._wait_dead(p)
-                        self.reported.add(p)
-                await self._ask(action, step=step, stage=stage, peer=pid)
-                self._event(f"chaos_{action}", step=step, stage=stage, peer_id=pid)
-                await self._wait_dead(pid)
-                self.reported.add(pid)
+                    whole = {"whole_group": True}
+                for p in group[::-1] if whole else [pid]:
+                    await self._ask(action, step=step, stage=stage, peer=p)
+                    self._event(f"chaos_{action}", step=step, stage=stage, peer_id=p, **whole)
+                    await self._wait_dead(p)
+                    self.reported.add(p)
         for stage, _ in self._scheduled(self.opts.reduce_kills, step):
             if len(group := self._group(stage)) > 1:
                 self._arm_replica_kill(step, stage, group[-1], "reduce")
