@@ -63,8 +63,8 @@ class HostedStage:
         resolve_device(cfg.train.device)
         strategy = build_strategy(cfg)
         self.plus = strategy.plus
-        self.redundant = strategy.swarm_replicas
-        self.companion = strategy.snapshot_companion
+        self.redundant = strategy.peer_service == "replicas"
+        self.companion = strategy.peer_service == "companion"
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
 

@@ -10,11 +10,10 @@ from checkfree.failures import FailureSchedule
 from checkfree.net.transport import RemoteError, TransportError
 from checkfree.protocol import Timeouts
 
-__all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS", "ROLLBACK_STRATEGIES",
+__all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS",
            "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures", "COMMIT_FIGURES", "commit_figures"]
 
 CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
-ROLLBACK_STRATEGIES = ("checkpoint", "gemini")  # rollback strategies that run for real in the swarm
 
 
 class Rollback(Exception):

@@ -41,6 +41,7 @@ from checkfree.costmodel import CostModel
 from checkfree.groups import check_swarm_groups
 from checkfree.model import plan_stages
 from checkfree.pipeline import evaluates_after
+from checkfree.plans import Copies
 from checkfree.net.transport import (
     dht_maddrs,
     rpc_note,
@@ -53,7 +54,6 @@ from checkfree.rundir import RunWriter
 from checkfree.steprules import Commit, SoftErrorRule, apply_commits
 from checkfree.strategies.base import Figures
 from checkfree.wan import WanEmulator
-from scheduler.backups import BackupsMixin
 from scheduler.common import (
     CoordinatorAlive,
     CoordinatorOptions,
@@ -67,8 +67,8 @@ from scheduler.groups import GroupsMixin
 from scheduler.injector import ChaosMixin
 from scheduler.membership import MembershipMixin
 from scheduler.outputs import OutputsMixin
+from scheduler.protection import ProtectionMixin
 from scheduler.recovery import RecoveryMixin
-from scheduler.replicas import ReplicasMixin
 from scheduler.steps import StepsMixin
 
 __all__ = ["CoordinatorOptions", "Coordinator", "CoordinatorAlive", "Member"]
@@ -76,7 +76,7 @@ __all__ = ["CoordinatorOptions", "Coordinator", "CoordinatorAlive", "Member"]
 log = logging.getLogger(__name__)
 
 
-class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, ReplicasMixin, BackupsMixin, OutputsMixin,
+class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, ProtectionMixin, OutputsMixin,
                   FailoverMixin, ChaosMixin):
     def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
         """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
@@ -111,20 +111,8 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
         self.cfg = cfg
         opts = self.opts
         from checkfree.strategies import build_strategy
-        from checkfree.strategies.averaging import AveragingStrategy
 
-        name = cfg.recovery.strategy
         self.strategy = build_strategy(cfg)
-        swarm_replicas = self.strategy.swarm_replicas
-        if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback or swarm_replicas):
-            raise ValueError(f"strategy {name!r} runs in the simulator only: it has no distributed implementation")
-        if swarm_replicas and cfg.strategy.storage_fallback:
-            raise ValueError(f"{name} in the swarm: when a replica and its holder are lost together it applies "
-                             f"--fallback; --storage-fallback runs in the simulator only")
-        if self.strategy.snapshots_in_memory and self.strategy.when_all_copies_lost() not in ("checkpoint", "abort"):
-            raise ValueError(f"{name} in the swarm: when every holder of a snapshot is lost it rolls back to storage "
-                             f"(--storage-fallback yes) or aborts; --fallback {cfg.recovery.fallback} runs in the "
-                             f"simulator only")
         check_swarm_groups(cfg)
         self.plus = self.strategy.plus
         if cfg.train.wan:  # checked now (an unknown profile is an error before any peer starts), shown once
@@ -132,11 +120,9 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
                 print(f"emulated WAN {cfg.train.wan}: {line}", flush=True)
         self.cost = CostModel(cfg)  # the strategies' choices that depend on links (a snapshot's source)
         self.figures = Figures()  # what fault tolerance cost this run, measured: summary.json, as the simulator's
-        self.snap_step = 0  # gemini, baft: step of the last complete in-memory snapshot / backup
+        self.copies = Copies()  # the snapshots, backups and checkpoints that exist, by stage (checkfree.plans)
         self._backup_peers: dict[int, tuple[str, str]] = {}  # baft: stage -> (its peer, its backup holder's)
         self.companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address
-        self.snap_holders: dict[int, dict[int, str]] = {}  # stage -> {holder stage: peer holding its snapshot}
-        self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
         self._chaos_done: set[int] = set()
         self._recovery_killed: set[int] = set()
@@ -280,8 +266,8 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
             if not (self.opts.takeover or self.opts.standby):
                 await self._fill_initial(saved)
                 await self._fill_groups()
-                if self.strategy.swarm_replicas:  # redundant: every predecessor's replica
-                    await self._replicate(set(range(self.cfg.num_stages)), self.step)
+                for item in self.strategy.protection_at_start():  # redundant: every predecessor's replica
+                    await self._protect_item(item, self.step)
                 if saved is not None:
                     self._event("resume", step=self.step)
                     self._status(f"resumed run at step {self.step} from {self.opts.out}/saves")

@@ -202,10 +202,9 @@ class FailoverMixin:
                 by_step.setdefault(int(st), {}).setdefault(int(stage), {})[int(r["stage"])] = pid
         full = [st for st, hs in by_step.items() if len(hs) == self.cfg.num_stages]
         if full:
-            self.snap_step = max(full)
-            self.snap_holders = by_step[self.snap_step]
+            self.copies.taken(max(full), by_step[max(full)])
         complete = [st for st in storage.complete_steps(self.storage_dir) if st <= self.step]
-        self.ckpt_step = max(complete, default=0)
+        self.copies.storage_step = max(complete, default=0)
 
     def _record_missing_step(self, step: int, replies: dict[str, dict], metrics: Path | None) -> bool:
         """The step the old coordinator committed but did not record (it died in between):

@@ -234,6 +234,7 @@ class MembershipMixin:
             return False
         self.members[new].stage, self.stage_peer[stage] = stage, new
         self.members[pid].stage = -1
+        self.copies.lose({stage})  # the copies the leaving peer held leave with it
         self.norms[stage] = float(reply.get("omega", self.norms[stage]))
         self._event("handover", step=self.step, stage=stage, strategy=self.cfg.recovery.strategy, source_peer=pid,
                     peer_id=new, bytes=reply.get("bytes", 0), handover_s=round(time.perf_counter() - t0, 6))

@@ -42,6 +42,9 @@ CASES: dict[str, tuple[list[tuple[int, int, bool]], dict]] = {
                                                                     "storage_fallback": True}),
     "reft/storage": ([(3, 0, True), (3, 1, True)], {"snapshot_every": 2, "checkpoint_every": 2,
                                                      "storage_fallback": True, "reft_group": 2}),
+    # ...or the declared fallback once the others rolled back (the swarm refused it before the plans)
+    "gemini/copy": ([(3, 0, True), (3, 1, True)], {"snapshot_every": 2, "fallback": "copy"}),
+    "redundant/storage": ([(3, 1, True), (3, 2, True)], {"checkpoint_every": 2, "storage_fallback": True}),
     # stage groups (two replicas per stage): a replica lost (no recovery), then a whole group (CheckFree)
     "groups": ([(2, 1, False), (3, 2, True)], {"replicas": 2}),
 }
@@ -67,19 +70,7 @@ def decided(out: Path) -> list[dict]:
         for e in events]
 
 
-# where the two runtimes disagree before the recovery plans (issue 29): each case is expected to fail until then
-DISAGREE = {
-    "gemini": "the swarm names the holder's peer id as `source`, the simulator its stage",
-    "baft": "the swarm names the holder's peer id as `source`, the simulator its stage",
-    "reft": "the swarm's `source` is 'parity', the simulator's the lost stage itself",
-    "checkfree+snap": "the swarm reports a restored stage's `edge_sources`, the simulator does not",
-    "gemini/storage": "the swarm writes a 'fallback' event for the storage fallback and names peer ids",
-    "reft/storage": "the swarm writes a 'fallback' event for the storage fallback, the simulator does not",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=DISAGREE[n], strict=True))
-                                  if n in DISAGREE else n for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_the_simulator_and_the_swarm_decide_every_recovery_alike(tiny_cfg, tmp_path, name):
     trace, changes = CASES[name]
     cfg = _cfg(tiny_cfg, name, changes)
