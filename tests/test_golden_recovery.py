@@ -31,6 +31,7 @@ CASES: dict[str, tuple[list[tuple[int, int, bool]], dict]] = {
     "uniform": ([(2, 2, True)], {}),
     "copy": ([(2, 1, True)], {}),
     "random": ([(2, 2, True), (3, 0, True)], {}),
+    "identity": ([(2, 1, True), (2, 2, True)], {}),  # adjacent losses: identity reads no neighbour
     "checkpoint": ([(3, 1, True), (5, 2, True)], {"checkpoint_every": 2}),
     "redundant": ([(2, 1, True), (4, 2, True), (4, 3, True)], {"fallback": "copy"}),  # 3's holder 2 lost too
     "gemini": ([(3, 1, True), (5, 2, True)], {"snapshot_every": 2}),

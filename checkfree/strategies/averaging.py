@@ -1,8 +1,8 @@
-"""CheckFree, CheckFree+ and the ablations (uniform, copy, random) as strategies.
+"""CheckFree, CheckFree+ and the ablations (uniform, copy, random, identity) as strategies.
 
 Their plan rebuilds every lost stage from its live neighbours (`checkfree.recovery.plan_recovery`); a stage the
 rule cannot rebuild (an edge stage under plain CheckFree, two adjacent losses) gets the declared fallback
-(``recovery.fallback`` = random | copy | abort). Nothing is stored, so nothing is due after a step.
+(``recovery.fallback`` = random | copy | identity | abort). Nothing is stored, so nothing is due after a step.
 """
 
 from __future__ import annotations
