@@ -31,8 +31,8 @@ from checkfree.recovery import Neighbours, UnrecoverableFailure, plan_recovery
 
 __all__ = ["Own", "Neighbours", "Holder", "Storage", "Parity", "Replica", "Init", "Source", "Fallback",
            "RecoveryPlan", "Failure", "Copies", "Snapshot", "ParitySnapshot", "Checkpoint", "BackupStart",
-           "BackupPart", "BackupSeal", "RefreshReplicas", "TakeReplicas", "Protect", "rollback_plan", "fallback_rebuilds", "plan_events",
-           "abort_if_unrecoverable"]
+           "BackupPart", "BackupSeal", "RefreshReplicas", "TakeReplicas", "Protect", "rollback_plan",
+           "fallback_rebuilds", "plan_events", "rebuild_fields", "abort_if_unrecoverable"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,10 @@ class Copies:
     def taken(self, step: int, holders: dict[int, Iterable[int]]) -> None:
         """Complete in-memory copies of every stage as of `step`, held by the peers of `holders[stage]`."""
         self.step, self.held = step, {s: frozenset(hs) for s, hs in holders.items()}
+
+    def checkpointed(self, step: int) -> None:
+        """Every stage's checkpoint of `step` is complete in storage."""
+        self.storage_step = step
 
     def lose(self, failed: Iterable[int]) -> None:
         """The peers of `failed` are gone, and the copies they held with them."""

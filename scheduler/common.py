@@ -90,10 +90,11 @@ class CoordinatorOptions:
 
 @dataclass
 class Member:
+    """A peer of the run, as membership knows it (which stage it serves is the stage table's: StageTable)."""
+
     peer_id: str
     joined: float
-    stage: int = -1
-    leaving: bool = False
+    leaving: bool = False  # failed, lost or retiring: never given a stage again
     handover: bool = False  # leaving gracefully, waiting to hand its exact state to a standby
     left: bool = False  # it announced its leave (LEAVE), rather than being retired or lost
     observer: bool = False  # joined to read (export), never assigned a stage

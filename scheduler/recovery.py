@@ -11,58 +11,70 @@ protection due after it (`plan.then`) is taken; a rollback ends in `Rollback`, w
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
+from checkfree.config import RunConfig
 from checkfree.plans import (Failure, Holder, Init, Own, Parity, RecoveryPlan, Replica, Source, Storage,
                              abort_if_unrecoverable, plan_events)
 from checkfree.protocol import RPC, plan_to_wire
 from checkfree.recovery import Neighbours
+from checkfree.strategies import Strategy
 from scheduler.common import CALL_ERRORS, Rollback
+from scheduler.membership import Membership
+from scheduler.outputs import Outputs
+from scheduler.placement import Placement
+from scheduler.protection import Protection
+from scheduler.rpc import Rpc
+from scheduler.stage_table import StageTable
 
-__all__ = ["RecoveryMixin"]
+__all__ = ["Recovery"]
 
 log = logging.getLogger("scheduler.coordinator")
 
 
-class RecoveryMixin:
-    """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
+class Recovery:
+    """Carries out the strategy's recovery plans on the peers."""
 
-    async def _recover(self, step: int, failed: set[int]) -> None:
+    def __init__(self, cfg: RunConfig, strategy: Strategy, rpc: Rpc, table: StageTable, membership: Membership,
+                 placement: Placement, protection: Protection, outputs: Outputs,
+                 replacement_fields: Callable[[str, int], Awaitable[dict]]) -> None:
+        self.cfg, self.strategy, self.rpc, self.table = cfg, strategy, rpc, table
+        self.members, self.placement, self.protection, self.out = membership, placement, protection, outputs
+        self.t = rpc.t
+        self.replacement_fields = replacement_fields  # (peer, stage) -> fields a fault injector adds (none in production)
+
+    async def recover(self, step: int, failed: set[int]) -> None:
+        """Recover `failed` at the start of `step` by the strategy's plan; raises Rollback after a rollback."""
         t0 = time.perf_counter()
         try:
-            await self._recover_stages(step, failed)
+            await self._recover(step, failed)
         finally:  # from detection to the recovered (or rolled back) pipeline, measured
-            self._charge(recovery_s=time.perf_counter() - t0)
+            self.out.charge(recovery_s=time.perf_counter() - t0)
 
-    async def _recover_stages(self, step: int, failed: set[int]) -> None:
+    async def _recover(self, step: int, failed: set[int]) -> None:
         strategy = self.cfg.recovery.strategy
         detected = time.time()
         for s in sorted(failed):
-            pid = self.stage_peer.pop(s, None)
-            for p in [pid, *self.extra.pop(s, [])]:  # (a stage group is lost when every replica is)
-                if p is not None:
-                    self.members[p].stage = -1
-                    self.members[p].leaving = True
-            self.group_gen[s] += 1
-            self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
-        await self._retire()
+            gone = self.table.lose(s)  # (a stage group is lost when every replica is)
+            for p in gone:
+                self.members.drop(p)
+            self.out.event("failure", step=step, stage=s, strategy=strategy, peer_id=gone[0] if gone else None)
+        await self.members.retire()
         self.strategy.interrupted()
-        self.copies.lose(failed)
-        plan = self.strategy.recovery_plan(Failure(step, frozenset(failed), dataclasses.replace(self.copies)))
-        abort_if_unrecoverable(plan, strategy, self._event)
+        copies = self.protection.lost(failed)
+        plan = self.strategy.recovery_plan(Failure(step, frozenset(failed), copies))
+        abort_if_unrecoverable(plan, strategy, self.out.event)
         measured = await self._carry_out(plan, detected)
         coefficients = {s: dict(zip(src.sources, measured[s].pop("coefficients", [])))
                         for s, src in plan.rebuilt.items()}
         for name, fields in plan_events(plan, strategy, self.cfg.recovery.omega_scope, coefficients):
-            self._event(name, **fields, **(measured.get(fields["stage"], {}) if "method" in fields else {}))
-        self.copies.recovered(plan)
+            self.out.event(name, **fields, **(measured.get(fields["stage"], {}) if "method" in fields else {}))
         target = plan.rollback_to
-        for item in plan.then:
-            await self._protect_item(item, step if target is None else target)
+        await self.protection.recovered(plan, step if target is None else target)
         if target is not None:
-            self._charge(lost_steps=step - target)
+            self.out.charge(lost_steps=step - target)
             raise Rollback(target)
 
     async def _carry_out(self, plan: RecoveryPlan, detected: float) -> dict[int, dict]:
@@ -70,8 +82,8 @@ class RecoveryMixin:
         the rebuilds. What each failed stage's peer measured, by stage."""
         if plan.rollback_to is not None:
             live = {s: src for s, src in plan.copied.items() if s not in plan.failed}
-            await asyncio.gather(*(self._call(self.stage_peer[s], RPC.RESTORE, self._restore_header(plan, s, src),
-                                              self.t.step_timeout) for s, src in live.items()))
+            await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.RESTORE, self._restore_header(plan, s, src),
+                                                 self.t.step_timeout) for s, src in live.items()))
         measured = {}
         for s, src in plan.copied.items():
             if s in plan.failed:
@@ -86,48 +98,49 @@ class RecoveryMixin:
         if isinstance(src, Init):
             return {"step": 0, "source": "init"}
         if isinstance(src, Storage):
-            return {"step": src.step, "storage": self.storage_dir}
+            return {"step": src.step, "storage": self.protection.storage_dir}
         if isinstance(src, Own):
             return {"step": target, "source": None}
         if isinstance(src, Parity):  # (the lost member's companion may have survived its crash)
-            spec = {"group": [self.stage_peer.get(m, "") for m in src.group], "index": src.group.index(stage),
-                    **({"companion": self.companions[stage]} if stage in self.companions else {})}
+            spec = {"group": [self._peer(m) for m in src.group], "index": src.group.index(stage),
+                    **self.protection.companion(stage)}
             return {"step": src.step, "parity": spec}
-        header = {"step": src.step, "source": self.stage_peer[src.holder]}
+        header = {"step": src.step, "source": self.table.peer(src.holder)}
         if target is None:  # restored alone: serves from the failed step on, its components from the co-holders
-            header.update(serve_step=plan.step, edges={c: [d, self.stage_peer[d]] for c, d in src.edges.items()})
+            header.update(serve_step=plan.step, edges={c: [d, self.table.peer(d)] for c, d in src.edges.items()})
         return header
+
+    def _peer(self, stage: int) -> str:
+        return self.table.peer(stage) if stage in self.table.served() else ""
 
     async def _load(self, plan: RecoveryPlan, stage: int, src: Source) -> dict:
         """A standby takes failed `stage` with its copy: what it measured (the event's fields)."""
         if isinstance(src, Replica):
-            header = {"mode": "promote", "source": self.stage_peer[src.holder], "step": plan.step, "stage": stage}
+            header = {"mode": "promote", "source": self.table.peer(src.holder), "step": plan.step, "stage": stage}
         else:
             header = {"mode": "restore", **self._restore_header(plan, stage, src)}
         pid, reply, t0 = await self._assign_replacement(plan.step, stage, header, chaos=isinstance(src, Replica))
-        self.companions.pop(stage, None)  # (the replacement's own companion starts at the next snapshot)
-        self.norms[stage] = float(reply.get("omega", 0.0))
-        self._charge(bytes_moved=int(reply.get("bytes") or 0))
+        self.protection.replaced(stage)
+        self.out.charge(bytes_moved=int(reply.get("bytes") or 0))
         via = {"restored_from": reply["restored_from"]} if reply.get("restored_from") == "companion" else {}
-        self._status(f"stage {stage} recovery: {_describe(plan, src)} on peer {pid[-8:]}, "
-                     f"{time.perf_counter() - t0:.2f} s")
+        self.out.status(f"stage {stage} recovery: {_describe(plan, src)} on peer {pid[-8:]}, "
+                        f"{time.perf_counter() - t0:.2f} s")
         return {"peer_id": pid, "bytes": reply.get("bytes", 0), "recovery_time_s": round(time.perf_counter() - t0, 6),
                 **via}
 
     async def _rebuild(self, plan: RecoveryPlan, stage: int, src: Neighbours, detected: float) -> dict:
         """A standby rebuilds `stage` from its live neighbours' weights: what it measured (the event's fields)."""
-        sources = {str(s): self.stage_peer[s] for s in (*src.sources, *src.edge_sources.values())}
+        sources = {str(s): self.table.peer(s) for s in (*src.sources, *src.edge_sources.values())}
         pid, reply, t0 = await self._assign_replacement(
             plan.step, stage, {"mode": "recover", "plan": plan_to_wire(src), "sources": sources, "step": plan.step},
             chaos=True)
-        self.norms[stage] = 0.0
-        self._charge(bytes_moved=int(reply.get("bytes") or 0))
+        self.out.charge(bytes_moved=int(reply.get("bytes") or 0))
         took = time.perf_counter() - t0
         coeffs = "/".join(f"{c:.2f}" for c in reply.get("coefficients", []))
         edges = "".join(f", {c} copied from stage {h}" for c, h in src.edge_sources.items())
-        self._status(f"stage {stage} {'fallback' if plan.fallback and stage in plan.fallback.reasons else 'recovery'}: "
-                     f"{src.method} of stage(s) {', '.join(map(str, src.sources)) or '-'}"
-                     + (f" (coefficients {coeffs})" if coeffs else "") + f"{edges} on peer {pid[-8:]}, {took:.2f} s")
+        kind = "fallback" if plan.fallback and stage in plan.fallback.reasons else "recovery"
+        self.out.status(f"stage {stage} {kind}: {src.method} of stage(s) {', '.join(map(str, src.sources)) or '-'}"
+                        + (f" (coefficients {coeffs})" if coeffs else "") + f"{edges} on peer {pid[-8:]}, {took:.2f} s")
         return {"coefficients": reply.get("coefficients", []), "peer_id": pid, "norms": reply.get("norms", []),
                 "transfer_s": reply.get("transfer_s"), "rebuild_s": reply.get("rebuild_s"), "bytes": reply.get("bytes"),
                 "recovery_time_s": round(took, 6), "since_detection_s": round(time.time() - detected, 6)}
@@ -139,18 +152,17 @@ class RecoveryMixin:
         while True:
             # no standby: a stage group's spare replica rebuilds the lost stage (a stage loss costs more than a
             # group running one replica short)
-            pid = (None if self._standbys() else self._borrow_replica(step, stage)) or \
-                await self._take_standby(f"replace stage {stage}")
-            extra = {}
-            if chaos:
-                await self._chaos_replacement(pid, stage)
-                extra = self._chaos_rebuild(pid, stage)
+            borrowed = None if self.members.standbys() else self.placement.borrow_replica(step, stage)
+            pid = borrowed or await self.members.take_standby(f"replace stage {stage}")
+            extra = await self.replacement_fields(pid, stage) if chaos else {}
+            if borrowed:  # it lets its old stage go first
+                extra["release"] = True
             t0 = time.perf_counter()
             try:
-                return pid, await self._assign(stage, pid, {**header, **extra}), t0
+                return pid, await self.placement.assign(stage, pid, {**header, **extra}), t0
             except CALL_ERRORS as e:
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
-                self._event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
+                self.out.event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
 
 
 def _describe(plan: RecoveryPlan, src: Source) -> str:

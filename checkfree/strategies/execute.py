@@ -57,7 +57,7 @@ class SimExecutor:
             sizes = [storage.write_stage(ctx.storage_dir, item.step, s, state_to_bytes(ctx.capture(s, item.step)))
                      for s in range(n)]
             storage.seal(ctx.storage_dir, item.step, n)
-            self.copies.storage_step = item.step
+            self.copies.checkpointed(item.step)
             return Figures(stall_s=max(cost.storage_s(b) for b in sizes), bytes_moved=sum(sizes))
         if isinstance(item, Snapshot):
             self.states = {s: ctx.capture(s, item.step) for s in range(n)}
