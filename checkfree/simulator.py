@@ -184,7 +184,7 @@ class Simulator:
         self.plus = self.strategy.plus
         self.worker_cfg = worker_config(cfg, self.strategy)
         self.device = resolve_device(cfg.train.device)
-        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
         self.val = self.data.val_batches(cfg.train.eval_batches)
         self.failures: FailureSchedule = schedule_from_config(cfg.failures, cfg.num_stages,

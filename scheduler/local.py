@@ -140,7 +140,7 @@ def run_local(args: argparse.Namespace) -> int:
     from checkfree.strategies import build_strategy
 
     print("preparing data (tokenizer and token cache shared by all peers)...", flush=True)
-    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
     if args.kill_coordinator_at is not None and not 1 <= args.kill_coordinator_at < cfg.train.num_steps:
         raise ValueError(f"--kill-coordinator-at must be a step in 1..{cfg.train.num_steps - 1}, "
