@@ -104,6 +104,7 @@ class TrainConfig:
     init_from: str | None = None  # HF Llama directory or hub name whose weights start every stage; None: seeded init
     eval_every: int = 50  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 4  # microbatches of validation data per evaluation
+    eval_after_recovery: bool = False  # simulator: also evaluate right after a recovery, before the step (event)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     autocast_bf16: bool = False  # bf16 autocast of the forward pass
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b

@@ -323,6 +323,9 @@ class Simulator:
                 failed -= lost
                 if failed:
                     step = self.recover(step, failed, self.iterations)
+                    if t.eval_after_recovery:  # the damage of the rebuild itself, before any step
+                        self.writer.event("recovered_eval", step=step, stages=sorted(failed),
+                                          val_loss=evaluate(self.workers, self.val))
                 record = self._iteration(step)
                 if t.replicas > 1:  # stage groups: the replicas that served each stage in this step
                     record["replicas"] = [t.replicas - (s in lost) for s in range(self.cfg.num_stages)]
@@ -375,6 +378,8 @@ class Simulator:
         loss, stats = self.train_step(step)
         record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
                   "block_grad_norms": [s.block_grad_norm_post for s in stats],
+                  "grad_norms_pre": [s.grad_norm_pre for s in stats],
+                  "block_grad_norms_pre": [s.block_grad_norm_pre for s in stats],
                   "step_time_s": round(time.perf_counter() - t0, 6)}
         # a rollback from inside the step (soft-error escalation) left nothing to protect
         figs = self.strategy.after_step(self.ctx, step) if self.resume_at is None else Figures()
