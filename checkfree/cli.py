@@ -159,6 +159,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", action="store_true",
                    help="also write metrics.jsonl's numbers as TensorBoard scalars into <out>/tensorboard "
                         "(pip install 'checkfree[tensorboard]')")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the memory estimate (checkfree.memory: weights, gradients, Adam, "
+                        "activations, logits) exceeds the memory available")
     p.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
     p.add_argument("--write-trace", help="also write the failure schedule to this trace file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -363,6 +366,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     from checkfree.simulator import Simulator
 
     cfg = config_from_args(args)
+    if not args.skip_memory_check:
+        from checkfree.memory import check_fits, simulator_memory
+        from checkfree.worker import resolve_device
+
+        check_fits(simulator_memory(cfg, save_every=args.save_every), "this simulation",
+                   resolve_device(cfg.train.device))
     warn_if_overwriting(args)
     if cfg.train.wan:
         print(f"warning: --wan {cfg.train.wan} emulates a network between peers; the simulator has none (its "
