@@ -227,6 +227,17 @@ def _done(directory: Path) -> bool:
         return False
 
 
+def _check_memory(study: Study) -> None:
+    """Refuse a study whose trunk (with its saves) or whose `jobs` branch processes cannot fit (checkfree.memory)."""
+    from checkfree.config import config_from_dict
+    from checkfree.memory import StageMemory, check_fits, simulator_memory
+
+    cfg = config_from_dict(trunk_config(study, "plain"))
+    check_fits(simulator_memory(cfg, save_every=math.gcd(*study.branch_at)), f"the {study.name} study's trunk")
+    branch = simulator_memory(cfg)
+    check_fits(sum([branch] * study.jobs, StageMemory()), f"{study.jobs} {study.name} branch processes")
+
+
 def _run_trunk(study: Study, work: Path, trunk: str) -> None:
     from checkfree.config import config_from_dict
     from checkfree.saves import newest_save
@@ -317,8 +328,9 @@ def run_study(study: Study, work: Path, results: Path, *, command: str = "", log
 
     inits, missing = available_inits(study.inits)
     work.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, commit = time.time(), _commit()  # the code this invocation runs
     if not report_only:
+        _check_memory(study)
         log(f"{study.name}: trunk(s)")
         _run_trunk(study, work, "plain")
         if study.plus_steps:
@@ -329,7 +341,7 @@ def run_study(study: Study, work: Path, results: Path, *, command: str = "", log
     if pending and not report_only:
         for i, res in enumerate(_execute(study, work, pending), 1):
             log(f"  [{i}/{len(pending)}] {res['name']}: {res['status']} ({res['wall_s']:.0f} s)")
-    data = collect(study, work, runs, cells, missing_inits=missing, commit=_commit(), command=command,
+    data = collect(study, work, runs, cells, missing_inits=missing, commit=commit, command=command,
                    wall_s=time.time() - t0)
     return write_report(data, results / study.name)
 
@@ -370,7 +382,7 @@ def _small(init_from: str | None) -> Study:
 
     cfg = preset("small")
     cfg.train.eval_batches = 4
-    return Study(name="small", base=cfg.to_dict(), branch_at=[250, 1000], recover_steps=50, eval_every=10,
+    return Study(name="small", base=cfg.to_dict(), branch_at=[250, 1000], recover_steps=30, eval_every=10,
                  seeds=[0, 1, 2], stages=[1, 2], curve_stages=[1, 2], jobs=1, threads=1)
 
 

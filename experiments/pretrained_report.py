@@ -20,7 +20,11 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
-__all__ = ["collect", "analyse", "render_tables", "render_plots", "write_report", "load_results"]
+__all__ = ["collect", "analyse", "render_tables", "render_plots", "write_report", "load_results", "render_section",
+           "SECTION_BEGIN", "SECTION_END"]
+
+SECTION_BEGIN = "<!-- rendered by experiments.pretrained_report.render_section: do not edit -->"
+SECTION_END = "<!-- end of the rendered section -->"
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -158,6 +162,10 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
 # ---- rendering -------------------------------------------------------------------------------------------------
 
 
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
@@ -243,8 +251,7 @@ def render_tables(data: dict[str, Any]) -> str:
         pt = a["points"].get(f"plain@{at}", {})
         sigma = pt.get("sigma")
         parts.append(f"\n#### Branch at step {at}\n\nValidation loss of the saved state v0 = "
-                     f"{pt.get('v0') if pt.get('v0') is None else round(pt['v0'], 4)}; reference noise sigma = "
-                     f"{'n/a' if sigma is None else f'{sigma:.4f}'} (std over seeds of the failure-free branches, "
+                     f"{_num(pt.get('v0'))}; reference noise sigma = {_num(sigma)} (std over seeds of the failure-free branches, "
                      f"mean over their evaluations).\n\nomega at the branch point (the trunk's step {at - 1}):\n\n")
         parts.append(_omega_table(data, at))
         parts.append("\nImmediate damage (validation loss right after the rebuild minus v0; mean ± std over seeds, "
@@ -265,7 +272,7 @@ def render_tables(data: dict[str, Any]) -> str:
                          _ms([c["gaps"][-1][1] for c in cs if c["gaps"]]),
                          f"{sum(c['back_within'] is not None for c in cs)}/{len(cs)}"])
         parts.append(f"\n#### CheckFree+ (its own trunk, trained with the swapped routes), edge stages, branch at "
-                     f"{at}\n\nv0 = {pt.get('v0')}, sigma = {pt.get('sigma')}\n\n")
+                     f"{at}\n\nv0 = {_num(pt.get('v0'))}, sigma = {_num(pt.get('sigma'))}\n\n")
         parts.append(_table(["stage", "immediate damage", f"gap after {st['plus_steps']} steps",
                              "seeds back within sigma"], rows))
     parts.append("\nCoincident inits:\n\n" + _coincidence_lines(a))
@@ -333,3 +340,16 @@ def write_report(data: dict[str, Any], outdir: Path) -> Path:
     (outdir / "table.md").write_text(render_tables(load_results(outdir / "results.json")))
     render_plots(data, outdir)
     return outdir
+
+
+def render_section(root: str | Path, link_prefix: str = "") -> str:
+    """The markdown of every study under `root` (a directory of <study>/results.json), each with its plots
+    (linked as `link_prefix` + <study>/<file>): what docs/pretrained.md embeds between SECTION_BEGIN and
+    SECTION_END, and what a renderer registry (experiments/README.md) can call."""
+    root = Path(root)
+    parts = []
+    for d in sorted(p for p in root.iterdir() if (p / "results.json").is_file()):
+        data = load_results(d / "results.json")
+        plots = "".join(f"![{png.stem}]({link_prefix}{d.name}/{png.name})\n" for png in sorted(d.glob("*.png")))
+        parts.append(f"### Study `{d.name}`\n\n{render_tables(data)}\n{plots}")
+    return "\n".join(parts)
