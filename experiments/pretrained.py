@@ -289,7 +289,7 @@ def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, thread
     t0 = time.time()
     try:
         _branch_save(study, work_p, run, d)
-        (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name}, indent=2))
+        (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name, "commit": _commit()}, indent=2))
         Simulator(config_from_dict(branch_config(study, run, trace)), d, progress=False, resume=True).run()
         status = "completed"
     except Exception as e:  # noqa: BLE001 - recorded; the study goes on and redoes it when restarted

@@ -44,7 +44,11 @@ def _run_data(d: Path) -> dict[str, Any]:
     damage = [e["val_loss"] for e in events if e.get("event") == "recovered_eval"]
     rec = [{k: e.get(k) for k in ("stage", "method", "sources", "coefficients", "omega_scope")}
            for e in events if e.get("event") in ("recovery", "fallback")]
-    return {"status": summary.get("status"), "wall_s": summary.get("wall_s"), "val": val,
+    try:
+        commit = json.loads((d / "run.json").read_text()).get("commit")
+    except (OSError, json.JSONDecodeError):
+        commit = None  # a trunk, or a run of a version that did not record it
+    return {"status": summary.get("status"), "wall_s": summary.get("wall_s"), "val": val, "commit": commit,
             "recovered_val": damage[0] if damage else None, "recoveries": rec,
             "loss": [[m["step"], m["loss"]] for m in metrics],
             "step_time_s": [m["step_time_s"] for m in metrics if "step_time_s" in m]}
@@ -241,6 +245,14 @@ def render_tables(data: dict[str, Any]) -> str:
     parts = [f"Study `{st['name']}`: commit `{data['commit']}`, {done} of {len(data['runs'])} branch runs finished "
              f"({sum(walls) / 3600:.2f} h of run wall-clock), seeds {st['seeds']} (data order after the branch), "
              f"trunk seed {st['trunk_seed']}.\n"]
+    commits: dict[str, int] = {}
+    for r in runs:
+        if r["status"] == "completed":
+            key = (r.get("commit") or "not recorded")[:12]
+            commits[key] = commits.get(key, 0) + 1
+    if commits:
+        parts.append("Finished runs by the commit that ran them: "
+                     + ", ".join(f"`{c}` {n}" for c, n in sorted(commits.items())) + ".\n")
     if data.get("command"):
         parts.append(f"Command: `{data['command']}`\n")
     if data.get("missing_inits"):
