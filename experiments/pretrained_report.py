@@ -94,11 +94,11 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 
 def _ms(vals: list[float], digits: int = 3) -> str:
-    """'mean ± std (n)' of the finite values; '—' when none."""
+    """'mean ± std' of the finite values; the value alone when they are all equal; '—' when none."""
     vals = [v for v in vals if v is not None and math.isfinite(v)]
     if not vals:
         return "—"
-    if len(vals) == 1:
+    if len(set(vals)) == 1:  # one value, or the same for every seed
         return f"{vals[0]:.{digits}f}"
     return f"{mean(vals):.{digits}f} ± {stdev(vals):.{digits}f}"
 
@@ -179,41 +179,35 @@ def _inits(cells: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(c["init"] for c in cells))
 
 
-def _damage_table(a: dict[str, Any], at: int) -> str:
-    cells = [c for c in a["cells"] if c["at"] == at and c["trunk"] == "plain"]
+def _init_by_stage(cells: list[dict[str, Any]], cell) -> str:
+    """A table of inits (rows) by failed stage (columns); `cell(cells of one init and stage)` -> its text."""
     stages = sorted({c["stage"] for c in cells})
-    rows = []
-    for init in _inits(cells):
-        row = [init]
-        for k in stages:
-            cs = [c for c in cells if c["init"] == init and c["stage"] == k]
-            cell = _ms([c["damage"] for c in cs])
-            same = {c["coincides_with"] for c in cs} - {None}
-            row.append(cell + (f" (= {', '.join(sorted(same))})" if same else ""))
-        rows.append(row)
+    rows = [[init] + [cell([c for c in cells if c["init"] == init and c["stage"] == k]) for k in stages]
+            for init in _inits(cells)]
     return _table(["init"] + [f"stage {k}" for k in stages], rows)
+
+
+def _damage_cell(cs: list[dict[str, Any]]) -> str:
+    same = {c["coincides_with"] for c in cs} - {None}
+    return _ms([c["damage"] for c in cs]) + (f" (= {', '.join(sorted(same))})" if same else "")
+
+
+def _recovery_cell(cs: list[dict[str, Any]]) -> str:
+    if not cs:
+        return "—"
+    back = [c["back_within"] for c in cs]
+    n_in = sum(b is not None for b in back)
+    steps = _ms([float(b) for b in back if b is not None], 1) if n_in else "—"
+    return f"{steps} [{n_in}/{len(cs)} seeds]; end gap {_ms([c['gaps'][-1][1] for c in cs if c['gaps']])}"
+
+
+def _damage_table(a: dict[str, Any], at: int) -> str:
+    return _init_by_stage([c for c in a["cells"] if c["at"] == at and c["trunk"] == "plain"], _damage_cell)
 
 
 def _recovery_table(a: dict[str, Any], at: int, trunk: str = "plain") -> str:
     cells = [c for c in a["cells"] if c["at"] == at and c["trunk"] == trunk and c["gaps"] is not None]
-    if not cells:
-        return "no finished recovery curve yet\n"
-    stages = sorted({c["stage"] for c in cells})
-    rows = []
-    for init in _inits(cells):
-        row = [init]
-        for k in stages:
-            cs = [c for c in cells if c["init"] == init and c["stage"] == k]
-            if not cs:
-                row.append("—")
-                continue
-            back = [c["back_within"] for c in cs]
-            n_in = sum(b is not None for b in back)
-            steps = _ms([float(b) for b in back if b is not None], 1) if n_in else "—"
-            end = _ms([c["gaps"][-1][1] for c in cs if c["gaps"]])
-            row.append(f"{steps} [{n_in}/{len(cs)} seeds]; end gap {end}")
-        rows.append(row)
-    return _table(["init"] + [f"stage {k}" for k in stages], rows)
+    return _init_by_stage(cells, _recovery_cell) if cells else "no finished recovery curve yet\n"
 
 
 def _omega_table(data: dict[str, Any], at: int) -> str:
