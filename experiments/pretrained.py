@@ -181,14 +181,14 @@ def signature(init: Init, stage: int, norms: list[float], num_stages: int, seed:
 
 
 def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], list[dict[str, Any]]]:
-    """The branch runs to do (priority order: references, damage, curves by seed) and every reported cell
+    """The branch runs to do (priority order: damage, the cheapest and complete; then the references; then the
+    curves, seed by seed) and every reported cell
     (at, stage, init, seed) with the run that measures it (a run of a coinciding init, or of another seed
     for an init whose rebuild does not depend on the seed)."""
     S = study.base["num_stages"]
     runs: list[Run] = []
     cells: list[dict[str, Any]] = []
     for at in study.branch_at:
-        runs += [Run(study.name, "reference", "plain", at, s, steps=study.recover_steps) for s in study.seeds]
         line = _trunk_line(work, "plain", at)
         damage, curves = [], []
         for stage in study.stages:
@@ -206,7 +206,8 @@ def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], l
                     cells.append({"at": at, "stage": stage, "init": init.label, "seed": seed, "run": run.name,
                                   "coincides_with": rep.label if rep is not init else None,
                                   "signature": [str(x) for x in sig]})
-        runs += damage + sorted(curves, key=lambda r: (r.seed, study.curve_stages.index(r.stage)))
+        runs += damage + [Run(study.name, "reference", "plain", at, s, steps=study.recover_steps) for s in study.seeds]
+        runs += sorted(curves, key=lambda r: (r.seed, study.curve_stages.index(r.stage)))
     if study.plus_steps:
         at = study.branch_at[-1]
         runs += [Run(study.name, "reference", "plus", at, s, steps=study.plus_steps) for s in study.seeds]
