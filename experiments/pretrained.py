@@ -250,8 +250,8 @@ def _run_trunk(study: Study, work: Path, trunk: str) -> None:
     cfg = config_from_dict(trunk_config(study, trunk))
     every = math.gcd(*study.branch_at)
     resume = newest_save(d) is not None
-    Simulator(cfg, d, progress=False, save_every=every, keep_saves=len(range(every, max(study.branch_at) + 1, every)),
-              resume=resume).run()
+    # every save kept: the branch points' and those an interruption adds (pruning by age could drop a branch point's)
+    Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume).run()
 
 
 def _branch_save(study: Study, work: Path, run: Run, d: Path) -> None:
