@@ -21,7 +21,7 @@ from statistics import mean, stdev
 from typing import Any
 
 __all__ = ["collect", "analyse", "render_tables", "render_plots", "write_report", "load_results", "render_section",
-           "SECTION_BEGIN", "SECTION_END"]
+           "update_docs", "SECTION_BEGIN", "SECTION_END"]
 
 SECTION_BEGIN = "<!-- rendered by experiments.pretrained_report.render_section: do not edit -->"
 SECTION_END = "<!-- end of the rendered section -->"
@@ -359,3 +359,17 @@ def render_section(root: str | Path, link_prefix: str = "") -> str:
         plots = "".join(f"![{png.stem}]({link_prefix}{d.name}/{png.name})\n" for png in sorted(d.glob("*.png")))
         parts.append(f"### Study `{d.name}`\n\n{render_tables(data)}\n{plots}")
     return "\n".join(parts)
+
+
+def update_docs(docs: Path, root: Path, link_prefix: str) -> None:
+    """Replace the block between SECTION_BEGIN and SECTION_END of `docs` by `render_section(root, link_prefix)`."""
+    text = docs.read_text()
+    if SECTION_BEGIN not in text or SECTION_END not in text:
+        raise ValueError(f"{docs} has no {SECTION_BEGIN!r} ... {SECTION_END!r} block")
+    head, rest = text.split(SECTION_BEGIN, 1)
+    tail = rest.split(SECTION_END, 1)[1]
+    docs.write_text(f"{head}{SECTION_BEGIN}\n\n{render_section(root, link_prefix)}\n{SECTION_END}{tail}")
+
+
+if __name__ == "__main__":  # python -m experiments.pretrained_report: docs/pretrained.md's results from the files
+    update_docs(Path("docs/pretrained.md"), Path("experiments/results/pretrained"), "../experiments/results/pretrained/")

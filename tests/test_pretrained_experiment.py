@@ -118,3 +118,14 @@ def test_run_names_are_distinct():
     runs = {Run("s", "curve", "plain", 4, seed, init.label, stage, 4).name for seed in (0, 1) for init in INITS
             for stage in (1, 2)}
     assert len(runs) == 2 * len(INITS) * 2
+
+
+def test_docs_results_are_rendered_from_the_result_files():
+    """docs/pretrained.md's results block is `render_section` of the committed results, byte for byte."""
+    from experiments.pretrained_report import SECTION_BEGIN, SECTION_END, render_section
+
+    root = Path(__file__).resolve().parent.parent
+    docs = (root / "docs" / "pretrained.md").read_text()
+    block = docs.split(SECTION_BEGIN, 1)[1].split(SECTION_END, 1)[0]
+    expected = render_section(root / "experiments" / "results" / "pretrained", "../experiments/results/pretrained/")
+    assert expected and block == f"\n\n{expected}\n"
