@@ -279,6 +279,26 @@ class Simulator:
         log.info("resuming at step %d from %s", meta["step"], self.resume_from)
         return int(meta["step"])
 
+    def _recovered_eval(self, step: int, stages: set[int]) -> float:
+        val = evaluate(self.workers, self.val)
+        self.writer.event("recovered_eval", step=step, stages=sorted(stages), val_loss=val)
+        return val
+
+    def rebuild_and_evaluate(self, stages: set[int]) -> float:
+        """Without training: restore the newest save (`resume=True`), let the strategy rebuild `stages` as at a
+        failure there, and return the validation loss right after (event recovered_eval: the rebuild's immediate
+        damage). The run ends 'completed' with no step trained."""
+        if self.resume_from is None:
+            raise ValueError("rebuild_and_evaluate restores a save: build the simulator with resume=True")
+        try:
+            step = self._resume()
+            self.recover(step, set(stages), self.iterations)
+            val = self._recovered_eval(step, set(stages))
+            self._summary("completed")
+            return val
+        finally:
+            self.writer.close()
+
     @contextlib.contextmanager
     def _deferred_signals(self):
         """SIGINT/SIGTERM/SIGHUP stop training at the next step boundary (a step half-applied
@@ -324,8 +344,7 @@ class Simulator:
                 if failed:
                     step = self.recover(step, failed, self.iterations)
                     if t.eval_after_recovery:  # the damage of the rebuild itself, before any step
-                        self.writer.event("recovered_eval", step=step, stages=sorted(failed),
-                                          val_loss=evaluate(self.workers, self.val))
+                        self._recovered_eval(step, failed)
                 record = self._iteration(step)
                 if t.replicas > 1:  # stage groups: the replicas that served each stage in this step
                     record["replicas"] = [t.replicas - (s in lost) for s in range(self.cfg.num_stages)]
