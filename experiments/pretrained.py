@@ -201,7 +201,7 @@ def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], l
                     # a rebuild that does not depend on the seed is measured once (first seed) unless it trains on
                     run_seed = seed if curve or sig[0] in SOURCELESS else study.seeds[0]
                     run = Run(study.name, "curve" if curve else "damage", "plain", at, run_seed, rep.label, stage,
-                              study.recover_steps if curve else 1)
+                              study.recover_steps if curve else 0)
                     (curves if curve else damage).append(run)
                     cells.append({"at": at, "stage": stage, "init": init.label, "seed": seed, "run": run.name,
                                   "coincides_with": rep.label if rep is not init else None,
@@ -291,7 +291,8 @@ def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, thread
     try:
         _branch_save(study, work_p, run, d)
         (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name, "commit": _commit()}, indent=2))
-        Simulator(config_from_dict(branch_config(study, run, trace)), d, progress=False, resume=True).run()
+        sim = Simulator(config_from_dict(branch_config(study, run, trace)), d, progress=False, resume=True)
+        sim.rebuild_and_evaluate({run.stage}) if run.kind == "damage" else sim.run()
         status = "completed"
     except Exception as e:  # noqa: BLE001 - recorded; the study goes on and redoes it when restarted
         status = f"error: {type(e).__name__}: {e}"

@@ -66,10 +66,21 @@ def test_hf_model_defaults_are_for_fine_tuning(tmp_path):
 
 def test_simulator_evaluates_right_after_a_recovery(corpus, tmp_path):
     (tmp_path / "trace.csv").write_text("3,1\n")
-    out = _sim(tmp_path, corpus, "--steps", "5", "--trace", str(tmp_path / "trace.csv"),
+    out = _sim(tmp_path, corpus, "--steps", "5", "--trace", str(tmp_path / "trace.csv"), "--save-every", "3",
                "--set", "train.eval_after_recovery=true")
     events = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovered_eval"]
     assert [(e["step"], e["stages"]) for e in events] == [(3, [1])] and events[0]["val_loss"] > 0
+    # the same rebuild from the save at step 3, without training: the same damage, bit for bit
+    import shutil
+
+    from checkfree.config import config_from_dict
+    from checkfree.simulator import Simulator
+
+    shutil.copytree(out / "saves", tmp_path / "again" / "saves")
+    cfg = config_from_dict(json.loads((out / "config.json").read_text()))
+    assert Simulator(cfg, tmp_path / "again", progress=False, resume=True).rebuild_and_evaluate({1}) == \
+        events[0]["val_loss"]
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["status"] == "completed"
     m = read_jsonl(out / "metrics.jsonl")[0]
     assert all(pre >= post for pre, post in zip(m["grad_norms_pre"], m["grad_norms"]))
     assert all(pre >= post for pre, post in zip(m["block_grad_norms_pre"], m["block_grad_norms"]))
