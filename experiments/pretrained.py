@@ -164,8 +164,10 @@ def branch_norms(line: dict[str, Any], init: Init) -> list[float]:
 
 def signature(init: Init, stage: int, norms: list[float], num_stages: int, seed: int, eps: float = 1e-4) -> tuple:
     """What decides the rebuilt stage: the plan's method and each source's coefficient (`rebuild_stage`'s
-    arithmetic), and the seed for the inits drawn from one. Two inits with one signature rebuild the same
-    weights (up to float rounding: the uniform mean and a weighted mean of equal weights round differently)."""
+    arithmetic, coefficients to 6 decimals), and the seed for the inits drawn from one. Two inits with one signature
+    rebuild the same weights up to rounding: the uniform mean and a weighted mean of equal weights round
+    differently, and two stages that clipped have post-clip norms equal to ~1e-7 (`clip_grad_norm_` scales by
+    max_norm / (norm + 1e-6))."""
     from checkfree.recovery import plan_recovery
 
     plan = plan_recovery({stage}, num_stages, init.strategy, "abort")[0]
@@ -174,7 +176,7 @@ def signature(init: Init, stage: int, norms: list[float], num_stages: int, seed:
     if plan.method == "average":
         prev, nxt = plan.sources
         a, b = norms[nxt] + eps, norms[prev] + eps
-        return ("weighted", round(b / (a + b), 12), round(a / (a + b), 12))
+        return ("weighted", round(b / (a + b), 6), round(a / (a + b), 6))
     if plan.method == "uniform":
         return ("weighted", 0.5, 0.5)
     return (plan.method, plan.sources, tuple(sorted(plan.edge_sources.items())))

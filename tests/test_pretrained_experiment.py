@@ -97,6 +97,11 @@ def test_omega_variants_and_coincident_inits():
     # stage 1's neighbours 0 and 2: both clipped post-clip over the stage? 1.0 vs 0.5: no; over the blocks 0.5/0.5: yes
     assert sig["checkfree post/blocks"] == sig["uniform"] != sig["checkfree post/stage"]
     assert sig["random"] != signature(by["random"], 1, [0.0] * 4, 4, seed=1)  # drawn from the seed
+    # two stages that clipped: post-clip norms max_norm * pre / (pre + 1e-6), equal to ~1e-7: the same rebuild
+    clipped = {"grad_norms_pre": [1.92, 2.0, 1.21, 0.5], "grad_norms": [1.92 / (1.92 + 1e-6), 1.0, 1.21 / (1.21 + 1e-6), 0.5],
+               "block_grad_norms_pre": [1.0] * 4, "block_grad_norms": [1.0] * 4}
+    assert signature(by["checkfree post/stage"], 1, branch_norms(clipped, by["checkfree post/stage"]), 4, 0) == \
+        sig["uniform"]
 
 
 def test_tiny_study_end_to_end_resumes_and_renders(corpus, tmp_path):
