@@ -93,15 +93,15 @@ def _peak_rss_of(argv: list[str], env: dict[str, str]) -> int:
 
 
 def test_estimate_within_a_factor_of_the_measured_peak_rss(tmp_path):
-    """A simulation sized so that its model and activations (not the interpreter) dominate: the estimate is within
-    [0.7, 1.4] x the measured peak RSS."""
+    """A one-step simulation sized so that its model, activations and logits (not the interpreter) dominate: the
+    estimate is within [0.85, 1.3] x the measured peak RSS (measured: 1.77 GiB estimated, 1.63 GiB peak)."""
     (tmp_path / "corpus.txt").write_text("".join(f"Line {i}: to be, or not to be, that is the question.\n"
                                                  for i in range(3000)))
     (tmp_path / "model.json").write_text(json.dumps(hf_config(preset("tiny").model) | {
         "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 4,
-        "intermediate_size": 1024, "vocab_size": 8192, "max_position_embeddings": 256, "head_dim": 64}))
+        "intermediate_size": 1024, "vocab_size": 16384, "max_position_embeddings": 256, "head_dim": 64}))
     argv = ["simulate", "--model-config", str(tmp_path / "model.json"), "--data", str(tmp_path / "corpus.txt"),
-            "--stages", "2", "--steps", "2", "--microbatches", "2", "--microbatch-size", "16", "--eval-every", "0",
+            "--stages", "2", "--steps", "1", "--microbatches", "1", "--microbatch-size", "16", "--eval-every", "0",
             "--no-progress", "--out", str(tmp_path / "run")]
     env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     peak = _peak_rss_of([sys.executable, "-m", "checkfree", *argv], env)
@@ -110,4 +110,5 @@ def test_estimate_within_a_factor_of_the_measured_peak_rss(tmp_path):
 
     est = simulator_memory(config_from_args(build_parser().parse_args(argv)))
     assert est.total > 3 * est.process  # the configuration, not the interpreter, is measured
-    assert 0.7 <= est.total / peak <= 1.4, (est.describe(), peak / GIB)
+    print(f"estimate {est.total / GIB:.2f} GiB ({est.describe()}), measured peak RSS {peak / GIB:.2f} GiB")
+    assert 0.85 <= est.total / peak <= 1.3, (est.describe(), peak / GIB)
