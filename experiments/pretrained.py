@@ -243,12 +243,12 @@ def _check_memory(study: Study) -> None:
 
 def _run_trunk(study: Study, work: Path, trunk: str) -> None:
     from checkfree.config import config_from_dict
-    from checkfree.saves import newest_save
+    from checkfree.saves import SAVES, newest_save
     from checkfree.simulator import Simulator
 
     d = work / "runs" / f"trunk-{trunk}"
-    if _done(d):
-        return
+    if all((d / SAVES / f"step-{at:08d}" / "meta.json").is_file() for at in study.branch_at):
+        return  # the saves the branches need (the trunk may be further on: a study run with fewer branch points)
     cfg = config_from_dict(trunk_config(study, trunk))
     every = math.gcd(*study.branch_at)
     resume = newest_save(d) is not None
@@ -418,6 +418,8 @@ def add_arguments(p) -> None:
                         "failures at 25 %% and 100 %% of 1,000 steps; tiny: seconds, the whole path")
     p.add_argument("--init-from", metavar="DIR", help="the HF directory of SmolLM2 (checkfree pretrained smollm2 --output DIR)")
     p.add_argument("--seeds", type=_ints, help="data orders of the branches (default 0,1,2)")
+    p.add_argument("--branch-at", type=_ints, help="trunk steps the branches start from (small: 250,1000; each a "
+                                                   "multiple of the first: the trunk saves every gcd of them)")
     p.add_argument("--recover-steps", type=int, help="steps a recovery curve trains after the failure")
     p.add_argument("--curve-stages", type=_ints, help="stages whose branches get a recovery curve")
     p.add_argument("--plus-steps", type=int, help="CheckFree+ edge-stage curves' steps (0: no CheckFree+ trunk)")
@@ -432,7 +434,8 @@ def main(args) -> int:
     import shlex
     import sys
 
-    study = make_study(args.study, init_from=args.init_from, seeds=args.seeds, recover_steps=args.recover_steps,
+    study = make_study(args.study, init_from=args.init_from, seeds=args.seeds, branch_at=args.branch_at,
+                       recover_steps=args.recover_steps,
                        curve_stages=args.curve_stages, plus_steps=args.plus_steps, jobs=args.jobs,
                        threads=args.threads)
     if study.recover_steps < 1 or study.jobs < 1 or study.threads < 1 or not study.seeds:
