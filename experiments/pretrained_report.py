@@ -210,6 +210,30 @@ def _recovery_table(a: dict[str, Any], at: int, trunk: str = "plain") -> str:
     return _init_by_stage(cells, _recovery_cell) if cells else "no finished recovery curve yet\n"
 
 
+def _ranking(cells: list[dict[str, Any]], value, what: str) -> str:
+    """One line per failed stage: the inits ordered by the mean of `value(cell)` over seeds, smallest first
+    (coinciding inits listed once, with the ones they equal)."""
+    lines = []
+    for k in sorted({c["stage"] for c in cells}):
+        means = {}
+        for init in _inits(cells):
+            cs = [c for c in cells if c["init"] == init and c["stage"] == k and c["coincides_with"] is None]
+            vals = [v for v in (value(c) for c in cs) if v is not None]
+            if vals:
+                means[init] = mean(vals)
+        same: dict[str, list[str]] = {}
+        for c in cells:
+            if c["stage"] == k and c["coincides_with"] in means:
+                same.setdefault(c["coincides_with"], [])
+                if c["init"] not in same[c["coincides_with"]]:
+                    same[c["coincides_with"]].append(c["init"])
+        order = sorted(means, key=means.get)
+        if order:
+            lines.append(f"- stage {k}, {what}, smallest first: " + " < ".join(
+                f"{i}{' (= ' + ', '.join(same[i]) + ')' if same.get(i) else ''} {means[i]:.3f}" for i in order) + "\n")
+    return "".join(lines)
+
+
 def _omega_table(data: dict[str, Any], at: int) -> str:
     p = data["trunks"]["plain"]["points"][str(at)]
     if p.get("grad_norms") is None:
@@ -267,6 +291,11 @@ def render_tables(data: dict[str, Any]) -> str:
                      f"sigma (mean ± std over the seeds that got there [seeds within / seeds]); end gap: the gap "
                      f"after {st['recover_steps']} steps (mean ± std):\n\n")
         parts.append(_recovery_table(a, at))
+        cells = [c for c in a["cells"] if c["at"] == at and c["trunk"] == "plain"]
+        ranked = _ranking(cells, lambda c: c["damage"], "immediate damage") + _ranking(
+            [c for c in cells if c["gaps"]], lambda c: c["gaps"][-1][1], "gap at the end of the curve")
+        if ranked:
+            parts.append("\nOrdered (means over seeds, computed from the cells above):\n\n" + ranked)
     if st.get("plus_steps"):
         at = st["branch_at"][-1]
         pt = a["points"].get(f"plus@{at}", {})
