@@ -272,8 +272,9 @@ def _branch_save(study: Study, work: Path, run: Run, d: Path) -> None:
     write_save(d, run.at, blobs, {k: v for k, v in meta.items() if k not in ("step", "stages")}, keep=1)
 
 
-def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, threads: int) -> dict[str, Any]:
-    """One branch, in a worker process: its save, its trace, the simulator resumed; the save deleted after."""
+def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, threads: int, commit: str) -> dict[str, Any]:
+    """One branch, in a worker process: its save, its trace, the simulator resumed; the save deleted after.
+    `commit`: the code the study's invocation started on (recorded in run.json)."""
     import torch
 
     from checkfree.config import config_from_dict
@@ -292,7 +293,7 @@ def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, thread
     t0 = time.time()
     try:
         _branch_save(study, work_p, run, d)
-        (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name, "commit": _commit()}, indent=2))
+        (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name, "commit": commit}, indent=2))
         sim = Simulator(config_from_dict(branch_config(study, run, trace)), d, progress=False, resume=True)
         sim.rebuild_and_evaluate({run.stage}) if run.kind == "damage" else sim.run()
         status = "completed"
@@ -303,10 +304,10 @@ def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, thread
     return {"name": run.name, "status": status, "wall_s": round(time.time() - t0, 1)}
 
 
-def _execute(study: Study, work: Path, runs: list[Run]):
+def _execute(study: Study, work: Path, runs: list[Run], commit: str):
     """Each run's result as it finishes: one after the other in this process (jobs 1), or in `jobs` spawned
     processes, one per run."""
-    args = [(study.to_dict(), asdict(r), str(work), study.threads) for r in runs]
+    args = [(study.to_dict(), asdict(r), str(work), study.threads, commit) for r in runs]
     if study.jobs == 1:
         yield from (run_branch(*a) for a in args)
         return
@@ -343,7 +344,7 @@ def run_study(study: Study, work: Path, results: Path, *, command: str = "", log
     pending = [r for r in runs if not _done(work / "runs" / r.name)]
     log(f"{study.name}: {len(runs)} branch runs, {len(runs) - len(pending)} already finished, {len(pending)} to run")
     if pending and not report_only:
-        for i, res in enumerate(_execute(study, work, pending), 1):
+        for i, res in enumerate(_execute(study, work, pending, commit), 1):
             log(f"  [{i}/{len(pending)}] {res['name']}: {res['status']} ({res['wall_s']:.0f} s)")
     data = collect(study, work, runs, cells, missing_inits=missing, commit=commit, command=command,
                    wall_s=time.time() - t0)
