@@ -74,3 +74,26 @@ def test_profile_parses_py_spy_raw_stacks(tmp_path):
     assert category("decode_body (checkfree/net/wire.py:210)") == "wire format"
     assert category("backward (torch/autograd/__init__.py:395)") == "torch compute"
     assert thread_kind("asyncio_0") == "other threads"
+
+
+def test_vs_torch_pipelining_quick_compares_every_path_and_leaves_nothing(tmp_path):
+    """Both sides train the same stages on the same batches (losses agree step by step), every path has a row,
+    nothing is left running, and the last line is the ratio (its value is not checked: a speed)."""
+    out = tmp_path / "vs.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_torch_pipelining", "--quick", "--preset", "tiny",
+                           "--rounds", "1", "--no-hivemind", "--json", str(out)],
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"swarm/torch-pipelining: \d+\.\d{3}", lines[-1]), lines[-1]
+    assert "torch threads per process: intra-op 1" in proc.stdout
+    rows = {r[0].strip(): r for r in (line.strip("|").split("|") for line in lines if line.startswith("| ")
+                                      and not line.startswith("| path") and not line.startswith("|---"))}
+    assert set(rows) == {"torch gpipe", "torch 1f1b", "swarm tcp gpipe", "swarm tcp 1f1b"}
+    for name, r in rows.items():
+        assert float(r[1]) > 0 and float(r[3]) > 0  # s/step, CPU-s/step
+        assert float(r[5]) < 1e-4, (name, r[5])  # the same training: losses agree to float round-off
+    assert "losses: every path trained 8 steps: yes" in proc.stdout
+    assert re.search(r"left behind: 0 processes, 0 socket files \(of \d+ started\)", proc.stdout), proc.stdout
+    result = json.loads(out.read_text())
+    assert len(result["rounds"]) == 1 and len(result["rounds"][0]["torch gpipe"]["losses"]) == 8
