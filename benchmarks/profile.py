@@ -105,6 +105,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--strategy", default="checkfree")
+    p.add_argument("--transport", default="hivemind", help="the swarm's --transport (hivemind, tcp, libp2p)")
+    p.add_argument("--schedule", default="gpipe", help="the swarm's --schedule (gpipe, 1f1b)")
     p.add_argument("--threads-per-peer", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--cpu-steps", type=int, default=20, help="steps of the CPU accounting window")
@@ -120,7 +122,8 @@ def main() -> None:
         out = Path(tmp) / "run"
         # enough steps for the accounting window and the py-spy recording at a pessimistic 1.5 s/step
         steps = args.warmup + args.cpu_steps + int(args.seconds / 0.2) + 5
-        cmd = swarm_command(args, args.strategy, steps, out)
+        cmd = swarm_command(args, args.strategy, steps, out,
+                            ["--transport", args.transport, "--schedule", args.schedule])
         log = open(Path(tmp) / "swarm.log", "w")
         swarm = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         spies, raws = [], {}
