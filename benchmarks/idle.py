@@ -9,6 +9,12 @@ peer's). Then the swarm is stopped (SIGTERM to the launcher) and nothing may be 
 
     python -m benchmarks.idle                 # a 60 s window
     python -m benchmarks.idle --seconds 10    # a quick look
+    python -m benchmarks.idle --dht-floor     # the DHT alone: what each heartbeat and each read costs
+
+`--dht-floor` measures hivemind's DHT without the runtime: 6 DHT processes (each with its p2pd) on loopback,
+first with no traffic at all, then with 5 of them storing a heartbeat (a sub-key with a 4 s expiry, as the
+peers do) at each period of `--periods` (seconds), then with one reading the members every 0.4 s (as a
+coordinator that reads once per step would): CPU per second of each node (its DHT process and p2pd).
 
 The swarm trains while it is measured, as a real standby waits: the coordinator reads the membership records
 every step and every process refreshes its own, so the DHT processes and their p2pd daemons serve one another.
@@ -28,7 +34,7 @@ from pathlib import Path
 
 from benchmarks.swarmmon import Sample, SwarmMonitor
 from benchmarks.throughput import swarm_command
-from checkfree.net.lifeline import held_socket_files, living
+from checkfree.net.lifeline import held_socket_files, living, process_tree
 
 ROLES_SHOWN = ("coordinator", "coordinator-dht", "coordinator-p2pd", "peer", "peer-dht", "peer-p2pd", "launcher")
 
@@ -52,6 +58,84 @@ def usage(a: Sample, b: Sample) -> dict[int, float]:
             for pid, pa in a.procs.items() if pid in b.procs}
 
 
+async def _dht_floor_case(period: float | None, read: float | None, seconds: float, ttl: float = 4.0) -> list[float]:
+    """CPU-s/s of 6 DHT nodes (process + p2pd each): node 0 reads the members every `read` s, nodes 1-5 store
+    their heartbeat every `period` s (None: not at all)."""
+    import asyncio
+    import random
+
+    from checkfree.net.lifeline import TiedDHT
+    from checkfree.net.membership import announce, live_members_async
+
+    boot = TiedDHT(start=True)
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    dhts = [boot] + [TiedDHT(start=True, initial_peers=maddrs) for _ in range(5)]
+    try:
+        trees = [process_tree(d.pid) for d in dhts]
+
+        async def beat(d, i: int) -> None:
+            while True:
+                await announce(d, "members", f"peer{i}", {"stage": i}, ttl)
+                await asyncio.sleep(period * random.uniform(0.8, 1.0))
+
+        async def reader(d) -> None:
+            while True:
+                await live_members_async(d, "members")
+                await asyncio.sleep(read)
+
+        tasks = [asyncio.create_task(beat(d, i)) for i, d in enumerate(dhts[1:], 1) if period] + \
+            ([asyncio.create_task(reader(boot))] if read else [])
+        await asyncio.sleep(3.0)  # past the first stores
+        t0, c0 = time.monotonic(), [_cpu(t) for t in trees]
+        await asyncio.sleep(seconds)
+        t1, c1 = time.monotonic(), [_cpu(t) for t in trees]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return [(b - a) / (t1 - t0) for a, b in zip(c0, c1)]
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def _cpu(pids: set[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def dht_floor(args) -> None:
+    import asyncio
+    import statistics
+
+    print(f"hivemind DHT alone: 6 nodes on loopback, {args.seconds:g} s per case; load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print("| case | reader node (0) CPU-s/s | heartbeating nodes (1-5) CPU-s/s, median | per store, all nodes, ms |")
+    print("|---|---|---|---|")
+    cases = [("no traffic", None, None)] + [(f"heartbeats every {p:g} s", p, None) for p in args.periods] + \
+        [("reads every 0.4 s, no heartbeats", None, 0.4)]
+    for name, period, read in cases:
+        cpu = asyncio.run(_dht_floor_case(period, read, args.seconds))
+        stores = 5 / (0.9 * period) if period else 0.0  # jittered 0.8-1.0x
+        per_store = f"{1e3 * sum(cpu) / stores:.1f}" if stores else "-"
+        print(f"| {name} | {cpu[0]:.4f} | {statistics.median(cpu[1:]):.4f} | {per_store} |")
+    # (torch's shared-memory manager, started by torch for this process, exits with it)
+    left = [p for p in living(process_tree(os.getpid()) - {os.getpid()}) if _comm(p) != "torch_shm_manager"]
+    print(f"left behind: {len(left)} processes")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -61,7 +145,12 @@ def main() -> None:
     p.add_argument("--transport", default="tcp")
     p.add_argument("--seconds", type=float, default=60.0, help="the measurement window")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps trained before the window opens")
+    p.add_argument("--dht-floor", action="store_true", help="measure hivemind's DHT alone (see above)")
+    p.add_argument("--periods", type=float, nargs="+", default=[4 / 3, 2.0],
+                   help="--dht-floor: heartbeat periods in seconds (the old ttl/3 and the current ttl/2 of a 4 s ttl)")
     args = p.parse_args()
+    if args.dht_floor:
+        return dht_floor(args)
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"

@@ -97,3 +97,20 @@ def test_vs_torch_pipelining_quick_compares_every_path_and_leaves_nothing(tmp_pa
     assert re.search(r"left behind: 0 processes, 0 socket files \(of \d+ started\)", proc.stdout), proc.stdout
     result = json.loads(out.read_text())
     assert len(result["rounds"]) == 1 and len(result["rounds"][0]["torch gpipe"]["losses"]) == 8
+
+
+def test_idle_reports_the_standby_and_every_process_kind():
+    """The standby is found (a peer that computes nothing), every kind of process has a row, the swarm is stopped
+    and nothing is left behind; the last line is the standby's share (its value is not checked: a speed)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.idle", "--preset", "tiny", "--seconds", "3",
+                           "--warmup-steps", "2"], capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r[0].strip(): r for r in (line.strip("|").split("|") for line in proc.stdout.splitlines()
+                                      if line.startswith("| ") and not line.startswith("| process"))}
+    for name, count in (("standby peer (python: event loop, compute thread idle)", 1), ("standby's DHT process", 1),
+                        ("standby's p2pd", 1), ("stage peers (python: event loop + compute)", 4),
+                        ("stage peers' DHT processes", 4), ("stage peers' p2pd", 4), ("coordinator", 1)):
+        assert int(rows[name][1]) == count, (name, rows.get(name))
+    assert float(rows["stage peers (python: event loop + compute)"][2]) > 0
+    assert re.search(r"left behind: 0 processes, 0 socket files \(of \d+ started\)", proc.stdout), proc.stdout
+    assert re.fullmatch(r"idle standby: \d+\.\d\d% of a core", proc.stdout.strip().splitlines()[-1])
