@@ -55,6 +55,10 @@ CATEGORIES = [
 ]
 
 
+# py-spy from PATH, else beside this interpreter (a virtualenv's bin/ that is not on PATH)
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+
+
 def category(frame: str) -> str:
     path = frame[frame.rfind("(") + 1 :]
     return next((name for key, name in CATEGORIES if key in path), "other")
@@ -139,7 +143,7 @@ def main() -> None:
                         raw = Path(tmp) / f"{role}-{pid}.txt"
                         raws[raw] = role
                         spies.append(subprocess.Popen(
-                            ["py-spy", "record", "--nonblocking", "--threads", "-r", str(args.rate), "-d",
+                            [PY_SPY, "record", "--nonblocking", "--threads", "-r", str(args.rate), "-d",
                              str(int(args.seconds)), "-f", "raw", "-o", str(raw), "--pid", str(pid)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
                     for spy in spies:

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -142,6 +143,7 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1 or args.steps < 2:
         p.error("--rounds must be >= 1 and --steps >= 2")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanups run (the baseline's git worktree)
     torch.set_num_threads(args.threads)
     cfg = preset(args.preset)
     cfg.num_stages, cfg.train.num_microbatches = args.stages, args.microbatches
