@@ -286,8 +286,8 @@ def report(args, names: list[str], rounds: list[dict[str, dict]], load0, load1, 
     def per_round(a: str, b: str) -> list[float]:
         return [x[a]["period_s"] / x[b]["period_s"] for x in rounds]
 
-    print(f"\n| path | s/step (median) | spread over rounds | CPU-s/step | ÷ {base} (median, spread) | "
-          "max loss difference to torch gpipe |")
+    print(f"\n| path | s/step (median) | spread over rounds | CPU-s/step | {base} ÷ path (median, spread; above 1: "
+          "faster) | max loss difference to torch gpipe |")
     print("|---|---|---|---|---|---|")
     for name in names:
         periods = [x[name]["period_s"] for x in rounds]
