@@ -160,7 +160,7 @@ def main() -> None:
         sockets: set[str] = set()
         try:
             with SwarmMonitor(proc.pid, out / "metrics.jsonl", interval=1.0) as mon:
-                a = _wait(mon, proc, lambda s: s.steps >= args.warmup_steps, 600)
+                _wait(mon, proc, lambda s: s.steps >= args.warmup_steps, 600)
                 time.sleep(2.0)  # every process of the run seen by the monitor's /proc walk
                 a = mon.samples[-1]
                 b = _wait(mon, proc, lambda s: s.time - a.time >= args.seconds, args.seconds + 120)
