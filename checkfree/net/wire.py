@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -43,6 +44,7 @@ __all__ = [
     "WIRE_VERSION",
     "WireError",
     "body_length",
+    "all_finite",
     "check_finite",
     "decode_body",
     "decode_message",
@@ -79,6 +81,16 @@ class WireError(ValueError):
     """A message could not be encoded or failed validation while decoding."""
 
 
+_PACKERS = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's msgpack packer: ``msgpack.packb`` makes a new one with a 256 KiB buffer for every message."""
+    if not hasattr(_PACKERS, "packer"):
+        _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+    return _PACKERS.packer
+
+
 def _pad(offset: int) -> int:
     return -offset % ALIGN
 
@@ -110,7 +122,7 @@ def encode_message(header: Mapping[str, Any], tensors: Sequence[torch.Tensor] = 
     views = [_payload_view(i, t) for i, t in enumerate(tensors)]
     envelope = {"v": WIRE_VERSION, "h": dict(header), "t": [[name, shape] for name, shape, _ in views]}
     try:
-        packed = msgpack.packb(envelope, use_bin_type=True)
+        packed = _packer().pack(envelope)
     except Exception as e:
         raise WireError(f"header is not msgpack-serialisable: {type(e).__name__}: {e}") from e
 
@@ -269,6 +281,13 @@ def _nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
     return n_nan, n_inf
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN or Inf (see `check_finite`; integer tensors always do)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0 or bool(torch.isfinite(t.sum())):
+        return True
+    return _nonfinite_counts(t) == (0, 0)
+
+
 def check_finite(tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> None:
     """Raise WireError naming the first floating-point tensor that holds NaN or Inf values.
 
@@ -280,14 +299,9 @@ def check_finite(tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -
     """
     items = tensors.items() if isinstance(tensors, Mapping) else enumerate(tensors)
     for key, t in items:
-        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-            continue
-        if bool(torch.isfinite(t.sum())):
+        if all_finite(t):
             continue
         n_nan, n_inf = _nonfinite_counts(t)
-        if n_nan or n_inf:
-            label = f"'{key}'" if isinstance(key, str) else f"#{key}"
-            raise WireError(
-                f"tensor {label} ({_DTYPE_NAMES.get(t.dtype, t.dtype)}, shape {list(t.shape)}) "
-                f"contains {n_nan} NaN and {n_inf} Inf values"
-            )
+        label = f"'{key}'" if isinstance(key, str) else f"#{key}"
+        raise WireError(f"tensor {label} ({_DTYPE_NAMES.get(t.dtype, t.dtype)}, shape {list(t.shape)}) "
+                        f"contains {n_nan} NaN and {n_inf} Inf values")
