@@ -74,3 +74,21 @@ def test_profile_parses_py_spy_raw_stacks(tmp_path):
     assert category("decode_body (checkfree/net/wire.py:210)") == "wire format"
     assert category("backward (torch/autograd/__init__.py:395)") == "torch compute"
     assert thread_kind("asyncio_0") == "other threads"
+
+
+def test_copies_quick_reports_before_and_after_for_every_operation():
+    """benchmarks.copies runs both paths side by side; the allocation counts (not timings) show the receive path
+    keeping one buffer per message and the snapshot path fewer copies than before."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.copies", "--quick"], check=False, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+                              if line.startswith("| ") and "operation" not in line)}
+    for op in ("receive one message", "check_finite (one activation)", "snapshot: capture + serialise",
+               "snapshot: send + receive", "snapshot: load", "snapshot: all three"):
+        assert op in rows, proc.stdout
+    after_receive = [r for k, r in rows.items() if k == "receive one message"][0][3]
+    assert after_receive.endswith("(1.00x)"), rows  # the body is the only buffer a received message takes
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"copies before/after: receive (\S+), check_finite (\S+), snapshot (\S+)", last)
+    assert m and float(m[1]) > 2 and float(m[3]) > 2, last
