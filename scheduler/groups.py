@@ -217,10 +217,17 @@ class GroupsMixin:
                      groups: dict[int, list[str]], hops: list[list[str]]) -> bool:
         """Wait for `tasks` (RUN_STEP or REROUTE calls); a replica found dead on the way has its microbatches moved
         to a sibling. False: the attempt cannot complete (aborted by the caller)."""
+        finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()  # each task once it is done (no wait over all)
+        watched: set[asyncio.Task] = set()
+
+        def watch() -> None:  # the calls not yet watched (the first ones, then a REROUTE's) report when done
+            for t in tasks.keys() - watched:
+                t.add_done_callback(finished.put_nowait)
+                watched.add(t)
+
+        watch()
         while tasks:
-            waiter = asyncio.create_task(self._report_event.wait())
-            done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            done = await self._next_done(finished)
             self._report_event.clear()
             suspects = {p for p in self.reported if any(p in g for g in groups.values())}
             for t in [t for t in done if t in tasks]:
@@ -253,7 +260,21 @@ class GroupsMixin:
                     return False
                 if not await self._reroute(step, attempt, pid, groups, hops, tasks):
                     return False
+                watch()
         return True
+
+    async def _next_done(self, finished: asyncio.Queue) -> set[asyncio.Task]:
+        """The tasks done so far (at least one), or none once a failure is reported first. Waiting on the queue
+        of done tasks keeps a step's waits linear in its calls (asyncio.wait over every pending call, each time
+        one returns, made them quadratic)."""
+        getter, waiter = asyncio.create_task(finished.get()), asyncio.create_task(self._report_event.wait())
+        await asyncio.wait([getter, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        getter.cancel()
+        done = {getter.result()} if getter.done() and not getter.cancelled() else set()
+        while not finished.empty():
+            done.add(finished.get_nowait())
+        return done
 
     def _replica_error(self, step: int, pid: str, e: BaseException) -> None:
         """What a replica's failed RUN_STEP says, as for a stage's (a straggler or a soft-error source leaves its
