@@ -18,7 +18,7 @@ import torch
 
 from checkfree.net.wire import WireError, decode_message, encode_message
 
-__all__ = ["MAGIC", "blob_tensor", "state_from_bytes", "state_to_bytes"]
+__all__ = ["MAGIC", "blob_tensor", "state_from_bytes", "state_to_bytes", "tensor_blob"]
 
 MAGIC = b"CFSTATE1"
 _ZIP = b"PK\x03\x04"  # torch.save's format
@@ -113,6 +113,11 @@ def _legacy(view: memoryview) -> dict:
     if not isinstance(state, dict):
         raise ValueError(f"serialised object is a {type(state).__name__}, not a dict")
     return state
+
+
+def tensor_blob(t: torch.Tensor) -> memoryview:
+    """The bytes of a received 1-D uint8 CPU tensor (a serialised state in a message), without a copy."""
+    return memoryview(t.numpy())
 
 
 def blob_tensor(blob: Any) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from checkfree.net.transport import TransportError
 from checkfree.pipeline import Hop
 from checkfree.protocol import RPC, ProtocolError
-from checkfree.serialize import blob_tensor, state_to_bytes
+from checkfree.serialize import blob_tensor, state_to_bytes, tensor_blob
 from checkfree.strategies.state import capture_worker
 from checkfree.worker import StageWorker
 from peers.compute import ComputeQueue
@@ -66,7 +66,7 @@ class Replicas:
         _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, self.net.t.step_timeout,
                                          link=(self.hosted.index, succ), step=header["step"])
         worker = await self.compute.run(self.hosted.build, succ, True, False)
-        self.omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy())
+        self.omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
         self.replica = worker
         log.info("holding a replica of stage %d (%.1f MB)", succ, blob.numel() / 1e6)
         return {"ok": True, "stage": succ, "bytes": blob.numel()}, []

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from checkfree.protocol import RPC, ProtocolError, require
-from checkfree.serialize import blob_tensor
+from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies import storage
 from checkfree.strategies.state import state_nbytes
 from checkfree.worker import StageWorker
@@ -132,4 +132,4 @@ class Snapshots:
                 raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
             return held[1]
         _, (blob,) = await self.net.call(source, RPC.FETCH_SNAPSHOT, self.net.t.step_timeout, owner=stage, step=step)
-        return blob.numpy()
+        return tensor_blob(blob)
