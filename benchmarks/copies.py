@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import io
+import json
 import os
 import queue
 import tempfile
@@ -252,11 +253,27 @@ def state_bytes_of(worker: StageWorker) -> int:
     return len(state_to_bytes(capture_worker(worker, 1, 0.5, clone=False)))
 
 
-def _row(what: str, payload: int, before: Measured, after: Measured, sender: bool = False) -> str:
-    cells = [f"{m.work / MIB:.2f} ({m.work / payload:.2f}x)" for m in (before, after)]
-    ratio = before.work / after.work if after.work else float("inf")
-    extra = f" | {before.sender / MIB:.2f} / {after.sender / MIB:.2f}" if sender else " | "
-    return f"| {what} | {payload / MIB:.2f} | {cells[0]} | {cells[1]} | {ratio:.2f}{extra} |"
+def _row(what: str, payload: int, before: Measured, after: Measured, sender: bool = False) -> dict:
+    return {"operation": what, "payload": payload, "before": vars(before), "after": vars(after), "sender": sender}
+
+
+def render(result: dict) -> list[str]:
+    """The table (and the closing ratios line) of a result, as printed and as the docs carry it."""
+    lines = [f"preset {result['preset']}: one activation {result['activation'] / MIB:.3f} MiB, {result['per_step']} "
+             f"messages per step per middle stage; load average {result['load']:.1f}",
+             "| operation | payload MiB | before: MiB allocated (x payload) | after | before/after | "
+             "sender MiB before / after |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        b, a, payload = r["before"], r["after"], r["payload"]
+        cells = [f"{m['work'] / MIB:.2f} ({m['work'] / payload:.2f}x)" for m in (b, a)]
+        ratio = f"{b['work'] / a['work']:.2f}" if a["work"] else "inf"
+        extra = f"{b['sender'] / MIB:.2f} / {a['sender'] / MIB:.2f}" if r["sender"] else ""
+        lines.append(f"| {r['operation']} | {payload / MIB:.2f} | {cells[0]} | {cells[1]} | {ratio} | {extra} |")
+    ratios = {r["operation"]: r for r in result["rows"]}
+    picks = [ratios[k] for k in ("receive one message", "check_finite (one activation)", "snapshot: all three")]
+    text = [f"{r['before']['work'] / r['after']['work']:.2f}" if r["after"]["work"] else "inf" for r in picks]
+    lines.append(f"copies before/after: receive {text[0]}, check_finite {text[1]}, snapshot {text[2]}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,37 +281,40 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--sizes", type=float, nargs="*", default=[16, 64], help="extra message sizes, MiB")
     ap.add_argument("--quick", action="store_true", help="preset tiny, one extra size of 4 MiB")
+    ap.add_argument("--json", type=Path, default=None, help="write the result here too")
+    ap.add_argument("--render", type=Path, default=None, help="print the table of a --json result file and exit")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        print("\n".join(render(json.loads(args.render.read_text()))))
+        return
     if args.quick:
         args.preset, args.sizes = "tiny", [4]
     torch.set_num_threads(1)
     cfg = preset(args.preset)
     activation = cfg.train.microbatch_size * cfg.model.context_length * cfg.model.d_model * 4
     per_step = 2 * cfg.train.num_microbatches  # messages a middle stage receives per step
-    print(f"preset {args.preset}: one activation {activation / MIB:.3f} MiB, {per_step} messages per step per "
-          f"middle stage; load average {os.getloadavg()[0]:.1f}")
-    print("| operation | payload MiB | before: MiB allocated (x payload) | after | before/after | "
-          "sender MiB before / after |")
-    print("|---|---|---|---|---|---|")
-    receive: dict[int, tuple[Measured, Measured]] = {}
-    for nbytes in [activation, *(int(s * MIB) for s in args.sizes)]:
-        receive[nbytes] = _receive(nbytes, framed=False), _receive(nbytes, framed=True)
-        print(_row("receive one message", nbytes, *receive[nbytes], sender=True), flush=True)
+    result = {"preset": args.preset, "activation": activation, "per_step": per_step, "load": os.getloadavg()[0],
+              "rows": []}
+    rows = result["rows"]
+    for nbytes in [int(s * MIB) for s in args.sizes] + [activation]:  # the activation's row last (the dict below)
+        rows.append(_row("receive one message", nbytes, _receive(nbytes, framed=False), _receive(nbytes, framed=True),
+                         sender=True))
+    receive = (Measured(**rows[-1]["before"]), Measured(**rows[-1]["after"]))
     finite = _finite(activation, new=False), _finite(activation, new=True)
-    print(_row("check_finite (one activation)", activation, *finite), flush=True)
+    rows.append(_row("check_finite (one activation)", activation, *finite))
     source, target = _stage_workers(args.preset)
     state_bytes = state_bytes_of(source)
     phases = list(zip(_snapshot(source, target, new=False), _snapshot(source, target, new=True)))
     for name, (before, after) in zip(PHASES, phases):
-        print(_row(f"snapshot: {name}", state_bytes, before, after, sender=name == PHASES[1]), flush=True)
-    snap = tuple(Measured(sum(p[i].work for p in phases), sum(p[i].sender for p in phases)) for i in (0, 1))
-    print(_row("snapshot: all three", state_bytes, *snap, sender=True), flush=True)
-    step = [Measured(per_step * (r.work + f.work), per_step * r.sender)
-            for r, f in zip(receive[activation], finite)]
-    print(_row(f"per step, one middle stage ({per_step} messages received and checked)", per_step * activation,
-               *step, sender=True))
-    ratios = [f"{b.work / a.work:.2f}" if a.work else "inf" for b, a in (receive[activation], finite, snap)]
-    print(f"copies before/after: receive {ratios[0]}, check_finite {ratios[1]}, snapshot {ratios[2]}")
+        rows.append(_row(f"snapshot: {name}", state_bytes, before, after, sender=name == PHASES[1]))
+    snap = [Measured(sum(p[i].work for p in phases), sum(p[i].sender for p in phases)) for i in (0, 1)]
+    rows.append(_row("snapshot: all three", state_bytes, *snap, sender=True))
+    step = [Measured(per_step * (r.work + f.work), per_step * r.sender) for r, f in zip(receive, finite)]
+    rows.append(_row(f"per step, one middle stage ({per_step} messages received and checked)",
+                     per_step * activation, *step, sender=True))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print("\n".join(render(result)))
 
 
 if __name__ == "__main__":
