@@ -5,12 +5,18 @@ handlers cancelled) plus the cancellation of the peer's task, at the point the l
 
 For the fast paths of the runtime (steps, routes, recovery orders, rollback, soft errors). What only real
 processes show (SIGKILL of a process, p2pd, sockets, signals, the launcher) stays in the subprocess tests.
+
+Each process-to-be runs in its own `contextvars` context with `ROLE` set ("coordinator" or "peer"): what its
+tasks spawn inherits it, and the memory transport runs a request's handler in the serving transport's context,
+so `benchmarks.control_plane` can tell the coordinator's share of the one event loop's time from the peers'.
+Used by the in-process tests (tests/test_inprocess.py, tests/test_groups.py) and benchmarks.control_plane.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import threading
 from collections.abc import Callable
@@ -25,7 +31,9 @@ from peers.daemon import PeerDaemon, PeerOptions
 from scheduler.common import CoordinatorOptions
 from scheduler.coordinator import Coordinator
 
-__all__ = ["InProcessSwarm", "run_swarm"]
+__all__ = ["ROLE", "TIMEOUTS", "InProcessSwarm", "run_swarm"]
+
+ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("checkfree_inprocess_role", default="other")
 
 TIMEOUTS = Timeouts(heartbeat_ttl=2.0, rpc_timeout=20.0, step_timeout=60.0, join_timeout=60.0)
 
@@ -41,6 +49,7 @@ class InProcessSwarm:
     coordinator_options: dict = field(default_factory=dict)
     peer_options: dict = field(default_factory=dict)
     on_kill: Callable[[InProcessSwarm, dict], None] | None = None  # called just before each kill
+    timeouts: Timeouts = field(default_factory=lambda: TIMEOUTS)  # every process's (the tests': short ones)
     killed: list[tuple[str, dict]] = field(default_factory=list)
     daemons: dict[str, PeerDaemon] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
@@ -70,14 +79,14 @@ class InProcessSwarm:
 
     async def run(self) -> dict:
         MEMORY.reset()
-        opts = CoordinatorOptions(run_id="inproc", out=str(self.out), transport="memory", timeouts=TIMEOUTS,
+        opts = CoordinatorOptions(run_id="inproc", out=str(self.out), transport="memory", timeouts=self.timeouts,
                                   chaos_handler=self._inject, **self.coordinator_options)
         coordinator = Coordinator(self.cfg, opts)
-        main = asyncio.create_task(coordinator.run())
+        main = asyncio.create_task(coordinator.run(), context=_context("coordinator"))
         for _ in range(self.peers):
-            d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=TIMEOUTS, leave_deadline=2.0,
+            d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=self.timeouts, leave_deadline=2.0,
                                        coordinator_timeout=30.0, **self.peer_options))
-            task = asyncio.create_task(d.run())
+            task = asyncio.create_task(d.run(), context=_context("peer"))
             await asyncio.sleep(0)  # the daemon's transport exists (peer id known) once it has started
             while d.membership.transport is None:
                 await asyncio.sleep(0.01)
@@ -95,6 +104,13 @@ class InProcessSwarm:
                 await asyncio.gather(*live, return_exceptions=True)
             MEMORY.reset()
         return summary
+
+
+def _context(role: str) -> contextvars.Context:
+    """A copy of the current context with ROLE set to `role` (what the launcher's separate process would be)."""
+    ctx = contextvars.copy_context()
+    ctx.run(ROLE.set, role)
+    return ctx
 
 
 def run_swarm(cfg: RunConfig, out: Path, *, peers: int, chaos: FailureSchedule | None = None,
