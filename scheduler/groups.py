@@ -356,6 +356,7 @@ class GroupsMixin:
         """The replicas' replies as one per stage (what `_train` records): losses of every microbatch once, bytes
         summed, peaks the largest, the replicas' microbatch counts; measured speeds kept for the next step."""
         by_stage = {}
+        computed = Counter(p for row in hops for p in set(row))  # microbatches each replica computed, in one pass
         for s, g in groups.items():
             rs = [replies.get(p, {}) for p in g]
             losses = {}
@@ -363,7 +364,7 @@ class GroupsMixin:
                 losses.update(r.get("losses", {}))
             merged = {"losses": losses, "stage": s,
                       "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in rs),
-                      "replica_microbatches": [sum(1 for row in hops if p in row) for p in g]}
+                      "replica_microbatches": [computed[p] for p in g]}
             for k in ("inflight_peak", "activation_peak_bytes", "peak_rss_bytes", "reduce_s"):
                 vals = [r[k] for r in rs if r.get(k) is not None]
                 if vals:
