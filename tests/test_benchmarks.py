@@ -108,5 +108,15 @@ def test_control_plane_quick_prints_the_table_and_the_growth_exponent(tmp_path):
     data = json.loads(result.read_text())
     for r in data["inprocess"]:  # every step's RUN_STEP and COMMIT went out and came back, and were counted
         assert r["messages_sent"] >= 2 * r["peers"] and r["bytes_sent"] > 0 and r["coordinator_cpu_s"] > 0
-        assert r["peer_dht_stores_per_s"] > 0
+        assert r["by_rpc"]["calls cf.run_step"] == r["by_rpc"]["calls cf.commit"] == r["live_peers"]
     assert png.stat().st_size > 0
+
+
+def test_the_control_plane_page_carries_what_the_result_files_render():
+    """docs/control-plane.md's tables are the benchmarks' own rendering of benchmarks/results/*.json (rewrite them
+    with `python -m benchmarks.docs_tables`), never typed by hand."""
+    from benchmarks.docs_tables import BLOCKS, PAGE, blocks, rendered
+
+    held = blocks(PAGE.read_text())
+    for marker, module, result in BLOCKS:
+        assert held.get(marker) == rendered(module, result), f"{marker}: run python -m benchmarks.docs_tables"
