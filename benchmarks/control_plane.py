@@ -224,11 +224,15 @@ def plot(rows: list[dict], exponent: float, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ns = [r["peers"] for r in rows]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ax.loglog(ns, [r["coordinator_cpu_s"] * 1e3 for r in rows], "o-", label="coordinator CPU per step")
     ax.loglog(ns, [r["wall_s"] * 1e3 for r in rows], "s--", label="step wall time")
+    cpu0 = rows[0]["coordinator_cpu_s"] * 1e3
+    ax.loglog(ns, [cpu0 * n / ns[0] for n in ns], ":", color="grey", label="linear in N (from the first point)")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel("peers N (8 stages x R replicas)")
     ax.set_ylabel("ms per step")
@@ -320,9 +324,10 @@ def render(result: dict) -> list[str]:
     rows = result["inprocess"]
     lines = [f"load average {result['load_start']:.1f} at the start, {result['load_end']:.1f} at the end", "",
              *table(rows), "", "coordinator messages per step by RPC, smallest and largest N:"]
-    lines += [f"  N={r['peers']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["by_rpc"].items())
+    lines += [f"- N={r['peers']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["by_rpc"].items())
               for r in (rows[0], rows[-1])]
-    lines += result["growth"]
+    if result["growth"]:  # (markdown: a list after a blank line)
+        lines += ["", result["growth"][0], *(f"- {g.strip()}" for g in result["growth"][1:])]
     if result["real"]:
         lines += ["", *real_table(result["real"])]
     return [*lines, "", "coordinator cpu growth exponent without answering STATUS polls (their number per step "

@@ -260,7 +260,7 @@ def _row(what: str, payload: int, before: Measured, after: Measured, sender: boo
 def render(result: dict) -> list[str]:
     """The table (and the closing ratios line) of a result, as printed and as the docs carry it."""
     lines = [f"preset {result['preset']}: one activation {result['activation'] / MIB:.3f} MiB, {result['per_step']} "
-             f"messages per step per middle stage; load average {result['load']:.1f}",
+             f"messages per step per middle stage; load average {result['load']:.1f}", "",
              "| operation | payload MiB | before: MiB allocated (x payload) | after | before/after | "
              "sender MiB before / after |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -272,7 +272,7 @@ def render(result: dict) -> list[str]:
     ratios = {r["operation"]: r for r in result["rows"]}
     picks = [ratios[k] for k in ("receive one message", "check_finite (one activation)", "snapshot: all three")]
     text = [f"{r['before']['work'] / r['after']['work']:.2f}" if r["after"]["work"] else "inf" for r in picks]
-    lines.append(f"copies before/after: receive {text[0]}, check_finite {text[1]}, snapshot {text[2]}")
+    lines += ["", f"copies before/after: receive {text[0]}, check_finite {text[1]}, snapshot {text[2]}"]
     return lines
 
 
