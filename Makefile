@@ -33,7 +33,7 @@ test-all: setup
 	$(call PYTEST,)
 
 docs: $(VENV)/.docs-installed
-	$(BIN)/python -m mkdocs build --strict --site-dir site
+	$(BIN)/python -m mkdocs build --strict
 
 clean-venv:
 	rm -rf $(VENV)
