@@ -178,7 +178,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-    if not any(i.get_closest_marker("smoke") for i in items) and not config.getoption("-k") and len(items) > 20:
+    if not any(i.get_closest_marker("smoke") for i in items) and not config.getoption("keyword") and len(items) > 20:
         raise pytest.UsageError("--quick: no test marked `smoke` was collected: the quick tier would have no "
                                 "real-process run (tests/test_smoke.py)")
 
@@ -212,9 +212,9 @@ def _process_tier_check(request, no_leftover_p2pd):
     if not quick or request.node.get_closest_marker("processes"):
         yield
         return
-    before = _child_ticks()
-    yield
-    if _child_ticks() > before or _live_children():
+    ticks, children = _child_ticks(), set(_live_children())  # a child started earlier and still running (such
+    yield                                                     # as torch_shm_manager) is not this test's
+    if _child_ticks() > ticks or set(_live_children()) - children:
         _UNDECLARED.append(request.node.nodeid)
 
 
