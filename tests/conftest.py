@@ -212,9 +212,12 @@ def _process_tier_check(request, no_leftover_p2pd):
     if not quick or request.node.get_closest_marker("processes"):
         yield
         return
-    ticks, children = _child_ticks(), set(_live_children())  # a child started earlier and still running (such
-    yield                                                     # as torch_shm_manager) is not this test's
-    if _child_ticks() > ticks or set(_live_children()) - children:
+    ticks, children = _child_ticks(), set(_live_children())
+    yield
+    now = set(_live_children())
+    # A child still running from an earlier test (torch_shm_manager, a pool's resource tracker) is not this test's,
+    # nor is the CPU time it brings when it is reaped during this test: count ticks only when none such ended.
+    if now - children or (_child_ticks() > ticks and not children - now):
         _UNDECLARED.append(request.node.nodeid)
 
 
