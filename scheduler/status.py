@@ -23,9 +23,12 @@ import time
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler.history import RunHistory
+
+if TYPE_CHECKING:  # (not at run time: `checkfree status` needs no coordinator, hivemind included)
+    from scheduler.coordinator import Coordinator
 
 __all__ = ["PeerState", "PeerView", "StageView", "SwarmStatus", "describe", "snapshot", "from_run_dir", "LiveStatus"]
 
@@ -137,7 +140,7 @@ def _history_fields(h: RunHistory) -> dict[str, Any]:
                 counts=dict(h.counts), events=tuple(h.events), complete=h.caught_up, time=time.time())
 
 
-def snapshot(coordinator, history: RunHistory) -> SwarmStatus:
+def snapshot(coordinator: Coordinator, history: RunHistory) -> SwarmStatus:
     """A running coordinator's state (read, never written) with its run's history."""
     c = coordinator
     cfg = c.cfg
@@ -187,7 +190,7 @@ class LiveStatus:
     """A running coordinator's dashboard source: `await source()` -> its SwarmStatus. The run directory's files
     are read in a worker thread, at most every `min_interval` s and by one poll at a time."""
 
-    def __init__(self, coordinator, out: str | Path, min_interval: float = 0.5) -> None:
+    def __init__(self, coordinator: Coordinator, out: str | Path, min_interval: float = 0.5) -> None:
         self.coordinator, self.min_interval = coordinator, min_interval
         self.history = RunHistory(Path(out))
         self._polled = -math.inf

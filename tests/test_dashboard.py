@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import os
 import shutil
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -206,7 +209,7 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
                   "--disable-component-update", "--disable-sync"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"Chromium is not installed ({CHROMIUM}; Debian: "
                                                           "apt-get install chromium)")
 def test_the_page_shows_a_sigkill_and_its_recovery_without_a_reload(tmp_path, tmp_path_factory):
@@ -251,3 +254,18 @@ def test_the_page_shows_a_sigkill_and_its_recovery_without_a_reload(tmp_path, tm
             kill_group(proc)
     if keep := os.environ.get("CHECKFREE_KEEP_SCREENSHOT"):  # to look at it
         shutil.copy(tmp_path / "dashboard.png", keep)
+
+
+@pytest.mark.timeout(420)
+def test_the_overhead_benchmark_runs_and_prints_its_side_by_side_ratio(tmp_path, tmp_path_factory):
+    """benchmarks/dashboard.py --quick: one real `checkfree local` run, polled and idle windows; what it prints
+    and writes (structure, never a speed)."""
+    env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dashboard", "--quick", "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| steps polled | steps idle | median step ms polled | median step ms idle | ratio polled/idle |" in proc.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["polled_steps"] > 0 and r["idle_steps"] > 0 and r["polled_steps"] + r["idle_steps"] <= 15
+    assert math.isfinite(r["ratio_polled_over_idle"]) and r["requests"]["status"] == r["requests"]["metrics"] > 0
+    assert r["coordinator_cpu_share"]["polled"] > 0 and r["build_ms"]["status"] > 0
