@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "experiment": "experiments.cli:add_parser",
     "chaos": "scheduler.chaos:add_parser",
     "plot": "checkfree.plot:add_parser",
+    "status": "scheduler.status_cli:add_parser",
 }
 
 
