@@ -178,7 +178,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-    if not any(i.get_closest_marker("smoke") for i in items) and not config.getoption("keyword") and len(items) > 20:
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("keyword")
+    if whole_suite and not any(i.get_closest_marker("smoke") for i in items):
         raise pytest.UsageError("--quick: no test marked `smoke` was collected: the quick tier would have no "
                                 "real-process run (tests/test_smoke.py)")
 
