@@ -54,6 +54,7 @@ class InProcessSwarm:
     daemons: dict[str, PeerDaemon] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     summary: dict | None = None
+    coordinator: Coordinator | None = None  # once `run()` has made it
 
     async def _inject(self, action: str, fields: dict) -> None:
         if action not in ("kill",):
@@ -81,7 +82,7 @@ class InProcessSwarm:
         MEMORY.reset()
         opts = CoordinatorOptions(run_id="inproc", out=str(self.out), transport="memory", timeouts=self.timeouts,
                                   chaos_handler=self._inject, **self.coordinator_options)
-        coordinator = Coordinator(self.cfg, opts)
+        coordinator = self.coordinator = Coordinator(self.cfg, opts)
         main = asyncio.create_task(coordinator.run(), context=_context("coordinator"))
         for _ in range(self.peers):
             d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=self.timeouts, leave_deadline=2.0,
