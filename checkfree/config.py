@@ -128,8 +128,8 @@ class TrainConfig:
 class RecoveryConfig:
     """How a lost stage is rebuilt (see checkfree.recovery)."""
 
-    strategy: str = "checkfree"  # checkfree | checkfree+ | uniform | copy | random | ...
-    fallback: str = "abort"  # abort | random | copy: what an unrecoverable failure does
+    strategy: str = "checkfree"  # checkfree | checkfree+ | uniform | copy | random | identity | ...
+    fallback: str = "abort"  # abort | random | copy | identity: what an unrecoverable failure does
     lr_scale: float = 1.1  # LR multiplier for a recovered stage's fresh optimizer
     eps: float = 1e-4  # added to each neighbour's gradient norm
     norm_kind: str = "post-clip"  # post-clip | pre-clip gradient norm as omega

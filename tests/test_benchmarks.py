@@ -114,3 +114,49 @@ def test_idle_reports_the_standby_and_every_process_kind():
     assert float(rows["stage peers (python: event loop + compute)"][2]) > 0
     assert re.search(r"left behind: 0 processes, 0 socket files \(of \d+ started\)", proc.stdout), proc.stdout
     assert re.fullmatch(r"idle standby: \d+\.\d\d% of a core", proc.stdout.strip().splitlines()[-1])
+
+
+def test_copies_quick_reports_before_and_after_for_every_operation():
+    """benchmarks.copies runs both paths side by side; the allocation counts (not timings) show the receive path
+    keeping one buffer per message and the snapshot path fewer copies than before."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.copies", "--quick"], check=False, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+                              if line.startswith("| ") and "operation" not in line)}
+    for op in ("receive one message", "check_finite (one activation)", "snapshot: capture + serialise",
+               "snapshot: send + receive", "snapshot: load", "snapshot: all three"):
+        assert op in rows, proc.stdout
+    after_receive = [r for k, r in rows.items() if k == "receive one message"][0][3]
+    assert after_receive.endswith("(1.00x)"), rows  # the body is the only buffer a received message takes
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"copies before/after: receive (\S+), check_finite (\S+), snapshot (\S+)", last)
+    assert m and float(m[1]) > 2 and float(m[3]) > 2, last
+
+
+def test_control_plane_quick_prints_the_table_and_the_growth_exponent(tmp_path):
+    """benchmarks.control_plane --quick: two in-process swarms (N = 4, 8), their table, the plot, and the growth
+    exponent as the last line (its value is not checked: it is a measurement)."""
+    result, png = tmp_path / "cp.json", tmp_path / "cp.png"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.control_plane", "--quick", "--json", str(result),
+                           "--plot", str(png)], check=False, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"coordinator cpu growth exponent: -?\d+\.\d\d", lines[-1]), lines[-1]
+    rows = [line for line in lines if re.match(r"\| \d+ \| 4 x \d \|", line)]
+    assert [int(r.split("|")[1]) for r in rows] == [4, 8], proc.stdout[-3000:]
+    data = json.loads(result.read_text())
+    for r in data["inprocess"]:  # every step's RUN_STEP and COMMIT went out and came back, and were counted
+        assert r["messages_sent"] >= 2 * r["peers"] and r["bytes_sent"] > 0 and r["coordinator_cpu_s"] > 0
+        assert r["by_rpc"]["calls cf.run_step"] == r["by_rpc"]["calls cf.commit"] == r["live_peers"]
+    assert png.stat().st_size > 0
+
+
+def test_the_control_plane_page_carries_what_the_result_files_render():
+    """docs/control-plane.md's tables are the benchmarks' own rendering of benchmarks/results/*.json (rewrite them
+    with `python -m benchmarks.docs_tables`), never typed by hand."""
+    from benchmarks.docs_tables import BLOCKS, PAGE, blocks, rendered
+
+    held = blocks(PAGE.read_text())
+    for marker, module, result in BLOCKS:
+        assert held.get(marker) == rendered(module, result), f"{marker}: run python -m benchmarks.docs_tables"
