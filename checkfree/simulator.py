@@ -262,7 +262,8 @@ class Simulator:
 
     def save(self, step: int) -> None:
         """Save every stage's state, ready to run `step` (checkfree.saves)."""
-        blobs = {i: state_to_bytes(capture_worker(w, step, self.norms[i])) for i, w in enumerate(self.workers)}
+        blobs = {i: state_to_bytes(capture_worker(w, step, self.norms[i], clone=False))
+                 for i, w in enumerate(self.workers)}
         path = write_save(self.writer.out, step, blobs, {"iterations": self.iterations, "sim_time_s": self.sim_time_s,
                                                          "totals": self.totals.as_dict()}, keep=self.keep_saves)
         self.writer.event("save", step=step, path=str(path))
