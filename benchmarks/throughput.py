@@ -55,7 +55,7 @@ def single_process(cfg, steps: int, warmup: int, stats: dict | None = None) -> f
     torch.manual_seed(cfg.train.seed)
     model = LlamaModel(cfg.model)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
-    data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+    data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                       seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
     times, cpu = [], []
     for step in range(steps + warmup):
@@ -147,7 +147,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = preset(args.preset)
     cfg.num_stages, cfg.train.num_microbatches = args.stages, args.microbatches
-    tokens = cfg.train.num_microbatches * cfg.train.microbatch_size * cfg.model.context_length
+    tokens = cfg.train.num_microbatches * cfg.train.microbatch_size * cfg.seq_len
     load0 = os.getloadavg()
     with checkout(args.baseline_rev) as tree, tempfile.TemporaryDirectory() as tmp:
         base = f"swarm @{args.baseline_rev}"

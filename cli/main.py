@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "chaos": "scheduler.chaos:add_parser",
     "plot": "checkfree.plot:add_parser",
     "status": "scheduler.status_cli:add_parser",
+    "pretrained": "checkfree.pretrained:add_parser",
 }
 
 

@@ -148,7 +148,7 @@ def check_activation(tensors: list[torch.Tensor], what: str, cfg: RunConfig | No
     m, t = cfg.model, cfg.train
     check_finite([x for x in tensors if x.is_floating_point()])
     try:
-        return decode(tensors, t.wire_dtype, (t.microbatch_size, m.context_length, m.d_model), what)
+        return decode(tensors, t.wire_dtype, (t.microbatch_size, cfg.seq_len, m.d_model), what)
     except ValueError as e:
         raise ProtocolError(str(e)) from None
 

@@ -90,7 +90,7 @@ class HostedStage:
             worker.attach_guard(make_guard(self.cfg, stage))
         if self._needs_data(stage) and self.data is None:
             c = self.cfg
-            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.model.context_length,
+            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.seq_len,
                                    seed=c.train.seed, microbatch_size=c.train.microbatch_size)
         return worker
 

@@ -132,6 +132,13 @@ def run_local(args: argparse.Namespace) -> int:
     if args.threads_per_peer < 1:
         raise ValueError(f"--threads-per-peer must be >= 1, got {args.threads_per_peer}")
     cfg = config_from_args(args)
+    if not args.skip_memory_check:  # every process of the swarm on this machine
+        from checkfree.memory import PROCESS_BYTES, StageMemory, check_fits, swarm_memory
+
+        peers = [swarm_memory(cfg, s) for s in range(cfg.num_stages) for _ in range(cfg.train.replicas)]
+        total = sum(peers, StageMemory(process=(args.spares + 1) * PROCESS_BYTES))  # + standbys, coordinator
+        check_fits(total, f"this swarm ({len(peers)} peers, up to {max(p.total for p in peers) / 2**30:.1f} GiB "
+                          f"each, + {args.spares} spares and the coordinator)")
     check_swarm_groups(cfg)  # stage groups with a strategy that keeps one peer per stage: before anything is written
     timeouts_from_args(args)  # the timeout hierarchy, too
     from checkfree.auth import load_secret
@@ -153,7 +160,7 @@ def run_local(args: argparse.Namespace) -> int:
     from checkfree.strategies import build_strategy
 
     print("preparing data (tokenizer and token cache shared by all peers)...", flush=True)
-    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
     if args.kill_coordinator_at is not None and not 1 <= args.kill_coordinator_at < cfg.train.num_steps:
         raise ValueError(f"--kill-coordinator-at must be a step in 1..{cfg.train.num_steps - 1}, "
