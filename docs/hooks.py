@@ -56,7 +56,9 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
             return _relink(path.read_text(), words[0], page.file.src_uri, files)
         return _result(path.read_text().splitlines(), [_option(w) for w in words[1:]], where)
 
-    return DIRECTIVE.sub(replace, markdown)
+    markdown = DIRECTIVE.sub(replace, markdown)
+    # A page's own links out of docs/ (`../experiments/...`, right on GitHub): re-aimed at the published copy.
+    return _relink(markdown, posixpath.join("docs", page.file.src_uri), page.file.src_uri, files, outside_only=True)
 
 
 def _option(word: str) -> tuple[str, str]:
@@ -103,14 +105,15 @@ def _fenced(lines: list[str]) -> str:
     return "```text\n" + "\n".join(lines) + "\n```"
 
 
-def _relink(text: str, source: str, page: str, files: Files) -> str:
+def _relink(text: str, source: str, page: str, files: Files, *, outside_only: bool = False) -> str:
     """`source`'s relative links re-aimed from its folder to the page's: a target the site publishes stays a link,
-    any other (a folder, a data file, a page of the repository outside the site) becomes its repository path."""
+    any other (a folder, a data file, a page of the repository outside the site) becomes its repository path.
+    `outside_only`: only the links that leave docs/ (`../...`)."""
     base, here = posixpath.dirname(source), posixpath.dirname(page)
 
     def fix(match: re.Match) -> str:
         bang, label, target = match.groups()
-        if re.match(r"[a-z]+:|#|/", target):
+        if re.match(r"[a-z]+:|#|/", target) or (outside_only and not target.startswith("../")):
             return match.group(0)
         path, _, anchor = target.partition("#")
         repo_path = posixpath.normpath(posixpath.join(base, path))
