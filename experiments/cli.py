@@ -106,6 +106,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         e = esub.add_parser(name, help=helps[name], description=helps[name])
         _add_options(e)
         e.set_defaults(func=run)
+    from experiments import pretrained
+
+    e = esub.add_parser("pretrained", help="recovery on a trained network: paired branches from one warm checkpoint",
+                        description=pretrained.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pretrained.add_arguments(e)
+    e.set_defaults(func=pretrained.main)
 
 
 def settings_from_args(args: argparse.Namespace):

@@ -251,7 +251,7 @@ class Coordinator:
     async def run(self) -> dict:
         opts = self.opts
         pid = await self.rpc.start()
-        announcer, summary = None, None
+        announcer = watcher = summary = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
             loop.add_signal_handler(sig, self._on_stop_signal, task)
@@ -264,6 +264,7 @@ class Coordinator:
             takeover = opts.takeover or opts.standby
             saved = await self._take_over() if takeover else self._open()
             announcer = asyncio.create_task(self.members.announce())
+            watcher = asyncio.create_task(self.members.watch_heartbeats())
             print(f"{READY_COORDINATOR} peer_id={pid} run={opts.run_id} addrs={addrs}", flush=True)
             if not takeover:
                 await self._fill(saved)
@@ -283,7 +284,7 @@ class Coordinator:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            summary = await self._end(status, error, announcer, loop)
+            summary = await self._end(status, error, (announcer, watcher), loop)
         return summary
 
     async def _save_on_stop(self) -> None:
@@ -294,7 +295,8 @@ class Coordinator:
                 if await asyncio.wait_for(self.out.save(self.cfg, self.step, self.iteration), self.t.step_timeout):
                     print(f"status: saved step {self.step} into {self.opts.out}/saves", flush=True)
 
-    async def _end(self, status: str, error: str | None, announcer: asyncio.Task | None, loop) -> dict | None:
+    async def _end(self, status: str, error: str | None, background: tuple[asyncio.Task | None, ...],
+                   loop) -> dict | None:
         """The summary (None if the run directory never opened), the peers told, the transport stopped."""
         self.members.end(status)
         with contextlib.suppress(Exception):
@@ -309,8 +311,9 @@ class Coordinator:
                        "stage_recoveries": self.out.counts()["recoveries"]} if self._groups_on() else {})
             summary = self.out.close(status, error, soft_errors=soft, strategy=self.cfg.recovery.strategy,
                                            **groups)
-        if announcer is not None:
-            announcer.cancel()
+        for task in background:
+            if task is not None:
+                task.cancel()
         if self.opts.shutdown_peers and self.cfg is not None:
             await self.members.retire()  # failed peers that came back since (a healed partition)
             await self.members.shutdown_peers(f"run {status}")
