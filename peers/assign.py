@@ -33,7 +33,7 @@ from peers.compute import ComputeQueue
 from peers.debug import DebugHooks
 from peers.recovery import Recovery
 from peers.snapshots import Snapshots
-from peers.stage import HostedStage, PeerState
+from peers.stage import HostedStage
 
 __all__ = ["MODES", "Assignment"]
 
@@ -95,7 +95,4 @@ class Assignment:
 
     def _serve(self, worker: StageWorker, omega: float, step: object) -> None:
         """Start serving `worker`, its weights ready for `step` (0 unless the message says)."""
-        hosted = self.hosted
-        hosted.worker, hosted.omega = worker, omega
-        hosted.next_step = step if isinstance(step, int) else 0
-        hosted.state = PeerState.SERVING
+        self.hosted.serve(worker, omega, step if isinstance(step, int) else 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from enum import Enum
 from typing import Any
@@ -61,9 +62,9 @@ class HostedStage:
         """Take the run's config (from the coordinator's JOIN reply); `device` overrides the run's."""
         from checkfree.strategies import build_strategy, worker_config
 
-        self.cfg = cfg
         if device:
-            cfg.train.device = device
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device=device))
+        self.cfg = cfg
         resolve_device(cfg.train.device)
         strategy = build_strategy(cfg)
         self.plus = strategy.plus
@@ -91,6 +92,33 @@ class HostedStage:
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         return self.worker
+
+    # ---- changes (every part changes the hosted stage through these) -----------------------
+    def serve(self, worker: StageWorker, omega: float, next_step: int) -> None:
+        """Serve `worker`'s stage from now on, its weights ready for `next_step`."""
+        self.worker, self.omega, self.next_step = worker, omega, next_step
+        self.state = PeerState.SERVING
+
+    def rolled_back(self, omega: float, next_step: int, worker: StageWorker | None = None) -> None:
+        """The stage's weights are a copy's now (or, `worker`, its initial state), ready for `next_step`."""
+        if worker is not None:
+            self.worker = worker
+        self.omega, self.next_step = omega, next_step
+
+    def committed(self, omega: float | None, next_step: int, figures: dict) -> None:
+        """A step was committed (`omega` None: its update was skipped, the norm stays); `figures` what a new
+        coordinator may need of it."""
+        if omega is not None:
+            self.omega = omega
+        self.next_step, self.last_commit = next_step, figures
+
+    def release(self) -> None:
+        """Let the stage go and stand by again (a stage group's replica moved elsewhere)."""
+        self.worker, self.omega, self.next_step = None, 0.0, 0
+        self.state = PeerState.STANDBY
+
+    def leave(self) -> None:
+        self.state = PeerState.LEAVING
 
     # ---- on the compute thread --------------------------------------------------------
     def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:

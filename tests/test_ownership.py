@@ -97,8 +97,7 @@ def violations(path: Path) -> list[str]:
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
 
 
-@pytest.mark.parametrize("layer", ["scheduler", pytest.param("peers", marks=pytest.mark.xfail(
-    reason="issue 29: the peer's parts still write the shared HostedStage and StepRun (next commit)", strict=True))])
+@pytest.mark.parametrize("layer", ["scheduler", "peers"])
 def test_no_module_writes_another_objects_attributes(layer):
     bad = [v for path in sorted((ROOT / layer).rglob("*.py")) for v in violations(path)]
     assert not bad, f"{len(bad)} writes into objects the module did not create:\n" + "\n".join(bad)
