@@ -50,6 +50,7 @@ from checkfree.protocol import (
     Kind,
     Timeouts,
 )
+from checkfree.messages import Ok, Ping, Pong, Shutdown
 from checkfree.wan import WanEmulator
 from checkfree.worker import StageWorker
 from peers.assign import Assignment
@@ -214,17 +215,17 @@ class PeerDaemon:
         self.hosted.release()
 
     # ---- handlers --------------------------------------------------------------------
-    async def _on_ping(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        return {"stage": self.hosted.index, "state": self.hosted.state.value}, []
+    async def _on_ping(self, ping: Ping, tensors: list, peer) -> tuple[Pong, list]:
+        return Pong(stage=self.hosted.index, state=self.hosted.state.value), []
 
-    async def _on_shutdown(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def _on_shutdown(self, shutdown: Shutdown, tensors: list, peer) -> tuple[Ok, list]:
         """The coordinator ends this peer: the run is over, or its stage was handed over."""
         # no leave announcement needed: the coordinator asked (and may ask again: a request delayed by a
         # partition and its retry both arrive once the partition heals; both are answered)
-        reason = header.get("reason")
-        run_ended = isinstance(reason, str) and reason.startswith("run ")
+        reason = shutdown.reason
+        run_ended = reason is not None and reason.startswith("run ")
         if run_ended and self.membership.run_finished:  # a retry of the same message (e.g. after a partition healed)
-            return {"ok": True}, []
+            return Ok(), []
         if self.hosted.worker is not None and self.opts.dump_dir:
             tag = f"-{self.membership.me}" if self.hosted.cfg.train.stage_groups else ""  # a stage group's replica
             await self.compute.run(self.debug.dump_final, self.hosted.worker, self.hosted.omega, tag)
@@ -232,10 +233,10 @@ class PeerDaemon:
             self.membership.finish()
             if self.opts.stay:
                 print(f"run finished ({reason}); staying (--stay) until stopped", flush=True)
-                return {"ok": True}, []
+                return Ok(), []
             print(f"run finished ({reason}); exiting", flush=True)
         else:
             log.info("told to shut down by the coordinator")
         self._told_to_stop = True
         asyncio.get_running_loop().call_later(0.1, self.stop.set)
-        return {"ok": True}, []
+        return Ok(), []

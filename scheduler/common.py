@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from checkfree.failures import FailureSchedule
 from checkfree.net.transport import RemoteError, TransportError
+from checkfree.messages import Committed, StepFigures, as_record
 from checkfree.protocol import Timeouts
 
 __all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS",
@@ -33,22 +34,23 @@ _OPTIONAL = ("hop_delay_s", "backup_bytes")  # only an emulated WAN / BAFT repor
 
 
 
-def step_figures(by_stage: dict[int, dict], num_stages: int) -> dict:
+def step_figures(by_stage: dict[int, StepFigures], num_stages: int) -> dict:
     """A step record's figures from its stages' replies: the tensor bytes sent (summed) and, per stage
     (None: not reported), the most microbatches whose activations it held at once, their bytes, and
     its peer process's peak resident memory so far."""
-    per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]
-                 if k not in _OPTIONAL or any(k in r for r in by_stage.values())}
-    return {"wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in by_stage.values()), **per_stage}
+    fields = {s: as_record(r) for s, r in by_stage.items()}
+    per_stage = {k: [fields.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]
+                 if k not in _OPTIONAL or any(k in r for r in fields.values())}
+    return {"wire_bytes": sum(r.bytes_sent for r in by_stage.values()), **per_stage}
 
 
 COMMIT_FIGURES = ("redundant_s", "replica_bytes")  # a peer's, per committed step (redundant computation only)
 
 
-def commit_figures(by_stage: dict[int, dict | Exception], num_stages: int) -> dict:
+def commit_figures(by_stage: dict[int, Committed | Exception], num_stages: int) -> dict:
     """A step record's figures from its stages' COMMIT replies, per stage: the seconds of redundant forwards and
     the gradient bytes shipped to the replica's holder (only when some stage reports them)."""
-    replies = [r if isinstance(r, dict) else {} for r in (by_stage.get(s, {}) for s in range(num_stages))]
+    replies = [as_record(r) if isinstance(r, Committed) else {} for r in (by_stage.get(s) for s in range(num_stages))]
     return {k: [r.get(k) for r in replies] for k in COMMIT_FIGURES if any(k in r for r in replies)}
 
 

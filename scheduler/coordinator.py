@@ -37,7 +37,9 @@ from checkfree.groups import check_swarm_groups
 from checkfree.model import plan_stages
 from checkfree.net.transport import dht_maddrs, rpc_note
 from checkfree.pipeline import evaluates_after
-from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC
+from checkfree import messages as msg
+from checkfree.messages import Committed, StepDone
+from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
 from checkfree.recovery import UnrecoverableFailure
 from checkfree.steprules import Commit, apply_commits
 from checkfree.strategies import build_strategy
@@ -128,7 +130,7 @@ class Coordinator:
                     step = r.step
                     self._step_done(step)
                     continue
-                losses = [float(v) for r in ev.values() for v in r["losses"].values()]
+                losses = [v for r in ev.values() for v in r.losses.values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
             self.out.writer.metric(record)
             if self.opts.save_every and (step + 1) % self.opts.save_every == 0 and step + 1 < cfg.train.num_steps:
@@ -141,7 +143,7 @@ class Coordinator:
             step += 1
             self._step_done(step)
 
-    async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:
+    async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, StepDone]:
         """Run a step (or an evaluation) to completion: detect and recover failed stages, abort and retry an
         interrupted attempt. Evaluation attempts are numbered from EVAL_ATTEMPT so their messages never mix with
         the training step's."""
@@ -162,37 +164,37 @@ class Coordinator:
         raise RuntimeError(f"step {step} failed {self.opts.max_attempts} times without a detectable peer failure; "
                            "check the peers' logs (slow peers: raise --step-timeout)")
 
-    async def _commit(self, step: int) -> dict[int, dict | Exception]:
+    async def _commit(self, step: int) -> dict[int, Committed | Exception]:
         await self.faults.in_commit(step, self._commit_stages, self.cfg.num_stages)
         return await self.driver.commit(step)
 
     async def _commit_stages(self, stages: list[int]) -> None:
-        await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.COMMIT, {
-            "step": self.step, "attempt": self.driver.last_attempt}, self.t.rpc_timeout) for s in stages))
+        commit = msg.Commit(step=self.step, attempt=self.driver.last_attempt)
+        await asyncio.gather(*(self.rpc.call(self.table.peer(s), commit, self.t.rpc_timeout) for s in stages))
 
-    def _record(self, step: int, results: dict[int, dict], commits: dict[int, dict | Exception], took: float) -> dict:
+    def _record(self, step: int, results: dict[int, StepDone], commits: dict[int, Committed | Exception],
+                took: float) -> dict:
         """The step's metrics line; a stage whose weights broke is treated as failed (recovered before the next
         step); the costs the peers measured are charged."""
-        cfg, done = self.cfg, {s: r for s, r in commits.items() if isinstance(r, dict)}
+        cfg, done = self.cfg, {s: r for s, r in commits.items() if isinstance(r, Committed)}
         self.driver.committed(commits)
         broken = apply_commits(
-            [Commit(s, float(r["omega"]), bool(r.get("skipped")), bool(r.get("weights_finite", True)))
-             for s, r in done.items()], None,
+            [Commit(s, r.omega, r.skipped, r.weights_finite) for s, r in done.items()], None,
             lambda event, stage, **f: self.out.event(event, step=step, stage=stage, peer_id=self.table.peer(stage), **f))
         for s in broken:  # numeric guard: a broken stage is a failed stage
             self.members.drop(self.table.peer(s))
-        per = {k: [done.get(s, {}).get(k, math.nan) for s in range(cfg.num_stages)] for k in ("post", "block_post")}
-        record = {"step": step, "loss": sum(float(v) for r in results.values() for v in r["losses"].values()),
-                  "lr": next((r["lr"] for r in done.values()), math.nan), "grad_norms": per["post"],
-                  "block_grad_norms": per["block_post"], "step_time_s": round(took, 6),
+        record = {"step": step, "loss": sum(v for r in results.values() for v in r.losses.values()),
+                  "lr": next((r.lr for r in done.values()), math.nan),
+                  "grad_norms": [done[s].post if s in done else math.nan for s in range(cfg.num_stages)],
+                  "block_grad_norms": [done[s].block_post if s in done else math.nan for s in range(cfg.num_stages)], "step_time_s": round(took, 6),
                   "attempts": self.driver.last_attempt + 1, "live_peers": sum(self.table.replica_counts(cfg.num_stages)),
                   **step_figures(results, cfg.num_stages), **commit_figures(commits, cfg.num_stages)}
         if self._groups_on():  # stage groups: replicas per stage, and the microbatches each computed
             record["replicas"] = self.table.replica_counts(cfg.num_stages)
-            record["replica_microbatches"] = [results.get(s, {}).get("replica_microbatches")
+            record["replica_microbatches"] = [results[s].replica_microbatches if s in results else None
                                               for s in range(cfg.num_stages)]
-            if any("reduce_s" in r for r in results.values()):
-                record["reduce_s"] = [results.get(s, {}).get("reduce_s") for s in range(cfg.num_stages)]
+            if any(r.reduce_s is not None for r in results.values()):
+                record["reduce_s"] = [results[s].reduce_s if s in results else None for s in range(cfg.num_stages)]
         if "backup_bytes" in record:  # baft: the parts sent in this step's bubbles
             self.out.charge(bytes_moved=sum(x or 0 for x in record["backup_bytes"]))
         if "redundant_s" in record:  # the step waited for the slowest stage's redundant forwards

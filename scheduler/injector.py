@@ -64,7 +64,7 @@ class Injector:
         if stage not in self.opts.slow:
             return {}
         delay, start = self.opts.slow[stage]
-        return {"inject_delay": [delay, start]}
+        return {"inject_delay": (delay, start)}
 
     def fault_fields(self, name: str, pid: str, step: int) -> dict:
         """Stage groups: a replica's RUN_STEP or REDUCE that makes it die (mid-step, mid-reduce); every member of

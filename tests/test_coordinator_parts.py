@@ -13,6 +13,7 @@ import pytest
 
 from checkfree.net.memory import MEMORY, MemoryTransport
 from checkfree.plans import Copies, Failure, Holder, Own, RecoveryPlan, Snapshot
+from checkfree.messages import Envelope, Join, Leave, Left, Report
 from checkfree.protocol import RPC, ProtocolError, Timeouts
 from checkfree.strategies import build_strategy
 from scheduler.common import CoordinatorOptions, Rollback
@@ -47,6 +48,8 @@ class Peers:
     def _handler(self, pid: str, name: str):
         async def handle(header: dict, tensors: list, caller) -> tuple[dict, list]:
             self.got.append((pid, name, header))
+            if name == RPC.PING:
+                return {"stage": -1, "state": "standby"}, []
             return self.answer(pid, name, header), []
         return handle
 
@@ -97,23 +100,24 @@ def test_membership_admits_suspects_and_detects_alone(tiny_cfg, tmp_path):
     async def main():
         _, rpc, table, out, members = await _parts(tmp_path, cfg)
         peers = Peers(3)
+        env = Envelope(run="parts")
         for pid in peers.ids:
-            await members.on_join({"run": "parts", "peer_id": pid}, [], pid)
+            await members.on_join(Join(peer_id=pid), env, pid)
         with pytest.raises(ProtocolError, match="duplicate join"):
-            await members.on_join({"run": "parts", "peer_id": peers.ids[0]}, [], peers.ids[0])
+            await members.on_join(Join(peer_id=peers.ids[0]), env, peers.ids[0])
         assert members.standbys() == peers.ids
         table.assign(0, peers.ids[0])
         table.assign(1, peers.ids[1])
         assert members.standbys() == [peers.ids[2]]
         for pid in peers.ids[:2]:
-            await members.on_report({"run": "parts", "stage": table.stage_of(pid), "peer_id": pid,
-                                     "reason": "unreachable"}, [], peers.ids[2])
+            await members.on_report(Report(stage=table.stage_of(pid), peer_id=pid, reason="unreachable"), env,
+                                    peers.ids[2])
         MEMORY.kill(peers.ids[1])
         found = await members.detect()
         assert found.failed == {1} | set(range(2, cfg.num_stages)) and not found.handed_over
         assert members.reported == {peers.ids[1]}  # the false report about peer 0 is cleared
-        reply, _ = await members.on_leave({"run": "parts"}, [], peers.ids[0])
-        assert reply == {"ok": True, "handover": True} and members.leaving(peers.ids[0])
+        reply = await members.on_leave(Leave(), env, peers.ids[0])
+        assert reply == Left(handover=True) and members.leaving(peers.ids[0])
         await rpc.stop()
     asyncio.run(main())
 
@@ -193,7 +197,7 @@ def test_protection_counts_a_snapshot_only_once_every_stage_took_it(tiny_cfg, tm
         fail["on"] = False
         await protection.protect_item(item, 2)
         assert protection.lost(set()).holders(0) == [0, 1]
-        assert [h["holders"] for p, h in peers.sent(RPC.SNAPSHOT) if p == peers.ids[2]][-1] == peers.ids[2:]
+        assert [h["keep"]["peers"] for p, h in peers.sent(RPC.SNAPSHOT) if p == peers.ids[2]][-1] == peers.ids[2:]
         assert protection.lost({1}).holders(0) == [0]  # the copies a lost peer held are gone with it
         await rpc.stop()
     asyncio.run(main())
@@ -208,7 +212,7 @@ def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp
 
     async def main():
         opts, rpc, table, out, members = await _parts(tmp_path, cfg)
-        peers = Peers(cfg.num_stages + 1, lambda pid, name, h: {"omega": 0.5, "bytes": 10} if name == RPC.ASSIGN
+        peers = Peers(cfg.num_stages + 1, lambda pid, name, h: {"stage": h["stage"], "bytes": 10} if name == RPC.ASSIGN
                       else {"bytes": 10, "sent": 10} if name == RPC.SNAPSHOT else {"ok": True})
         for s, pid in enumerate(peers.ids):
             members.admit(pid, float(s))
@@ -230,10 +234,11 @@ def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp
         assert r.value.step == 2
         restores = {p: h for p, h in peers.sent(RPC.RESTORE)}
         assert set(restores) == {peers.ids[s] for s in (0, 1, 3)}
-        assert all(h == {"run": "parts", "step": 2, "source": None} for h in restores.values())
+        assert all(h == {"run": "parts", "step": 2, "origin": {"kind": "own"}} for h in restores.values())
         (new, assign), = [(p, h) for p, h in peers.sent(RPC.ASSIGN)]
         holder = strategy.restore_source(2, [3])
-        assert new == peers.ids[-1] and assign["mode"] == "restore" and assign["source"] == peers.ids[holder]
+        assert new == peers.ids[-1] and assign["mode"] == "restore" and assign["origin"] == {
+            "kind": "peer", "peer": peers.ids[holder]}
         assert table.peer(2) == new and members.leaving(lost)
         out.close("completed", None)
         from checkfree.rundir import read_jsonl

@@ -301,7 +301,8 @@ def test_reft_companion_keeps_its_peers_snapshot_for_members_only_from_its_peer(
     import asyncio
 
     from checkfree.net.tcp_transport import RemoteError, TcpTransport
-    from peers.companion import COMPANION_STOP, COMPANION_STORE, companion_id, fetch_snapshot, start_companion
+    from checkfree.messages import CompanionStop, CompanionStore
+    from peers.companion import companion_id, fetch_snapshot, start_companion
 
     secret = b"0123456789abcdef-secret"
     proc, addr = start_companion("QmPeer", "127.0.0.1", linger=1.0, secret=secret)
@@ -314,14 +315,14 @@ def test_reft_companion_keeps_its_peers_snapshot_for_members_only_from_its_peer(
             t.add_peer_address(addr)
         tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (blob, parity)]
         try:
-            await peer.call(companion_id("QmPeer"), COMPANION_STORE, header, tensors, timeout=10)
+            await peer.call(companion_id("QmPeer"), CompanionStore.rpc, header, tensors, timeout=10)
             with pytest.raises(RemoteError, match="only peer QmPeer stores"):
-                await stranger.call(companion_id("QmPeer"), COMPANION_STORE, header, tensors[::-1], timeout=10)
+                await stranger.call(companion_id("QmPeer"), CompanionStore.rpc, header, tensors[::-1], timeout=10)
             meta, got_blob, got_parity = await fetch_snapshot("QmOther", addr, 4, secret, 10)
-            assert (meta["stage"], got_blob, got_parity) == (1, blob, parity)
+            assert (meta.stage, got_blob, got_parity) == (1, blob, parity)
             with pytest.raises(RemoteError, match="no snapshot of step 2"):
                 await fetch_snapshot("QmOther", addr, 2, secret, 10)
-            await peer.call(companion_id("QmPeer"), COMPANION_STOP, {}, timeout=10)
+            await peer.call(companion_id("QmPeer"), CompanionStop.rpc, {}, timeout=10)
         finally:
             await peer.shutdown()
             await stranger.shutdown()
