@@ -9,7 +9,7 @@ processes show (SIGKILL of a process, p2pd, sockets, signals, the launcher) stay
 Each process-to-be runs in its own `contextvars` context with `ROLE` set ("coordinator" or "peer"): what its
 tasks spawn inherits it, and the memory transport runs a request's handler in the serving transport's context,
 so `benchmarks.control_plane` can tell the coordinator's share of the one event loop's time from the peers'.
-Used by the in-process tests (tests/test_inprocess.py, tests/test_groups.py) and benchmarks.control_plane.
+Used by the in-process tests (tests/test_inprocess.py, tests/test_stage_groups.py) and benchmarks.control_plane.
 """
 
 from __future__ import annotations

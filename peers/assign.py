@@ -3,11 +3,11 @@
 The modes of an assignment:
 
 * `fresh`: a newly initialised stage (the start of a run).
-* `recover`: rebuild a lost stage from live neighbours' weights (CheckFree; peers.recovery).
+* `recover`: rebuild a lost stage from live neighbours' weights (CheckFree; peers.rebuild).
 * `restore`: take the lost stage's snapshot (rollback strategies; peers.snapshots); with `edges`, its
   embedding / head from their live co-holders, and with `serve_step`, serve from that step on
   (checkfree+snap: a lone stage restored, nobody rolls back).
-* `handover`: take a leaving peer's exact state (peers.recovery).
+* `handover`: take a leaving peer's exact state (peers.rebuild).
 * `promote`: take the lost stage's replica from its predecessor (`source`; redundant computation).
 * `replica`: join a stage group: a live replica's (`source`) exact state, as a handover.
 
@@ -32,7 +32,7 @@ from checkfree.protocol import ProtocolError
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
 from peers.debug import DebugHooks
-from peers.recovery import Recovery
+from peers.rebuild import Rebuild
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
 
@@ -44,13 +44,13 @@ log = logging.getLogger(__name__)
 class Assignment:
     """Makes this standby peer serve the stage the coordinator assigns it."""
 
-    def __init__(self, hosted: HostedStage, compute: ComputeQueue, recovery: Recovery, snapshots: Snapshots,
+    def __init__(self, hosted: HostedStage, compute: ComputeQueue, rebuild: Rebuild, snapshots: Snapshots,
                  debug: DebugHooks, release: Callable[[], Awaitable[None]] | None = None) -> None:
-        self.hosted, self.compute, self.recovery, self.snapshots, self.debug = (hosted, compute, recovery,
+        self.hosted, self.compute, self.rebuild, self.snapshots, self.debug = (hosted, compute, rebuild,
                                                                                 snapshots, debug)
         self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
         # how long an ASSIGN waits for this peer's JOIN reply (see HostedStage.joining)
-        self.timeout = recovery.net.t.rpc_timeout
+        self.timeout = rebuild.net.t.rpc_timeout
 
     async def on_assign(self, assign: AssignRequest, tensors: list, peer) -> tuple[Assigned, list]:
         cfg, stage = await self.hosted.joining(self.timeout), assign.stage
@@ -65,12 +65,12 @@ class Assignment:
         figures: dict[str, Any] = {}  # the Assigned reply's fields, and the stage's omega
         self.debug.arm_rebuild_kill(assign)
         if isinstance(assign, AssignRecover):  # builds the stage while it pulls the weights
-            worker, figures = await self.recovery.recover(stage, assign)
+            worker, figures = await self.rebuild.recover(stage, assign)
         else:
             worker = await self.compute.run(self.hosted.build, stage)
         step = assign.step
         if isinstance(assign, AssignRestore):
-            donors = await self.recovery.components(stage, assign)
+            donors = await self.rebuild.components(stage, assign)
             figures = await self.snapshots.restore_new(worker, assign, donors)
             step = assign.step if assign.serve_step is None else assign.serve_step
             await self.compute.run(self.debug.dump, f"restored-step{step}-stage{stage}", worker.state_dict(),
@@ -82,7 +82,7 @@ class Assignment:
             except (ValueError, KeyError, RuntimeError) as e:
                 raise ProtocolError(f"the saved state of stage {stage} does not load: {e}") from None
         elif isinstance(assign, (AssignHandover, AssignPromote, AssignReplica)):
-            figures = await self.recovery.take_handover(worker, assign)
+            figures = await self.rebuild.take_handover(worker, assign)
         self.debug.arm_delay(assign)
         self.hosted.serve(worker, figures.pop("omega", 0.0), step)
         log.info("serving stage %d (%s)", stage, type(assign).__struct_config__.tag)

@@ -47,7 +47,7 @@ from checkfree.messages import Join, Leave, Message, Request, Status, reply_of, 
 from checkfree.strategies.state import state_nbytes
 from checkfree.wan import WanEmulator
 from peers.checks import admit
-from peers.stage import HostedStage, PeerState
+from peers.stage import HostedStage
 
 __all__ = ["Handler", "Served", "Membership"]
 

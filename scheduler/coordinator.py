@@ -33,15 +33,14 @@ import signal
 import time
 
 from checkfree.config import RunConfig
-from checkfree.groups import check_swarm_groups
+from checkfree.stage_groups import check_swarm_groups
 from checkfree.model import plan_stages
 from checkfree.net.transport import dht_maddrs, rpc_note
 from checkfree.pipeline import evaluates_after
-from checkfree import messages as msg
-from checkfree.messages import Committed, StepDone
+from checkfree.messages import Commit, Committed, StepDone
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
 from checkfree.recovery import UnrecoverableFailure
-from checkfree.steprules import Commit, apply_commits
+from checkfree.steprules import StageUpdate, apply_commits
 from checkfree.strategies import build_strategy
 from checkfree.wan import WanEmulator
 from scheduler.common import (EVAL_ATTEMPT, CoordinatorAlive, CoordinatorOptions, Member, Rollback, commit_figures,
@@ -98,7 +97,7 @@ class Coordinator:
         self.driver = StepDriver(cfg, self.opts, self.rpc, self.table, self.members, self.out,
                                  self.protection.in_step, self.faults.fault_fields)
         self.driver.configure(self.strategy.plus)
-        self.placement = Placement(cfg, self.rpc, self.table, self.members, self.out, lambda: self.driver.groups.speeds,
+        self.placement = Placement(cfg, self.rpc, self.table, self.members, self.out, lambda: self.driver.group_steps.speeds,
                                    self.faults.assign_fields)
         self.recovery = Recovery(cfg, self.strategy, self.rpc, self.table, self.members, self.placement,
                                  self.protection, self.out, self.faults.replacement_fields)
@@ -169,7 +168,7 @@ class Coordinator:
         return await self.driver.commit(step)
 
     async def _commit_stages(self, stages: list[int]) -> None:
-        commit = msg.Commit(step=self.step, attempt=self.driver.last_attempt)
+        commit = Commit(step=self.step, attempt=self.driver.last_attempt)
         await asyncio.gather(*(self.rpc.call(self.table.peer(s), commit, self.t.rpc_timeout) for s in stages))
 
     def _record(self, step: int, results: dict[int, StepDone], commits: dict[int, Committed | Exception],
@@ -179,7 +178,7 @@ class Coordinator:
         cfg, done = self.cfg, {s: r for s, r in commits.items() if isinstance(r, Committed)}
         self.driver.committed(commits)
         broken = apply_commits(
-            [Commit(s, r.omega, r.skipped, r.weights_finite) for s, r in done.items()], None,
+            [StageUpdate(s, r.omega, r.skipped, r.weights_finite) for s, r in done.items()], None,
             lambda event, stage, **f: self.out.event(event, step=step, stage=stage, peer_id=self.table.peer(stage), **f))
         for s in broken:  # numeric guard: a broken stage is a failed stage
             self.members.drop(self.table.peer(s))
@@ -309,7 +308,7 @@ class Coordinator:
         if self.out.writer is not None:
             soft = {k: sum(int(c.get(k, 0)) for c in self.driver.soft_counts.values())
                     for k in ("injected", "detected", "corrected", "escalated")}
-            groups = ({**self.table.counts, "rerouted_microbatches": self.driver.groups.rerouted,
+            groups = ({**self.table.counts, "rerouted_microbatches": self.driver.group_steps.rerouted,
                        "stage_recoveries": self.out.counts()["recoveries"]} if self._groups_on() else {})
             summary = self.out.close(status, error, soft_errors=soft, strategy=self.cfg.recovery.strategy,
                                            **groups)

@@ -2,7 +2,7 @@
 (fresh, or loaded from a save), then stage groups below `train.replicas` (the fewest replicas first, then the
 slowest): all of them at the start, later (a group that lost a replica) only while more than the reserve of
 standbys remain (`train.reserve`, default 1: a wholly lost stage needs a standby at once); with `train.reserve`
-set, every standby beyond it joins the group of the slowest stage by measured speed (checkfree.groups.slowest),
+set, every standby beyond it joins the group of the slowest stage by measured speed (checkfree.stage_groups.slowest),
 once every stage has been measured. A new replica copies a live sibling's exact state (weights, Adam, step), as a
 handover does. With no standby left, a replica of the largest group may be borrowed to rebuild a lost stage."""
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from checkfree.config import RunConfig
-from checkfree.groups import slowest, stage_load
+from checkfree.stage_groups import slowest, stage_load
 from checkfree.messages import AssignFresh, AssignLoad, AssignReplica, AssignRequest, Assigned
 from scheduler.common import CALL_ERRORS
 from scheduler.membership import Membership

@@ -101,7 +101,7 @@ class Protection:
             if len(sizes) == self.cfg.num_stages:
                 self.copies.taken(item.step, item.holders)
         elif isinstance(item, ParitySnapshot):
-            group = {s: g for g in item.groups for s in g}
+            group = {s: g for g in item.parity_groups for s in g}
             sizes = await self._snapshot_all(item.step, lambda s: KeepParity(
                 group=[self.table.peer(m) for m in group[s]], index=group[s].index(s)))
             # its own snapshot and a parity block of ~1/(n-1) of its group's largest

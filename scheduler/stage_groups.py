@@ -1,6 +1,6 @@
 """A step of stage groups (several replicas serve one stage: `train.replicas`, `train.reserve`).
 
-RUN_STEP names, for every microbatch, the replica of each stage that computes it (checkfree.groups.hop_table,
+RUN_STEP names, for every microbatch, the replica of each stage that computes it (checkfree.stage_groups.hop_table,
 balanced by the replicas' measured speed). A replica lost in the middle of the step (its RUN_STEP call fails, or a
 neighbour reports it, and it does not answer a ping) costs no abort while a sibling lives: REROUTE moves its
 microbatches to the sibling, which redoes them (peers/stage_group.py). Once every microbatch is done, REDUCE sums
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from msgspec.structs import replace
 
 from checkfree.config import RunConfig
-from checkfree.groups import hop_table, move
+from checkfree.stage_groups import hop_table, move
 from checkfree.net.addresses import listen_ips
 from checkfree.messages import Reduce, Reroute, Rerouted, RunStep, StepDone
 from scheduler.membership import Membership

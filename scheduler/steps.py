@@ -37,7 +37,7 @@ class StepDriver:
         self.plus = False  # CheckFree+ routes (set by `configure`)
         self.in_step = in_step  # RUN_STEP fields of protection that travels inside the step (BAFT's backup parts)
         self.fault_fields = fault_fields
-        self.groups = GroupSteps(cfg, rpc, table, membership, outputs, self.replica_error, self.abort,
+        self.group_steps = GroupSteps(cfg, rpc, table, membership, outputs, self.replica_error, self.abort,
                                  opts.host_maddrs, fault_fields)
         self.soft_rule = SoftErrorRule()  # attempts lost in a row to each stage's soft errors
         self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
@@ -89,7 +89,7 @@ class StepDriver:
         request = RunStep(step=step, attempt=attempt, evaluate=evaluate, peers=self.table.primaries(),
                           routes=self.route_table(step, evaluate), **({} if evaluate else self.in_step(step)))
         if not evaluate and self.table.grouped():  # several replicas of some stage (evaluations: the primaries)
-            return await self.groups.attempt(step, attempt, request)
+            return await self.group_steps.attempt(step, attempt, request)
         peers = self.table.primaries()
         tasks = {s: asyncio.create_task(self.rpc.call(p, request, self.t.step_timeout + self.t.rpc_timeout))
                  for s, p in peers.items()}
@@ -98,7 +98,7 @@ class StepDriver:
         if not errors:
             results = {s: t.result()[0] for s, t in tasks.items()}
             if not evaluate:
-                self.groups.measure({peers[s]: r for s, r in results.items()})
+                self.group_steps.measure({peers[s]: r for s, r in results.items()})
             return results
         if pending and any(getattr(e, "kind", None) in (Kind.STEP_TIMEOUT, Kind.STRAGGLER) for e in errors.values()):
             # every peer's step deadline passes at about the same time: hear them all before aborting,

@@ -32,12 +32,12 @@ from peers.debug import DebugHooks
 from peers.membership import Membership
 from peers.stage import HostedStage
 
-__all__ = ["Recovery"]
+__all__ = ["Rebuild"]
 
 log = logging.getLogger(__name__)
 
 
-class Recovery:
+class Rebuild:
     """Both ends of a weight transfer for this peer's stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue,

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkfree.failures import FailureSchedule
-from checkfree.groups import hop_table, move, slowest, spread
+from checkfree.stage_groups import hop_table, move, slowest, spread
 from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
 from inprocess import run_swarm
