@@ -23,7 +23,7 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/failover.py     ADOPT: a new coordinator takes over
     peers/stage.py        the run config and the hosted stage
     peers/compute.py      the one compute thread all torch work runs on
-    peers/debug.py        --dump-recovery files and chaos hooks
+    peers/debug.py        --dump-recovery files, and the fault hook (fields a fault injector adds)
 """
 
 from __future__ import annotations

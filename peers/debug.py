@@ -1,16 +1,16 @@
-"""Debugging and chaos hooks of a peer, all off by default.
+"""Debugging, and the peer's one fault hook, all off by default.
 
 * `--dump-recovery DIR`: the weights served and rebuilt in recoveries, and the final state,
   saved as safetensors files with a JSON of metadata each.
-* `--chaos-slow` (sent by the coordinator with ASSIGN): a delay before every forward and
-  backward pass from a given step on — a slow GPU or an overloaded host.
-* `--chaos-rebuild-kills` (sent with ASSIGN): the replacement SIGKILLs itself after a number
-  of weight pulls — a death in the middle of a rebuild.
-* stage groups (sent with RUN_STEP / REDUCE by a local swarm's chaos schedule): a replica SIGKILLs itself
-  after its first forward of a step, or half-way through the gradient all-reduce — a death mid-step.
-  `die` is the kill; the in-process test tier replaces it by its own (tests/inprocess.py).
+* The fault hook: fields of a request that a fault injector added on its way (scheduler/injector.py wraps the
+  coordinator's transport; production requests never carry them), acted on at named points of this peer:
+  `inject_delay` (ASSIGN, --chaos-slow): a delay before every forward and backward pass from a given step on,
+  a slow GPU or an overloaded host; `chaos_die_after_pulls` (ASSIGN, --chaos-rebuild-kills): the replacement
+  SIGKILLs itself after a number of weight pulls, a death in the middle of a rebuild; `chaos_die_after_forwards`
+  (RUN_STEP) and `chaos_die_in_reduce` (REDUCE), stage groups: a replica SIGKILLs itself after its first
+  forward of a step, or half-way through the gradient all-reduce (which runs in gloo, out of the transport's
+  reach). `die` is the kill; the in-process test tier replaces it by its own (benchmarks/inprocess.py).
 """
-
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class DebugHooks:
-    """The dump directory and the chaos settings of one peer."""
+    """The dump directory and the fault hook's settings of one peer."""
 
     def __init__(self, dump_dir: str | None) -> None:
         self.dump_dir = dump_dir

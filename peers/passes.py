@@ -210,7 +210,7 @@ class Passes:
             out = await self._guarded_forward(key, x, hop, targets)
             if run.grouped:  # (a redo's backward may be waiting for it)
                 run.event("forward", mb).set()
-            self.debug.computed(run)  # chaos: a replica's death in the middle of a step
+            self.debug.computed(run)  # the peer's fault hook: a replica's death in the middle of a step
             if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
                 self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:

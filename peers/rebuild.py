@@ -135,7 +135,7 @@ class Rebuild:
         w, ts = await self.net.call(peer_id, GetWeights(part=part, step=step), timeout, link=(stage, source))
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, w.stage,
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
-        self.debug.pulled(part, w.stage)  # chaos: a death in the middle of a rebuild
+        self.debug.pulled(part, w.stage)  # the peer's fault hook: a death in the middle of a rebuild
         if len(w.keys) + len(w.optim) != len(ts):
             raise ProtocolError(f"weights reply has {len(w.keys)} keys and {len(w.optim)} optimizer keys "
                                 f"but {len(ts)} tensors")

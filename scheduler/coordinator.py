@@ -18,9 +18,9 @@ decides membership only):
     scheduler/protection.py   the strategy's protection (snapshots, checkpoints, backups, replicas) and its ledger
     scheduler/outputs.py      the run directory, measured figures, saves and resume, final weights
     scheduler/failover.py     a standby coordinator watching, a takeover adopting the run from its peers
-    scheduler/injector.py     the local swarm's fault schedule (no schedule in production)
 
-This module wires them, keeps the training loop (`_train`) and the run's lifecycle (`run`).
+This module wires them, keeps the training loop (`_train`) and the run's lifecycle (`run`). Faults come from
+outside: the one hook point (`hook`, None in production) is where scheduler/injector.py acts.
 """
 
 from __future__ import annotations
@@ -37,16 +37,15 @@ from checkfree.stage_groups import check_swarm_groups
 from checkfree.model import plan_stages
 from checkfree.net.transport import dht_maddrs, rpc_note
 from checkfree.pipeline import evaluates_after
-from checkfree.messages import Commit, Committed, StepDone
+from checkfree.messages import Committed, StepDone
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
 from checkfree.recovery import UnrecoverableFailure
 from checkfree.steprules import StageUpdate, apply_commits
 from checkfree.strategies import build_strategy
 from checkfree.wan import WanEmulator
-from scheduler.common import (EVAL_ATTEMPT, CoordinatorAlive, CoordinatorOptions, Member, Rollback, commit_figures,
-                              step_figures)
+from scheduler.common import (EVAL_ATTEMPT, CoordinatorAlive, CoordinatorOptions, Hook, Member, Rollback,
+                              commit_figures, step_figures)
 from scheduler.failover import Failover
-from scheduler.injector import Injector
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.placement import Placement
@@ -64,8 +63,9 @@ log = logging.getLogger(__name__)
 class Coordinator:
     """One run's coordinator: its parts, the training loop, the lifecycle."""
 
-    def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
-        """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
+    def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions, hook: Hook | None = None) -> None:
+        """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers.
+        `hook`: the one hook point (common.Hook), for faults from outside."""
         if cfg is None and not (opts.takeover or opts.standby):
             raise ValueError("a coordinator needs a config unless it takes over a running run")
         self.opts, self.t = opts, opts.timeouts
@@ -76,7 +76,7 @@ class Coordinator:
         self.out = Outputs(opts, self.rpc, self.table)
         self.members = Membership(self.rpc, self.table, self.out, lambda: self.step)
         self.failover = Failover(opts, self.rpc, self.members, self.table, self.out)
-        self.faults = Injector(opts, self.rpc, self.table, self.members, self.out)
+        self.hook = hook or _no_hook
         self.cfg: RunConfig | None = None
         self._in_commit = False  # between a step's COMMIT and its record (a stop signal is deferred)
         self._stop_after_commit = False
@@ -94,13 +94,12 @@ class Coordinator:
                 print(f"emulated WAN {cfg.train.wan}: {line}", flush=True)
         self.members.configure(cfg)
         self.protection = Protection(cfg, self.opts, self.strategy, self.rpc, self.table, self.out)
-        self.driver = StepDriver(cfg, self.opts, self.rpc, self.table, self.members, self.out,
-                                 self.protection.in_step, self.faults.fault_fields)
+        self.driver = StepDriver(cfg, self.opts, self.rpc, self.table, self.members, self.out, self.protection.in_step)
         self.driver.configure(self.strategy.plus)
-        self.placement = Placement(cfg, self.rpc, self.table, self.members, self.out, lambda: self.driver.group_steps.speeds,
-                                   self.faults.assign_fields)
+        self.placement = Placement(cfg, self.rpc, self.table, self.members, self.out,
+                                   lambda: self.driver.group_steps.speeds)
         self.recovery = Recovery(cfg, self.strategy, self.rpc, self.table, self.members, self.placement,
-                                 self.protection, self.out, self.faults.replacement_fields)
+                                 self.protection, self.out)
 
     # ---- the training loop -----------------------------------------------------------------
     async def _train(self) -> None:
@@ -109,7 +108,7 @@ class Coordinator:
         step = self.step  # 0, or where a takeover or a resume found the run
         while step < cfg.train.num_steps:
             self.step = step
-            await self.faults.at_iteration(self.iteration)
+            await self.hook("iteration", self)
             t0 = time.perf_counter()
             try:
                 results = await self._run_step(step)
@@ -164,12 +163,8 @@ class Coordinator:
                            "check the peers' logs (slow peers: raise --step-timeout)")
 
     async def _commit(self, step: int) -> dict[int, Committed | Exception]:
-        await self.faults.in_commit(step, self._commit_stages, self.cfg.num_stages)
+        await self.hook("commit", self)
         return await self.driver.commit(step)
-
-    async def _commit_stages(self, stages: list[int]) -> None:
-        commit = Commit(step=self.step, attempt=self.driver.last_attempt)
-        await asyncio.gather(*(self.rpc.call(self.table.peer(s), commit, self.t.rpc_timeout) for s in stages))
 
     def _record(self, step: int, results: dict[int, StepDone], commits: dict[int, Committed | Exception],
                 took: float) -> dict:
@@ -252,6 +247,7 @@ class Coordinator:
     async def run(self) -> dict:
         opts = self.opts
         pid = await self.rpc.start()
+        await self.hook("started", self)
         announcer = watcher = summary = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
@@ -320,3 +316,7 @@ class Coordinator:
             await self.members.shutdown_peers(f"run {status}")
         await self.rpc.stop()
         return summary
+
+
+async def _no_hook(point: str, coordinator: Coordinator) -> None:
+    """No faults (production)."""

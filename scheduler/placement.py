@@ -33,11 +33,10 @@ class Placement:
     """Gives stages to standbys, writing the stage table through its methods."""
 
     def __init__(self, cfg: RunConfig, rpc: Rpc, table: StageTable, membership: Membership, outputs: Outputs,
-                 speeds: Callable[[], Mapping[str, float]], assign_extra: Callable[[int], dict]) -> None:
+                 speeds: Callable[[], Mapping[str, float]]) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
         self.speeds = speeds  # each peer's measured speed (the step driver's measure)
-        self.assign_extra = assign_extra  # header fields every assignment of a stage carries (a diagnostic delay)
 
     async def assign(self, pid: str, assign: AssignRequest, timeout: float | None = None, tensors=()) -> Assigned:
         """Give `assign.stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
@@ -62,12 +61,11 @@ class Placement:
             await asyncio.gather(*(self._assign_initial(s, pid, saved, step) for s, pid in zip(missing, pids)))
 
     async def _assign_initial(self, stage: int, pid: str, saved: dict[int, bytes] | None, step: int) -> None:
-        extra = self.assign_extra(stage)
         if saved is None:
-            mode, step, tensors, assign = "fresh", 0, (), AssignFresh(stage=stage, **extra)
+            mode, step, tensors, assign = "fresh", 0, (), AssignFresh(stage=stage)
         else:
             mode, tensors = "load", [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
-            assign = AssignLoad(stage=stage, step=step, **extra)
+            assign = AssignLoad(stage=stage, step=step)
         try:  # a peer starting up may take long to build its first stage: part of joining
             await self.assign(pid, assign, timeout=self.t.join_timeout, tensors=tensors)
         except CALL_ERRORS as e:
@@ -99,8 +97,8 @@ class Placement:
         source = self.table.peer(stage)
         t0 = time.perf_counter()
         try:
-            reply, _ = await self.rpc.call(pid, AssignReplica(stage=stage, source=source, step=step,
-                                                              **self.assign_extra(stage)), timeout=self.t.step_timeout)
+            reply, _ = await self.rpc.call(pid, AssignReplica(stage=stage, source=source, step=step),
+                                           timeout=self.t.step_timeout)
         except CALL_ERRORS as e:
             log.warning("stage %d's new replica %s failed to join: %s", stage, pid, e)
             self.members.suspect(pid)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-
 from msgspec.structs import replace
 
 from checkfree.config import RunConfig
@@ -41,12 +39,10 @@ class Recovery:
     """Carries out the strategy's recovery plans on the peers."""
 
     def __init__(self, cfg: RunConfig, strategy: Strategy, rpc: Rpc, table: StageTable, membership: Membership,
-                 placement: Placement, protection: Protection, outputs: Outputs,
-                 replacement_fields: Callable[[str, int], Awaitable[dict]]) -> None:
+                 placement: Placement, protection: Protection, outputs: Outputs) -> None:
         self.cfg, self.strategy, self.rpc, self.table = cfg, strategy, rpc, table
         self.members, self.placement, self.protection, self.out = membership, placement, protection, outputs
         self.t = rpc.t
-        self.replacement_fields = replacement_fields  # (peer, stage) -> fields a fault injector adds (none in production)
 
     async def recover(self, step: int, failed: set[int]) -> None:
         """Recover `failed` at the start of `step` by the strategy's plan; raises Rollback after a rollback."""
@@ -123,7 +119,7 @@ class Recovery:
         else:
             step, origin, alone = self._copy(plan, stage, src)
             assign = AssignRestore(stage=stage, step=step, origin=origin, **alone)
-        pid, reply, t0 = await self._assign_replacement(plan.step, assign, chaos=isinstance(src, Replica))
+        pid, reply, t0 = await self._assign_replacement(plan.step, assign)
         self.protection.replaced(stage)
         self.out.charge(bytes_moved=reply.bytes)
         via = {"restored_from": reply.restored_from} if reply.restored_from == "companion" else {}
@@ -135,7 +131,7 @@ class Recovery:
         """A standby rebuilds `stage` from its live neighbours' weights: what it measured (the event's fields)."""
         sources = {s: self.table.peer(s) for s in (*src.sources, *src.edge_sources.values())}
         pid, reply, t0 = await self._assign_replacement(
-            plan.step, AssignRecover(stage=stage, plan=src, sources=sources, step=plan.step), chaos=True)
+            plan.step, AssignRecover(stage=stage, plan=src, sources=sources, step=plan.step))
         self.out.charge(bytes_moved=reply.bytes)
         took = time.perf_counter() - t0
         coeffs = "/".join(f"{c:.2f}" for c in reply.coefficients)
@@ -147,8 +143,7 @@ class Recovery:
                 "transfer_s": reply.transfer_s, "rebuild_s": reply.rebuild_s, "bytes": reply.bytes,
                 "recovery_time_s": round(took, 6), "since_detection_s": round(time.time() - detected, 6)}
 
-    async def _assign_replacement(self, step: int, assign: AssignRequest,
-                                  chaos: bool = False) -> tuple[str, Assigned, float]:
+    async def _assign_replacement(self, step: int, assign: AssignRequest) -> tuple[str, Assigned, float]:
         """Give `assign.stage` to a standby; a standby that dies while taking it over is reported and the
         next one is tried. Returns (peer, reply, time the successful assignment started)."""
         stage = assign.stage
@@ -157,12 +152,9 @@ class Recovery:
             # group running one replica short)
             borrowed = None if self.members.standbys() else self.placement.borrow_replica(step, stage)
             pid = borrowed or await self.members.take_standby(f"replace stage {stage}")
-            extra = await self.replacement_fields(pid, stage) if chaos else {}
-            if borrowed:  # it lets its old stage go first
-                extra["release"] = True
             t0 = time.perf_counter()
-            try:
-                return pid, await self.placement.assign(pid, replace(assign, **extra)), t0
+            try:  # (a borrowed replica lets its old stage go first)
+                return pid, await self.placement.assign(pid, replace(assign, release=bool(borrowed))), t0
             except CALL_ERRORS as e:
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
                 self.out.event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])

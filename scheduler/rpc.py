@@ -4,7 +4,7 @@ peers' heartbeats. Every other part of the coordinator calls peers through this 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkfree.auth import join_token, load_secret, record_ok
@@ -35,6 +35,11 @@ class Rpc:
         if self.secret is not None:  # lets a standby read the coordinator's STATUS
             sign_requests(self.transport, {"token": join_token(self.secret, self.run_id, self.me)})
         return self.me
+
+    def wrap(self, wrapper: Callable[[Any], Any]) -> None:
+        """The transport from now on is `wrapper(transport)` (a fault injector's, scheduler/injector.py; never in
+        production)."""
+        self.transport = wrapper(self.transport)
 
     async def stop(self) -> None:
         await stop_transport(self.dht, self.transport)

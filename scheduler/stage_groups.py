@@ -42,13 +42,12 @@ class GroupSteps:
 
     def __init__(self, cfg: RunConfig, rpc: Rpc, table: StageTable, membership: Membership, outputs: Outputs,
                  on_error: Callable[[int, str, BaseException], None], abort: Callable[[], object],
-                 host_maddrs: list[str], fault_fields: Callable[[str, str, int], dict]) -> None:
+                 host_maddrs: list[str]) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
         self.on_error = on_error  # what a replica's failed RUN_STEP says (the step driver's rule, as for a stage)
         self.abort = abort  # ABORT on every peer of the step
         self.host_maddrs = host_maddrs
-        self.fault_fields = fault_fields  # (request, peer, step) -> fields a fault injector adds (none in production)
         self.speeds: dict[str, float] = {}  # peer -> microbatches per second of computing, last measured
         self.rerouted = 0  # microbatches moved to a sibling, this run
         self._rerouting: dict[str, tuple[int, float]] = {}  # sibling -> (stage, when it got a lost replica's work)
@@ -84,8 +83,7 @@ class GroupSteps:
         base = replace(request, hops=hops, groups=groups)
         replies: dict[str, StepDone] = {}
         timeout = self.t.step_timeout + self.t.rpc_timeout
-        tasks = {asyncio.create_task(self.rpc.call(pid, replace(base, **self.fault_fields(RunStep.rpc, pid, step)),
-                                                   timeout)): pid for g in groups.values() for pid in g}
+        tasks = {asyncio.create_task(self.rpc.call(pid, base, timeout)): pid for g in groups.values() for pid in g}
         self.members.reports.clear()
         ok = await self._drive(step, attempt, tasks, replies, groups, hops)
         rounds = 0
@@ -215,8 +213,7 @@ class GroupSteps:
         for s, g in groups.items():
             for rank, pid in enumerate(g):
                 reduce = Reduce(step=step, attempt=attempt, store=store, rank=rank, size=len(g),
-                                prefix=f"{self.rpc.run_id}/s{s}/g{self.table.generation(s)}/",
-                                **self.fault_fields(Reduce.rpc, pid, step))
+                                prefix=f"{self.rpc.run_id}/s{s}/g{self.table.generation(s)}/")
                 calls[pid] = self.rpc.call(pid, reduce, self.t.step_timeout)
         pids = list(calls)
         results = await asyncio.gather(*calls.values(), return_exceptions=True)

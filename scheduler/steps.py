@@ -31,14 +31,13 @@ class StepDriver:
     """Step attempts and commits, and what their failures say about the peers."""
 
     def __init__(self, cfg: RunConfig, opts: CoordinatorOptions, rpc: Rpc, table: StageTable, membership: Membership,
-                 outputs: Outputs, in_step: Callable[[int], dict], fault_fields: Callable[[str, str, int], dict]) -> None:
+                 outputs: Outputs, in_step: Callable[[int], dict]) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
         self.plus = False  # CheckFree+ routes (set by `configure`)
         self.in_step = in_step  # RUN_STEP fields of protection that travels inside the step (BAFT's backup parts)
-        self.fault_fields = fault_fields
         self.group_steps = GroupSteps(cfg, rpc, table, membership, outputs, self.replica_error, self.abort,
-                                 opts.host_maddrs, fault_fields)
+                                 opts.host_maddrs)
         self.soft_rule = SoftErrorRule()  # attempts lost in a row to each stage's soft errors
         self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
         self.last_attempt = 0  # the attempt number that completed the newest step

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -133,7 +135,7 @@ def test_placement_fills_every_stage_and_passes_over_a_peer_that_refuses(tiny_cf
         refuse.add(peers.ids[1])
         for pid in peers.ids:
             members.admit(pid, 0.0)
-        placement = Placement(cfg, rpc, table, members, out, dict, lambda stage: {})
+        placement = Placement(cfg, rpc, table, members, out, dict)
         await placement.fill(None, 0)
         assert table.served() == list(range(cfg.num_stages)) and peers.ids[1] not in table.primaries().values()
         assert members.leaving(peers.ids[1])  # it is retired, in case it goes on to host the stage anyway
@@ -162,7 +164,7 @@ def test_the_step_driver_runs_an_attempt_and_reads_what_its_failure_says(tiny_cf
         for s, pid in enumerate(peers.ids):
             members.admit(pid, 0.0)
             table.assign(s, pid)
-        driver = StepDriver(cfg, opts, rpc, table, members, out, lambda step: {}, lambda name, pid, step: {})
+        driver = StepDriver(cfg, opts, rpc, table, members, out, lambda step: {})
         results = await driver.attempt(3, 0, evaluate=False)
         assert sorted(results) == list(range(cfg.num_stages))
         (_, header), *_ = peers.sent(RPC.RUN_STEP)
@@ -221,12 +223,9 @@ def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp
         strategy = build_strategy(cfg)
         protection = Protection(cfg, opts, strategy, rpc, table, out)
         await protection.protect_item(strategy.protection_due(1)[0], 2)  # the snapshot of step 2
-        placement = Placement(cfg, rpc, table, members, out, dict, lambda stage: {})
+        placement = Placement(cfg, rpc, table, members, out, dict)
 
-        async def no_faults(pid, stage):
-            return {}
-
-        recovery = Recovery(cfg, strategy, rpc, table, members, placement, protection, out, no_faults)
+        recovery = Recovery(cfg, strategy, rpc, table, members, placement, protection, out)
         lost = peers.ids[2]
         MEMORY.kill(lost)
         with pytest.raises(Rollback) as r:
@@ -259,3 +258,24 @@ def test_a_plan_is_a_value_the_strategy_returns(tiny_cfg):
     assert plan == RecoveryPlan(5, frozenset({1}), {0: Own(), 1: Holder(0, 4), 2: Own(), 3: Own()}, rollback_to=4,
                                 then=plan.then)
     assert [type(p).__name__ for p in plan.then] == ["Snapshot"]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_faults_come_from_outside():
+    """No fault schedule in the coordinator or the step path: the schedule is scheduler/injector.py's (its
+    FaultSchedule), acted out at the coordinator's one hook point and around its transport."""
+    from scheduler.injector import FaultSchedule
+
+    for path in ("scheduler/coordinator.py", "scheduler/steps.py", "scheduler/recovery.py", "peers/passes.py"):
+        assert "chaos" not in (ROOT / path).read_text(), path
+    options = {f.name for f in dataclasses.fields(CoordinatorOptions)}
+    assert not options & {f.name for f in dataclasses.fields(FaultSchedule)} and not any("chaos" in o for o in options)
+
+
+def test_messages_are_read_as_types():
+    """Peers and coordinator read typed messages (checkfree.messages): no header or reply is read as a dict."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for d in ("peers", "scheduler") for p in sorted((ROOT / d).glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "header.get(" in line or "reply.get(" in line]
+    assert not found, found
