@@ -256,14 +256,16 @@ def _trace_kind(strategy: str, cfg: RunConfig) -> str:
 def _digest(cfg: RunConfig, out: Path, extra: dict[str, Any]) -> str:
     """A run's identity: the knobs the experiment sets (not the whole config, so that a new
     config field with a default does not orphan finished runs), the preset's name, and the
-    content of the trace it replays."""
+    content of the trace it replays. Nothing the cost model computes: the detection time enters as
+    its setting (`extra`), so a change of the cost model keeps every run's name (the report prices
+    the clock anew, experiments.clock)."""
     t, r, st = cfg.train, cfg.recovery, cfg.strategy
     ident = {
         "preset": cfg.preset, "stages": cfg.num_stages, "steps": t.num_steps, "seed": t.seed,
         "microbatches": t.num_microbatches, "eval_every": t.eval_every, "eval_batches": t.eval_batches,
         "strategy": r.strategy, "fallback": r.fallback, "checkpoint_every": st.checkpoint_every,
         "snapshot_every": st.snapshot_every, "storage_fallback": st.storage_fallback,
-        "cost_profile": st.cost_profile, "detection_s": None if st.detection_s is None else round(st.detection_s, 9),
+        "cost_profile": st.cost_profile,
         "trace": hashlib.sha256((out / cfg.failures.trace).read_bytes()).hexdigest() if cfg.failures.trace else None,
         **({"omega_scope": r.omega_scope} if r.omega_scope != "stage" else {}),  # finished runs keep their names
         **({"data": cfg.data.source} if cfg.data.source != "shakespeare" else {}),
@@ -283,7 +285,7 @@ def make_spec(settings: Settings, out: Path, traces: dict, strategy: str, rate: 
     rel = traces[(rate, seed, kind)] if kind != "none" else None
     cfg.failures.trace = rel
     max_it = settings.max_iterations  # only strategies that roll back (incl. storage fallbacks) can need more than steps
-    digest = _digest(cfg, out, {"runtime": runtime, "max_iterations": max_it})
+    digest = _digest(cfg, out, {"runtime": runtime, "max_iterations": max_it, "detection": settings.detection})
     label = strategy if checkpoint_every is None else f"{strategy}/{checkpoint_every}"
     if strategy == "checkfree" and rate == 0:
         label = "no failures"  # = every plain averaging strategy without failures

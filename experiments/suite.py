@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from statistics import mean
@@ -36,7 +35,8 @@ from experiments.analysis import (
     seed_spread,
     write_results,
 )
-from experiments.runner import run_specs
+from experiments.provenance import InvocationLog, read_log
+from experiments.runner import pending_specs, run_specs
 from experiments.spec import (
     LOCAL_STRATEGIES,
     PAPER_CHECKPOINT_EVERY,
@@ -171,7 +171,7 @@ def _sorted(runs, key) -> list[dict[str, Any]]:
 def report(experiment: str, settings: Settings, out: Path, specs: list[RunSpec], command: str = "") -> Path:
     """Analyse the runs of `experiment` and write <out>/<experiment>/{results.json,table.md,*.png}."""
     analysis = analyse(out, specs, settings)
-    rdir = out / experiment
+    rdir = out / report_name(experiment, settings)
     rdir.mkdir(parents=True, exist_ok=True)
     write_results(analysis, rdir / "results.json")
     text = _header(experiment, settings, analysis, command, _run_stats(analysis))
@@ -271,21 +271,22 @@ def report(experiment: str, settings: Settings, out: Path, specs: list[RunSpec],
     return rdir
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # pragma: no cover
-        return None
-
-
 def _matrix_log(out: Path) -> str:
-    path = out / "matrix_log.jsonl"
-    if not path.is_file():
-        return ""
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return "".join(f"* `{x['command'] or '(api)'}` started {x['started']}: ran {x['runs_run']} of {x['runs_in_matrix']} runs in "
-                   f"{x['wall_s'] / 60:.1f} min wall-clock (load average at the end {x.get('load_average_at_end')})\n"
-                   for x in lines)
+    """The invocations of `out` (matrix_log.jsonl), one line each."""
+    log = read_log(out)
+    ends = {x["invocation"]: x for x in log if x.get("event") == "end"}
+    lines = []
+    for x in log:
+        if x.get("event") not in ("start", "report"):
+            continue
+        code = x.get("code") or {}
+        ver = f"{(code.get('commit') or 'unknown')[:10]}{' (dirty)' if code.get('dirty') else ''}"
+        end = ends.get(x["invocation"])
+        what = ("report only" if x["event"] == "report" else
+                f"{end['status']}: ran {end['runs_run']} of {x['runs_in_matrix']} runs in {end['wall_s'] / 60:.1f} min "
+                f"(load average at the end {end.get('load_average_at_end')})" if end else "no end line (killed?)")
+        lines.append(f"* `{x['command'] or '(api)'}` at {ver}, started {x['started']}: {what}\n")
+    return "".join(lines)
 
 
 def dry_run(experiments: list[str], settings: Settings, log=print) -> int:
@@ -326,25 +327,32 @@ def dry_run(experiments: list[str], settings: Settings, log=print) -> int:
     return 0
 
 
+def report_name(experiment: str, settings: Settings) -> str:
+    """The report directory of an experiment: its name, `-blocks` when omega is taken over the blocks (so the
+    two variants of one matrix can share a results directory)."""
+    return experiment + ("-blocks" if settings.omega_scope == "blocks" else "")
+
+
 def run_experiment(experiments: list[str], settings: Settings, *, progress: bool = True, command: str = "",
                    report_only: bool = False, log=print) -> dict[str, Path]:
-    """Run (resuming) the union of the experiments' runs, then write each report."""
+    """Run (resuming) the union of the experiments' runs, then write each report. Every invocation is
+    logged in `<out>/matrix_log.jsonl` (experiments.provenance)."""
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     all_specs = {e: specs_for(e, settings, out) for e in experiments}
     union = list({s.name: s for specs in all_specs.values() for s in specs}.values())
-    (out / "settings.json").write_text(json.dumps(settings.to_dict(), indent=2))
-    if not report_only:
-        t0 = time.time()
+    if report_only:
+        InvocationLog.report_only(out, command, settings.to_dict())
+    else:
+        pending = pending_specs(union, out)
+        detection = sorted({s.config["strategy"]["detection_s"] for s in union}, key=str)
         log(f"{len(union)} runs for {', '.join(experiments)} in {out} ({settings.jobs} parallel processes)")
-        results = run_specs(union, out, jobs=settings.jobs, threads=settings.threads, progress=progress, log=log)
+        t0 = time.time()
+        with InvocationLog(out, command=command, settings=settings.to_dict(), experiments=experiments,
+                           runs_in_matrix=len(union), pending=[s.name for s in pending],
+                           detection_s=detection) as invocation:
+            results = run_specs(union, out, jobs=settings.jobs, threads=settings.threads, progress=progress, log=log,
+                                on_finished=invocation.finished)
         errors = [r for r in results if r["status"] == "error"]
-        elapsed = time.time() - t0
-        log(f"ran {len(results)} runs in {elapsed:.0f} s" + (f"; {len(errors)} failed" if errors else ""))
-        if results:
-            with open(out / "matrix_log.jsonl", "a") as f:  # what each invocation ran, and how long it took
-                f.write(json.dumps({"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z",
-                                                                               time.localtime(t0)),
-                                    "wall_s": round(elapsed), "runs_in_matrix": len(union), "runs_run": len(results),
-                                    "errors": len(errors), "load_average_at_end": _loadavg()}) + "\n")
+        log(f"ran {len(results)} runs in {time.time() - t0:.0f} s" + (f"; {len(errors)} failed" if errors else ""))
     return {e: report(e, settings, out, specs, command) for e, specs in all_specs.items()}

@@ -60,7 +60,8 @@ def _is_png(path: Path) -> bool:
 def test_quick_all_experiments_produce_complete_results_and_resume(tmp_path, cache, capsys):
     out = tmp_path / "results"
     assert main(["experiment", "all", "--quick", "--out", str(out), "--no-progress", "--jobs", "2"]) == 0
-    settings = json.loads((out / "settings.json").read_text())
+    log = [json.loads(x) for x in (out / "matrix_log.jsonl").read_text().splitlines()]
+    settings = log[0]["settings"]
     assert settings["strategies"] == ALL_STRATEGIES and len(settings["rates"]) == 2 and settings["seeds"] == [0]
 
     # every run finished and wrote the run-directory files
