@@ -45,7 +45,7 @@ from checkfree.failures import bernoulli_schedule, per_step_probability
 __all__ = ["PAPER_P", "PAPER_ITERATION_S", "PAPER_REDUNDANT_ITERATION_S", "PAPER_RECOVERY_S",
            "PAPER_CHECKPOINT_EVERY", "ALL_STRATEGIES", "IN_MEMORY", "ROLLBACK", "Settings", "RunSpec",
            "paper_p", "rate_label", "build_config", "make_spec", "write_traces", "spec_for", "reference_spec",
-           "LOCAL_STRATEGIES", "default_jobs"]
+           "LOCAL_STRATEGIES", "OMEGA_STRATEGIES", "default_jobs"]
 
 # Per-iteration stage-failure probability the authors configured for an hourly rate (500M model).
 PAPER_P = {5.0: 0.0009, 10.0: 0.002, 16.0: 0.004, 33.0: 0.01}
@@ -61,6 +61,9 @@ ALL_STRATEGIES = ["checkpoint", "redundant", "checkfree", "checkfree+", "gemini"
                   "checkfree+snap", "uniform", "copy", "random"]
 IN_MEMORY = ("redundant", "gemini", "reft", "baft")  # fall back to a persistent checkpoint when copies are lost
 ROLLBACK = ("checkpoint", "gemini", "reft", "baft")  # roll every stage back: need an iteration budget
+# Strategies whose recoveries weigh neighbours by omega: only their runs with failures depend on --omega-scope
+# (the others' runs are shared by both scopes).
+OMEGA_STRATEGIES = ("checkfree", "checkfree+", "checkfree+snap")
 LOCAL_STRATEGIES = ("checkfree", "checkfree+", "uniform", "copy", "random", "checkpoint", "gemini")
 
 
@@ -267,7 +270,6 @@ def _digest(cfg: RunConfig, out: Path, extra: dict[str, Any]) -> str:
         "snapshot_every": st.snapshot_every, "storage_fallback": st.storage_fallback,
         "cost_profile": st.cost_profile,
         "trace": hashlib.sha256((out / cfg.failures.trace).read_bytes()).hexdigest() if cfg.failures.trace else None,
-        **({"omega_scope": r.omega_scope} if r.omega_scope != "stage" else {}),  # finished runs keep their names
         **({"data": cfg.data.source} if cfg.data.source != "shakespeare" else {}),
         **extra,
     }
@@ -285,7 +287,9 @@ def make_spec(settings: Settings, out: Path, traces: dict, strategy: str, rate: 
     rel = traces[(rate, seed, kind)] if kind != "none" else None
     cfg.failures.trace = rel
     max_it = settings.max_iterations  # only strategies that roll back (incl. storage fallbacks) can need more than steps
-    digest = _digest(cfg, out, {"runtime": runtime, "max_iterations": max_it, "detection": settings.detection})
+    weighs = strategy in OMEGA_STRATEGIES and rel is not None and settings.omega_scope != "stage"
+    digest = _digest(cfg, out, {"runtime": runtime, "max_iterations": max_it, "detection": settings.detection,
+                                **({"omega_scope": settings.omega_scope} if weighs else {})})
     label = strategy if checkpoint_every is None else f"{strategy}/{checkpoint_every}"
     if strategy == "checkfree" and rate == 0:
         label = "no failures"  # = every plain averaging strategy without failures

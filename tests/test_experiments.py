@@ -242,14 +242,33 @@ def test_checkpoint_intervals_are_labelled_alike_in_every_seed():
     assert "| checkpoint every 5 (100 paper it.) @ 10% | 0,1,2 |" in table and "checkpoint/1" not in table
 
 
-def test_omega_scope_blocks_runs_get_their_own_names(tmp_path):
-    settings = Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2)
-    traces = write_traces(settings, tmp_path, settings.rates)
-    stage = make_spec(settings, tmp_path, traces, "checkfree", 16.0, 0)
-    blocks = make_spec(Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2, omega_scope="blocks"), tmp_path,
-                       traces, "checkfree", 16.0, 0)
+def test_omega_scope_blocks_renames_only_the_runs_that_weigh_by_omega(tmp_path):
+    """--omega-scope blocks: a CheckFree run with failures gets its own name; runs omega cannot touch (no
+    failures, or a rule that does not weigh by it) keep theirs, so both scopes share them."""
+    stage_s = Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2)
+    blocks_s = Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2, omega_scope="blocks")
+    traces = write_traces(stage_s, tmp_path, stage_s.rates)
+    stage = make_spec(stage_s, tmp_path, traces, "checkfree", 16.0, 0)
+    blocks = make_spec(blocks_s, tmp_path, traces, "checkfree", 16.0, 0)
     assert blocks.config["recovery"]["omega_scope"] == "blocks" and stage.config["recovery"]["omega_scope"] == "stage"
     assert blocks.name != stage.name
+    for strategy, rate in (("random", 16.0), ("uniform", 16.0), ("checkfree", 0.0)):
+        assert make_spec(blocks_s, tmp_path, traces, strategy, rate, 0).name == \
+            make_spec(stage_s, tmp_path, traces, strategy, rate, 0).name, (strategy, rate)
+
+
+def test_run_names_do_not_change_with_the_cost_model(tmp_path, monkeypatch):
+    """The detection time 'auto' is derived from the cost model's step time; the run's name hashes the setting,
+    so a new cost model finds the finished runs (and the report prices their clock anew)."""
+    from checkfree.costmodel import CostModel
+
+    s = Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2)
+    traces = write_traces(s, tmp_path, s.rates)
+    before = make_spec(s, tmp_path, traces, "checkfree+", 16.0, 0)
+    monkeypatch.setattr(CostModel, "step_s", lambda self: 123.0)
+    after = make_spec(s, tmp_path, traces, "checkfree+", 16.0, 0)
+    assert after.config["strategy"]["detection_s"] != before.config["strategy"]["detection_s"]
+    assert after.name == before.name
 
 
 def test_dry_run_checks_each_configuration_with_one_step_and_prints_the_cost_model(tmp_path, capsys):
