@@ -91,8 +91,8 @@ def _run_sim(spec: dict, out: Path, directory: Path) -> dict[str, Any]:
     except UnrecoverableFailure:
         return json.loads((directory / "summary.json").read_text())
     except BudgetExhausted:
-        return sim._summary(steps=sim.last_step, status="budget-exhausted",
-                            error=f"iteration budget of {spec['max_iterations']} exhausted at step {sim.last_step}")
+        return sim._summary("budget-exhausted",
+                            f"iteration budget of {spec['max_iterations']} exhausted at step {sim.last_step}")
 
 
 def _run_local(spec: dict, out: Path, directory: Path) -> dict[str, Any]:
