@@ -132,7 +132,7 @@ def ablation(results: Path, matrix: str, report: str) -> str:
 
 def local(results: Path, matrix: str) -> str:
     analysis, _ = load(results, matrix, "convergence")
-    lines = [local_table(analysis)]
+    lines = [local_table(analysis, heading=False)]
     for r in analysis["runs"].values():
         if r["spec"]["runtime"] == "local":
             steps = ", ".join(f"{f['step']} (stage {f['stage']})" for f in r["failures"])

@@ -12,7 +12,6 @@ from statistics import mean, stdev
 from typing import Any, Callable
 
 from experiments.spec import (
-    PAPER_CHECKPOINT_EVERY,
     PAPER_ITERATION_S,
     PAPER_REDUNDANT_ITERATION_S,
     Settings,
@@ -169,8 +168,8 @@ def convergence_tables(analysis: dict[str, Any], settings: Settings, strategies:
     return "".join(parts)
 
 
-def local_table(analysis: dict[str, Any]) -> str:
-    """Swarm runs beside the simulator runs of the same configuration and trace."""
+def local_table(analysis: dict[str, Any], heading: bool = True) -> str:
+    """Swarm runs beside the simulator runs of the same configuration and trace (under a heading if `heading`)."""
     rows = []
     for r in analysis["runs"].values():
         sp = r["spec"]
@@ -192,8 +191,8 @@ def local_table(analysis: dict[str, Any]) -> str:
         return ""
     header = ["runtime", "strategy", "rate", "seed", "status", "failures", "recoveries", "fallbacks",
               "final val loss", "steps to target", "real wall-clock s"]
-    return "### Distributed runtime (`checkfree local`, real processes and SIGKILLs) vs the simulator\n\n" + \
-        markdown_table(header, rows)
+    title = "### Distributed runtime (`checkfree local`, real processes and SIGKILLs) vs the simulator\n\n"
+    return (title if heading else "") + markdown_table(header, rows)
 
 
 def _local_delta(local: dict[str, Any], sim: dict[str, Any]) -> list[str]:
