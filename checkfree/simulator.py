@@ -184,7 +184,7 @@ class Simulator:
         self.plus = self.strategy.plus
         self.worker_cfg = worker_config(cfg, self.strategy)
         self.device = resolve_device(cfg.train.device)
-        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
         self.val = self.data.val_batches(cfg.train.eval_batches)
         self.failures: FailureSchedule = schedule_from_config(cfg.failures, cfg.num_stages,
@@ -262,7 +262,8 @@ class Simulator:
 
     def save(self, step: int) -> None:
         """Save every stage's state, ready to run `step` (checkfree.saves)."""
-        blobs = {i: state_to_bytes(capture_worker(w, step, self.norms[i])) for i, w in enumerate(self.workers)}
+        blobs = {i: state_to_bytes(capture_worker(w, step, self.norms[i], clone=False))
+                 for i, w in enumerate(self.workers)}
         path = write_save(self.writer.out, step, blobs, {"iterations": self.iterations, "sim_time_s": self.sim_time_s,
                                                          "totals": self.totals.as_dict()}, keep=self.keep_saves)
         self.writer.event("save", step=step, path=str(path))
@@ -278,6 +279,26 @@ class Simulator:
         self.writer.event("resume", step=meta["step"], path=str(self.resume_from))
         log.info("resuming at step %d from %s", meta["step"], self.resume_from)
         return int(meta["step"])
+
+    def _recovered_eval(self, step: int, stages: set[int]) -> float:
+        val = evaluate(self.workers, self.val)
+        self.writer.event("recovered_eval", step=step, stages=sorted(stages), val_loss=val)
+        return val
+
+    def rebuild_and_evaluate(self, stages: set[int]) -> float:
+        """Without training: restore the newest save (`resume=True`), let the strategy rebuild `stages` as at a
+        failure there, and return the validation loss right after (event recovered_eval: the rebuild's immediate
+        damage). The run ends 'completed' with no step trained."""
+        if self.resume_from is None:
+            raise ValueError("rebuild_and_evaluate restores a save: build the simulator with resume=True")
+        try:
+            step = self._resume()
+            self.recover(step, set(stages), self.iterations)
+            val = self._recovered_eval(step, set(stages))
+            self._summary("completed")
+            return val
+        finally:
+            self.writer.close()
 
     @contextlib.contextmanager
     def _deferred_signals(self):
@@ -323,6 +344,8 @@ class Simulator:
                 failed -= lost
                 if failed:
                     step = self.recover(step, failed, self.iterations)
+                    if t.eval_after_recovery:  # the damage of the rebuild itself, before any step
+                        self._recovered_eval(step, failed)
                 record = self._iteration(step)
                 if t.replicas > 1:  # stage groups: the replicas that served each stage in this step
                     record["replicas"] = [t.replicas - (s in lost) for s in range(self.cfg.num_stages)]
@@ -375,6 +398,8 @@ class Simulator:
         loss, stats = self.train_step(step)
         record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
                   "block_grad_norms": [s.block_grad_norm_post for s in stats],
+                  "grad_norms_pre": [s.grad_norm_pre for s in stats],
+                  "block_grad_norms_pre": [s.block_grad_norm_pre for s in stats],
                   "step_time_s": round(time.perf_counter() - t0, 6)}
         # a rollback from inside the step (soft-error escalation) left nothing to protect
         figs = self.strategy.after_step(self.ctx, step) if self.resume_at is None else Figures()

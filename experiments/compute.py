@@ -1,7 +1,7 @@
 """What a run costs in real compute: FLOPs from the model config, hours on a named GPU at an assumed utilisation.
 
 FLOPs of one training step (forward + backward = 3 forwards) over its M microbatches of B sequences of
-T tokens: 6 N tokens for the matmuls, N the parameters a token multiplies (every block's weights but
+T tokens (the training sequence length, `cfg.seq_len`): 6 N tokens for the matmuls, N the parameters a token multiplies (every block's weights but
 its norms, and the LM head; the embedding is a lookup), plus the attention scores and their weighted
 sum, 12 L T d per token (4 T d per block in the forward). The same figures as the cost model's
 (`checkfree.costmodel.stage_forward_flops`). Redundant computation adds each stage's successor's
@@ -44,8 +44,8 @@ class Compute:
 def matmul_params(cfg: RunConfig) -> int:
     """N: the parameters a token multiplies in the forward (blocks without their norms, and the LM head)."""
     m = cfg.model
-    attention = 4 * m.context_length * m.d_model * m.num_layers  # per token, forward
-    return round((sum(stage_forward_flops(cfg)) / (cfg.train.microbatch_size * m.context_length) - attention) / 2)
+    attention = 4 * cfg.seq_len * m.d_model * m.num_layers  # per token, forward
+    return round((sum(stage_forward_flops(cfg)) / (cfg.train.microbatch_size * cfg.seq_len) - attention) / 2)
 
 
 def estimate(cfg: RunConfig, gpu: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU) -> Compute:
@@ -55,9 +55,9 @@ def estimate(cfg: RunConfig, gpu: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU) -
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
     m, t = cfg.model, cfg.train
-    tokens = t.num_microbatches * t.microbatch_size * m.context_length
+    tokens = t.num_microbatches * t.microbatch_size * cfg.seq_len
     six_n = 6.0 * matmul_params(cfg) * tokens
-    attention = 12.0 * m.num_layers * m.context_length * m.d_model * tokens
+    attention = 12.0 * m.num_layers * cfg.seq_len * m.d_model * tokens
     forward = (six_n + attention) / 3
     step = six_n + attention + (forward if cfg.recovery.strategy == "redundant" else 0.0)
     evals = t.num_steps // t.eval_every if t.eval_every else 0  # evaluates_after: every eval_every steps ...

@@ -22,7 +22,7 @@ p = 1 - (1 - h)^(91.3 / 3600). The checkpoint interval C_paper is that model's t
 Failure traces. For every (rate, seed) one trace is drawn with failures on *all* stages
 (`bernoulli_schedule`, seed = failure seed), over the iteration budget (rolled-back
 recomputations meet failures too). Strategies that cannot recover the first / last stage
-(`Strategy.fails_edges` is False: checkfree, uniform, copy, random -- the paper never fails the
+(`Strategy.fails_edges` is False: checkfree, uniform, copy, random, identity -- the paper never fails the
 edge stages under plain CheckFree) replay the *inner* trace: the same draws with stages 0 and
 S-1 removed (exactly `bernoulli_schedule(..., protect={0, S-1})`). Every other strategy replays
 the full trace. Because the draws depend only on (seed, iteration), the traces of one seed are
@@ -84,7 +84,7 @@ ROLLBACK = ("checkpoint", "gemini", "reft", "baft")  # roll every stage back: ne
 # Strategies whose recoveries weigh neighbours by omega: only their runs with failures depend on --omega-scope
 # (the others' runs are shared by both scopes).
 OMEGA_STRATEGIES = ("checkfree", "checkfree+", "checkfree+snap")
-LOCAL_STRATEGIES = ("checkfree", "checkfree+", "uniform", "copy", "random", "checkpoint", "gemini")
+LOCAL_STRATEGIES = ("checkfree", "checkfree+", "uniform", "copy", "random", "identity", "checkpoint", "gemini")
 
 
 def default_jobs() -> int:

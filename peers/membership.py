@@ -34,6 +34,7 @@ from checkfree.net.transport import (
     live_members_async,
 )
 from checkfree.protocol import (
+    HEARTBEATS_PER_TTL,
     RPC,
     Kind,
     Timeouts,
@@ -200,7 +201,7 @@ class Membership:
 
     # ---- staying a member ----------------------------------------------------------------
     async def heartbeat(self) -> None:
-        """Refresh this peer's membership entry every ttl/3 (jittered) until cancelled."""
+        """Refresh this peer's membership entry every ttl / HEARTBEATS_PER_TTL (jittered) until cancelled."""
         key, me = members_key(self.run_id), self.me
         while True:
             try:
@@ -210,7 +211,7 @@ class Membership:
                                self.t.heartbeat_ttl)
             except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
-            await asyncio.sleep(self.t.heartbeat_ttl / 3 * random.uniform(0.8, 1.0))
+            await asyncio.sleep(self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
 
     async def watch_coordinator(self, limit: float) -> bool:
         """Return True once no coordinator has been heard from for `limit` seconds (False once the

@@ -22,6 +22,7 @@ from checkfree.costmodel import stage_params
 from checkfree.pipeline import COMPONENTS
 from checkfree.protocol import RPC, ProtocolError, plan_from_wire, require
 from checkfree.recovery import RecoveryPlan, rebuild_stage, recovered_optimizer_state
+from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies.state import optim_from_wire, optim_to_wire, state_nbytes
 from checkfree.worker import StageWorker
 from peers.compute import ComputeQueue
@@ -68,8 +69,7 @@ class Recovery:
         """This stage's full state now (weights, Adam, LR scale, omega): a lossless handover."""
         self.hosted.serving()
         blob = await self.compute.run(self.hosted.capture_bytes, header["step"])
-        return ({"stage": self.hosted.index, "next_step": self.hosted.next_step},
-                [torch.frombuffer(bytearray(blob), dtype=torch.uint8)])
+        return {"stage": self.hosted.index, "next_step": self.hosted.next_step}, [blob_tensor(blob)]
 
     # ---- pulling -------------------------------------------------------------------------
     async def take_handover(self, worker: StageWorker, header: dict, rpc: str = RPC.GET_STATE) -> dict:
@@ -79,7 +79,7 @@ class Recovery:
         stage = header["stage"]  # the leaving peer serves the same stage, in the same region
         timeout = self.net.t.step_timeout + self._allowance(stage, stage)
         _, (blob,) = await self.net.call(header["source"], rpc, timeout, link=(stage, stage), step=header["step"])
-        omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
+        omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
         return {"omega": omega, "bytes": blob.numel()}
 
     async def recover(self, stage: int, header: dict) -> tuple[StageWorker, dict]:

@@ -10,10 +10,10 @@ a live stage rolls back to its own. Files: `checkfree.strategies.storage` (the s
 from __future__ import annotations
 
 import time
-
-import torch
+from typing import Any
 
 from checkfree.protocol import RPC, ProtocolError, require
+from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies import storage
 from checkfree.strategies.state import state_nbytes
 from checkfree.worker import StageWorker
@@ -33,7 +33,7 @@ class Snapshots:
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker,
                  compute: ComputeQueue) -> None:
         self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
-        self.held: dict[int, tuple[int, bytes]] = {}  # stage -> (step, serialized full state)
+        self.held: dict[int, tuple[int, Any]] = {}  # stage -> (step, serialized full state: a bytes-like object)
         self.parity = Parity(membership, hosted, self.held)  # reft
 
     def steps_held(self) -> dict[str, int]:
@@ -62,7 +62,7 @@ class Snapshots:
             require(header, holders=list)
             if self.net.me in header["holders"]:  # gemini keeps its own copy (a rollback of a live stage reads it)
                 self.held[stage] = (header["step"], blob)
-            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            payload = blob_tensor(blob)
             for pid in header["holders"]:
                 if pid != self.net.me:
                     await self.net.call(pid, RPC.STORE_SNAPSHOT, self.net.t.step_timeout, [payload], owner=stage,
@@ -85,7 +85,7 @@ class Snapshots:
         if held is None or held[0] != header["step"]:
             raise ProtocolError(f"no snapshot of stage {header['owner']} at step {header['step']} here "
                                 f"(have: {None if held is None else held[0]})")
-        return {"ok": True}, [torch.frombuffer(bytearray(held[1]), dtype=torch.uint8)]
+        return {"ok": True}, [blob_tensor(held[1])]
 
     async def on_restore(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """Roll this live stage back to its snapshot at `step` (own memory or storage), or
@@ -120,7 +120,7 @@ class Snapshots:
         moved = sum(state_nbytes(list(d)) for d in (donors or {}).values())
         return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": fetched + moved, **origin}
 
-    async def _blob(self, stage: int, header: dict) -> bytes:
+    async def _blob(self, stage: int, header: dict) -> Any:
         """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""
         step = header["step"]
         if isinstance(header.get("storage"), str):
@@ -132,4 +132,4 @@ class Snapshots:
                 raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
             return held[1]
         _, (blob,) = await self.net.call(source, RPC.FETCH_SNAPSHOT, self.net.t.step_timeout, owner=stage, step=step)
-        return blob.numpy().tobytes()
+        return tensor_blob(blob)

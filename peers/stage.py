@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from enum import Enum
+from typing import Any
 
 from checkfree.config import RunConfig
 from checkfree.data import TokenData, build_data
@@ -89,7 +90,7 @@ class HostedStage:
             worker.attach_guard(make_guard(self.cfg, stage))
         if self._needs_data(stage) and self.data is None:
             c = self.cfg
-            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.model.context_length,
+            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.seq_len,
                                    seed=c.train.seed, microbatch_size=c.train.microbatch_size)
         return worker
 
@@ -97,14 +98,16 @@ class HostedStage:
         holders = edge_holders(self.cfg.num_stages, self.plus)
         return stage in holders["embed"] or stage in holders["head"]
 
-    def capture_bytes(self, step: int) -> bytes:
-        """The hosted stage's full state as of `step` (weights, Adam, LR scale, RNG, omega)."""
-        return state_to_bytes(capture_worker(self.worker, step, self.omega))
+    def capture_bytes(self, step: int) -> bytearray:
+        """The hosted stage's full state as of `step` (weights, Adam, LR scale, RNG, omega), serialised straight
+        from the live tensors (one copy)."""
+        return state_to_bytes(capture_worker(self.worker, step, self.omega, clone=False))
 
     @staticmethod
-    def load_bytes(worker: StageWorker, blob: bytes, donors: dict | None = None) -> float:
-        """Load a full state captured by `capture_bytes` into `worker` (its replicated components from `donors`,
-        component -> (weights, Adam state), when given); returns its omega."""
+    def load_bytes(worker: StageWorker, blob: Any, donors: dict | None = None) -> float:
+        """Load a full state captured by `capture_bytes` (any bytes-like object; not copied before the load's own
+        copy into the worker) into `worker` (its replicated components from `donors`, component -> (weights, Adam
+        state), when given); returns its omega."""
         state = state_from_bytes(blob)
         restore_worker(worker, with_components(state, donors) if donors else state)
         return float(state["norm"])

@@ -101,6 +101,7 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
         self.over: str | None = None  # the run's final status once it has ended (late joins are refused)
         self._in_commit = False  # between a step's COMMIT and its record (a stop signal is deferred)
         self._stop_after_commit = False
+        self._live_seen: tuple[float, dict[str, dict]] | None = None  # (when, peers) of the newest heartbeat read
         self._init_groups()
         if cfg is not None:
             self._configure(cfg)
@@ -255,7 +256,7 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
         pid = str(self.transport.peer_id)
         if self.secret is not None:  # lets a standby read the coordinator's STATUS
             self.transport.extra_header = {"token": join_token(self.secret, self.opts.run_id, pid)}
-        announcer = None
+        announcer = watcher = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
             loop.add_signal_handler(sig, self._on_stop_signal, task)
@@ -276,6 +277,7 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
                                         resume=self.opts.resume, tensorboard=self.opts.tensorboard)
                 self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self._keep_tokenizer))
             announcer = asyncio.create_task(self._announce(pid))
+            watcher = asyncio.create_task(self._watch_heartbeats())
             print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
             if not (self.opts.takeover or self.opts.standby):
                 await self._fill_initial(saved)
@@ -320,8 +322,9 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
                 summary = self.writer.summary(status, error, run_id=self.opts.run_id, soft_errors=soft,
                                               strategy=self.cfg.recovery.strategy, **groups, **self.figures.as_dict())
                 self.writer.close()
-            if announcer is not None:
-                announcer.cancel()
+            for background in (announcer, watcher):
+                if background is not None:
+                    background.cancel()
             if self.opts.shutdown_peers and self.cfg is not None:
                 await self._retire()  # failed peers that came back since (a healed partition)
                 await self._shutdown_peers(f"run {status}")

@@ -157,7 +157,7 @@ class FailoverMixin:
         me = str(self.transport.peer_id)
         while True:
             try:
-                live = await self._heartbeats()
+                live = await self._read_heartbeats()  # a fresh read every poll: peers appear as soon as they beat
             except Exception as e:
                 log.warning("reading heartbeats failed: %r", e)
                 live = {}

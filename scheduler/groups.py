@@ -217,10 +217,17 @@ class GroupsMixin:
                      groups: dict[int, list[str]], hops: list[list[str]]) -> bool:
         """Wait for `tasks` (RUN_STEP or REROUTE calls); a replica found dead on the way has its microbatches moved
         to a sibling. False: the attempt cannot complete (aborted by the caller)."""
+        finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()  # each task once it is done (no wait over all)
+        watched: set[asyncio.Task] = set()
+
+        def watch() -> None:  # the calls not yet watched (the first ones, then a REROUTE's) report when done
+            for t in tasks.keys() - watched:
+                t.add_done_callback(finished.put_nowait)
+                watched.add(t)
+
+        watch()
         while tasks:
-            waiter = asyncio.create_task(self._report_event.wait())
-            done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            done = await self._next_done(finished)
             self._report_event.clear()
             suspects = {p for p in self.reported if any(p in g for g in groups.values())}
             for t in [t for t in done if t in tasks]:
@@ -253,7 +260,21 @@ class GroupsMixin:
                     return False
                 if not await self._reroute(step, attempt, pid, groups, hops, tasks):
                     return False
+                watch()
         return True
+
+    async def _next_done(self, finished: asyncio.Queue) -> set[asyncio.Task]:
+        """The tasks done so far (at least one), or none once a failure is reported first. Waiting on the queue
+        of done tasks keeps a step's waits linear in its calls (asyncio.wait over every pending call, each time
+        one returns, made them quadratic)."""
+        getter, waiter = asyncio.create_task(finished.get()), asyncio.create_task(self._report_event.wait())
+        await asyncio.wait([getter, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        getter.cancel()
+        done = {getter.result()} if getter.done() and not getter.cancelled() else set()
+        while not finished.empty():
+            done.add(finished.get_nowait())
+        return done
 
     def _replica_error(self, step: int, pid: str, e: BaseException) -> None:
         """What a replica's failed RUN_STEP says, as for a stage's (a straggler or a soft-error source leaves its
@@ -335,6 +356,7 @@ class GroupsMixin:
         """The replicas' replies as one per stage (what `_train` records): losses of every microbatch once, bytes
         summed, peaks the largest, the replicas' microbatch counts; measured speeds kept for the next step."""
         by_stage = {}
+        computed = Counter(p for row in hops for p in set(row))  # microbatches each replica computed, in one pass
         for s, g in groups.items():
             rs = [replies.get(p, {}) for p in g]
             losses = {}
@@ -342,7 +364,7 @@ class GroupsMixin:
                 losses.update(r.get("losses", {}))
             merged = {"losses": losses, "stage": s,
                       "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in rs),
-                      "replica_microbatches": [sum(1 for row in hops if p in row) for p in g]}
+                      "replica_microbatches": [computed[p] for p in g]}
             for k in ("inflight_peak", "activation_peak_bytes", "peak_rss_bytes", "reduce_s"):
                 vals = [r[k] for r in rs if r.get(k) is not None]
                 if vals:

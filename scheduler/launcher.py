@@ -21,6 +21,7 @@ from pathlib import Path
 from checkfree.auth import SECRET_ENV
 from checkfree.progress import Progress
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
+from scheduler.dashboard import DASHBOARD_LINE
 from scheduler.injector import parse_chaos_line
 from scheduler.netlab import NetLab
 from scheduler.processes import Proc, await_line, kill_group, spawn
@@ -50,6 +51,11 @@ class SwarmOptions:
 
 
 
+def _dashboard_note(line: str) -> str:
+    """`swarm: dashboard URL (...)` from a coordinator's `dashboard: URL (...)` line."""
+    return f"swarm: dashboard {line.removeprefix(DASHBOARD_LINE).strip()}"
+
+
 class LocalSwarm:
     """Processes of one local run; `run()` returns the coordinator's exit code."""
 
@@ -61,7 +67,7 @@ class LocalSwarm:
         self.peers: list[Proc] = []
         self.crashed: list[Proc] = []  # peers whose training process alone was SIGKILLed (their group lives on)
         self.addr = ""
-        self.secret = secrets.token_hex(16)  # every local swarm is authenticated
+        self.secret = os.environ.get(SECRET_ENV) or secrets.token_hex(16)  # every local swarm is authenticated
         self.kills = 0
         self.preempted = 0
         self.partitioned = 0
@@ -157,6 +163,7 @@ class LocalSwarm:
         self.coordinator = self._spawn_coordinator("coordinator", *extra)
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
+        self._show_dashboard(self.coordinator)
         if o.kill_coordinator_at is not None and o.failover == "standby":
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
             self._await_ready(self.standby, READY_STANDBY)
@@ -192,11 +199,19 @@ class LocalSwarm:
                 elif (m := STEP_LINE.match(line)) is not None:
                     bar.update(int(m.group(1)) + 1, loss=m.group(2), live=m.group(4), spare=m.group(5),
                                failures=m.group(6), recoveries=m.group(7))
+                elif line.startswith(DASHBOARD_LINE):  # a coordinator started by a failover: its own dashboard
+                    bar.write(_dashboard_note(line))
                 elif line.startswith("status:") or "Error" in line or "error" in line:
                     bar.write(line)
             return self.coordinator.popen.wait()
         finally:
             bar.close()
+
+    @staticmethod
+    def _show_dashboard(proc: Proc) -> None:
+        """Print the address of a coordinator's dashboard (its line comes before the coordinator's ready line)."""
+        if (line := next((x for x in proc.out if x.startswith(DASHBOARD_LINE)), None)) is not None:
+            print(_dashboard_note(line), flush=True)
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator's process group; the standby takes over, or a new coordinator
@@ -210,6 +225,7 @@ class LocalSwarm:
         print(f"swarm: coordinator SIGKILLed; {self.opts.failover} coordinator takes over", flush=True)
         if self.standby is not None:
             self.coordinator, self.standby = self.standby, None
+            self._show_dashboard(self.coordinator)
         else:
             self.coordinator = self._spawn_coordinator("coordinator-takeover", "--takeover", "--initial-peers",
                                                        *live[:2])

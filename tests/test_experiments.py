@@ -121,7 +121,8 @@ def test_quick_all_experiments_produce_complete_results_and_resume(tmp_path, cac
         rows = next(iter(_tables((d / "table.md").read_text()).values()))
         assert len(rows) >= 3 and all(len(r) == len(rows[0]) for r in rows), ablation
     init_rows = next(iter(_tables((out / "ablation-init" / "table.md").read_text()).values()))
-    assert {r[0].split(" @")[0] for r in init_rows[1:]} == {"no failures", "random", "copy", "uniform", "checkfree"}
+    assert {r[0].split(" @")[0] for r in init_rows[1:]} == {"no failures", "random", "copy", "uniform", "checkfree",
+                                                                        "identity"}
 
     # an interrupted matrix resumes without redoing finished runs
     victim = next(d for d in runs if d.name.startswith("checkpoint-16pct"))
@@ -145,7 +146,9 @@ def test_local_runtime_glue_sets_swarm_runs_beside_the_simulator(tmp_path, cache
     real_run = subprocess.run
     seen = []
 
-    def fake(cmd, **kw):
+    def fake(cmd, **kw):  # patches subprocess.run everywhere: record the runtime's launches, not provenance's git
+        if cmd[0] == "git":
+            return real_run(cmd, **kw)
         seen.append(cmd)
         return real_run([("simulate" if c == "local" else c) for c in cmd], **kw)
 
@@ -317,6 +320,20 @@ def test_dry_run_prints_the_compute_beside_the_simulated_clock(tmp_path, capsys)
     assert gpu_h == pytest.approx(flops / (989e12 * 0.5) / 3600, rel=1e-2)
     assert "simulated clock per run (paper-geo)" in printed and "GPU-hours of compute on H100 at 50% MFU" in printed
     assert not (out / "runs").exists()
+
+
+def test_compute_counts_the_training_sequence_length_not_the_position_limit():
+    """A model with 8192 positions trained on 256-token sequences costs 256-token FLOPs (SmolLM2's case)."""
+    from checkfree.config import preset
+    from experiments.compute import estimate
+
+    full = preset("small")
+    short = preset("small")
+    short.train.seq_len = full.model.context_length // 2
+    a, b = estimate(full), estimate(short)
+    assert b.tokens_per_step * 2 == a.tokens_per_step
+    assert b.six_n_flops * 2 == pytest.approx(a.six_n_flops)
+    assert b.attention_flops * 4 == pytest.approx(a.attention_flops)  # 12 L T d per token, T halved too
 
 
 def test_recipes_use_the_authors_figures_for_each_model(capsys):

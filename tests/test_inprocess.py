@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from checkfree.abft import FaultInjector
 from checkfree.failures import FailureSchedule
@@ -65,6 +66,31 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
     assert [(e["step"], e["stage"]) for e in got] == [(e["step"], e["stage"]) for e in want] == failures
     for g, w in zip(got, want):
         assert g.get("coefficients") == pytest.approx(w.get("coefficients"), rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy, fallback, failures", [
+    ("identity", "abort", [(3, 1), (3, 2), (4, 1)]),  # adjacent losses too: identity reads no neighbour
+    ("checkfree", "identity", [(3, 1), (3, 2)]),  # adjacent losses plain CheckFree cannot average
+])
+def test_identity_recovery_in_one_process_equals_the_simulator(tiny_cfg, tmp_path, strategy, fallback, failures):
+    """Layer drop, as a strategy and as a fallback: the swarm rebuilds the lost stages as pass-throughs (the
+    rebuilt blocks' residual output projections zero) and goes on with the simulator's losses and events."""
+    cfg = _cfg(tiny_cfg, strategy)
+    cfg.recovery.fallback = fallback
+    dump = tmp_path / "dump"
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
+                      dump_dir=str(dump), save_final=False)
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    fields = ("event", "step", "stage", "method", "sources", "fallback", "coefficients", "edges_reinit")
+    got, want = ([tuple(e.get(k) for k in fields) for e in _events(out, "recovery", "fallback")]
+                 for out in (tmp_path / "swarm", tmp_path / "sim"))
+    assert got == want and [(e[1], e[2], e[3]) for e in got] == [(s, st, "identity") for s, st in failures]
+    for step, stage in failures:
+        rebuilt = load_file(str(dump / f"rebuilt-step{step}-stage{stage}.safetensors"))
+        outputs = [v for k, v in rebuilt.items() if k.endswith(("attn.wo.weight", "mlp.w2.weight"))]
+        assert len(outputs) == 2 * cfg.model.num_layers // cfg.num_stages and not any(v.any() for v in outputs)
 
 
 @pytest.mark.parametrize("strategy", ["gemini", "checkpoint"])
@@ -132,8 +158,6 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
     stage 2 at step 6 restores stage 2 from stage 3's copy of the step-6 snapshot, and takes stage 1's snapshot
     (held by stage 2's peer) with it, so the kill of stage 1 at step 7 is averaged. Same decisions, events and
     losses as the simulator."""
-    from safetensors.torch import load_file
-
     from checkfree.serialize import state_from_bytes
 
     cfg = _cfg(tiny_cfg, "checkfree+snap", steps=8)

@@ -230,6 +230,29 @@ def test_omega_over_the_blocks_only_in_swarm_and_simulator(tmp_path, cache):
                                                                            rel=1e-3)
 
 
+def test_identity_for_real_rebuilds_adjacent_losses_as_pass_throughs(tmp_path, cache):
+    """`checkfree local --strategy identity` with real SIGKILLs over hivemind, against `checkfree simulate`:
+    stages 1 and 2, killed together at step 3, come back as pass-throughs (their blocks' residual output
+    projections zero; no neighbour is read), with the simulator's recovery events and losses."""
+    dump = tmp_path / "dump"
+    args = ("--steps", "5", "--strategy", "identity", "--trace", _trace(tmp_path, [(3, 1), (3, 2)]),
+            "--eval-every", "0")
+    proc, out = _local(tmp_path, "identity", *args, "--dump-recovery", str(dump), cache=cache, spares=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 peers SIGKILLed" in proc.stdout
+    sim = _simulate(tmp_path, "sim", *args, cache=cache)
+    fields = ("event", "step", "stage", "method", "sources", "coefficients", "edges_reinit")
+    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl")
+                  if e["event"] in ("recovery", "fallback")] for d in (out, tmp_path / "sim"))
+    assert got == want == [("recovery", 3, s, "identity", [], [], []) for s in (1, 2)]
+    for stage in (1, 2):
+        rebuilt = load_file(str(dump / f"rebuilt-step3-stage{stage}.safetensors"))
+        outputs = [v for k, v in rebuilt.items() if k.endswith(("attn.wo.weight", "mlp.w2.weight"))]
+        assert len(outputs) == 4 and not any(v.any() for v in outputs)
+    assert [m["loss"] for m in read_jsonl(out / "metrics.jsonl")] == pytest.approx([m["loss"] for m in sim],
+                                                                                   rel=1e-5, abs=1e-5)
+
+
 def test_int8_wire_in_the_swarm_equals_the_simulator(tmp_path, cache):
     """--wire-dtype int8: peers send int8 activations/gradients with row scales (checkfree.wirecodec), the
     simulator applies the same round trip at each stage boundary, so both give the same losses; a step

@@ -13,6 +13,7 @@ network; nothing outside one Python process can reach it, so the command line do
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ class MemoryTransport:
         self.extra_header: dict = {}
         self._handlers: dict[str, Handler] = {}
         self._running: set[asyncio.Task] = set()
+        self._context = contextvars.copy_context()  # its owner's: requests are handled as in the owner's process
         network.transports[self._peer_id] = self
 
     @property
@@ -119,7 +121,7 @@ class MemoryTransport:
         if target is None:
             raise TransportError(f"peer {peer_id} is unreachable (not in this process's memory network)")
         frames = encode_message({**self.extra_header, **header}, tensors)
-        task = asyncio.create_task(target._serve(name, frames, me))
+        task = asyncio.create_task(target._serve(name, frames, me), context=target._context.copy())
         target._running.add(task)
         task.add_done_callback(target._running.discard)
         try:

@@ -1,9 +1,9 @@
-"""CheckFree, CheckFree+ and the ablations (uniform, copy, random) as strategies.
+"""CheckFree, CheckFree+ and the ablations (uniform, copy, random, identity) as strategies.
 
 One implementation of the arithmetic: plans come from `checkfree.recovery.plan_recovery`
 and states from `rebuild_stage`; this module only moves weights through the context and
 prices the transfers. `declared_fallback` reuses the same path for the stages another
-strategy could not recover (``recovery.fallback`` = random | copy; abort raises).
+strategy could not recover (``recovery.fallback`` = random | copy | identity; abort raises).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def apply_plans(ctx: StrategyContext, strategy: str, step: int, plans: list[Reco
 
 def declared_fallback(ctx: StrategyContext, strategy: str, step: int, stages: set[int], reason: str) -> FailureOutcome:
     """Apply ``recovery.fallback`` to `stages` (every other stage is live): abort raises,
-    random re-initialises, copy takes the nearest live stage's blocks. No rollback."""
+    random re-initialises, copy takes the nearest live stage's blocks, identity makes the blocks pass-throughs
+    (an edge stage's embedding / head as in `plan_recovery`: from a live replica, else re-initialised). No rollback."""
     fb = ctx.cfg.recovery.fallback
     if fb == "abort":
         ctx.event("fallback", step=step, stage=min(stages), strategy=strategy, fallback="abort", reason=reason)
