@@ -32,7 +32,7 @@ __all__ = ["renderer", "RENDERERS", "SECTION_MODULES", "regions", "render", "sta
 
 Renderer = Callable[[Path], str]
 RENDERERS: dict[str, Renderer] = {}
-SECTION_MODULES = ["experiments.sections", "experiments.claims"]
+SECTION_MODULES = ["experiments.sections", "experiments.claims", "experiments.pretrained_section"]
 
 # A marker right after a backtick is text (documentation quoting one), not a marker.
 _REGION = re.compile(r"(?<!`)<!-- BEGIN rendered: (?P<name>[\w.+-]+) -->(?P<body>.*?)(?<!`)<!-- END rendered: (?P=name) -->",

@@ -318,7 +318,8 @@ def test_dry_run_prints_the_compute_beside_the_simulated_clock(tmp_path, capsys)
     evals = 8 // 2
     flops = 8 * (six_n + attention) + evals * preset("small").train.eval_batches * (six_n + attention) / 3 / t.num_microbatches
     assert gpu_h == pytest.approx(flops / (989e12 * 0.5) / 3600, rel=1e-2)
-    assert "simulated clock per run (paper-geo)" in printed and "GPU-hours of compute on H100 at 50% MFU" in printed
+    assert float(redundant[5].split()[0]) > float(plain[5].split()[0])  # + its extra forward per step
+    assert "simulated clock per run without failures (paper-geo)" in printed and "GPU-hours of compute on H100 at 50% MFU" in printed
     assert not (out / "runs").exists()
 
 
@@ -409,7 +410,8 @@ def test_readme_says_what_its_result_files_say():
     readme, results = root / "experiments" / "README.md", root / "experiments" / "results"
     text = readme.read_text()
     names = [n for n, _ in regions(text)]
-    assert {"small.convergence", "small.paper", "small.findings", "small.omega", "recipes"} <= set(names)
+    assert {"small.convergence", "small.paper", "small.findings", "small.omega", "recipes", "pretrained.studies",
+            "pretrained.conclusion"} <= set(names)
     rendered = render(text, results)
     differ = [n for n, body in regions(text) if dict(regions(rendered))[n] != body]
     assert not differ, f"run `checkfree experiment report --readme`: regions {differ} differ from the result files"
@@ -417,6 +419,25 @@ def test_readme_says_what_its_result_files_say():
     cell_text = re.search(r"\| checkfree \| ([^|]+) \|", body)[1]
     tampered = text.replace(cell_text, cell_text.replace(cell_text.strip()[0], "9", 1), 1)
     assert stale_regions(tampered, results) == ["small.convergence"]
+
+
+def test_pretrained_conclusion_names_the_first_init_of_each_ordering():
+    """The README's pretrained conclusion picks, per branch point, stage and measure, the init the study's own
+    tables order first (experiments.pretrained_report), from the committed results."""
+    from experiments.pretrained_report import load_results, render_tables
+    from experiments.pretrained_section import comparisons
+
+    root = Path(__file__).resolve().parent.parent / "experiments" / "results" / "pretrained" / "small"
+    data = load_results(root / "results.json")
+    firsts, at = {}, None
+    for line in render_tables(data).splitlines():
+        if line.startswith("#### Branch at step "):
+            at = int(line.split()[-1])
+        m = re.match(r"- stage (\d+), (.+), smallest first: (.+?)(?: \(= [^)]*\))? \d+\.\d+ (<|$)", line)
+        if m:
+            firsts[(at, int(m[1]), m[2])] = m[3]
+    found = {(x["at"], x["stage"], x["measure"]): x["best"] for x in comparisons(data)}
+    assert firsts and found == firsts
 
 
 @pytest.mark.timeout(300)
