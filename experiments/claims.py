@@ -92,6 +92,7 @@ def findings(results: Path, matrix: str) -> str:
                      f"target {' / '.join(fastest)}; lowest final validation loss {' / '.join(lowest)}. Ended below "
                      f"the failure-free run's final validation loss (seeds): "
                      + (", ".join(f"{k} {v}" for k, v in sorted(below.items(), key=lambda kv: -kv[1])) or "none") + ".")
+    lines.append(_init_finding(results, matrix))
     swap, _ = load(results, matrix, "ablation-swap")
     plain, plus = _by_seed(swap, label="no failures"), _by_seed(swap, "checkfree+", 0.0)
     cost = [(_val(plus[x], "iterations_to_target") / _val(plain[x], "iterations_to_target") - 1) * 100
@@ -101,6 +102,20 @@ def findings(results: Path, matrix: str) -> str:
                      f"{mean(cost):+.0f} % iterations to the target against the plain pipeline, mean over the seeds "
                      f"(per seed: {' / '.join(f'{c:+.0f} %' for c in cost)}).")
     return "".join(f"* {x}\n" for x in lines)
+
+
+def _init_finding(results: Path, matrix: str) -> str:
+    """Per seed, the recovery init with the lowest final validation loss (ablation-init, omega over the stage)."""
+    init, si = load(results, matrix, "ablation-init")
+    runs = [r for r in init["runs"].values() if r["spec"]["rate"] == si.init_rate and r["spec"]["runtime"] == "sim"]
+    inits = sorted({r["spec"]["strategy"] for r in runs})
+    seeds = sorted({r["spec"]["seed"] for r in runs})
+    lowest = [min((r for r in runs if r["spec"]["seed"] == x), key=lambda r: _val(r, "final_val_loss"))["spec"]["strategy"]
+              for x in seeds]
+    means = {k: mean(r["final_val_loss"] for r in runs if r["spec"]["strategy"] == k) for k in inits}
+    return (f"Recovery initialisation at {rate_label(si.init_rate)} ({', '.join(inits)}), seed by seed "
+            f"({' / '.join(map(str, seeds))}): lowest final validation loss {' / '.join(lowest)}; by the mean over "
+            f"the seeds, lowest first: " + " < ".join(f"{k} {means[k]:.4f}" for k in sorted(means, key=means.get)) + ".")
 
 
 # --- the paper's claims --------------------------------------------------------------------
