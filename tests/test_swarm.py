@@ -355,10 +355,10 @@ def test_reft_restores_a_crashed_training_process_from_its_companion_and_a_dead_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _simulate(tmp_path, "sim", *args, "--trace", _trace(tmp_path, [(3, 1), (6, 2)]), cache=cache)
     _simulate(tmp_path, "clean", *args, cache=cache)
-    fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source")
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source", "restored_from")
     got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
-    assert [g[:5] for g in got] == [w[:5] for w in want]
-    assert [(g[1], g[5]) for g in got] == [(1, "companion"), (2, "parity")]
+    assert [g[:6] for g in got] == [w[:6] for w in want]  # the same plan: decoded from parity
+    assert [(g[1], g[6]) for g in got] == [(1, "companion"), (2, None)]  # ...the lost peer's companion served it
     final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
     clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
     assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
