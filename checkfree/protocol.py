@@ -33,7 +33,7 @@ from typing import Any
 
 from checkfree.auth import record_ok, sign_record
 from checkfree.pipeline import Hop
-from checkfree.recovery import RecoveryPlan
+from checkfree.recovery import Neighbours
 
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
            "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
@@ -190,15 +190,15 @@ def members_key(run_id: str) -> str:
     return f"{DHT_PREFIX}/{run_id}/peers"
 
 
-def plan_to_wire(plan: RecoveryPlan) -> dict[str, Any]:
+def plan_to_wire(plan: Neighbours) -> dict[str, Any]:
     d = dataclasses.asdict(plan)
     d["sources"] = list(plan.sources)
     d["edges_reinit"] = list(plan.edges_reinit)
     return d
 
 
-def plan_from_wire(d: dict[str, Any]) -> RecoveryPlan:
-    return RecoveryPlan(stage=int(d["stage"]), method=str(d["method"]), sources=tuple(int(s) for s in d["sources"]),
+def plan_from_wire(d: dict[str, Any]) -> Neighbours:
+    return Neighbours(stage=int(d["stage"]), method=str(d["method"]), sources=tuple(int(s) for s in d["sources"]),
                         edge_sources={str(k): int(v) for k, v in d["edge_sources"].items()},
                         edges_reinit=tuple(d["edges_reinit"]), fallback=d.get("fallback"),
                         reason=str(d.get("reason", "")))

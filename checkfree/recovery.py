@@ -41,7 +41,7 @@ __all__ = [
     "get_rule",
     "FALLBACKS",
     "SOURCELESS",
-    "RecoveryPlan",
+    "Neighbours",
     "plan_recovery",
     "rebuild_stage",
     "recovered_optimizer_state",
@@ -138,7 +138,7 @@ def get_rule(name: str) -> RecoveryRule:
 
 
 @dataclass
-class RecoveryPlan:
+class Neighbours:
     """Who rebuilds stage `stage`, from which live stages, and how.
 
     `method` is how its blocks are made; `sources` the stages whose blocks are read (in the
@@ -199,7 +199,7 @@ def _strategy_plan(rule: RecoveryRule, stage: int, failed: set[int], num_stages:
     return (rule.inner, (prev, nxt))
 
 
-def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: str = "abort") -> list[RecoveryPlan]:
+def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: str = "abort") -> list[Neighbours]:
     """Plan the recovery of every failed stage; sources are always live stages.
 
     Raises UnrecoverableFailure when a stage cannot be recovered and `fallback` is "abort".
@@ -217,7 +217,7 @@ def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: st
         edge_sources, reinit = _edge_plan(stage, failed, num_stages, rule.plus)
         outcome = _strategy_plan(rule, stage, failed, num_stages)
         if isinstance(outcome, tuple):
-            plans.append(RecoveryPlan(stage, outcome[0], outcome[1], edge_sources, reinit))
+            plans.append(Neighbours(stage, outcome[0], outcome[1], edge_sources, reinit))
             continue
         if fallback == "abort":
             raise UnrecoverableFailure(f"stage {stage} cannot be recovered: {outcome} (fallback=abort)")
@@ -225,7 +225,7 @@ def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: st
         if fallback == "copy":
             near = _nearest_alive(stage, failed, num_stages)
             sources = (near,) if near is not None else ()
-        plans.append(RecoveryPlan(stage, fallback if sources or fallback in SOURCELESS else "random", sources,
+        plans.append(Neighbours(stage, fallback if sources or fallback in SOURCELESS else "random", sources,
                                   edge_sources, reinit, fallback=fallback, reason=outcome))
     return plans
 
@@ -248,7 +248,7 @@ def _combine(keys: list[str], srcs: list[StateDict], coeffs: list[float], templa
     return out
 
 
-def rebuild_stage(plan: RecoveryPlan, template: Mapping[str, Tensor], blocks: Mapping[int, StateDict],
+def rebuild_stage(plan: Neighbours, template: Mapping[str, Tensor], blocks: Mapping[int, StateDict],
                   norms: Mapping[int, float], edges: Mapping[str, StateDict], *, eps: float = 1e-4,
                   seed: int = 0, std: float = 0.02) -> tuple[StateDict, dict[int, float]]:
     """Build the lost stage's full state dict.
@@ -294,7 +294,7 @@ def rebuild_stage(plan: RecoveryPlan, template: Mapping[str, Tensor], blocks: Ma
     return _with_edges(plan, template, state, edges, seed, std), coeffs
 
 
-def _with_edges(plan: RecoveryPlan, template: Mapping[str, Tensor], state: StateDict,
+def _with_edges(plan: Neighbours, template: Mapping[str, Tensor], state: StateDict,
                 edges: Mapping[str, StateDict], seed: int, std: float) -> StateDict:
     """Add the embedding / head: exactly from a live replica, else freshly initialised."""
     for comp in ("embed", "head"):
@@ -308,7 +308,7 @@ def _with_edges(plan: RecoveryPlan, template: Mapping[str, Tensor], state: State
     return state
 
 
-def recovered_optimizer_state(plan: RecoveryPlan, edge_optim: Mapping[str, Mapping[str, Mapping[str, Tensor]]]
+def recovered_optimizer_state(plan: Neighbours, edge_optim: Mapping[str, Mapping[str, Mapping[str, Tensor]]]
                               ) -> dict[str, dict[str, Tensor]]:
     """The optimizer state the rebuilt stage starts with, by parameter name: each component
     copied from a live replica takes that replica's Adam state exactly (moments and step

@@ -41,12 +41,12 @@ from checkfree.rundir import RunWriter
 from checkfree.saves import newest_save, read_save, write_save
 from checkfree.steprules import Commit, SoftErrorRule, apply_commits
 from checkfree.strategies import Figures, build_strategy, worker_config
-from checkfree.strategies.averaging import recovery_fields
+from checkfree.strategies.execute import SimExecutor
 from checkfree.strategies.state import StageState, capture_worker, restore_worker
 from checkfree.wirecodec import roundtrip
 from checkfree.worker import StageWorker, StepStats, resolve_device
 
-__all__ = ["Simulator", "SimContext", "run_microbatches", "sync_components", "evaluate", "recovery_fields"]
+__all__ = ["Simulator", "SimContext", "run_microbatches", "sync_components", "evaluate"]
 
 # Failures are drawn for this many times the configured steps, so that a strategy that
 # rolls back meets failures while it recomputes too.
@@ -207,6 +207,7 @@ class Simulator:
         save_run_tokenizer(self.data.tokenizer, self.writer.out)
         self.cost = CostModel(cfg)
         self.ctx = SimContext(self)
+        self.executor = SimExecutor(self.ctx, self.strategy)  # the strategy's plans and protection, carried out
         self.progress = progress
         self.group_counts = {"replicas_lost": 0, "rerouted_microbatches": 0}  # stage groups (train.replicas > 1)
         self.last_val = math.nan
@@ -225,7 +226,7 @@ class Simulator:
         it = step if iteration is None else iteration
         for s in sorted(failed):
             self.writer.event("failure", step=step, stage=s, strategy=self.cfg.recovery.strategy, iteration=it)
-        outcome = self.strategy.on_failure(self.ctx, step, failed)
+        outcome = self.executor.recover(step, failed)
         self.totals = self.totals + outcome.figures
         self.sim_time_s += outcome.figures.recovery_s
         self.writer.event("failure_outcome", step=step, stages=sorted(failed), strategy=self.cfg.recovery.strategy,
@@ -330,6 +331,7 @@ class Simulator:
     def _run(self) -> dict:
         t = self.cfg.train
         step = self._resume() if self.resume_from is not None else 0
+        self.executor.start(step)
         bar = Progress(t.num_steps, "train", enabled=self.progress)
         bar.n = step
         try:
@@ -402,7 +404,7 @@ class Simulator:
                   "block_grad_norms_pre": [s.block_grad_norm_pre for s in stats],
                   "step_time_s": round(time.perf_counter() - t0, 6)}
         # a rollback from inside the step (soft-error escalation) left nothing to protect
-        figs = self.strategy.after_step(self.ctx, step) if self.resume_at is None else Figures()
+        figs = self.executor.after_step(step) if self.resume_at is None else Figures()
         self.totals = self.totals + figs
         self.sim_time_s += self.cost.step_s() + figs.stall_s
         self.iterations += 1

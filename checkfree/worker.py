@@ -286,6 +286,12 @@ class StageWorker:
     def set_component_grad(self, comp: str, flat: Tensor) -> None:
         _set_grads(list(getattr(self.module, comp).parameters()), flat)
 
+    def set_grads(self, grads: dict[str, Tensor]) -> None:
+        """Set the named parameters' gradients (moved to each parameter's device and dtype)."""
+        params = dict(self.module.named_parameters())
+        for n, g in grads.items():
+            params[n].grad = g.to(params[n].device, params[n].dtype)
+
     def flat_grad(self) -> Tensor:
         """Every parameter's accumulated gradient (zeros where none), flattened into one float32 vector in
         parameter order, then one value per parameter, 1 where it has a gradient: what the replicas of a stage

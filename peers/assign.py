@@ -33,7 +33,7 @@ from peers.compute import ComputeQueue
 from peers.debug import DebugHooks
 from peers.recovery import Recovery
 from peers.snapshots import Snapshots
-from peers.stage import HostedStage, PeerState
+from peers.stage import HostedStage
 
 __all__ = ["MODES", "Assignment"]
 
@@ -50,9 +50,11 @@ class Assignment:
         self.hosted, self.compute, self.recovery, self.snapshots, self.debug = (hosted, compute, recovery,
                                                                                 snapshots, debug)
         self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
+        # how long an ASSIGN waits for this peer's JOIN reply (see HostedStage.joining)
+        self.timeout = recovery.net.t.rpc_timeout
 
     async def on_assign(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        cfg, stage, mode = self.hosted.joined(), header["stage"], header["mode"]
+        cfg, stage, mode = await self.hosted.joining(self.timeout), header["stage"], header["mode"]
         if self.hosted.worker is not None and header.get("release") is True and self.release is not None:
             log.info("leaving stage %d's group to serve stage %d", self.hosted.index, stage)
             await self.release()
@@ -93,7 +95,4 @@ class Assignment:
 
     def _serve(self, worker: StageWorker, omega: float, step: object) -> None:
         """Start serving `worker`, its weights ready for `step` (0 unless the message says)."""
-        hosted = self.hosted
-        hosted.worker, hosted.omega = worker, omega
-        hosted.next_step = step if isinstance(step, int) else 0
-        hosted.state = PeerState.SERVING
+        self.hosted.serve(worker, omega, step if isinstance(step, int) else 0)

@@ -99,12 +99,12 @@ class Backups:
         arrived; returns the stages whose backup this peer now holds complete."""
         step, held = header["step"], []
         if self.sending is not None and self.sending[0] == step:
-            self.snapshots.held[self.hosted.index] = self.sending
+            self.snapshots.keep(self.hosted.index, *self.sending)
             self.sending = None
             held.append(self.hosted.index)
         for owner, (s, buf, parts) in list(self.assembling.items()):
             if s == step and sum(parts.values()) == len(buf):
-                self.snapshots.held[owner] = (step, bytes(buf))
+                self.snapshots.keep(owner, step, bytes(buf))
                 del self.assembling[owner]
                 held.append(owner)
         return {"held": sorted(held)}, []

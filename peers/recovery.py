@@ -21,7 +21,7 @@ import torch
 from checkfree.costmodel import stage_params
 from checkfree.pipeline import COMPONENTS
 from checkfree.protocol import RPC, ProtocolError, plan_from_wire, require
-from checkfree.recovery import RecoveryPlan, rebuild_stage, recovered_optimizer_state
+from checkfree.recovery import Neighbours, rebuild_stage, recovered_optimizer_state
 from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies.state import optim_from_wire, optim_to_wire, state_nbytes
 from checkfree.worker import StageWorker
@@ -115,7 +115,7 @@ class Recovery:
         fetched = await asyncio.gather(*(self._fetch(stage, s, pid, comp, step) for comp, (s, pid) in edges.items()))
         return {comp: (w, o) for comp, (w, _, o) in zip(edges, fetched)}
 
-    async def _pull(self, stage: int, plan: RecoveryPlan, peers: dict[int, str],
+    async def _pull(self, stage: int, plan: Neighbours, peers: dict[int, str],
                     step: int) -> tuple[dict, dict, dict, dict, float]:
         """Every weight pull of `plan` for `stage` at once: blocks and norms per source stage, the replicas'
         weights and Adam state per component, and the seconds it took."""
@@ -149,7 +149,7 @@ class Recovery:
         weights and two Adam moments in float32 (Membership.allowance; 0 on loopback)."""
         return self.net.allowance(source, stage, 12 * stage_params(self.hosted.cfg)[source])
 
-    def _rebuild(self, worker: StageWorker, plan: RecoveryPlan, blocks: dict, norms: dict, edges: dict,
+    def _rebuild(self, worker: StageWorker, plan: Neighbours, blocks: dict, norms: dict, edges: dict,
                  edge_optim: dict, step: int) -> dict[int, float]:
         """On the compute thread: the library's rebuild from the pulled weights, loaded into `worker`
         with a fresh optimizer. Returns the coefficient of each source stage."""

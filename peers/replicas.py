@@ -141,10 +141,7 @@ class Replicas:
 
     @staticmethod
     def _apply(replica: StageWorker, names: list[str], grads: list[torch.Tensor], step: int):
-        params = dict(replica.module.named_parameters())
-        for n, g in zip(names, grads):
-            p = params[n]
-            p.grad = g.to(p.device, p.dtype)
+        replica.set_grads(dict(zip(names, grads)))
         return replica.step(step)
 
     def _capture(self, step: int) -> bytearray:

@@ -31,10 +31,10 @@ class Snapshots:
     """The snapshots this peer holds, its own stage's and others', by stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker,
-                 compute: ComputeQueue) -> None:
+                 compute: ComputeQueue, companion_host: str = "127.0.0.1") -> None:
         self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
         self.held: dict[int, tuple[int, Any]] = {}  # stage -> (step, serialized full state: a bytes-like object)
-        self.parity = Parity(membership, hosted, self.held)  # reft
+        self.parity = Parity(membership, hosted, self.held, companion_host)  # reft
 
     def steps_held(self) -> dict[str, int]:
         """The step of each snapshot held here, by stage (for a new coordinator)."""
@@ -92,14 +92,17 @@ class Snapshots:
         to its initial state for step 0 with source "init"."""
         stage = self.hosted.serving().index
         if header["step"] == 0 and header.get("source") == "init":
-            self.hosted.worker = await self.compute.run(self.hosted.build, stage)
-            self.hosted.omega = 0.0
+            self.hosted.rolled_back(0.0, 0, await self.compute.run(self.hosted.build, stage))
         else:
             blob = await self._blob(stage, header)
-            self.hosted.omega = await self.compute.run(self.hosted.load_bytes, self.hosted.worker, blob)
+            omega = await self.compute.run(self.hosted.load_bytes, self.hosted.worker, blob)
+            self.hosted.rolled_back(omega, header["step"])
         self.steps.reset()
-        self.hosted.next_step = header["step"]
         return {"ok": True}, []
+
+    def keep(self, stage: int, step: int, blob: bytes) -> None:
+        """Hold `stage`'s snapshot (or backup) of `step` (at most one per stage)."""
+        self.held[stage] = (step, blob)
 
     # ---- a replacement's side ----------------------------------------------------------
     async def restore_new(self, worker: StageWorker, header: dict, donors: dict | None = None) -> dict:

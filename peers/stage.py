@@ -8,6 +8,9 @@ capturing or loading its full state happen here, on the compute thread.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import logging
 from enum import Enum
 from typing import Any
@@ -48,6 +51,7 @@ class HostedStage:
         self.data: TokenData | None = None
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
         self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
+        self._configured = asyncio.Event()  # set once the run's config is known
 
     @property
     def index(self) -> int:
@@ -58,16 +62,17 @@ class HostedStage:
         """Take the run's config (from the coordinator's JOIN reply); `device` overrides the run's."""
         from checkfree.strategies import build_strategy, worker_config
 
-        self.cfg = cfg
         if device:
-            cfg.train.device = device
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device=device))
+        self.cfg = cfg
         resolve_device(cfg.train.device)
         strategy = build_strategy(cfg)
         self.plus = strategy.plus
-        self.redundant = strategy.swarm_replicas
-        self.companion = strategy.snapshot_companion
+        self.redundant = strategy.peer_service == "replicas"
+        self.companion = strategy.peer_service == "companion"
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
+        self._configured.set()
 
     def joined(self) -> RunConfig:
         """The run's config; refuses a request that needs it before this peer has joined."""
@@ -75,11 +80,45 @@ class HostedStage:
             raise ProtocolError("this peer has not joined a run yet")
         return self.cfg
 
+    async def joining(self, timeout: float) -> RunConfig:
+        """The run's config, waiting up to `timeout` s for it: the coordinator may assign a stage as soon as it
+        has admitted this peer, before its JOIN reply has arrived here."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._configured.wait(), timeout)
+        return self.joined()
+
     def serving(self) -> StageWorker:
         """The hosted stage's worker; refuses a request that needs one while standing by."""
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         return self.worker
+
+    # ---- changes (every part changes the hosted stage through these) -----------------------
+    def serve(self, worker: StageWorker, omega: float, next_step: int) -> None:
+        """Serve `worker`'s stage from now on, its weights ready for `next_step`."""
+        self.worker, self.omega, self.next_step = worker, omega, next_step
+        self.state = PeerState.SERVING
+
+    def rolled_back(self, omega: float, next_step: int, worker: StageWorker | None = None) -> None:
+        """The stage's weights are a copy's now (or, `worker`, its initial state), ready for `next_step`."""
+        if worker is not None:
+            self.worker = worker
+        self.omega, self.next_step = omega, next_step
+
+    def committed(self, omega: float | None, next_step: int, figures: dict) -> None:
+        """A step was committed (`omega` None: its update was skipped, the norm stays); `figures` what a new
+        coordinator may need of it."""
+        if omega is not None:
+            self.omega = omega
+        self.next_step, self.last_commit = next_step, figures
+
+    def release(self) -> None:
+        """Let the stage go and stand by again (a stage group's replica moved elsewhere)."""
+        self.worker, self.omega, self.next_step = None, 0.0, 0
+        self.state = PeerState.STANDBY
+
+    def leave(self) -> None:
+        self.state = PeerState.LEAVING
 
     # ---- on the compute thread --------------------------------------------------------
     def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:

@@ -13,49 +13,51 @@ from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import config_from_dict
 from checkfree.net.transport import RemoteError, TransportError, live_members_async
 from checkfree.protocol import RPC, Kind, coordinator_from_records, coordinator_key
-from checkfree.rundir import RunWriter, read_jsonl
-from checkfree.strategies import storage
-from scheduler.common import (
-    CALL_ERRORS,
-    EVAL_ATTEMPT,
-    STEP_FIGURES,
-    CoordinatorAlive,
-    Member,
-    step_figures,
-)
+from checkfree.config import RunConfig
+from checkfree.rundir import read_jsonl
+from scheduler.common import CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, CoordinatorAlive, CoordinatorOptions, step_figures
+from scheduler.membership import Membership
+from scheduler.outputs import Outputs
+from scheduler.protection import Protection
+from scheduler.rpc import Rpc
+from scheduler.stage_table import StageTable
+from scheduler.steps import StepDriver
 
-__all__ = ["FailoverMixin"]
+__all__ = ["Failover"]
 
 log = logging.getLogger("scheduler.coordinator")
 
 
-class FailoverMixin:
-    """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
+class Failover:
+    """A standby coordinator's watch, and the takeover of a run from its peers."""
 
-    # ---- coordinator failover ---------------------------------------------------------
-    async def _watch(self) -> None:
+    def __init__(self, opts: CoordinatorOptions, rpc: Rpc, membership: Membership, table: StageTable,
+                 outputs: Outputs) -> None:
+        self.opts, self.rpc, self.members, self.table, self.out = opts, rpc, membership, table, outputs
+        self.t, self.run_id, self.secret = rpc.t, rpc.run_id, rpc.secret
+
+    async def watch(self) -> None:
         """Standby: poll the run's coordinator (found in the DHT) every heartbeat_ttl/2;
         return once it has failed to answer twice in a row."""
-        key, watched, misses = coordinator_key(self.opts.run_id), None, 0
+        key, watched, misses = coordinator_key(self.run_id), None, 0
         deadline = time.monotonic() + self.t.join_timeout
         while True:
             try:
-                found = await live_members_async(self.dht, key) or {}
+                found = await live_members_async(self.rpc.dht, key) or {}
             except Exception as e:  # the DHT read is advisory: the STATUS call decides
                 log.debug("DHT lookup of the coordinator failed: %r", e)
                 found = {}
-            current = coordinator_from_records(found, self.secret, self.opts.run_id, self.transport.kind,
-                                               exclude=str(self.transport.peer_id))
+            current = coordinator_from_records(found, self.secret, self.run_id, self.rpc.kind, exclude=self.rpc.me)
             if current is not None and current != watched:
                 watched, misses = current, 0
                 print(f"standby: watching coordinator {watched}", flush=True)
             if watched is None:
                 if time.monotonic() > deadline:
-                    raise TransportError(f"no coordinator of run {self.opts.run_id!r} found in the DHT within "
+                    raise TransportError(f"no coordinator of run {self.run_id!r} found in the DHT within "
                                          f"join_timeout={self.t.join_timeout:g} s: nothing to stand by for")
             else:
                 try:
-                    await self._call(watched, RPC.STATUS, {}, timeout=min(5.0, self.t.rpc_timeout))
+                    await self.rpc.call(watched, RPC.STATUS, {}, timeout=min(5.0, self.t.rpc_timeout))
                     misses = 0
                 except CALL_ERRORS as e:
                     misses += 1
@@ -65,15 +67,12 @@ class FailoverMixin:
                     return
             await asyncio.sleep(self.t.heartbeat_ttl / 2)
 
-    async def _take_over(self) -> None:
-        """Rebuild the run's state from its peers (found by their DHT heartbeats) and continue
-        from the step they are at. Peers report their stage, the step their weights are ready
-        for, their norm, and a finished but uncommitted step: if the old coordinator died
-        half-way through a commit, the stages it did not reach commit now, so every stage
-        is at the same step; an unfinished step is dropped and run again. A stage nobody
-        serves is recovered by the run's strategy like any failure."""
+    async def adopt(self) -> tuple[RunConfig, dict[str, dict]]:
+        """The run's peers (found by their DHT heartbeats) adopted by this coordinator: the run's config and each
+        peer's report (its stage, the step its weights are ready for, its norm, a finished but uncommitted step,
+        the snapshots it holds). A standby whose takeover is refused (the coordinator answers its peers after all)
+        stands by again."""
         while True:
-            t0 = time.perf_counter()
             try:
                 replies = await self._adopt_peers()
                 break
@@ -81,37 +80,74 @@ class FailoverMixin:
                 if not self.opts.standby:
                     raise
                 print(f"standby: {e}; standing by again", flush=True)
-                await self._watch()
+                await self.watch()
         configs = {r["config"] for r in replies.values() if r.get("config")}
         if len(configs) != 1:
-            raise RuntimeError(f"cannot take over run {self.opts.run_id!r}: its peers report "
+            raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
                                f"{'no' if not configs else 'different'} run configs")
-        cfg = config_from_dict(json.loads(configs.pop()))
-        self._configure(cfg)
+        return config_from_dict(json.loads(configs.pop())), replies
+
+    async def resume(self, cfg: RunConfig, replies: dict[str, dict], driver: StepDriver,
+                     protection: Protection) -> int:
+        """Continue the run from the step its peers are at; returns that step. If the old coordinator died
+        half-way through a commit, the stages it did not reach commit now, so every stage is at the same step; an
+        unfinished step is dropped and run again. A stage nobody serves is recovered by the run's strategy like
+        any failure."""
+        t0 = time.perf_counter()
         metrics = Path(self.opts.out) / "metrics.jsonl"
         resume = metrics.exists()
-        # the same run directory: keep counting (and the run's clock) where the old coordinator stopped
-        self.writer = RunWriter(self.opts.out, cfg.to_json(), resume=resume, tokens_per_step=cfg.tokens_per_step,
-                                tensorboard=self.opts.tensorboard)
+        self.out.open(cfg, resume=resume)  # the same run directory: keep counting where the old one stopped
         holders: dict[int, list[tuple[str, dict]]] = {}
         for i, (pid, r) in enumerate(replies.items()):
-            self.members[pid] = Member(pid, time.time() + i * 1e-6)
+            self.members.admit(pid, time.time() + i * 1e-6)
             if r["stage"] >= 0:
                 holders.setdefault(r["stage"], []).append((pid, r))
         step = max((r["next_step"] for hs in holders.values() for _, r in hs), default=0)
+        to_commit, lagging = self._serve(cfg, holders, step)
+        commits = await asyncio.gather(*(self.rpc.call(pid, RPC.COMMIT, {"step": ready["step"],
+                                                                         "attempt": ready["attempt"]},
+                                                       self.t.rpc_timeout) for pid, ready in to_commit.values()),
+                                       return_exceptions=True)
+        last_commits = {}
+        for (stage, (pid, ready)), c in zip(to_commit.items(), commits):
+            if isinstance(c, Exception):
+                lagging.append(stage)
+                self.members.drop(pid)
+            else:
+                last_commits[stage] = {"step": step - 1, "losses": ready["losses"], "lr": c[0]["lr"],
+                                       "post": c[0]["post"], **{k: v for k, v in ready.items() if k in STEP_FIGURES}}
+        await driver.abort()  # drop finished-but-uncommitted work of `step`
+        seen = [r["finished"] for r in replies.values() if r.get("finished")]  # [step, attempt]
+        seen += [[r["ready"]["step"], r["ready"]["attempt"]] for r in replies.values() if r.get("ready")]
+        # the re-run of `step` must not reuse an attempt number its peers saw (they refuse stale attempts)
+        driver.attempts_from(step, max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1)
+        self._protection(cfg, replies, protection, step)
+        recorded = self._record_missing_step(cfg, step - 1, replies, last_commits, metrics if resume else None)
+        self.out.event("coordinator_takeover", step=step, peers=len(replies), stages=len(self.table.served()),
+                       committed_stages=sorted(to_commit), lagging_stages=sorted(lagging),
+                       missing_stages=sorted(set(range(cfg.num_stages)) - set(self.table.served())),
+                       recorded_step=recorded, takeover_s=round(time.perf_counter() - t0, 6))
+        print(f"status: took over run {self.run_id!r} at step {step}: {len(self.table.served())}/{cfg.num_stages} "
+              f"stages served, {len(self.members.standbys())} standby, {len(to_commit)} commits completed, "
+              f"{len(lagging)} lagging stage(s)", flush=True)
+        return step
+
+    def _serve(self, cfg: RunConfig, holders: dict[int, list[tuple[str, dict]]],
+               step: int) -> tuple[dict[int, tuple[str, dict]], list[int]]:
+        """The stage table from the peers' reports: the newest peer of each stage serves it (a stage group's
+        replicas at the run's step beside it); the stages whose peer finished the last step but did not commit it,
+        and the stages whose weights lag behind (failed)."""
         to_commit: dict[int, tuple[str, dict]] = {}
         lagging = []
         for stage, hs in sorted(holders.items()):
             hs.sort(key=lambda x: -x[1]["next_step"])
-            for pid, r in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
-                if cfg.train.stage_groups and r["next_step"] == step == hs[0][1]["next_step"]:  # a stage group's replica
-                    self.members[pid].stage = stage
-                    self.extra.setdefault(stage, []).append(pid)
-                else:
-                    self.members[pid].leaving = True
             pid, r = hs[0]
-            self.members[pid].stage, self.stage_peer[stage] = stage, pid
-            self.norms[stage] = float(r["omega"])
+            self.table.assign(stage, pid)
+            for other, o in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
+                if cfg.train.stage_groups and o["next_step"] == step == r["next_step"]:  # a stage group's replica
+                    self.table.add_replica(stage, other)
+                else:
+                    self.members.drop(other)
             ready = r.get("ready")
             if r["next_step"] == step:
                 continue
@@ -119,34 +155,8 @@ class FailoverMixin:
                 to_commit[stage] = (pid, ready)
             else:  # its weights are behind the others: a failed stage
                 lagging.append(stage)
-                self.members[pid].leaving = True
-        commits = await asyncio.gather(*(self._call(pid, RPC.COMMIT, {"step": ready["step"], "attempt": ready["attempt"]},
-                                                    self.t.rpc_timeout) for pid, ready in to_commit.values()),
-                                       return_exceptions=True)
-        for (stage, (pid, _)), c in zip(to_commit.items(), commits):
-            if isinstance(c, Exception):
-                lagging.append(stage)
-                self.members[pid].leaving = True
-            else:
-                self.norms[stage] = float(c[0]["omega"])
-                replies[pid]["last_commit"] = {"step": step - 1, "losses": to_commit[stage][1]["losses"],
-                                               "lr": c[0]["lr"], "post": c[0]["post"],
-                                               **{k: v for k, v in to_commit[stage][1].items() if k in STEP_FIGURES}}
-        await self._all(RPC.ABORT, {}, self.t.rpc_timeout)  # drop finished-but-uncommitted work of `step`
-        seen = [r["finished"] for r in replies.values() if r.get("finished")]  # [step, attempt]
-        seen += [[r["ready"]["step"], r["ready"]["attempt"]] for r in replies.values() if r.get("ready")]
-        # the re-run of `step` must not reuse an attempt number its peers saw (they refuse stale attempts)
-        self._attempt_floor[step] = max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1
-        self.step = self.iteration = step
-        self._rebuild_protection(replies)
-        recorded = self._record_missing_step(step - 1, replies, metrics if resume else None)
-        self._event("coordinator_takeover", step=step, peers=len(replies), stages=len(self.stage_peer),
-                    committed_stages=sorted(to_commit), lagging_stages=sorted(lagging),
-                    missing_stages=sorted(set(range(cfg.num_stages)) - set(self.stage_peer)),
-                    recorded_step=recorded, takeover_s=round(time.perf_counter() - t0, 6))
-        print(f"status: took over run {self.opts.run_id!r} at step {step}: {len(self.stage_peer)}/{cfg.num_stages} "
-              f"stages served, {len(self._standbys())} standby, {len(to_commit)} commits completed, "
-              f"{len(lagging)} lagging stage(s)", flush=True)
+                self.members.drop(pid)
+        return to_commit, lagging
 
     async def _adopt_peers(self) -> dict[str, dict]:
         """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat
@@ -154,10 +164,10 @@ class FailoverMixin:
         start = time.monotonic()
         replies: dict[str, dict] = {}
         refused: dict[str, str] = {}
-        me = str(self.transport.peer_id)
+        me = self.rpc.me
         while True:
             try:
-                live = await self._read_heartbeats()  # a fresh read every poll: peers appear as soon as they beat
+                live = await self.rpc.heartbeats()
             except Exception as e:
                 log.warning("reading heartbeats failed: %r", e)
                 live = {}
@@ -166,18 +176,18 @@ class FailoverMixin:
             async def adopt(p: str):
                 header = {}
                 if self.secret is not None:
-                    header["proof"] = coordinator_proof(self.secret, self.opts.run_id, me, p)
-                return await self._call(p, RPC.ADOPT, header, timeout=self.t.rpc_timeout)
+                    header["proof"] = coordinator_proof(self.secret, self.run_id, me, p)
+                return await self.rpc.call(p, RPC.ADOPT, header, timeout=self.t.rpc_timeout)
 
             for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)
                 elif isinstance(r, Exception):
                     continue
-                elif self.secret is None or verify(join_token(self.secret, self.opts.run_id, p), r[0].get("token")):
+                elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r[0].get("token")):
                     replies[p] = r[0]
                 else:  # a stranger answering for a forged heartbeat must not hand us a stage
-                    self._event("join_refused", peer_id=p, reason="ADOPT reply without a valid run token")
+                    self.out.event("join_refused", peer_id=p, reason="ADOPT reply without a valid run token")
             if refused and not replies:
                 raise CoordinatorAlive(next(iter(refused.values())))
             served = {r["stage"] for r in replies.values() if r.get("stage", -1) >= 0}
@@ -187,39 +197,37 @@ class FailoverMixin:
             if stages is not None and (len(served) >= stages or (served and waited > 2 * self.t.heartbeat_ttl)):
                 return replies
             if waited > self.t.join_timeout:
-                raise TransportError(f"no peer of run {self.opts.run_id!r} answered within join_timeout="
+                raise TransportError(f"no peer of run {self.run_id!r} answered within join_timeout="
                                      f"{self.t.join_timeout:g} s: nothing to take over")
             await asyncio.sleep(0.2)
 
-    def _rebuild_protection(self, replies: dict[str, dict]) -> None:
-        """Rollback strategies after a takeover: the newest snapshot every stage has a live
-        holder of (gemini, in peers' memory) and the newest complete checkpoint in storage."""
-        by_step: dict[int, dict[int, dict[int, str]]] = {}  # step -> stage -> {holder stage: holder peer}
-        for pid, r in replies.items():
+    def _protection(self, cfg: RunConfig, replies: dict[str, dict], protection: Protection, step: int) -> None:
+        """Rollback strategies after a takeover: the newest snapshot every stage has a live holder of (in peers'
+        memory) and the newest complete checkpoint in storage."""
+        by_step: dict[int, dict[int, set[int]]] = {}  # step -> stage -> holder stages
+        for r in replies.values():
             if int(r.get("stage", -1)) < 0:
                 continue  # a standby holds no snapshot
             for stage, st in (r.get("snapshots") or {}).items():
-                by_step.setdefault(int(st), {}).setdefault(int(stage), {})[int(r["stage"])] = pid
-        full = [st for st, hs in by_step.items() if len(hs) == self.cfg.num_stages]
-        if full:
-            self.snap_step = max(full)
-            self.snap_holders = by_step[self.snap_step]
-        complete = [st for st in storage.complete_steps(self.storage_dir) if st <= self.step]
-        self.ckpt_step = max(complete, default=0)
+                by_step.setdefault(int(st), {}).setdefault(int(stage), set()).add(int(r["stage"]))
+        full = [st for st, hs in by_step.items() if len(hs) == cfg.num_stages]
+        protection.adopted(max(full, default=0), by_step.get(max(full, default=0), {}), step)
 
-    def _record_missing_step(self, step: int, replies: dict[str, dict], metrics: Path | None) -> bool:
-        """The step the old coordinator committed but did not record (it died in between):
-        its record is rebuilt from the peers' last commits when every stage has one."""
+    def _record_missing_step(self, cfg: RunConfig, step: int, replies: dict[str, dict], commits: dict[int, dict],
+                             metrics: Path | None) -> bool:
+        """The step the old coordinator committed but did not record (it died in between): its record is rebuilt
+        from the peers' last commits (and those completed now) when every stage has one."""
         if step < 0 or (metrics is not None and any(m.get("step") == step for m in read_jsonl(metrics))):
             return False
         last = {r["stage"]: r["last_commit"] for r in replies.values()
                 if r.get("stage", -1) >= 0 and (r.get("last_commit") or {}).get("step") == step}
-        if len(last) != self.cfg.num_stages:
+        last.update(commits)
+        if len(last) != cfg.num_stages:
             return False
-        self.writer.metric({"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
-                            "lr": next(iter(last.values()))["lr"], "attempts": None,
-                            "grad_norms": [last[s]["post"] for s in range(self.cfg.num_stages)],
-                            "block_grad_norms": [last[s].get("block_post") for s in range(self.cfg.num_stages)],
-                            "live_peers": len(self.stage_peer), "recorded_by": "takeover",
-                            **step_figures(last, self.cfg.num_stages)})
+        self.out.writer.metric({"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
+                                "lr": next(iter(last.values()))["lr"], "attempts": None,
+                                "grad_norms": [last[s]["post"] for s in range(cfg.num_stages)],
+                                "block_grad_norms": [last[s].get("block_post") for s in range(cfg.num_stages)],
+                                "live_peers": len(self.table.served()), "recorded_by": "takeover",
+                                **step_figures(last, cfg.num_stages)})
         return True

@@ -72,6 +72,7 @@ class LocalSwarm:
         self.preempted = 0
         self.partitioned = 0
         self.lab = NetLab() if opts.netns else None
+        self.kill_coordinator_at = opts.kill_coordinator_at  # (None once it was killed)
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         self._n = 0
 
@@ -181,7 +182,7 @@ class LocalSwarm:
                 if (line := self.coordinator.lines.get()) is None:
                     break
                 if (self.opts.kill_coordinator_in == "step" and (m := STEP_LINE.match(line)) is not None
-                        and int(m.group(1)) + 1 == self.opts.kill_coordinator_at):
+                        and int(m.group(1)) + 1 == self.kill_coordinator_at):
                     self.kill_coordinator()
                 if (chaos := parse_chaos_line(line)) is not None:
                     action, fields = chaos
@@ -219,7 +220,7 @@ class LocalSwarm:
         old = self.coordinator
         kill_group(old, gone_within=0)
         self.old_coordinators.append(old)
-        self.opts.kill_coordinator_at = None
+        self.kill_coordinator_at = None
         live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]
         self.addr = live[0]  # later peers bootstrap from a live peer
         print(f"swarm: coordinator SIGKILLed; {self.opts.failover} coordinator takes over", flush=True)

@@ -13,6 +13,7 @@ themselves are scheduler/launcher.py's `LocalSwarm`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -155,7 +156,7 @@ def run_local(args: argparse.Namespace) -> int:
             or args.hourly_failure_rate is not None):
         trace = demo_trace(cfg, out / "demo_trace.csv")
         if trace is not None:
-            cfg.failures.trace = str(trace)
+            cfg = dataclasses.replace(cfg, failures=dataclasses.replace(cfg.failures, trace=str(trace)))
     from checkfree.data import build_data
     from checkfree.strategies import build_strategy
 

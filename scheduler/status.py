@@ -145,27 +145,29 @@ def snapshot(coordinator: Coordinator, history: RunHistory) -> SwarmStatus:
     c = coordinator
     cfg = c.cfg
 
+    speeds = c.driver.groups.speeds if cfg else {}
+
     def view(pid: str, standby: bool = False) -> PeerView:
-        m = c.members.get(pid)
-        state = (PeerState.LEAVING if m is None or m.leaving else PeerState.SUSPECT if pid in c.reported
+        m = c.members.members.get(pid)
+        state = (PeerState.LEAVING if m is None or m.leaving else PeerState.SUSPECT if pid in c.members.reported
                  else PeerState.STANDBY if standby else PeerState.SERVING)
-        speed = c.speeds.get(pid)
+        speed = speeds.get(pid)
         return PeerView(pid, state, speed if speed is not None and math.isfinite(speed) else None)
 
-    stages = tuple(StageView(s, tuple(view(p) for p in c._group(s))) for s in range(cfg.num_stages)) if cfg else ()
-    if c.over is not None:
-        status = c.over
+    stages = tuple(StageView(s, tuple(view(p) for p in c.table.group(s))) for s in range(cfg.num_stages)) if cfg else ()
+    if c.members.over is not None:
+        status = c.members.over
     elif cfg is None:
         status = "standby"  # a standby coordinator watching, or one taking over
-    elif c.writer is None:
+    elif c.out.writer is None:
         status = "starting"
     elif any(not v.peers for v in stages):
         status = "waiting for peers" if not history.steps and not history.counts["failures"] else "recovering"
     else:
         status = "running"
-    step = history.steps if c.over is not None else c.step  # (once over: the step after the last one)
+    step = history.steps if c.members.over is not None else c.step  # (once over: the step after the last one)
     return SwarmStatus(source="live", run_id=c.opts.run_id, status=status, step=step, stages=stages,
-                       standbys=tuple(view(p, standby=True) for p in c._standbys()), **_history_fields(history))
+                       standbys=tuple(view(p, standby=True) for p in c.members.standbys()), **_history_fields(history))
 
 
 def from_run_dir(out: str | Path) -> SwarmStatus:

@@ -186,15 +186,20 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
 
 
 def test_the_swarm_runs_every_strategy_and_refuses_a_bad_combination_before_any_peer_starts(tiny_cfg, tmp_path):
+    """Every strategy with every fallback (each a plan the coordinator carries out, checkfree.plans); stage groups
+    only with a strategy that keeps no copies of a stage's peer."""
     from checkfree.strategies import STRATEGIES
     from scheduler.common import CoordinatorOptions
     from scheduler.coordinator import Coordinator
 
     for name in STRATEGIES:
-        Coordinator(_cfg(tiny_cfg, name), CoordinatorOptions(out=str(tmp_path / name)))
+        for fallback in ("abort", "random", "copy"):
+            cfg = _cfg(tiny_cfg, name)
+            cfg.recovery.fallback = fallback
+            Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / name)))
     cfg = _cfg(tiny_cfg, "gemini")
-    cfg.recovery.fallback = "random"
-    with pytest.raises(ValueError, match="--fallback random runs in the simulator only"):
+    cfg.train.replicas = 2
+    with pytest.raises(ValueError, match="gemini keeps one peer per stage"):
         Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / "bad")))
 
 
@@ -265,8 +270,10 @@ def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tin
     failures = [(3, 1), (6, 3), (8, 0)]
     swarm, sim, got = _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, failures)
     assert [e["stage"] for e in got] == [1, 3, 0]
-    backups = _events(tmp_path / "swarm", "snapshot")
-    assert backups and all(e["kind"] == "backup" and e["complete"] for e in backups)
+    snapshots = _events(tmp_path / "swarm", "snapshot")
+    assert snapshots and all(e["kind"] in ("backup", "memory") and e["complete"] for e in snapshots)
+    # after each rollback every stage gives its holder its backup anew (the lost peers held some): at the target
+    assert [e["step"] for e in snapshots if e["kind"] == "memory"] == [e["rollback_to"] for e in got]
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
     assert sum(n or 0 for m in metrics for n in m.get("backup_bytes", [])) > 0
 
@@ -346,7 +353,7 @@ def test_baft_spreads_a_backup_over_several_steps_when_the_bubbles_are_short(tin
     # the backup as of step 1 completes after step 3; the one as of step 4 is cut short by the kill at iteration 6
     # (rollback to 1); re-run from 1, the backup as of 2 completes after step 4, the next is cut short again
     assert [e["rollback_to"] for e in got] == [1, 2]
-    backups = _events(tmp_path / "swarm", "snapshot")
+    backups = [e for e in _events(tmp_path / "swarm", "snapshot") if e["kind"] == "backup"]
     assert [e["step"] for e in backups][:2] == [1, 2] and all(e["complete"] for e in backups)
     sent = [m["backup_bytes"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl") if m.get("backup_bytes")]
     whole = swarm.summary["extra_memory_bytes"]
