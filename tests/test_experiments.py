@@ -289,7 +289,7 @@ def test_run_names_do_not_change_with_the_cost_model(tmp_path, monkeypatch):
     assert after.name == before.name
 
 
-def test_dry_run_prints_the_compute_beside_the_simulated_clock(tmp_path, capsys):
+def test_dry_run_prints_the_compute_beside_the_simulated_clock(tmp_path, cache, capsys):
     """--dry-run on the small preset and a local corpus: config, data and one step per distinct configuration,
     FLOPs per step = 6 N tokens + attention from the model config, GPU-hours at the stated utilisation; nothing
     written."""
