@@ -10,13 +10,14 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import RunConfig
-from checkfree.net.transport import announce
-from checkfree.messages import (REQUESTS, AssignHandover, Envelope, Join, Joined, Leave, Left, Ok, Report, RunStatus,
-                                Shutdown, Status, check_request, envelope, to_wire)
+from checkfree.net.transport import Handler, announce
+from checkfree.messages import (REQUESTS, AssignHandover, Envelope, Join, Joined, Leave, Left, Message, Ok, Report,
+                                RunStatus, Shutdown, Status, check_request, envelope, to_wire)
 from checkfree.protocol import RUN_OVER, Kind, ProtocolError, coordinator_key, coordinator_record
 from scheduler.common import CALL_ERRORS, Member
 from scheduler.outputs import Outputs
@@ -64,7 +65,7 @@ class Membership:
                               (Status, self.on_status)):
             await self.rpc.register(kind.rpc, self._admitted(kind.rpc, handler))
 
-    def _admitted(self, name: str, handler):
+    def _admitted(self, name: str, handler: Callable[[Any, Envelope, Any], Awaitable[Message]]) -> Handler:
         """`handler` behind the check of its request (checkfree.messages: its type, then the run it names): it gets
         the typed request and its envelope, and its typed reply goes on the wire."""
         assert name in REQUESTS
