@@ -65,7 +65,7 @@ async def _dht_floor_case(period: float | None, read: float | None, seconds: flo
     import random
 
     from checkfree.net.lifeline import TiedDHT
-    from checkfree.net.membership import announce, live_members_async
+    from checkfree.net.heartbeats import announce, live_members_async
 
     boot = TiedDHT(start=True)
     maddrs = [str(m) for m in boot.get_visible_maddrs()]

@@ -12,7 +12,8 @@ from pathlib import Path
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import config_from_dict
 from checkfree.net.transport import RemoteError, TransportError, live_members_async
-from checkfree.protocol import RPC, Kind, coordinator_from_records, coordinator_key
+from checkfree.messages import Adopt, Adopted, Commit, LastCommit, Ready, Status, as_record
+from checkfree.protocol import Kind, coordinator_from_records, coordinator_key
 from checkfree.config import RunConfig
 from checkfree.rundir import read_jsonl
 from scheduler.common import CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, CoordinatorAlive, CoordinatorOptions, step_figures
@@ -57,7 +58,7 @@ class Failover:
                                          f"join_timeout={self.t.join_timeout:g} s: nothing to stand by for")
             else:
                 try:
-                    await self.rpc.call(watched, RPC.STATUS, {}, timeout=min(5.0, self.t.rpc_timeout))
+                    await self.rpc.call(watched, Status(), timeout=min(5.0, self.t.rpc_timeout))
                     misses = 0
                 except CALL_ERRORS as e:
                     misses += 1
@@ -67,7 +68,7 @@ class Failover:
                     return
             await asyncio.sleep(self.t.heartbeat_ttl / 2)
 
-    async def adopt(self) -> tuple[RunConfig, dict[str, dict]]:
+    async def adopt(self) -> tuple[RunConfig, dict[str, Adopted]]:
         """The run's peers (found by their DHT heartbeats) adopted by this coordinator: the run's config and each
         peer's report (its stage, the step its weights are ready for, its norm, a finished but uncommitted step,
         the snapshots it holds). A standby whose takeover is refused (the coordinator answers its peers after all)
@@ -81,13 +82,13 @@ class Failover:
                     raise
                 print(f"standby: {e}; standing by again", flush=True)
                 await self.watch()
-        configs = {r["config"] for r in replies.values() if r.get("config")}
+        configs = {r.config for r in replies.values() if r.config}
         if len(configs) != 1:
             raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
                                f"{'no' if not configs else 'different'} run configs")
         return config_from_dict(json.loads(configs.pop())), replies
 
-    async def resume(self, cfg: RunConfig, replies: dict[str, dict], driver: StepDriver,
+    async def resume(self, cfg: RunConfig, replies: dict[str, Adopted], driver: StepDriver,
                      protection: Protection) -> int:
         """Continue the run from the step its peers are at; returns that step. If the old coordinator died
         half-way through a commit, the stages it did not reach commit now, so every stage is at the same step; an
@@ -97,15 +98,14 @@ class Failover:
         metrics = Path(self.opts.out) / "metrics.jsonl"
         resume = metrics.exists()
         self.out.open(cfg, resume=resume)  # the same run directory: keep counting where the old one stopped
-        holders: dict[int, list[tuple[str, dict]]] = {}
+        holders: dict[int, list[tuple[str, Adopted]]] = {}
         for i, (pid, r) in enumerate(replies.items()):
             self.members.admit(pid, time.time() + i * 1e-6)
-            if r["stage"] >= 0:
-                holders.setdefault(r["stage"], []).append((pid, r))
-        step = max((r["next_step"] for hs in holders.values() for _, r in hs), default=0)
+            if r.stage >= 0:
+                holders.setdefault(r.stage, []).append((pid, r))
+        step = max((r.next_step for hs in holders.values() for _, r in hs), default=0)
         to_commit, lagging = self._serve(cfg, holders, step)
-        commits = await asyncio.gather(*(self.rpc.call(pid, RPC.COMMIT, {"step": ready["step"],
-                                                                         "attempt": ready["attempt"]},
+        commits = await asyncio.gather(*(self.rpc.call(pid, Commit(step=ready.step, attempt=ready.attempt),
                                                        self.t.rpc_timeout) for pid, ready in to_commit.values()),
                                        return_exceptions=True)
         last_commits = {}
@@ -114,11 +114,12 @@ class Failover:
                 lagging.append(stage)
                 self.members.drop(pid)
             else:
-                last_commits[stage] = {"step": step - 1, "losses": ready["losses"], "lr": c[0]["lr"],
-                                       "post": c[0]["post"], **{k: v for k, v in ready.items() if k in STEP_FIGURES}}
+                figures = {k: v for k, v in as_record(ready).items() if k in STEP_FIGURES}
+                last_commits[stage] = LastCommit(step=step - 1, losses=ready.losses, lr=c[0].lr, post=c[0].post,
+                                                 **figures)
         await driver.abort()  # drop finished-but-uncommitted work of `step`
-        seen = [r["finished"] for r in replies.values() if r.get("finished")]  # [step, attempt]
-        seen += [[r["ready"]["step"], r["ready"]["attempt"]] for r in replies.values() if r.get("ready")]
+        seen = [r.finished for r in replies.values() if r.finished is not None]  # (step, attempt)
+        seen += [(r.ready.step, r.ready.attempt) for r in replies.values() if r.ready is not None]
         # the re-run of `step` must not reuse an attempt number its peers saw (they refuse stale attempts)
         driver.attempts_from(step, max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1)
         self._protection(cfg, replies, protection, step)
@@ -132,37 +133,37 @@ class Failover:
               f"{len(lagging)} lagging stage(s)", flush=True)
         return step
 
-    def _serve(self, cfg: RunConfig, holders: dict[int, list[tuple[str, dict]]],
-               step: int) -> tuple[dict[int, tuple[str, dict]], list[int]]:
+    def _serve(self, cfg: RunConfig, holders: dict[int, list[tuple[str, Adopted]]],
+               step: int) -> tuple[dict[int, tuple[str, Ready]], list[int]]:
         """The stage table from the peers' reports: the newest peer of each stage serves it (a stage group's
         replicas at the run's step beside it); the stages whose peer finished the last step but did not commit it,
         and the stages whose weights lag behind (failed)."""
-        to_commit: dict[int, tuple[str, dict]] = {}
+        to_commit: dict[int, tuple[str, Ready]] = {}
         lagging = []
         for stage, hs in sorted(holders.items()):
-            hs.sort(key=lambda x: -x[1]["next_step"])
+            hs.sort(key=lambda x: -x[1].next_step)
             pid, r = hs[0]
             self.table.assign(stage, pid)
             for other, o in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
-                if cfg.train.stage_groups and o["next_step"] == step == r["next_step"]:  # a stage group's replica
+                if cfg.train.stage_groups and o.next_step == step == r.next_step:  # a stage group's replica
                     self.table.add_replica(stage, other)
                 else:
                     self.members.drop(other)
-            ready = r.get("ready")
-            if r["next_step"] == step:
+            ready = r.ready
+            if r.next_step == step:
                 continue
-            if r["next_step"] == step - 1 and ready and ready["step"] == step - 1:
+            if r.next_step == step - 1 and ready is not None and ready.step == step - 1:
                 to_commit[stage] = (pid, ready)
             else:  # its weights are behind the others: a failed stage
                 lagging.append(stage)
                 self.members.drop(pid)
         return to_commit, lagging
 
-    async def _adopt_peers(self) -> dict[str, dict]:
+    async def _adopt_peers(self) -> dict[str, Adopted]:
         """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat
         TTLs pass with at least one stage served; bounded by join_timeout)."""
         start = time.monotonic()
-        replies: dict[str, dict] = {}
+        replies: dict[str, Adopted] = {}
         refused: dict[str, str] = {}
         me = self.rpc.me
         while True:
@@ -174,24 +175,22 @@ class Failover:
             new = [p for p in live if p not in replies and p != me]
 
             async def adopt(p: str):
-                header = {}
-                if self.secret is not None:
-                    header["proof"] = coordinator_proof(self.secret, self.run_id, me, p)
-                return await self.rpc.call(p, RPC.ADOPT, header, timeout=self.t.rpc_timeout)
+                proof = coordinator_proof(self.secret, self.run_id, me, p) if self.secret is not None else None
+                return await self.rpc.call(p, Adopt(proof=proof), timeout=self.t.rpc_timeout)
 
             for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)
                 elif isinstance(r, Exception):
                     continue
-                elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r[0].get("token")):
+                elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r[0].token):
                     replies[p] = r[0]
                 else:  # a stranger answering for a forged heartbeat must not hand us a stage
                     self.out.event("join_refused", peer_id=p, reason="ADOPT reply without a valid run token")
             if refused and not replies:
                 raise CoordinatorAlive(next(iter(refused.values())))
-            served = {r["stage"] for r in replies.values() if r.get("stage", -1) >= 0}
-            cfg = next((r["config"] for r in replies.values() if r.get("config")), None)
+            served = {r.stage for r in replies.values() if r.stage >= 0}
+            cfg = next((r.config for r in replies.values() if r.config), None)
             stages = json.loads(cfg)["num_stages"] if cfg else None
             waited = time.monotonic() - start
             if stages is not None and (len(served) >= stages or (served and waited > 2 * self.t.heartbeat_ttl)):
@@ -201,33 +200,34 @@ class Failover:
                                      f"{self.t.join_timeout:g} s: nothing to take over")
             await asyncio.sleep(0.2)
 
-    def _protection(self, cfg: RunConfig, replies: dict[str, dict], protection: Protection, step: int) -> None:
+    def _protection(self, cfg: RunConfig, replies: dict[str, Adopted], protection: Protection, step: int) -> None:
         """Rollback strategies after a takeover: the newest snapshot every stage has a live holder of (in peers'
         memory) and the newest complete checkpoint in storage."""
         by_step: dict[int, dict[int, set[int]]] = {}  # step -> stage -> holder stages
         for r in replies.values():
-            if int(r.get("stage", -1)) < 0:
+            if r.stage < 0:
                 continue  # a standby holds no snapshot
-            for stage, st in (r.get("snapshots") or {}).items():
-                by_step.setdefault(int(st), {}).setdefault(int(stage), set()).add(int(r["stage"]))
+            for stage, st in r.snapshots.items():
+                by_step.setdefault(st, {}).setdefault(stage, set()).add(r.stage)
         full = [st for st, hs in by_step.items() if len(hs) == cfg.num_stages]
         protection.adopted(max(full, default=0), by_step.get(max(full, default=0), {}), step)
 
-    def _record_missing_step(self, cfg: RunConfig, step: int, replies: dict[str, dict], commits: dict[int, dict],
+    def _record_missing_step(self, cfg: RunConfig, step: int, replies: dict[str, Adopted],
+                             commits: dict[int, LastCommit],
                              metrics: Path | None) -> bool:
         """The step the old coordinator committed but did not record (it died in between): its record is rebuilt
         from the peers' last commits (and those completed now) when every stage has one."""
         if step < 0 or (metrics is not None and any(m.get("step") == step for m in read_jsonl(metrics))):
             return False
-        last = {r["stage"]: r["last_commit"] for r in replies.values()
-                if r.get("stage", -1) >= 0 and (r.get("last_commit") or {}).get("step") == step}
+        last = {r.stage: r.last_commit for r in replies.values()
+                if r.stage >= 0 and r.last_commit is not None and r.last_commit.step == step}
         last.update(commits)
         if len(last) != cfg.num_stages:
             return False
-        self.out.writer.metric({"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
-                                "lr": next(iter(last.values()))["lr"], "attempts": None,
-                                "grad_norms": [last[s]["post"] for s in range(cfg.num_stages)],
-                                "block_grad_norms": [last[s].get("block_post") for s in range(cfg.num_stages)],
+        self.out.writer.metric({"step": step, "loss": sum(v for c in last.values() for v in c.losses.values()),
+                                "lr": next(iter(last.values())).lr, "attempts": None,
+                                "grad_norms": [last[s].post for s in range(cfg.num_stages)],
+                                "block_grad_norms": [last[s].block_post for s in range(cfg.num_stages)],
                                 "live_peers": len(self.table.served()), "recorded_by": "takeover",
                                 **step_figures(last, cfg.num_stages)})
         return True
