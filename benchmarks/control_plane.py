@@ -29,7 +29,7 @@ its heartbeat record was refreshed (records per second per peer).
 
     python -m benchmarks.control_plane                  # N = 8, 16, 32, 64; table, plot, fit
     python -m benchmarks.control_plane --real           # also N = 8, 16 as real processes with the DHT
-    python -m benchmarks.control_plane --quick          # N = 4, 8 (S = 4); last line: the growth exponent
+    python -m benchmarks.control_plane --quick          # N = 8, 16 (S = 4 x R = 2, 4); last line: the exponent
 """
 
 from __future__ import annotations
@@ -278,13 +278,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot", type=Path, default=None,
                     help="the PNG of CPU per step against N (default benchmarks/results/control-plane.png; none with "
                          "--quick)")
-    ap.add_argument("--quick", action="store_true", help="S = 4, R = 1, 2, 5 steps (checks the harness)")
+    ap.add_argument("--quick", action="store_true",
+                    help="S = 4, R = 2, 4, 5 steps (both with stage groups: R = 1 against 2 would measure turning "
+                         "stage groups on, not growth with N)")
     args = ap.parse_args(argv)
     if args.render is not None:
         print("\n".join(render(json.loads(args.render.read_text()))))
         return
     if args.quick:
-        args.stages, args.replicas, args.steps, args.microbatches = 4, [1, 2], 5, 4
+        args.stages, args.replicas, args.steps, args.microbatches = 4, [2, 4], 5, 4
     elif args.plot is None:
         args.plot = RESULTS / "control-plane.png"
     import torch

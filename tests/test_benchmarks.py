@@ -135,7 +135,7 @@ def test_copies_quick_reports_before_and_after_for_every_operation():
 
 
 def test_control_plane_quick_prints_the_table_and_the_growth_exponent(tmp_path):
-    """benchmarks.control_plane --quick: two in-process swarms (N = 4, 8), their table, the plot, and the growth
+    """benchmarks.control_plane --quick: two in-process swarms (N = 8, 16), their table, the plot, and the growth
     exponent as the last line (its value is not checked: it is a measurement)."""
     result, png = tmp_path / "cp.json", tmp_path / "cp.png"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.control_plane", "--quick", "--json", str(result),
@@ -144,7 +144,7 @@ def test_control_plane_quick_prints_the_table_and_the_growth_exponent(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert re.fullmatch(r"coordinator cpu growth exponent: -?\d+\.\d\d", lines[-1]), lines[-1]
     rows = [line for line in lines if re.match(r"\| \d+ \| 4 x \d \|", line)]
-    assert [int(r.split("|")[1]) for r in rows] == [4, 8], proc.stdout[-3000:]
+    assert [int(r.split("|")[1]) for r in rows] == [8, 16], proc.stdout[-3000:]
     data = json.loads(result.read_text())
     for r in data["inprocess"]:  # every step's RUN_STEP and COMMIT went out and came back, and were counted
         assert r["messages_sent"] >= 2 * r["peers"] and r["bytes_sent"] > 0 and r["coordinator_cpu_s"] > 0
