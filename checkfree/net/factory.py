@@ -117,7 +117,7 @@ async def start_transport(
         from checkfree.net.memory import MEMORY, MemoryDHT, MemoryTransport
 
         t = MemoryTransport(MEMORY)
-        return MemoryDHT(MEMORY, t.peer_id), t
+        return MemoryDHT(MEMORY, t.peer_id), MEMORY.attach(t)
     check_transport(transport)
     peers = _check_initial_peers(initial_peers)
     sweep_stale_sockets()
