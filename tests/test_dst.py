@@ -1,0 +1,90 @@
+"""Deterministic simulation tests (dst/): the fault wrapper, schedules as data, the bugs generated schedules found
+(each kept as its shrunk schedule), and a mutation the search must catch. The soak and the 200-schedule run are
+commands (docs/dst.md), not tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from checkfree.net.errors import TransportError
+from checkfree.net.faulty import Crossing, FaultRules, FaultyTransport, Point, Rule, delay, drop, hold, release
+from checkfree.net.memory import MemoryNetwork, MemoryTransport
+from checkfree.protocol import RPC
+from dst.run import run_schedule
+from dst.schedule import Fault, Kind, Schedule, Setup
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ---- the wrapper and the schedule's data ---------------------------------------------------------------------------
+def test_fault_rules_drop_delay_and_rewrite_at_named_points():
+    """FaultyTransport over the memory network: a rule drops the first PING at SEND (the caller sees an unreachable
+    peer), a rule delays a SERVE, a rule rewrites a SEND's header, and every crossing is seen at its point."""
+    seen: list[tuple[str, str]] = []
+
+    async def watch(c: Crossing) -> dict | None:
+        seen.append((c.point.value, c.rpc))
+        return None
+
+    rules = FaultRules([Rule(Point.SEND, RPC.PING, drop("cut")),
+                        Rule(Point.SERVE, RPC.PING, delay(0.05)),
+                        Rule(Point.SEND, RPC.STATUS, lambda c: _rewritten(c), times=None)])
+
+    async def main() -> None:
+        net = MemoryNetwork()
+        a, b = (FaultyTransport(FaultyTransport(MemoryTransport(net), watch), rules) for _ in range(2))
+
+        async def echo(header, tensors, peer):
+            return {"got": header.get("x")}, tensors
+
+        await b.register(RPC.PING, echo)
+        await b.register(RPC.STATUS, echo)
+        with pytest.raises(TransportError, match="cut"):
+            await a.call(b.peer_id, RPC.PING, {}, timeout=5)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        reply, out = await a.call(b.peer_id, RPC.PING, {"x": 1}, [torch.ones(2)], timeout=5)
+        assert reply == {"got": 1} and torch.equal(out[0], torch.ones(2)) and loop.time() - t0 >= 0.05
+        assert (await a.call(b.peer_id, RPC.STATUS, {"x": 1}, timeout=5))[0] == {"got": 2}
+
+    asyncio.run(main())
+    assert [r.fired for r in rules.rules] == [1, 1, 1]
+    assert ("serve", RPC.PING) in seen and ("reply", RPC.STATUS) in seen and ("send", RPC.STATUS) in seen
+
+
+async def _rewritten(c: Crossing) -> dict:
+    return {**c.header, "x": 2}
+
+
+def test_a_schedule_round_trips_through_json_and_refuses_bad_input():
+    s = Schedule(Setup(strategy="checkfree+", stages=3, replicas=2),
+                 (Fault(Kind.KILL_MID_FORWARD, 2, stage=1, mb=3), Fault(Kind.PARTITION, 1, stage=0, span=2)))
+    assert Schedule.from_json(s.to_json()) == s
+    assert "it 2 kill-mid-forward stage 1 mb 3" in s.describe()
+    with pytest.raises(ValueError, match="not a dst schedule"):
+        Schedule.from_json('{"setup": {"strategy": "checkfree"}, "faults": [{"kind": "meteor", "iteration": 1}]}')
+
+
+# ---- schedules that diverged once (shrunk), kept as regression tests ----------------------------------------------
+def _holds(schedule: Schedule, tmp_path, cache, rules=None) -> None:
+    outcome = run_schedule(schedule, tmp_path / "run", cache, rules=rules)
+    assert outcome.fired, "the schedule's faults must fire"
+    assert not outcome.divergences, "\n".join(outcome.divergences)
+
+
+@pytest.fixture
+def cache(tiny_cfg, tmp_path, monkeypatch):
+    """The token cache; and a temporary directory of this test's own, where what a schedule leaves is its own."""
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    return tiny_cfg.data.cache_dir
+
+
+def _stage_of(swarm, pid: str) -> int:
+    d = swarm.daemons.get(pid)
+    return d.hosted.index if d is not None else -1
