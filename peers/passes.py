@@ -317,6 +317,8 @@ class Passes:
             except (TransportError, RemoteError, ValueError) as e:
                 await self._report(run, partner, str(e))
                 return
+            if run.error is not None:  # aborted while we waited: its gradients are dropped, the next attempt's
+                return  # would start from ours (checked and queued with no await between: ABORT's drop comes after)
             mine = run.component_grads[comp]
             run.bytes_sent += other.numel() * other.element_size()  # counted once per transfer, at the receiver
             await self.compute.run(self.hosted.worker.set_component_grad, comp, mine + other.to(mine.device))

@@ -88,3 +88,21 @@ def cache(tiny_cfg, tmp_path, monkeypatch):
 def _stage_of(swarm, pid: str) -> int:
     d = swarm.daemons.get(pid)
     return d.hosted.index if d is not None else -1
+
+
+def test_a_checkfree_plus_gradient_arriving_after_an_abort_is_not_applied(tmp_path, cache):
+    """Found by dst (CheckFree+, stage 0 killed mid-backward; 1 run in 10 diverged from step 2 on). The race, made
+    certain here: stage 2's COMPONENT_GRAD reply (stage 3's head gradient) is held at stage 2 until the coordinator
+    has aborted stage 2's attempt. Stage 2 used to write the aborted attempt's summed head gradient after the
+    abort had dropped its gradients; the next attempt added its own on top and the step's update was wrong."""
+    schedule = Schedule(Setup(strategy="checkfree+", stages=4, steps=4, schedule="1f1b"),
+                        (Fault(Kind.KILL_MID_BACKWARD, 1, stage=0, mb=3),))
+
+    def rules(swarm) -> FaultRules:
+        aborted = asyncio.Event()
+        return FaultRules([
+            Rule(Point.REPLY, RPC.COMPONENT_GRAD, hold(aborted, 10), times=None,
+                 when=lambda c: _stage_of(swarm, c.me) == 2 and (c.header["step"], c.header["attempt"]) == (1, 0)),
+            Rule(Point.REPLY, RPC.ABORT, release(aborted), when=lambda c: _stage_of(swarm, c.other) == 2, times=None)])
+
+    _holds(schedule, tmp_path, cache, rules)
