@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from checkfree.protocol import RPC, ProtocolError, require
+from checkfree.protocol import RPC, ProtocolError, Timeouts, require
 from checkfree.worker import StageWorker
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
@@ -46,13 +46,14 @@ class Assignment:
     """Makes this standby peer serve the stage the coordinator assigns it."""
 
     def __init__(self, hosted: HostedStage, compute: ComputeQueue, recovery: Recovery, snapshots: Snapshots,
-                 debug: DebugHooks, release: Callable[[], Awaitable[None]] | None = None) -> None:
+                 debug: DebugHooks, timeouts: Timeouts, release: Callable[[], Awaitable[None]] | None = None) -> None:
         self.hosted, self.compute, self.recovery, self.snapshots, self.debug = (hosted, compute, recovery,
                                                                                 snapshots, debug)
+        self.t = timeouts
         self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
 
     async def on_assign(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        cfg, stage, mode = self.hosted.joined(), header["stage"], header["mode"]
+        cfg, stage, mode = await self.hosted.await_joined(self.t.rpc_timeout), header["stage"], header["mode"]
         if self.hosted.worker is not None and header.get("release") is True and self.release is not None:
             log.info("leaving stage %d's group to serve stage %d", self.hosted.index, stage)
             await self.release()

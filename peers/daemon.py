@@ -117,7 +117,7 @@ class PeerDaemon:
         self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
         self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, self.debug)
         self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug,
-                                     self._release)
+                                     opts.timeouts, self._release)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
     def handlers(self) -> dict[str, Handler]:

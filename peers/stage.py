@@ -8,6 +8,8 @@ capturing or loading its full state happen here, on the compute thread.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from enum import Enum
 
@@ -47,6 +49,7 @@ class HostedStage:
         self.data: TokenData | None = None
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
         self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
+        self._configured = asyncio.Event()
 
     @property
     def index(self) -> int:
@@ -67,12 +70,21 @@ class HostedStage:
         self.companion = strategy.snapshot_companion
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
+        self._configured.set()
 
     def joined(self) -> RunConfig:
         """The run's config; refuses a request that needs it before this peer has joined."""
         if self.cfg is None:
             raise ProtocolError("this peer has not joined a run yet")
         return self.cfg
+
+    async def await_joined(self, timeout: float) -> RunConfig:
+        """The run's config, waiting up to `timeout` for this peer to take its JOIN reply: the coordinator may
+        assign a stage the moment it has admitted the peer, before the peer has read the reply."""
+        if self.cfg is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._configured.wait(), timeout)
+        return self.joined()
 
     def serving(self) -> StageWorker:
         """The hosted stage's worker; refuses a request that needs one while standing by."""

@@ -106,3 +106,11 @@ def test_a_checkfree_plus_gradient_arriving_after_an_abort_is_not_applied(tmp_pa
             Rule(Point.REPLY, RPC.ABORT, release(aborted), when=lambda c: _stage_of(swarm, c.other) == 2, times=None)])
 
     _holds(schedule, tmp_path, cache, rules)
+
+
+def test_a_peer_assigned_a_stage_before_it_has_read_its_join_reply_serves_it(tmp_path, cache):
+    """Found by dst (a healthy standby retired at the start of a run). The coordinator assigns stages the moment
+    it has admitted peers; here the first two peers' JOIN replies are held 0.3 s. They used to refuse the ASSIGN
+    ('this peer has not joined a run yet'), and the coordinator retired them: healthy peers lost."""
+    schedule = Schedule(Setup(strategy="checkfree", stages=3, steps=3), (Fault(Kind.KILL_BEFORE_STEP, 1, stage=1),))
+    _holds(schedule, tmp_path, cache, lambda swarm: FaultRules([Rule(Point.REPLY, RPC.JOIN, delay(0.3), times=2)]))
