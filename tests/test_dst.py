@@ -114,3 +114,11 @@ def test_a_peer_assigned_a_stage_before_it_has_read_its_join_reply_serves_it(tmp
     ('this peer has not joined a run yet'), and the coordinator retired them: healthy peers lost."""
     schedule = Schedule(Setup(strategy="checkfree", stages=3, steps=3), (Fault(Kind.KILL_BEFORE_STEP, 1, stage=1),))
     _holds(schedule, tmp_path, cache, lambda swarm: FaultRules([Rule(Point.REPLY, RPC.JOIN, delay(0.3), times=2)]))
+
+
+def test_a_whole_stage_group_lost_mid_step_is_one_stage_failure(tmp_path, cache):
+    """Found by dst (shrunk): every replica of stage 2 dies as the coordinator sends RUN_STEP. The coordinator used
+    to reroute the first dead replica's microbatches to a sibling that was dead too, recording two replicas
+    'lost mid-step' and then a stage failure; the simulator (and the truth) has one stage failure."""
+    schedule = Schedule(Setup(strategy="uniform", stages=4, replicas=3, steps=3), (Fault(Kind.KILL_GROUP, 1, stage=2),))
+    _holds(schedule, tmp_path, cache)
