@@ -221,6 +221,7 @@ class RecoveryMixin:
                 raise UnrecoverableFailure(f"{reason} and no storage fallback is configured")
             from_storage, target = True, self.ckpt_step
         source: dict[int, dict] = {}
+        holder: dict[int, int] = {}  # a failed stage -> the stage whose peer holds the copy it restores
         for s in range(self.cfg.num_stages):
             if target == 0:
                 source[s] = {"source": "init"}
@@ -231,7 +232,8 @@ class RecoveryMixin:
                 source[s] = {"parity": {"group": [self.snap_holders[m][m] for m in group], "index": group.index(s),
                                         **({"companion": self.companions[s]} if s in self.companions else {})}}
             elif s in failed:
-                source[s] = {"source": self.snap_holders[s][strategy.restore_source(s, holders[s], self.cost)]}
+                holder[s] = strategy.restore_source(s, holders[s], self.cost)
+                source[s] = {"source": self.snap_holders[s][holder[s]]}
             else:
                 source[s] = {"source": self.stage_peer[s]}
         t0 = time.perf_counter()
@@ -246,7 +248,7 @@ class RecoveryMixin:
                 self.snap_holders[s] = {s: pid}
                 self.companions.pop(s, None)  # (its own companion starts at the next snapshot)
             self._event("recovery", step=step, stage=s, strategy=name, method="rollback", rollback_to=target,
-                        lost_steps=step - target, source=source[s].get("source", reply.get("restored_from", "storage")),
-                        peer_id=pid,
+                        lost_steps=step - target, peer_id=pid,
+                        source=holder.get(s, source[s].get("source", reply.get("restored_from", "storage"))),
                         bytes=reply.get("bytes", 0), recovery_time_s=round(time.perf_counter() - t0, 6))
         raise Rollback(target)

@@ -122,3 +122,10 @@ def test_a_whole_stage_group_lost_mid_step_is_one_stage_failure(tmp_path, cache)
     'lost mid-step' and then a stage failure; the simulator (and the truth) has one stage failure."""
     schedule = Schedule(Setup(strategy="uniform", stages=4, replicas=3, steps=3), (Fault(Kind.KILL_GROUP, 1, stage=2),))
     _holds(schedule, tmp_path, cache)
+
+
+def test_a_gemini_rollback_names_the_stage_that_held_the_snapshot(tmp_path, cache):
+    """Found by dst: the swarm's rollback event named the holder's peer id as its source where the simulator names
+    the holder's stage."""
+    schedule = Schedule(Setup(strategy="gemini", stages=3, steps=4, every=2), (Fault(Kind.KILL_BEFORE_STEP, 3, stage=1),))
+    _holds(schedule, tmp_path, cache)
