@@ -129,3 +129,23 @@ def test_a_gemini_rollback_names_the_stage_that_held_the_snapshot(tmp_path, cach
     the holder's stage."""
     schedule = Schedule(Setup(strategy="gemini", stages=3, steps=4, every=2), (Fault(Kind.KILL_BEFORE_STEP, 3, stage=1),))
     _holds(schedule, tmp_path, cache)
+
+
+
+def test_a_new_coordinator_sees_a_commit_under_way_after_it_not_half_way(tmp_path, cache):
+    """Found by dst (reft, the coordinator killed half-way through a commit: a healthy stage recovered, a step lost).
+    Made certain here: stage 0's commit of step 1 (redundant computation ships its gradients to the replica's
+    holder inside the commit) is held until the new coordinator's ADOPT has reached stage 0. Stage 0 used to
+    answer ADOPT with the step still uncommitted, finish the commit, and then refuse the new coordinator's
+    COMMIT of the same step as stale: the takeover counted the stage as lagging and recovered it."""
+    schedule = Schedule(Setup(strategy="redundant", stages=3, steps=4),
+                        (Fault(Kind.COORDINATOR_FAILOVER, 1, where="commit"),))
+
+    def rules(swarm) -> FaultRules:
+        adopting = asyncio.Event()
+        return FaultRules([
+            Rule(Point.SEND, RPC.REPLICA_GRAD, hold(adopting, 20),
+                 when=lambda c: _stage_of(swarm, c.me) == 0 and c.header["step"] == 1),
+            Rule(Point.SERVE, RPC.ADOPT, release(adopting), when=lambda c: _stage_of(swarm, c.me) == 0)])
+
+    _holds(schedule, tmp_path, cache, rules)
