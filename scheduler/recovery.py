@@ -12,7 +12,7 @@ import time
 from checkfree.protocol import RPC, plan_to_wire
 from checkfree.recovery import UnrecoverableFailure, plan_recovery
 from checkfree.strategies import storage
-from checkfree.strategies.averaging import recovery_fields
+from checkfree.strategies.averaging import recovery_fields, unrecoverable
 from scheduler.common import CALL_ERRORS, Rollback
 
 __all__ = ["RecoveryMixin"]
@@ -215,10 +215,10 @@ class RecoveryMixin:
             lost = sorted(failed - strategy.decodable(failed)) if self.snap_step else []
         if lost:
             action = strategy.when_all_copies_lost()
-            reason = f"every holder of stage(s) {lost} failed"
+            reason = strategy.lost_reason(set(lost))
             self._event("fallback", step=step, stage=min(lost), strategy=name, fallback=action, reason=reason)
             if action != "checkpoint":  # _configure admits only abort here (see there)
-                raise UnrecoverableFailure(f"{reason} and no storage fallback is configured")
+                raise unrecoverable(name, lost, reason)
             from_storage, target = True, self.ckpt_step
         source: dict[int, dict] = {}
         holder: dict[int, int] = {}  # a failed stage -> the stage whose peer holds the copy it restores

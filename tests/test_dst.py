@@ -149,3 +149,11 @@ def test_a_new_coordinator_sees_a_commit_under_way_after_it_not_half_way(tmp_pat
             Rule(Point.SERVE, RPC.ADOPT, release(adopting), when=lambda c: _stage_of(swarm, c.me) == 0)])
 
     _holds(schedule, tmp_path, cache, rules)
+
+
+def test_a_rollback_strategy_aborts_with_the_simulators_reason(tmp_path, cache):
+    """Found by dst: reft losing two members of one parity group aborts in both runtimes, but the swarm said 'every
+    holder of stage(s) [0, 1] failed and no storage fallback is configured' where the simulator names the parity
+    group; now both take the reason from the strategy."""
+    schedule = Schedule(Setup(strategy="reft", stages=3, steps=4, every=1), (Fault(Kind.KILL_ADJACENT, 2, stage=0),))
+    _holds(schedule, tmp_path, cache)

@@ -17,7 +17,7 @@ from checkfree.recovery import (RecoveryPlan, StateDict, UnrecoverableFailure, g
 from checkfree.strategies.base import FailureOutcome, Figures, Strategy, StrategyContext
 from checkfree.strategies.state import state_nbytes
 
-__all__ = ["recovery_fields", "apply_plans", "declared_fallback", "AveragingStrategy"]
+__all__ = ["recovery_fields", "apply_plans", "declared_fallback", "unrecoverable", "AveragingStrategy"]
 
 
 def recovery_fields(plan: RecoveryPlan, coeffs: dict[int, float], omega_scope: str) -> dict:
@@ -60,13 +60,18 @@ def apply_plans(ctx: StrategyContext, strategy: str, step: int, plans: list[Reco
     return moved, slowest
 
 
+def unrecoverable(strategy: str, stages: set[int] | list[int], reason: str) -> UnrecoverableFailure:
+    """The abort of a run whose `strategy` has no copy of `stages` left (the same words in both runtimes)."""
+    return UnrecoverableFailure(f"{strategy} cannot recover stage(s) {sorted(stages)}: {reason} (fallback=abort)")
+
+
 def declared_fallback(ctx: StrategyContext, strategy: str, step: int, stages: set[int], reason: str) -> FailureOutcome:
     """Apply ``recovery.fallback`` to `stages` (every other stage is live): abort raises,
     random re-initialises, copy takes the nearest live stage's blocks. No rollback."""
     fb = ctx.cfg.recovery.fallback
     if fb == "abort":
         ctx.event("fallback", step=step, stage=min(stages), strategy=strategy, fallback="abort", reason=reason)
-        raise UnrecoverableFailure(f"{strategy} cannot recover stage(s) {sorted(stages)}: {reason} (fallback=abort)")
+        raise unrecoverable(strategy, stages, reason)
     plans = plan_recovery(set(stages), ctx.num_stages, fb, fallback=fb)
     for p in plans:
         p.fallback, p.reason = fb, reason

@@ -155,9 +155,11 @@ class BaftStrategy(InMemoryStrategy):
         lost = set(failed) - set(sources)
         if self.complete is None or not lost:
             return self._rollback(ctx, step, failed, sources, set())
-        reason = ", ".join(f"stage {s}'s backup holder {self.holder(s)} failed too" for s in sorted(lost))
-        return self.lost_copies(ctx, step, failed, lost, reason,
+        return self.lost_copies(ctx, step, failed, lost, self.lost_reason(lost),
                                 lambda: self._rollback(ctx, step, failed, sources, lost))
+
+    def lost_reason(self, lost: set[int]) -> str:
+        return ", ".join(f"stage {s}'s backup holder {self.holder(s)} failed too" for s in sorted(lost))
 
     def _rollback(self, ctx: StrategyContext, step: int, failed: set[int], sources: dict[int, int],
                   skip: set[int]) -> FailureOutcome:

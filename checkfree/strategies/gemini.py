@@ -77,9 +77,11 @@ class GeminiStrategy(InMemoryStrategy):
             out = self.restore_all(ctx, step, self.snap, self.snap_step, failed, sources)
             out.figures.bytes_moved += self._rereplication(failed)
             return out
-        reason = "every holder of stage(s) " + ", ".join(f"{s} {self.holders[s]}" for s in sorted(lost)) + " failed"
-        return self.lost_copies(ctx, step, failed, lost, reason,
+        return self.lost_copies(ctx, step, failed, lost, self.lost_reason(lost),
                                 lambda: self.restore_all(ctx, step, self.snap, self.snap_step, failed, sources, lost))
+
+    def lost_reason(self, lost: set[int]) -> str:
+        return "every holder of stage(s) " + ", ".join(f"{s} {self.holders[s]}" for s in sorted(lost)) + " failed"
 
     def _rereplication(self, failed: set[int]) -> int:
         """Bytes to refill the replacements' memory with the copies the dead peers held."""

@@ -82,8 +82,11 @@ class ReftStrategy(InMemoryStrategy):
         lost = set(failed) - self.decodable(failed)
         if self.own is None or not lost:
             return self._rollback(ctx, step, failed, set())
-        reason = f"stages {sorted(lost)} failed together with another stage of their parity group (groups {self.groups})"
-        return self.lost_copies(ctx, step, failed, lost, reason, lambda: self._rollback(ctx, step, failed, lost))
+        return self.lost_copies(ctx, step, failed, lost, self.lost_reason(lost),
+                                lambda: self._rollback(ctx, step, failed, lost))
+
+    def lost_reason(self, lost: set[int]) -> str:
+        return f"stages {sorted(lost)} failed together with another stage of their parity group (groups {self.groups})"
 
     def _rollback(self, ctx: StrategyContext, step: int, failed: set[int], skip: set[int]) -> FailureOutcome:
         """Rebuild each single loss of a group from parity, then roll everyone back."""

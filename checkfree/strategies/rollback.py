@@ -54,6 +54,10 @@ class InMemoryStrategy(Strategy):
         restored state; returns the bytes that costs."""
         return 0
 
+    def lost_reason(self, lost: set[int]) -> str:
+        """Why the failed stages `lost` have no surviving copy (the fallback's reason, in both runtimes)."""
+        return f"every copy of stage(s) {sorted(lost)} failed"
+
     def lost_copies(self, ctx: StrategyContext, step: int, failed: set[int], lost: set[int], reason: str,
                     recover_rest: Callable[[], FailureOutcome]) -> FailureOutcome:
         """`lost`: failed stages with no surviving copy. Storage rollback if configured, else
