@@ -157,3 +157,11 @@ def test_a_rollback_strategy_aborts_with_the_simulators_reason(tmp_path, cache):
     group; now both take the reason from the strategy."""
     schedule = Schedule(Setup(strategy="reft", stages=3, steps=4, every=1), (Fault(Kind.KILL_ADJACENT, 2, stage=0),))
     _holds(schedule, tmp_path, cache)
+
+
+def test_checkfree_plus_snap_records_where_a_restored_stage_took_its_embedding(tmp_path, cache):
+    """Found by dst: the swarm's snapshot restore of stage 0 names the live co-holder it took the embedding from
+    (edge_sources); the simulator's event did not."""
+    schedule = Schedule(Setup(strategy="checkfree+snap", stages=4, steps=5, every=2),
+                        (Fault(Kind.KILL_BEFORE_STEP, 3, stage=0),))
+    _holds(schedule, tmp_path, cache)

@@ -84,7 +84,8 @@ class SnapshotAveragingStrategy(AveragingStrategy):
             moved += n
             slowest = max(slowest, ctx.cost.transfer_s(n, self.holder(s), s))
             ctx.event("recovery", step=step, stage=s, strategy=self.name, method="snapshot", source=self.holder(s),
-                      snapshot_step=state["step"], staleness=step - state["step"], lost_steps=0)
+                      snapshot_step=state["step"], staleness=step - state["step"], lost_steps=0,
+                      edge_sources=self.component_donors(s, failed))
         out = FailureOutcome(Figures(bytes_moved=moved, recovery_s=ctx.cost.recovery_s(slowest)), method="snapshot")
         self.snaps = {s: snap for s, snap in self.snaps.items() if self.holder(s) not in failed}  # gone with them
         rest = set(failed) - restored
