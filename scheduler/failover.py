@@ -147,6 +147,10 @@ class FailoverMixin:
         print(f"status: took over run {self.opts.run_id!r} at step {step}: {len(self.stage_peer)}/{cfg.num_stages} "
               f"stages served, {len(self._standbys())} standby, {len(to_commit)} commits completed, "
               f"{len(lagging)} lagging stage(s)", flush=True)
+        if step > 0 and not lagging and len(self.stage_peer) == cfg.num_stages:
+            # the old coordinator may have died between committing step-1 and protecting it (a snapshot or
+            # checkpoint due then): taken again now, as the simulator took it (taking it twice changes nothing)
+            await self._protect(step - 1)
 
     async def _adopt_peers(self) -> dict[str, dict]:
         """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat

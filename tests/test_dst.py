@@ -165,3 +165,12 @@ def test_checkfree_plus_snap_records_where_a_restored_stage_took_its_embedding(t
     schedule = Schedule(Setup(strategy="checkfree+snap", stages=4, steps=5, every=2),
                         (Fault(Kind.KILL_BEFORE_STEP, 3, stage=0),))
     _holds(schedule, tmp_path, cache)
+
+
+def test_a_takeover_takes_the_snapshot_the_dead_coordinator_owed(tmp_path, cache):
+    """Found by dst (baft, gemini): the coordinator dies half-way through committing step 1, after which a snapshot
+    is due. The new coordinator completed the commit but never took the snapshot, so the kill at step 3 rolled
+    back to step 0 instead of the simulator's step 2."""
+    schedule = Schedule(Setup(strategy="gemini", stages=3, steps=5, every=2),
+                        (Fault(Kind.COORDINATOR_FAILOVER, 1, where="commit"), Fault(Kind.KILL_BEFORE_STEP, 3, stage=1)))
+    _holds(schedule, tmp_path, cache)
