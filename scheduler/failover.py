@@ -26,6 +26,8 @@ from scheduler.common import (
 
 __all__ = ["FailoverMixin"]
 
+LEAVING = "leaving"  # an ADOPT reply's `state` of a peer leaving gracefully (peers.stage.PeerState.LEAVING)
+
 log = logging.getLogger("scheduler.coordinator")
 
 
@@ -102,8 +104,10 @@ class FailoverMixin:
         to_commit: dict[int, tuple[str, dict]] = {}
         lagging = []
         for stage, hs in sorted(holders.items()):
-            hs.sort(key=lambda x: -x[1]["next_step"])
-            for pid, r in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
+            # two peers claim one stage (a handover cut short, or one done while the old coordinator died: the
+            # peer that handed its stage over leaves): keep the newest, a peer that is not leaving first
+            hs.sort(key=lambda x: (-x[1]["next_step"], x[1].get("state") == LEAVING))
+            for pid, r in hs[1:]:
                 if cfg.train.stage_groups and r["next_step"] == step == hs[0][1]["next_step"]:  # a stage group's replica
                     self.members[pid].stage = stage
                     self.extra.setdefault(stage, []).append(pid)
@@ -111,6 +115,9 @@ class FailoverMixin:
                     self.members[pid].leaving = True
             pid, r = hs[0]
             self.members[pid].stage, self.stage_peer[stage] = stage, pid
+            if r.get("state") == LEAVING:  # its leave (SIGTERM) is under way: handed over to a standby if one is free
+                m = self.members[pid]
+                m.leaving = m.left = m.handover = True
             self.norms[stage] = float(r["omega"])
             ready = r.get("ready")
             if r["next_step"] == step:

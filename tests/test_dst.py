@@ -174,3 +174,24 @@ def test_a_takeover_takes_the_snapshot_the_dead_coordinator_owed(tmp_path, cache
     schedule = Schedule(Setup(strategy="gemini", stages=3, steps=5, every=2),
                         (Fault(Kind.COORDINATOR_FAILOVER, 1, where="commit"), Fault(Kind.KILL_BEFORE_STEP, 3, stage=1)))
     _holds(schedule, tmp_path, cache)
+
+
+def test_a_takeover_keeps_the_peer_a_stage_was_handed_over_to(tmp_path, cache):
+    """Found by dst (a SIGTERM, then the coordinator restarted): stage 2's peer leaves and hands its state over to
+    a standby, and the coordinator dies before the leaving peer has exited (its SHUTDOWN is held here until the new
+    coordinator has reached it). Both claimed stage 2 at the same step; the new coordinator used to keep the
+    leaving one and retire the one that took the stage over: a healthy peer lost, then a stage failure."""
+    schedule = Schedule(Setup(strategy="checkfree", stages=3, steps=4),
+                        (Fault(Kind.SIGTERM, 1, stage=2), Fault(Kind.COORDINATOR_RESTART, 2)))
+
+    def rules(swarm) -> FaultRules:
+        adopted = asyncio.Event()
+
+        def leaving(pid: str) -> bool:
+            d = swarm.daemons.get(pid)
+            return d is not None and d.hosted.state.value == "leaving"
+
+        return FaultRules([Rule(Point.SERVE, RPC.SHUTDOWN, hold(adopted, 20), when=lambda c: leaving(c.me), times=None),
+                           Rule(Point.REPLY, RPC.ADOPT, release(adopted), when=lambda c: leaving(c.other), times=None)])
+
+    _holds(schedule, tmp_path, cache, rules)
