@@ -58,15 +58,15 @@ class RecoveryMixin:
         """Redundant computation: promote every replica that survives; a stage lost together with its replica's
         holder gets the declared fallback; then the new peers (and the holders of rebuilt stages, whose replica
         is stale) take their successors' replicas."""
-        lost = failed - await self._promote(step, failed)
+        lost = failed - self.strategy.promotable(failed)
+        fb = self.cfg.recovery.fallback
+        reason = ", ".join(f"stage {s}'s replica holder {self.strategy.holder(s)} failed too" for s in sorted(lost))
+        if lost and fb == "abort":  # the run ends here: nothing is promoted first
+            self._event("fallback", step=step, stage=min(lost), strategy=self.cfg.recovery.strategy,
+                        fallback="abort", reason=reason)
+            raise unrecoverable(self.cfg.recovery.strategy, lost, reason)
+        await self._promote(step, failed)
         if lost:
-            fb = self.cfg.recovery.fallback
-            reason = ", ".join(f"stage {s}'s replica holder {self.strategy.holder(s)} failed too" for s in sorted(lost))
-            if fb == "abort":
-                self._event("fallback", step=step, stage=min(lost), strategy=self.cfg.recovery.strategy,
-                            fallback="abort", reason=reason)
-                raise UnrecoverableFailure(f"{self.cfg.recovery.strategy} cannot recover stage(s) {sorted(lost)}: "
-                                           f"{reason} (fallback=abort)")
             await self._rebuild(step, lost, fb, detected, reason)
         await self._replicate(failed, step)  # the new peers; a rebuilt stage's holder is among them (it was lost)
 

@@ -195,3 +195,11 @@ def test_a_takeover_keeps_the_peer_a_stage_was_handed_over_to(tmp_path, cache):
                            Rule(Point.REPLY, RPC.ADOPT, release(adopted), when=lambda c: leaving(c.other), times=None)])
 
     _holds(schedule, tmp_path, cache, rules)
+
+
+def test_an_aborting_run_recovers_nothing_first(tmp_path, cache):
+    """Found by dst: gemini losing stages 0 and 1 together (stage 0's two holders) aborts in both runtimes, but the
+    simulator first rolled stage 1 back and recorded its recovery; an aborted run now recovers nothing first in
+    both (redundant computation likewise promotes nothing before it aborts)."""
+    schedule = Schedule(Setup(strategy="gemini", stages=3, steps=4, every=1), (Fault(Kind.KILL_ADJACENT, 2, stage=0),))
+    _holds(schedule, tmp_path, cache)

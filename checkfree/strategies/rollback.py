@@ -68,6 +68,8 @@ class InMemoryStrategy(Strategy):
             out.figures.bytes_moved += self.reprotect(ctx, self.storage.last_step)
             out.success, out.fallback = False, "checkpoint"
             return out
+        if self.cfg.recovery.fallback == "abort":  # the run ends here: nothing is recovered first (as in the swarm)
+            return declared_fallback(ctx, self.name, step, lost, reason)
         return merge(recover_rest(), declared_fallback(ctx, self.name, step, lost, reason))
 
     def restore_all(self, ctx: StrategyContext, step: int, snap: dict[int, StageState] | None, snap_step: int,
