@@ -203,3 +203,66 @@ def test_an_aborting_run_recovers_nothing_first(tmp_path, cache):
     both (redundant computation likewise promotes nothing before it aborts)."""
     schedule = Schedule(Setup(strategy="gemini", stages=3, steps=4, every=1), (Fault(Kind.KILL_ADJACENT, 2, stage=0),))
     _holds(schedule, tmp_path, cache)
+
+# ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
+FIXED = {
+    "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
+                                       (Fault(Kind.KILL_MID_FORWARD, 1, stage=1, mb=2),
+                                        Fault(Kind.KILL_MID_COMMIT, 2, stage=2))),
+    "mid-reduce+partition": Schedule(Setup(strategy="checkfree+", stages=3, replicas=2, steps=4, schedule="1f1b"),
+                                     (Fault(Kind.KILL_MID_REDUCE, 1, stage=1, replica=1),
+                                      Fault(Kind.PARTITION, 1, stage=0, span=1))),
+    "failover-in-commit+rebuild": Schedule(Setup(strategy="checkfree", stages=3, steps=4, wire_dtype="bfloat16"),
+                                           (Fault(Kind.COORDINATOR_FAILOVER, 1, where="commit"),
+                                            Fault(Kind.KILL_BEFORE_STEP, 2, stage=1),
+                                            Fault(Kind.KILL_MID_REBUILD, 2, pulls=1))),
+    "restart+sigterm+join+slow": Schedule(Setup(strategy="redundant", stages=3, steps=4, fallback="copy"),
+                                          (Fault(Kind.COORDINATOR_RESTART, 2), Fault(Kind.SIGTERM, 1, stage=2),
+                                           Fault(Kind.JOIN, 0), Fault(Kind.SLOW, 0, stage=0, span=2, delay_ms=20))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIXED))
+def test_a_fixed_schedule_holds_every_invariant(name, tmp_path, cache):
+    _holds(FIXED[name], tmp_path, cache)
+
+
+
+# ---- mutation: the search must catch a broken recovery ------------------------------------------------------------
+def _swap_coefficients(monkeypatch) -> None:
+    """The swarm's peers rebuild a lost stage with its two sources' gradient norms swapped (the simulator does not)."""
+    import peers.recovery
+
+    rebuild = peers.recovery.rebuild_stage
+
+    def swapped(plan, template, blocks, norms, edges, **kwargs):
+        if len(norms) == 2:
+            a, b = sorted(norms)
+            norms = {a: norms[b], b: norms[a]}
+        return rebuild(plan, template, blocks, norms, edges, **kwargs)
+
+    monkeypatch.setattr(peers.recovery, "rebuild_stage", swapped)
+
+
+def test_swapped_recovery_coefficients_are_caught(tmp_path, cache, monkeypatch):
+    """The invariants catch the mutation on one schedule that recovers an intermediate stage (the generated search
+    catching it within 50 schedules is the slow test below)."""
+    _swap_coefficients(monkeypatch)
+    schedule = Schedule(Setup(strategy="checkfree", stages=3, steps=4), (Fault(Kind.KILL_BEFORE_STEP, 2, stage=1),))
+    outcome = run_schedule(schedule, tmp_path / "run", cache)
+    assert any(d.startswith("coefficients of the recovery of stage 1") for d in outcome.divergences), outcome.divergences
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_search_catches_swapped_coefficients_within_50_schedules(tmp_path, cache, monkeypatch):
+    """Generated schedules (seed 0) with the mutation: a divergence within 50 schedules; shrunk, and its replay
+    diverges again."""
+    from dst.search import explore
+
+    _swap_coefficients(monkeypatch)
+    report = explore(50, 0, tmp_path / "dst", cache, stop_at_first=True, shrink_s=300)
+    assert report.found, f"no divergence in {report.schedules} schedules"
+    found = report.found[0]
+    print(f"caught at schedule #{found.index}; shrunk to:\n{found.shrunk.schedule.describe()}")
+    assert found.index < 50 and found.shrunk is not None and found.replayed.divergences
