@@ -204,6 +204,13 @@ def test_an_aborting_run_recovers_nothing_first(tmp_path, cache):
     schedule = Schedule(Setup(strategy="gemini", stages=3, steps=4, every=1), (Fault(Kind.KILL_ADJACENT, 2, stage=0),))
     _holds(schedule, tmp_path, cache)
 
+
+def test_a_rollback_before_any_checkpoint_restores_the_initial_state_in_both_records(tmp_path, cache):
+    """Found by dst (the 200-schedule run, schedule #1): a failure before the first checkpoint re-initialises every
+    stage; the swarm records its source as 'init', the simulator said 'storage'."""
+    schedule = Schedule(Setup(strategy="checkpoint", stages=2, steps=3), (Fault(Kind.KILL_BEFORE_STEP, 0, stage=0),))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),

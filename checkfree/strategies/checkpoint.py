@@ -47,7 +47,8 @@ class Checkpointer:
             ctx.restore(s, state_from_bytes(blob), replace=s in failed)
         lost = step - self.last_step
         for s in sorted(failed):
-            ctx.event("recovery", step=step, stage=s, strategy=strategy, method="rollback", source="storage",
+            ctx.event("recovery", step=step, stage=s, strategy=strategy, method="rollback",
+                      source="storage" if self.last_step else "init",  # (no checkpoint yet: re-initialised)
                       rollback_to=self.last_step, lost_steps=lost, **({"reason": reason} if reason else {}))
         slowest = max((ctx.cost.storage_s(n) for n in sizes), default=0.0)
         return FailureOutcome(Figures(bytes_moved=sum(sizes), lost_steps=lost, recovery_s=ctx.cost.recovery_s(slowest)),
