@@ -12,6 +12,7 @@ from pathlib import Path
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import config_from_dict
 from checkfree.net.transport import RemoteError, TransportError, live_members_async
+from checkfree.pipeline import evaluates_after
 from checkfree.protocol import RPC, Kind, coordinator_from_records, coordinator_key
 from checkfree.rundir import RunWriter, read_jsonl
 from checkfree.strategies import storage
@@ -21,6 +22,7 @@ from scheduler.common import (
     STEP_FIGURES,
     CoordinatorAlive,
     Member,
+    Rollback,
     step_figures,
 )
 
@@ -146,11 +148,11 @@ class FailoverMixin:
         self._attempt_floor[step] = max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1
         self.step = self.iteration = step
         self._rebuild_protection(replies)
-        recorded = self._record_missing_step(step - 1, replies, metrics if resume else None)
+        record = self._missing_step(step - 1, replies, metrics if resume else None)
         self._event("coordinator_takeover", step=step, peers=len(replies), stages=len(self.stage_peer),
                     committed_stages=sorted(to_commit), lagging_stages=sorted(lagging),
                     missing_stages=sorted(set(range(cfg.num_stages)) - set(self.stage_peer)),
-                    recorded_step=recorded, takeover_s=round(time.perf_counter() - t0, 6))
+                    recorded_step=record is not None, takeover_s=round(time.perf_counter() - t0, 6))
         print(f"status: took over run {self.opts.run_id!r} at step {step}: {len(self.stage_peer)}/{cfg.num_stages} "
               f"stages served, {len(self._standbys())} standby, {len(to_commit)} commits completed, "
               f"{len(lagging)} lagging stage(s)", flush=True)
@@ -158,6 +160,15 @@ class FailoverMixin:
             # the old coordinator may have died between committing step-1 and protecting it (a snapshot or
             # checkpoint due then): taken again now, as the simulator took it (taking it twice changes nothing)
             await self._protect(step - 1)
+            if record is not None and evaluates_after(step - 1, cfg.train.eval_every, cfg.train.num_steps):
+                try:  # the evaluation due after the step it records never ran either
+                    ev = await self._run_step(step - 1, evaluate=True)
+                    losses = [float(v) for r in ev.values() for v in r["losses"].values()]
+                    record["val_loss"] = sum(losses) / len(losses)
+                except Rollback as r:
+                    self.step = self.iteration = r.step
+        if record is not None:
+            self.writer.metric(record)
 
     async def _adopt_peers(self) -> dict[str, dict]:
         """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat
@@ -218,19 +229,17 @@ class FailoverMixin:
         complete = [st for st in storage.complete_steps(self.storage_dir) if st <= self.step]
         self.ckpt_step = max(complete, default=0)
 
-    def _record_missing_step(self, step: int, replies: dict[str, dict], metrics: Path | None) -> bool:
-        """The step the old coordinator committed but did not record (it died in between):
-        its record is rebuilt from the peers' last commits when every stage has one."""
+    def _missing_step(self, step: int, replies: dict[str, dict], metrics: Path | None) -> dict | None:
+        """The record of the step the old coordinator committed but did not record (it died in between), rebuilt
+        from the peers' last commits when every stage has one; None if there is none to rebuild."""
         if step < 0 or (metrics is not None and any(m.get("step") == step for m in read_jsonl(metrics))):
-            return False
+            return None
         last = {r["stage"]: r["last_commit"] for r in replies.values()
                 if r.get("stage", -1) >= 0 and (r.get("last_commit") or {}).get("step") == step}
         if len(last) != self.cfg.num_stages:
-            return False
-        self.writer.metric({"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
-                            "lr": next(iter(last.values()))["lr"], "attempts": None,
-                            "grad_norms": [last[s]["post"] for s in range(self.cfg.num_stages)],
-                            "block_grad_norms": [last[s].get("block_post") for s in range(self.cfg.num_stages)],
-                            "live_peers": len(self.stage_peer), "recorded_by": "takeover",
-                            **step_figures(last, self.cfg.num_stages)})
-        return True
+            return None
+        return {"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
+                "lr": next(iter(last.values()))["lr"], "attempts": None,
+                "grad_norms": [last[s]["post"] for s in range(self.cfg.num_stages)],
+                "block_grad_norms": [last[s].get("block_post") for s in range(self.cfg.num_stages)],
+                "live_peers": len(self.stage_peer), "recorded_by": "takeover", **step_figures(last, self.cfg.num_stages)}

@@ -211,6 +211,15 @@ def test_a_rollback_before_any_checkpoint_restores_the_initial_state_in_both_rec
     schedule = Schedule(Setup(strategy="checkpoint", stages=2, steps=3), (Fault(Kind.KILL_BEFORE_STEP, 0, stage=0),))
     _holds(schedule, tmp_path, cache)
 
+
+def test_a_takeover_that_records_the_last_step_also_evaluates_it(tmp_path, cache):
+    """Found by dst (the 200-schedule run, schedule #23): the coordinator dies half-way through committing the last
+    step; the new one completed the commit and rebuilt the step's record from the peers, but never ran the
+    evaluation due after it: the run ended without its final validation loss."""
+    schedule = Schedule(Setup(strategy="checkfree", stages=3, steps=3),
+                        (Fault(Kind.COORDINATOR_FAILOVER, 2, where="commit"),))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
