@@ -24,6 +24,7 @@ from checkfree.net.lifeline import (
     TiedDHT,
     quiet_fd_handoffs,
     socket_files,
+    sweep_stale_mp_dirs,
     sweep_stale_sockets,
 )
 from checkfree.net.streams import quiet_disconnects
@@ -121,6 +122,7 @@ async def start_transport(
     check_transport(transport)
     peers = _check_initial_peers(initial_peers)
     sweep_stale_sockets()
+    sweep_stale_mp_dirs()
     before = socket_files()
     quiet_disconnects(asyncio.get_running_loop())
     quiet_fd_handoffs()
