@@ -30,6 +30,7 @@ from checkfree.failures import write_trace
 from checkfree.net.lifeline import held_socket_files, living, process_tree
 from checkfree.rundir import read_jsonl
 from dst import check
+from dst.inject import Fired
 from dst.run import Outcome, _simulate, build_config
 from dst.schedule import Fault, Kind, Schedule
 
@@ -53,7 +54,8 @@ def local_args(schedule: Schedule, out: Path, netns: bool) -> list[str]:
     args = ["--preset", "tiny", "--stages", str(s.stages), "--steps", str(s.steps), "--strategy", s.strategy,
             "--fallback", s.fallback, "--replicas", str(s.replicas), "--schedule", s.schedule,
             "--wire-dtype", s.wire_dtype, "--snapshot-every", str(s.every), "--checkpoint-every", str(s.every),
-            "--eval-every", "0", "--no-progress", "--out", str(out / "swarm"), *TIMEOUTS]
+            "--eval-every", "0", "--no-progress", "--out", str(out / "swarm"), "--dump-recovery", str(out / "dump"),
+            *TIMEOUTS]
     if s.soft_errors:
         args += ["--abft", "--inject-soft-errors", str(s.soft_errors)]
     kills, whole, reduce, preempt, cut, rebuild = [], set(), [], [], [], []
@@ -137,6 +139,30 @@ class Watch:
             self._stop.wait(self.every)
 
 
+def identical_dumped_replicas(dump: Path) -> list[str]:
+    """Every stage group's replicas that lived to the end dumped the same weights and Adam state (--dump-recovery
+    writes final-stage<S>-<peer>.safetensors and its -optim file when the run has stage groups)."""
+    import torch
+    from safetensors.torch import load_file
+
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for f in sorted(dump.glob("final-stage*-*.safetensors")):
+        if f.name.endswith("-optim.safetensors"):
+            continue
+        stage, _, peer = f.name[len("final-stage"):-len(".safetensors")].partition("-")
+        state = {**load_file(str(f)), **{"optim/" + k: v for k, v in
+                                         load_file(str(f.with_name(f.name[:-12] + "-optim.safetensors"))).items()}}
+        groups.setdefault(stage, []).append((peer, state))
+    out = []
+    for stage, members in sorted(groups.items()):
+        (p0, first), *rest = members
+        for peer, state in rest:
+            bad = [k for k in first if k not in state or not torch.equal(first[k], state[k])]
+            if bad or state.keys() != first.keys():
+                out.append(f"stage {stage}: replicas {p0} and {peer} differ in {bad[:4]}")
+    return out
+
+
 def _rss(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -215,7 +241,12 @@ def run_real(schedule: Schedule, workdir: Path, cache_dir: str | None = None, *,
         problems += check.same_recoveries(out, workdir / "sim")
         problems += check.same_failures(out, workdir / "sim")
         outcome.losses = [float(m["loss"]) for m in metrics]
+    if schedule.setup.replicas > 1:
+        problems += identical_dumped_replicas(workdir / "dump")
     problems += leftovers(mark, watch, tmp)
+    steps_done = (outcome.swarm or {}).get("steps", 0)
+    outcome.fired = [Fired(f, f.iteration, f.iteration, [], None) for f in schedule.faults  # (as scheduled)
+                     if f.iteration < steps_done and (f.kind is not Kind.PARTITION or netns)]
     outcome.seconds = time.perf_counter() - t0
     outcome.rss_mb = max((r for _, _, r in watch.rss), default=0) / 2**20
     (workdir / "rss.json").write_text(json.dumps(watch.rss))
