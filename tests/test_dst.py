@@ -220,6 +220,13 @@ def test_a_takeover_that_records_the_last_step_also_evaluates_it(tmp_path, cache
                         (Fault(Kind.COORDINATOR_FAILOVER, 2, where="commit"),))
     _holds(schedule, tmp_path, cache)
 
+
+def test_redundant_computation_promotes_a_replica_lost_before_the_first_step(tmp_path, cache):
+    """Found by dst (the 200-schedule run, schedule #3): a stage lost at step 0 is promoted from the replica the
+    swarm took at the start; the simulator, holding no replica yet, re-initialised it and recorded a rollback."""
+    schedule = Schedule(Setup(strategy="redundant", stages=2, steps=3), (Fault(Kind.KILL_BEFORE_STEP, 0, stage=0),))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),

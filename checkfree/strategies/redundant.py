@@ -47,8 +47,8 @@ class RedundantStrategy(InMemoryStrategy):
         return sum(state_nbytes(r) for r in self.replicas.values())
 
     def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
-        if not self.replicas:  # nothing trained yet: the initial state is the replica
-            return self.restore_all(ctx, step, None, 0, failed, {})
+        if not self.replicas:  # nothing trained yet: every replica is the initial state (the swarm's, taken at the start)
+            self.replicas = {s: ctx.capture(s, step) for s in range(ctx.num_stages)}
         lost = set(failed) - self.promotable(failed)
         if not lost:
             return self._promote(ctx, step, failed)
