@@ -227,7 +227,8 @@ def run_schedule(schedule: Schedule, workdir: Path, cache_dir: str | None = None
         problems.append(f"swarm failed without a summary: {swarm.error}")
     problems += swarm.leaks
     out = workdir / "swarm"
-    live = {p for g in swarm.injector.round.table.values() for p in g} - swarm.killed  # the last step's replicas
+    gone = {e.get("peer_id") for e in check.events(workdir / "swarm", "replica_lost", "leave", "retired")}
+    live = {p for g in swarm.injector.round.table.values() for p in g} - swarm.killed - gone  # the last step's
     problems += check.identical_replicas(swarm.daemons, live, schedule.setup.strategy)
     recorded = check.recorded_lines(out, swarm.injector.iteration_at, schedule.setup.replicas)
     trail = swarm.injector.trail
