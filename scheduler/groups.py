@@ -114,7 +114,9 @@ class GroupsMixin:
                     gone.append(pid)
                 elif suspect:
                     self.reported.discard(pid)
-            if len(gone) == len(self._group(stage)):
+            rest = [p for p in self._group(stage) if p not in gone]
+            if gone and not [p for p in rest if await self._alive(p)]:  # (a group lost at once: not one by one)
+                self.reported.update(rest)
                 continue  # the whole group: a failed stage (membership's detection), recovered by the strategy
             for pid in gone:
                 m = self.members[pid]

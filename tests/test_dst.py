@@ -227,6 +227,15 @@ def test_redundant_computation_promotes_a_replica_lost_before_the_first_step(tmp
     schedule = Schedule(Setup(strategy="redundant", stages=2, steps=3), (Fault(Kind.KILL_BEFORE_STEP, 0, stage=0),))
     _holds(schedule, tmp_path, cache)
 
+
+def test_two_neighbouring_stage_groups_lost_at_once_are_two_stage_failures(tmp_path, cache):
+    """Found by dst (the 200-schedule run): every replica of stages 2 and 3 dies as the coordinator sends RUN_STEP.
+    The attempt is aborted on the first group; between the attempts, the replicas of the other group that had been
+    seen failing were dropped one by one ('lost') although none of their siblings answered either."""
+    schedule = Schedule(Setup(strategy="uniform", stages=4, replicas=3, steps=3, fallback="copy"),
+                        (Fault(Kind.KILL_ADJACENT, 1, stage=2),))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
@@ -289,3 +298,4 @@ def test_the_search_catches_swapped_coefficients_within_50_schedules(tmp_path, c
     found = report.found[0]
     print(f"caught at schedule #{found.index}; shrunk to:\n{found.shrunk.schedule.describe()}")
     assert found.index < 50 and found.shrunk is not None and found.replayed.divergences
+
