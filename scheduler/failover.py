@@ -30,6 +30,13 @@ __all__ = ["FailoverMixin"]
 
 LEAVING = "leaving"  # an ADOPT reply's `state` of a peer leaving gracefully (peers.stage.PeerState.LEAVING)
 
+
+def _progress(reply: dict) -> int:
+    """How far an ADOPT reply's stage has come: the step its weights are ready for, one more if it holds that step
+    finished and ready to commit."""
+    ready = reply.get("ready")
+    return reply["next_step"] + (1 if ready and ready.get("step") == reply["next_step"] else 0)
+
 log = logging.getLogger("scheduler.coordinator")
 
 
@@ -106,9 +113,10 @@ class FailoverMixin:
         to_commit: dict[int, tuple[str, dict]] = {}
         lagging = []
         for stage, hs in sorted(holders.items()):
-            # two peers claim one stage (a handover cut short, or one done while the old coordinator died: the
-            # peer that handed its stage over leaves): keep the newest, a peer that is not leaving first
-            hs.sort(key=lambda x: (-x[1]["next_step"], x[1].get("state") == LEAVING))
+            # two peers claim one stage (a handover cut short; one done while the old coordinator died: the peer that
+            # handed its stage over leaves; a partitioned peer back after it was replaced): keep the newest (a step
+            # finished, ready to commit, counts), a peer that is not leaving first
+            hs.sort(key=lambda x: (-_progress(x[1]), x[1].get("state") == LEAVING))
             for pid, r in hs[1:]:
                 if cfg.train.stage_groups and r["next_step"] == step == hs[0][1]["next_step"]:  # a stage group's replica
                     self.members[pid].stage = stage

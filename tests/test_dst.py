@@ -236,6 +236,16 @@ def test_two_neighbouring_stage_groups_lost_at_once_are_two_stage_failures(tmp_p
                         (Fault(Kind.KILL_ADJACENT, 1, stage=2),))
     _holds(schedule, tmp_path, cache)
 
+
+def test_a_takeover_prefers_the_replacement_to_a_partitioned_peer_back_from_its_partition(tmp_path, cache):
+    """Found by dst (the 200-schedule run, schedule #30): stage 2's peer is partitioned at step 1 and replaced; the
+    coordinator dies half-way through committing step 1 (stage 2's replacement not yet committed) as the partition
+    heals. Both claim stage 2 at step 1; the new coordinator kept the stale one (no finished step), recovered stage
+    2 again and could not record step 1. It now keeps the replacement, whose finished step it commits."""
+    schedule = Schedule(Setup(strategy="checkfree+", stages=5, steps=3),
+                        (Fault(Kind.PARTITION, 1, stage=2, span=1), Fault(Kind.COORDINATOR_FAILOVER, 1, where="commit")))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
