@@ -110,15 +110,16 @@ class FailoverMixin:
             if r["stage"] >= 0:
                 holders.setdefault(r["stage"], []).append((pid, r))
         step = max((r["next_step"] for hs in holders.values() for _, r in hs), default=0)
-        to_commit: dict[int, tuple[str, dict]] = {}
+        to_commit: dict[str, tuple[int, dict]] = {}  # peer -> (its stage, the finished step it holds ready)
         lagging = []
         for stage, hs in sorted(holders.items()):
             # two peers claim one stage (a handover cut short; one done while the old coordinator died: the peer that
             # handed its stage over leaves; a partitioned peer back after it was replaced): keep the newest (a step
-            # finished, ready to commit, counts), a peer that is not leaving first
+            # finished, ready to commit, counts), a peer that is not leaving first; a stage group keeps every
+            # replica as far as that one
             hs.sort(key=lambda x: (-_progress(x[1]), x[1].get("state") == LEAVING))
             for pid, r in hs[1:]:
-                if cfg.train.stage_groups and r["next_step"] == step == hs[0][1]["next_step"]:  # a stage group's replica
+                if cfg.train.stage_groups and _progress(r) == _progress(hs[0][1]) and r.get("state") != LEAVING:
                     self.members[pid].stage = stage
                     self.extra.setdefault(stage, []).append(pid)
                 else:
@@ -129,26 +130,28 @@ class FailoverMixin:
                 m = self.members[pid]
                 m.leaving = m.left = m.handover = True
             self.norms[stage] = float(r["omega"])
-            ready = r.get("ready")
-            if r["next_step"] == step:
+            if r["next_step"] < step - 1 or _progress(r) < step:  # its weights are behind the others: a failed stage
+                lagging.append(stage)
+                self.members[pid].leaving = True
                 continue
-            if r["next_step"] == step - 1 and ready and ready["step"] == step - 1:
-                to_commit[stage] = (pid, ready)
-            else:  # its weights are behind the others: a failed stage
-                lagging.append(stage)
-                self.members[pid].leaving = True
+            for p in self._group(stage):  # those a step behind, with it finished (the old coordinator died mid-commit)
+                if replies[p]["next_step"] == step - 1:
+                    to_commit[p] = (stage, replies[p]["ready"])
         commits = await asyncio.gather(*(self._call(pid, RPC.COMMIT, {"step": ready["step"], "attempt": ready["attempt"]},
-                                                    self.t.rpc_timeout) for pid, ready in to_commit.values()),
+                                                    self.t.rpc_timeout) for pid, (_, ready) in to_commit.items()),
                                        return_exceptions=True)
-        for (stage, (pid, _)), c in zip(to_commit.items(), commits):
-            if isinstance(c, Exception):
+        for (pid, (stage, ready)), c in zip(to_commit.items(), commits):
+            if isinstance(c, Exception) and pid == self.stage_peer[stage]:
                 lagging.append(stage)
                 self.members[pid].leaving = True
+            elif isinstance(c, Exception):  # a stage group's replica: the others go on without it
+                self.extra[stage].remove(pid)
+                self.members[pid].stage, self.members[pid].leaving = -1, True
             else:
                 self.norms[stage] = float(c[0]["omega"])
-                replies[pid]["last_commit"] = {"step": step - 1, "losses": to_commit[stage][1]["losses"],
-                                               "lr": c[0]["lr"], "post": c[0]["post"],
-                                               **{k: v for k, v in to_commit[stage][1].items() if k in STEP_FIGURES}}
+                replies[pid]["last_commit"] = {"step": step - 1, "losses": ready["losses"], "lr": c[0]["lr"],
+                                               "post": c[0]["post"], **{k: v for k, v in ready.items()
+                                                                         if k in STEP_FIGURES}}
         await self._all(RPC.ABORT, {}, self.t.rpc_timeout)  # drop finished-but-uncommitted work of `step`
         seen = [r["finished"] for r in replies.values() if r.get("finished")]  # [step, attempt]
         seen += [[r["ready"]["step"], r["ready"]["attempt"]] for r in replies.values() if r.get("ready")]
@@ -158,7 +161,7 @@ class FailoverMixin:
         self._rebuild_protection(replies)
         record = self._missing_step(step - 1, replies, metrics if resume else None)
         self._event("coordinator_takeover", step=step, peers=len(replies), stages=len(self.stage_peer),
-                    committed_stages=sorted(to_commit), lagging_stages=sorted(lagging),
+                    committed_stages=sorted({stage for stage, _ in to_commit.values()}), lagging_stages=sorted(lagging),
                     missing_stages=sorted(set(range(cfg.num_stages)) - set(self.stage_peer)),
                     recorded_step=record is not None, takeover_s=round(time.perf_counter() - t0, 6))
         print(f"status: took over run {self.opts.run_id!r} at step {step}: {len(self.stage_peer)}/{cfg.num_stages} "
@@ -242,8 +245,11 @@ class FailoverMixin:
         from the peers' last commits when every stage has one; None if there is none to rebuild."""
         if step < 0 or (metrics is not None and any(m.get("step") == step for m in read_jsonl(metrics))):
             return None
-        last = {r["stage"]: r["last_commit"] for r in replies.values()
-                if r.get("stage", -1) >= 0 and (r.get("last_commit") or {}).get("step") == step}
+        last: dict[int, dict] = {}  # stage -> its last commit, the losses of every replica of a stage group merged
+        for r in replies.values():
+            c = r.get("last_commit") or {}
+            if r.get("stage", -1) >= 0 and c.get("step") == step:
+                last.setdefault(r["stage"], {**c, "losses": {}})["losses"].update(c["losses"])
         if len(last) != self.cfg.num_stages:
             return None
         return {"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),

@@ -246,6 +246,16 @@ def test_a_takeover_prefers_the_replacement_to_a_partitioned_peer_back_from_its_
                         (Fault(Kind.PARTITION, 1, stage=2, span=1), Fault(Kind.COORDINATOR_FAILOVER, 1, where="commit")))
     _holds(schedule, tmp_path, cache)
 
+
+def test_a_takeover_mid_commit_keeps_and_commits_every_replica_of_a_stage_group(tmp_path, cache):
+    """Found by dst (a stage group run, the coordinator killed half-way through a commit): the new coordinator
+    committed each unfinished stage on its first replica only and retired the others, and rebuilt the step's record
+    from one replica per stage: the loss of the step was half the simulator's. Every replica as far as the first is
+    kept and committed now, and the record merges every replica's losses."""
+    schedule = Schedule(Setup(strategy="checkfree", stages=3, replicas=2, steps=3),
+                        (Fault(Kind.COORDINATOR_RESTART, 1, where="commit"),))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
