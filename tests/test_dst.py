@@ -256,6 +256,13 @@ def test_a_takeover_mid_commit_keeps_and_commits_every_replica_of_a_stage_group(
                         (Fault(Kind.COORDINATOR_RESTART, 1, where="commit"),))
     _holds(schedule, tmp_path, cache)
 
+
+def test_reft_records_a_decoded_member_as_restored_from_parity_in_both_runtimes(tmp_path, cache):
+    """Found by dst: the swarm records a lost member rebuilt from its group's snapshots and parity blocks as
+    `source: parity`; the simulator recorded the lost stage's own number."""
+    schedule = Schedule(Setup(strategy="reft", stages=3, steps=4, every=1), (Fault(Kind.KILL_BEFORE_STEP, 2, stage=1),))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),

@@ -113,7 +113,7 @@ class ReftStrategy(InMemoryStrategy):
                 slowest = max(slowest, gather + ctx.cost.transfer_s(chunk, p, s))
             # the replacement rebuilds its own parity block: one chunk from each other member
             moved += chunk * (len(g) - 1)
-        out = self.restore_all(ctx, step, states, self.snap_step, failed, {s: s for s in failed}, skip)
+        out = self.restore_all(ctx, step, states, self.snap_step, failed, {s: s for s in failed}, skip, "parity")
         out.figures.bytes_moved = moved  # restore_all priced a plain copy; the parity decode is the real cost
         out.figures.recovery_s = ctx.cost.recovery_s(slowest)
         return out

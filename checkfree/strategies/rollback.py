@@ -73,9 +73,10 @@ class InMemoryStrategy(Strategy):
         return merge(recover_rest(), declared_fallback(ctx, self.name, step, lost, reason))
 
     def restore_all(self, ctx: StrategyContext, step: int, snap: dict[int, StageState] | None, snap_step: int,
-                    failed: set[int], sources: dict[int, int], skip: set[int] = frozenset()) -> FailureOutcome:
+                    failed: set[int], sources: dict[int, int], skip: set[int] = frozenset(),
+                    source: str | None = None) -> FailureOutcome:
         """Roll every stage but `skip` back to `snap` (None: the initial state, step 0);
-        failed stage s gets its copy from stage `sources[s]`."""
+        failed stage s gets its copy from stage `sources[s]` (recorded as such, or as `source`: e.g. reft's parity)."""
         lost_steps = step - snap_step if snap is not None else step
         slowest, moved = 0.0, 0
         for s in range(ctx.num_stages):
@@ -91,7 +92,8 @@ class InMemoryStrategy(Strategy):
                     slowest = max(slowest, ctx.cost.transfer_s(n, sources[s], s))
         for s in sorted(failed - set(skip)):
             ctx.event("recovery", step=step, stage=s, strategy=self.name, method="rollback",
-                      source=sources.get(s) if snap is not None else "init", rollback_to=snap_step if snap is not None else 0,
+                      source=(source or sources.get(s)) if snap is not None else "init",
+                      rollback_to=snap_step if snap is not None else 0,
                       lost_steps=lost_steps)
         return FailureOutcome(Figures(bytes_moved=moved, lost_steps=lost_steps, recovery_s=ctx.cost.recovery_s(slowest)),
                               rollback_to=snap_step if snap is not None else 0, method="rollback-memory")
