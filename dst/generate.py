@@ -73,6 +73,8 @@ def normalise(f: Fault, setup: Setup) -> Fault:
     it = f.iteration
     if f.kind is Kind.PARTITION:  # healed before the last step (the coordinator then retires the peer)
         it = max(0, min(it, setup.steps - 1 - span))
+    if f.kind is Kind.KILL_MID_COMMIT:  # seen at the next step (after the last one: in the final evaluation, which
+        it = min(it, max(0, setup.steps - 2))  # the simulator's failure clock does not reach)
     return Fault(
         f.kind, it,
         stage=stage if kill else 0,
@@ -99,15 +101,26 @@ def _hits(f: Fault) -> set[tuple]:
     return {(seen, s) for s in stages}
 
 
+MID = (Kind.KILL_MID_FORWARD, Kind.KILL_MID_BACKWARD, Kind.KILL_MID_REDUCE, Kind.KILL_MID_COMMIT)
+
+
 def _apart(faults: list[Fault]) -> bool:
     """No two faults take the same stage at the same iteration (the simulator's trace has one failure per
-    (iteration, stage)), and at most one coordinator fault."""
+    (iteration, stage)), at most one coordinator fault, and a kill inside a step (or seen after its commit) is the
+    only failure of its iteration: another one there aborts the attempt first, so the two would come one after
+    the other where the simulator's failures of one iteration come together."""
     taken: set[tuple] = set()
     for f in faults:
         hits = _hits(f)
         if hits & taken:
             return False
         taken |= hits
+    for f in faults:
+        if f.kind in MID:
+            seen = next(iter(_hits(f)))[0]
+            if any(g is not f and any(h[0] == seen for h in _hits(g) if isinstance(h[0], int)) for g in faults
+                   if g.kind not in (Kind.SLOW, Kind.JOIN, Kind.KILL_MID_REBUILD)):
+                return False
     return True
 
 

@@ -90,6 +90,10 @@ class SimSwarm:
             return
         self.killed.add(pid)
         MEMORY.kill(pid)
+        d = self.daemons.get(pid)
+        if d is not None and d.snapshots.parity.companion is not None:  # reft's snapshot companion: same machine
+            with contextlib.suppress(ProcessLookupError):
+                d.snapshots.parity.companion.kill()
         c = next((c for c in self.coordinators if str(c.coordinator.transport.peer_id) == pid), None)
         if c is not None:
             c.killed = True
