@@ -237,6 +237,8 @@ class MembershipMixin:
         self.norms[stage] = float(reply.get("omega", self.norms[stage]))
         self._event("handover", step=self.step, stage=stage, strategy=self.cfg.recovery.strategy, source_peer=pid,
                     peer_id=new, bytes=reply.get("bytes", 0), handover_s=round(time.perf_counter() - t0, 6))
+        if self.strategy.swarm_replicas:  # redundant computation: the leaving peer also held its successor's replica
+            await self._replicate({stage}, self.step)
         (done,) = await asyncio.gather(self._call(pid, RPC.SHUTDOWN, {}, timeout=5.0), return_exceptions=True)
         if not isinstance(done, Exception):
             self._retired.add(pid)

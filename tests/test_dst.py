@@ -263,6 +263,15 @@ def test_reft_records_a_decoded_member_as_restored_from_parity_in_both_runtimes(
     schedule = Schedule(Setup(strategy="reft", stages=3, steps=4, every=1), (Fault(Kind.KILL_BEFORE_STEP, 2, stage=1),))
     _holds(schedule, tmp_path, cache)
 
+
+def test_a_handover_under_redundant_computation_hands_over_the_successors_replica_too(tmp_path, cache):
+    """Found by dst: stage 2's peer leaves (SIGTERM) and hands its stage over; it also held stage 0's replica, which
+    the new peer never took. When stage 0 was lost, its promotion failed on every standby ('this peer holds no
+    replica'), each standby was counted dead in turn, and the run failed waiting for a replacement."""
+    schedule = Schedule(Setup(strategy="redundant", stages=3, steps=4),
+                        (Fault(Kind.SIGTERM, 1, stage=2), Fault(Kind.KILL_BEFORE_STEP, 2, stage=0)))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
