@@ -335,3 +335,29 @@ def test_the_search_catches_swapped_coefficients_within_50_schedules(tmp_path, c
     print(f"caught at schedule #{found.index}; shrunk to:\n{found.shrunk.schedule.describe()}")
     assert found.index < 50 and found.shrunk is not None and found.replayed.divergences
 
+
+def test_the_command_runs_generated_schedules_and_replays_one(tmp_path, cache):
+    """`checkfree chaos dst` end to end (a subprocess): two generated schedules, then one replayed from its file; the
+    last line is the summary, and report.jsonl has a line per schedule."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CHECKFREE_CACHE": cache}
+    cmd = [sys.executable, "-m", "checkfree", "chaos", "dst", "--out", str(tmp_path / "out")]
+    done = subprocess.run([*cmd, "--schedules", "2", "--seed", "3", "--shrink-seconds", "0"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("dst: 2 schedules, 0 divergences, ") and last.endswith(" faults injected"), last
+    assert len((tmp_path / "out" / "report.jsonl").read_text().splitlines()) == 2
+    schedule = Schedule(Setup(strategy="checkfree", stages=3, steps=3), (Fault(Kind.KILL_MID_FORWARD, 1, stage=1),))
+    (tmp_path / "s.json").write_text(schedule.to_json())
+    done = subprocess.run([*cmd, "--replay", str(tmp_path / "s.json"), "--repeat", "2"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "dst: the same outcome in 2 of 2 runs" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "dst: 2 schedules, 0 divergences, 2 faults injected"
+    rows = [json.loads(line) for line in (tmp_path / "out" / "report.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == ["replay0", "replay1"] and rows[0]["signature"] == rows[1]["signature"]
