@@ -226,7 +226,8 @@ class FailoverMixin:
 
     def _rebuild_protection(self, replies: dict[str, dict]) -> None:
         """Rollback strategies after a takeover: the newest snapshot every stage has a live
-        holder of (gemini, in peers' memory) and the newest complete checkpoint in storage."""
+        holder of (gemini, in peers' memory; checkfree+snap, which restores a stage alone: the newest snapshots
+        left, of whichever stages) and the newest complete checkpoint in storage."""
         by_step: dict[int, dict[int, dict[int, str]]] = {}  # step -> stage -> {holder stage: holder peer}
         for pid, r in replies.items():
             if int(r.get("stage", -1)) < 0:
@@ -236,6 +237,9 @@ class FailoverMixin:
         full = [st for st, hs in by_step.items() if len(hs) == self.cfg.num_stages]
         if full:
             self.snap_step = max(full)
+            self.snap_holders = by_step[self.snap_step]
+        elif by_step and self.strategy.restores_alone:  # checkfree+snap restores each stage alone: what is left counts
+            self.snap_step = max(by_step)
             self.snap_holders = by_step[self.snap_step]
         complete = [st for st in storage.complete_steps(self.storage_dir) if st <= self.step]
         self.ckpt_step = max(complete, default=0)

@@ -272,6 +272,16 @@ def test_a_handover_under_redundant_computation_hands_over_the_successors_replic
                         (Fault(Kind.SIGTERM, 1, stage=2), Fault(Kind.KILL_BEFORE_STEP, 2, stage=0)))
     _holds(schedule, tmp_path, cache)
 
+
+def test_a_takeover_keeps_the_snapshots_left_when_a_stage_lost_its_holder(tmp_path, cache):
+    """Found by dst: checkfree+snap; the coordinator dies as stages 0 and 1 are lost together. Stage 1's snapshot
+    survives on stage 2's peer, stage 0's went with stage 1's peer. The new coordinator kept snapshots only when
+    every stage had one, so it restored nothing, averaged both neighbours, and aborted where the simulator restores
+    stage 1 from its snapshot and rebuilds stage 0 from it."""
+    schedule = Schedule(Setup(strategy="checkfree+snap", stages=4, steps=4, every=1),
+                        (Fault(Kind.COORDINATOR_FAILOVER, 2), Fault(Kind.KILL_ADJACENT, 2, stage=0)))
+    _holds(schedule, tmp_path, cache)
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
