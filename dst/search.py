@@ -58,9 +58,12 @@ def explore(n: int, seed: int, workdir: Path, cache_dir: str | None = None, *, s
     report, t0, part = Report(), time.perf_counter(), 0
     while report.schedules < n and not (stop_at_first and report.found):
         part_seed = seed if part == 0 else seed * 1_000_003 + part
+        before = report.schedules
         _search(n - report.schedules, part_seed, workdir / f"part{part}", cache_dir, report, shrink_s, on_outcome,
                 max_faults, tier)
         part += 1
+        if report.schedules == before:  # (hypothesis drew nothing new: the space is spent)
+            break
     report.seconds = time.perf_counter() - t0
     return report
 
