@@ -208,6 +208,8 @@ class Passes:
                     await self._send(run, mb, idx + 1, RPC.FORWARD, out)
                 self._mb_done(run)
                 return
+            if run.error is not None:  # ended (ABORT), though this task went on: an await can swallow a cancel
+                return  # (asyncio.wait_for in Python 3.11); nothing of an ended attempt may reach the stage
             out = await self._guarded_forward(key, x, hop, targets)
             if run.grouped:  # (a redo's backward may be waiting for it)
                 run.event("forward", mb).set()
@@ -251,6 +253,8 @@ class Passes:
             if run.grouped and not run.event("forward", mb).is_set():
                 # a redo: the next hop's replica sent its gradient before this peer recomputed the forward
                 await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
+            if run.error is not None:  # (see _forward_task: its gradient would outlive the ABORT that dropped them)
+                return
             grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
                                               (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
             if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost

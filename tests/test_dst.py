@@ -5,6 +5,7 @@ commands (docs/dst.md), not tests."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -281,6 +282,30 @@ def test_a_takeover_keeps_the_snapshots_left_when_a_stage_lost_its_holder(tmp_pa
     schedule = Schedule(Setup(strategy="checkfree+snap", stages=4, steps=4, every=1),
                         (Fault(Kind.COORDINATOR_FAILOVER, 2), Fault(Kind.KILL_ADJACENT, 2, stage=0)))
     _holds(schedule, tmp_path, cache)
+
+
+def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
+    """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
+    attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
+    and drops the cancellation: a sibling's redo whose input arrived as the attempt was aborted went on to compute
+    its microbatch and left its gradient in the stage after ABORT had dropped the gradients. Here the head stage's
+    forward task of an attempt already ended (what such a task finds) must not run."""
+    from checkfree.pipeline import route
+    from peers.daemon import PeerDaemon, PeerOptions
+    from peers.step import StepRun
+
+    cfg = copy.deepcopy(tiny_cfg)
+    daemon = PeerDaemon(PeerOptions(transport="memory"))
+    daemon.hosted.configure(cfg, None)
+    last = cfg.num_stages - 1
+    daemon.hosted.worker = daemon.hosted.build(last)
+    routes = [route(cfg.num_stages, False, 0, mb, cfg.train.num_microbatches) for mb in range(cfg.train.num_microbatches)]
+    run = StepRun(0, 0, False, {s: f"p{s}" for s in range(cfg.num_stages)}, routes, remaining=1)
+    run.fail("aborted by the coordinator")
+    x = torch.randn(cfg.train.microbatch_size, cfg.model.context_length, cfg.model.d_model)
+    asyncio.run(daemon.passes._forward_task(run, 0, last, x))
+    daemon.compute.shutdown(wait=True)
+    assert all(p.grad is None for p in daemon.hosted.worker.module.parameters())
 
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
