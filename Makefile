@@ -1,11 +1,15 @@
 # Two commands on a fresh machine: `make run` (set up on first use, then the main demo) and
-# `make test` (set up on first use, then the test suite). Both create and reuse .venv; the plain pip
-# commands in the README are for those who manage their own environment.
+# `make test` (set up on first use, then the quick test tier). `make test-all` is the full suite (CI runs it),
+# `make docs` builds the documentation site (--strict: a broken link or a missing page fails). All create and
+# reuse .venv; the plain pip commands in the README are for those who manage their own environment.
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
+# pytest exits 5 when it collected no tests: a tier that ran nothing fails.
+PYTEST = $(BIN)/python -m pytest $(1) $(ARGS); code=$$?; \
+	if [ $$code -eq 5 ]; then echo "make: pytest collected no tests: failing" >&2; exit 1; fi; exit $$code
 
-.PHONY: run test setup clean-venv
+.PHONY: run test test-all docs setup clean-venv
 
 setup: $(VENV)/.installed
 
@@ -15,12 +19,21 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install torch==2.13.0 -e '.[dev]'
 	touch $@
 
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install -e '.[docs]'
+	touch $@
+
 run: setup
 	$(BIN)/checkfree local --preset tiny --strategy checkfree+ $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest $(ARGS); code=$$?; \
-	if [ $$code -eq 5 ]; then echo "make test: pytest collected no tests: failing" >&2; exit 1; fi; exit $$code
+	$(call PYTEST,--quick)
+
+test-all: setup
+	$(call PYTEST,)
+
+docs: $(VENV)/.docs-installed
+	$(BIN)/python -m mkdocs build --strict
 
 clean-venv:
 	rm -rf $(VENV)

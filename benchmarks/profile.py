@@ -55,6 +55,10 @@ CATEGORIES = [
 ]
 
 
+# py-spy from PATH, else beside this interpreter (a virtualenv's bin/ that is not on PATH)
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+
+
 def category(frame: str) -> str:
     path = frame[frame.rfind("(") + 1 :]
     return next((name for key, name in CATEGORIES if key in path), "other")
@@ -105,6 +109,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--strategy", default="checkfree")
+    p.add_argument("--transport", default="hivemind", help="the swarm's --transport (hivemind, tcp, libp2p)")
+    p.add_argument("--schedule", default="gpipe", help="the swarm's --schedule (gpipe, 1f1b)")
     p.add_argument("--threads-per-peer", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--cpu-steps", type=int, default=20, help="steps of the CPU accounting window")
@@ -120,7 +126,8 @@ def main() -> None:
         out = Path(tmp) / "run"
         # enough steps for the accounting window and the py-spy recording at a pessimistic 1.5 s/step
         steps = args.warmup + args.cpu_steps + int(args.seconds / 0.2) + 5
-        cmd = swarm_command(args, args.strategy, steps, out)
+        cmd = swarm_command(args, args.strategy, steps, out,
+                            ["--transport", args.transport, "--schedule", args.schedule])
         log = open(Path(tmp) / "swarm.log", "w")
         swarm = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         spies, raws = [], {}
@@ -136,7 +143,7 @@ def main() -> None:
                         raw = Path(tmp) / f"{role}-{pid}.txt"
                         raws[raw] = role
                         spies.append(subprocess.Popen(
-                            ["py-spy", "record", "--nonblocking", "--threads", "-r", str(args.rate), "-d",
+                            [PY_SPY, "record", "--nonblocking", "--threads", "-r", str(args.rate), "-d",
                              str(int(args.seconds)), "-f", "raw", "-o", str(raw), "--pid", str(pid)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
                     for spy in spies:

@@ -140,8 +140,8 @@ class SwarmMonitor:
             return "other", pid
         if any(a.endswith("p2pd") for a in args[:1]):
             return f"{base}-p2pd", owner[1]
-        if args and "python" in Path(args[0]).name:
-            return f"{base}-dht", owner[1]
+        if args and "python" in Path(args[0]).name and not any("resource_tracker" in a for a in args):
+            return f"{base}-dht", owner[1]  # (multiprocessing's resource tracker, a python child too, is not)
         return "other", owner[1]
 
     def sample(self) -> Sample:

@@ -82,6 +82,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _keyed(g, "--steps", "train.num_steps", type=int, help="optimizer steps")
     _keyed(g, "--microbatches", "train.num_microbatches", type=int, help="microbatches per step (M)")
     _keyed(g, "--microbatch-size", "train.microbatch_size", type=int, help="sequences per microbatch")
+    _keyed(g, "--seq-len", "train.seq_len", type=int,
+           help="tokens per training sequence, at most the model's context length (its RoPE/position limit); "
+                "none: the context length (--init-from / --model-config: at most 256)")
     _keyed(g, "--lr", "train.lr", type=float, help="learning rate")
     _keyed(g, "--lr-schedule", "train.lr_schedule", choices=("constant", "warmup-cosine"), help="learning-rate schedule")
     _keyed(g, "--warmup-steps", "train.warmup_steps", type=int, help="warmup-cosine: linear warmup steps")
@@ -156,6 +159,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", action="store_true",
                    help="also write metrics.jsonl's numbers as TensorBoard scalars into <out>/tensorboard "
                         "(pip install 'checkfree[tensorboard]')")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the memory estimate (checkfree.memory: weights, gradients, Adam, "
+                        "activations, logits) exceeds the memory available")
     p.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
     p.add_argument("--write-trace", help="also write the failure schedule to this trace file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -239,6 +245,9 @@ def validate(cfg: RunConfig) -> None:
                        ("microbatch_size", "--microbatch-size")):
         if getattr(cfg.train, name) < 1:
             raise ValueError(f"{flag} must be >= 1, got {getattr(cfg.train, name)}")
+    if cfg.train.seq_len is not None and not 1 <= cfg.train.seq_len <= cfg.model.context_length:
+        raise ValueError(f"--seq-len must be in 1..{cfg.model.context_length} (the model's context length, its "
+                         f"position limit), got {cfg.train.seq_len}")
     if not 0 <= cfg.failures.rate <= 1:
         raise ValueError(f"--failure-rate must be a probability in [0, 1], got {cfg.failures.rate}")
     if cfg.train.lr <= 0:
@@ -357,6 +366,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     from checkfree.simulator import Simulator
 
     cfg = config_from_args(args)
+    if not args.skip_memory_check:
+        from checkfree.memory import check_fits, simulator_memory
+        from checkfree.worker import resolve_device
+
+        check_fits(simulator_memory(cfg, save_every=args.save_every), "this simulation",
+                   resolve_device(cfg.train.device))
     warn_if_overwriting(args)
     if cfg.train.wan:
         print(f"warning: --wan {cfg.train.wan} emulates a network between peers; the simulator has none (its "

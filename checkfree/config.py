@@ -36,7 +36,7 @@ class ModelConfig:
     num_heads: int = 4  # attention (query) heads; d_model must divide by it
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: num_heads
     num_layers: int = 8  # transformer blocks in the whole model
-    context_length: int = 32  # tokens per sequence
+    context_length: int = 32  # position limit (RoPE tables); training sequences: train.seq_len
     mlp_ratio: int = 4  # SwiGLU hidden size = mlp_ratio * d_model, unless mlp_hidden is set
     mlp_hidden: int | None = None  # explicit SwiGLU hidden size (Llama-2 7B: 11008); None: mlp_ratio * d_model
     norm_eps: float = 1e-6  # RMSNorm epsilon
@@ -92,6 +92,7 @@ class TrainConfig:
     num_steps: int = 200
     num_microbatches: int = 4  # M
     microbatch_size: int = 8  # sequences per microbatch
+    seq_len: int | None = None  # tokens per training sequence, at most model.context_length; None: context_length
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
@@ -103,6 +104,7 @@ class TrainConfig:
     init_from: str | None = None  # HF Llama directory or hub name whose weights start every stage; None: seeded init
     eval_every: int = 50  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 4  # microbatches of validation data per evaluation
+    eval_after_recovery: bool = False  # simulator: also evaluate right after a recovery, before the step (event)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     autocast_bf16: bool = False  # bf16 autocast of the forward pass
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b
@@ -128,8 +130,8 @@ class TrainConfig:
 class RecoveryConfig:
     """How a lost stage is rebuilt (see checkfree.recovery)."""
 
-    strategy: str = "checkfree"  # checkfree | checkfree+ | uniform | copy | random | ...
-    fallback: str = "abort"  # abort | random | copy: what an unrecoverable failure does
+    strategy: str = "checkfree"  # checkfree | checkfree+ | uniform | copy | random | identity | ...
+    fallback: str = "abort"  # abort | random | copy | identity: what an unrecoverable failure does
     lr_scale: float = 1.1  # LR multiplier for a recovered stage's fresh optimizer
     eps: float = 1e-4  # added to each neighbour's gradient norm
     norm_kind: str = "post-clip"  # post-clip | pre-clip gradient norm as omega
@@ -211,10 +213,15 @@ class RunConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
+    def seq_len(self) -> int:
+        """Tokens per training sequence: train.seq_len, or the model's context length when unset."""
+        return self.train.seq_len or self.model.context_length
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens trained per optimizer step (M microbatches of B sequences of T tokens)."""
         t = self.train
-        return t.num_microbatches * t.microbatch_size * self.model.context_length
+        return t.num_microbatches * t.microbatch_size * self.seq_len
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -199,8 +199,8 @@ def stage_params(cfg: RunConfig) -> list[int]:
 def stage_forward_flops(cfg: RunConfig) -> list[float]:
     """Forward FLOPs of one microbatch through each stage of the plain pipeline."""
     m = cfg.model
-    tokens = cfg.train.microbatch_size * m.context_length
-    per_block = 2 * (_block_params(cfg) - 2 * m.d_model) + 4 * m.context_length * m.d_model
+    tokens = cfg.train.microbatch_size * cfg.seq_len
+    per_block = 2 * (_block_params(cfg) - 2 * m.d_model) + 4 * cfg.seq_len * m.d_model
     out = []
     for spec in plan_stages(m.num_layers, cfg.num_stages):
         f = spec.num_blocks * per_block + (2 * m.d_model * m.vocab_size if spec.is_last else 0)
@@ -219,7 +219,7 @@ class CostModel:
         self.S, self.M = cfg.num_stages, cfg.train.num_microbatches
         self.flops = stage_forward_flops(cfg)
         m = cfg.model
-        self.activation_bytes = cfg.train.microbatch_size * m.context_length * m.d_model * prof.wire_bytes
+        self.activation_bytes = cfg.train.microbatch_size * cfg.seq_len * m.d_model * prof.wire_bytes
 
     # --- links -------------------------------------------------------------------------
     def region(self, stage: int) -> int:

@@ -328,10 +328,21 @@ def check_init_from(cfg: ModelConfig, source: str) -> None:
                              f"expects {shape} (check --model-config / --layers / --d-model / --heads)")
 
 
+# training sequence length of an HF model unless --seq-len is given: its max_position_embeddings (2k-128k) is the
+# position limit, not a length a CPU step can afford (SmolLM2 at its 8192 was killed for memory at 24 GB with 2 x 2
+# sequences per step)
+HF_DEFAULT_SEQ_LEN = 256
+# learning rate of a run that starts from pretrained weights unless --lr is given: the presets' are for training from
+# scratch (SmolLM2 at the tiny preset's 3e-3: validation loss 3.6 -> 17.5 in two steps)
+HF_FINETUNE_LR = 1e-4
+
+
 def configure_from_hf(cfg: RunConfig, *, model_config: str | None, init_from: str | None) -> None:
     """--model-config FILE: the model's shape from an HF config.json. --init-from DIR|NAME: the
     shape from its config.json (unless --model-config is given), its weights at the start, and
-    its tokenizer.json unless a tokenizer is configured."""
+    its tokenizer.json unless a tokenizer is configured. Either sets the training sequence length to
+    `HF_DEFAULT_SEQ_LEN` (at most the model's context length) unless one is configured; --init-from lowers
+    the learning rate to at most `HF_FINETUNE_LR` (flags given after, e.g. --lr, still apply)."""
     if model_config:
         path = Path(model_config)
         if not path.is_file():
@@ -342,10 +353,16 @@ def configure_from_hf(cfg: RunConfig, *, model_config: str | None, init_from: st
         if not model_config:
             cfg.model = model_config_from_hf(_read_json(directory / "config.json"), source=f"--init-from {init_from}")
         cfg.train.init_from = init_from
+        if cfg.train.lr > HF_FINETUNE_LR:
+            log.info("--init-from: learning rate %g (fine-tuning) instead of the preset's %g; --lr sets another",
+                     HF_FINETUNE_LR, cfg.train.lr)
+            cfg.train.lr = HF_FINETUNE_LR
         if cfg.data.tokenizer is None and (directory / "tokenizer.json").is_file():
             # a local directory every peer has; a hub name every peer fetches the same way
             local = Path(init_from).expanduser().is_dir()
             cfg.data.tokenizer = str(directory / "tokenizer.json") if local else init_from
+    if (model_config or init_from) and cfg.train.seq_len is None:
+        cfg.train.seq_len = min(cfg.model.context_length, HF_DEFAULT_SEQ_LEN)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

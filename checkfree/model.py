@@ -24,6 +24,7 @@ __all__ = [
     "RMSNorm",
     "Attention",
     "Block",
+    "RESIDUAL_OUTPUTS",
     "Head",
     "PipelineStage",
     "LlamaModel",
@@ -162,6 +163,11 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# The projections each residual branch of a Block ends in (keys relative to the block): with both zero the
+# block is exactly x -> x (checkfree.recovery.identity_init).
+RESIDUAL_OUTPUTS = ("attn.wo.weight", "mlp.w2.weight")
 
 
 class Block(nn.Module):

@@ -10,8 +10,8 @@ Timeout hierarchy (each one a flag of `checkfree peer`, `checkfree scheduler` an
     heartbeat_ttl < rpc_timeout < step_timeout < join_timeout
 
 * heartbeat_ttl: a peer's DHT heartbeat expires this long after its last refresh
-  (refreshed every ttl/3); a silent peer (frozen, partitioned, dead) is a suspect after it,
-  and is declared failed when a ping (bounded by min(5 s, rpc_timeout)) fails too.
+  (refreshed every ttl/2, jittered: HEARTBEATS_PER_TTL); a silent peer (frozen, partitioned, dead) is a
+  suspect after it, and is declared failed when a ping (bounded by min(5 s, rpc_timeout)) fails too.
 * rpc_timeout: one call (a forward, a backward, a weight transfer, an abort) must answer
   within it; a neighbour whose call fails is reported to the coordinator.
 * step_timeout: a whole step (all microbatches' forward and backward) must finish in it; a
@@ -33,15 +33,19 @@ from typing import Any
 
 from checkfree.auth import record_ok, sign_record
 from checkfree.pipeline import Hop
-from checkfree.recovery import RecoveryPlan
+from checkfree.recovery import Neighbours
 
 __all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
            "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
            "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK",
            "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed", "Kind", "REQUEST_FIELDS",
-           "check_request", "request"]
+           "check_request", "request", "HEARTBEATS_PER_TTL"]
 
 DHT_PREFIX = "checkfree"
+# a peer refreshes its DHT heartbeat this many times per heartbeat_ttl (jittered 0.8-1x): two chances before it
+# expires. Every refresh is a DHT store that costs the whole swarm's DHT processes and p2pd daemons ~10-20 ms of CPU
+# (benchmarks.idle), so a third refresh per TTL would cost 50 % more for a late beat that only costs a ping.
+HEARTBEATS_PER_TTL = 2
 READY_PEER = "peer ready:"
 READY_COORDINATOR = "coordinator ready:"
 READY_STANDBY = "coordinator standby:"
@@ -133,7 +137,7 @@ class StepFailed(RuntimeError):
 class Timeouts:
     """Named waits of the distributed runtime (seconds)."""
 
-    heartbeat_ttl: float = 4.0  # DHT heartbeat expiry; refreshed every ttl/3
+    heartbeat_ttl: float = 4.0  # DHT heartbeat expiry; refreshed every ttl / HEARTBEATS_PER_TTL
     rpc_timeout: float = 30.0  # one RPC (forward, backward, weights)
     step_timeout: float = 300.0  # one step
     join_timeout: float = 600.0  # waiting for peers / a replacement
@@ -186,15 +190,15 @@ def members_key(run_id: str) -> str:
     return f"{DHT_PREFIX}/{run_id}/peers"
 
 
-def plan_to_wire(plan: RecoveryPlan) -> dict[str, Any]:
+def plan_to_wire(plan: Neighbours) -> dict[str, Any]:
     d = dataclasses.asdict(plan)
     d["sources"] = list(plan.sources)
     d["edges_reinit"] = list(plan.edges_reinit)
     return d
 
 
-def plan_from_wire(d: dict[str, Any]) -> RecoveryPlan:
-    return RecoveryPlan(stage=int(d["stage"]), method=str(d["method"]), sources=tuple(int(s) for s in d["sources"]),
+def plan_from_wire(d: dict[str, Any]) -> Neighbours:
+    return Neighbours(stage=int(d["stage"]), method=str(d["method"]), sources=tuple(int(s) for s in d["sources"]),
                         edge_sources={str(k): int(v) for k, v in d["edge_sources"].items()},
                         edges_reinit=tuple(d["edges_reinit"]), fallback=d.get("fallback"),
                         reason=str(d.get("reason", "")))

@@ -11,6 +11,9 @@ CheckFree+ additionally recovers stage 0 by copying stage 1's blocks and stage S
 copying stage S-2's, and restores the embedding / head exactly from their replicas —
 weights (`rebuild_stage`) and Adam state (`recovered_optimizer_state`), so the replacement
 continues the replica's steps exactly. The recovery LR scale is for the rebuilt blocks only.
+
+Two inits read no live stage: `random` (fresh N(0, std) weights) and `identity` (the same with every
+block's residual output projection zero, so the stage is a pass-through until it trains: layer drop).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from checkfree.model import derive_seed
+from checkfree.model import RESIDUAL_OUTPUTS, derive_seed
 from checkfree.pipeline import edge_holders
 
 __all__ = [
@@ -31,12 +34,14 @@ __all__ = [
     "uniform_average",
     "copy_neighbour",
     "random_init",
+    "identity_init",
     "omega",
     "RecoveryRule",
     "RECOVERY_RULES",
     "get_rule",
     "FALLBACKS",
-    "RecoveryPlan",
+    "SOURCELESS",
+    "Neighbours",
     "plan_recovery",
     "rebuild_stage",
     "recovered_optimizer_state",
@@ -44,7 +49,7 @@ __all__ = [
 ]
 
 StateDict = dict[str, Tensor]
-FALLBACKS = ("abort", "random", "copy")
+FALLBACKS = ("abort", "random", "copy", "identity")
 
 
 class UnrecoverableFailure(RuntimeError):
@@ -77,6 +82,22 @@ def random_init(template: Mapping[str, Tensor], *, seed: int, std: float = 0.02)
     return out
 
 
+def identity_init(template: Mapping[str, Tensor], *, seed: int, std: float = 0.02) -> StateDict:
+    """A pass-through stage: `random_init`'s weights with each block's residual output projections
+    (attention `wo`, MLP `w2`) zero, so every block is exactly x -> x. Its other matrices stay random:
+    the zero projections get gradients at the first step, the rest from the second on."""
+    out = random_init(template, seed=seed, std=std)
+    for k, v in out.items():
+        if k.endswith(RESIDUAL_OUTPUTS):
+            v.zero_()
+    return out
+
+
+# The inits that read no live stage (a plan of these has no sources), by method name.
+_SOURCELESS_INITS = {"random": random_init, "identity": identity_init}
+SOURCELESS = tuple(_SOURCELESS_INITS)
+
+
 def omega(pre_clip: float, post_clip: float, *, kind: str = "post-clip", power: int = 1) -> float:
     """The gradient norm CheckFree weights a stage by (paper default: post-clip, plain)."""
     if kind not in ("post-clip", "pre-clip"):
@@ -94,7 +115,7 @@ class RecoveryRule:
     (swapped routes and embedding/head replicas)."""
 
     name: str
-    inner: str  # "average" | "uniform" | "copy" | "random"
+    inner: str  # "average" | "uniform" | "copy" | "random" | "identity"
     edge: str | None
     plus: bool = False
 
@@ -105,6 +126,8 @@ RECOVERY_RULES: dict[str, RecoveryRule] = {
     "uniform": RecoveryRule("uniform", inner="uniform", edge=None),
     "copy": RecoveryRule("copy", inner="copy", edge=None),
     "random": RecoveryRule("random", inner="random", edge="random"),
+    # identity cannot rebuild an embedding or LM head: an edge stage is refused (the declared fallback)
+    "identity": RecoveryRule("identity", inner="identity", edge=None),
 }
 
 
@@ -115,7 +138,7 @@ def get_rule(name: str) -> RecoveryRule:
 
 
 @dataclass
-class RecoveryPlan:
+class Neighbours:
     """Who rebuilds stage `stage`, from which live stages, and how.
 
     `method` is how its blocks are made; `sources` the stages whose blocks are read (in the
@@ -159,8 +182,8 @@ def _strategy_plan(rule: RecoveryRule, stage: int, failed: set[int], num_stages:
     """(method, sources) if the rule recovers the stage, else the reason it cannot."""
     prev, nxt = stage - 1, stage + 1
     is_edge = stage == 0 or stage == num_stages - 1
-    if rule.inner == "random" and (not is_edge or rule.edge == "random"):
-        return ("random", ())
+    if rule.inner in SOURCELESS and (not is_edge or rule.edge == rule.inner):
+        return (rule.inner, ())
     if is_edge:
         if rule.edge is None:
             return f"strategy {rule.name} cannot recover the {'first' if stage == 0 else 'last'} stage"
@@ -176,7 +199,7 @@ def _strategy_plan(rule: RecoveryRule, stage: int, failed: set[int], num_stages:
     return (rule.inner, (prev, nxt))
 
 
-def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: str = "abort") -> list[RecoveryPlan]:
+def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: str = "abort") -> list[Neighbours]:
     """Plan the recovery of every failed stage; sources are always live stages.
 
     Raises UnrecoverableFailure when a stage cannot be recovered and `fallback` is "abort".
@@ -194,7 +217,7 @@ def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: st
         edge_sources, reinit = _edge_plan(stage, failed, num_stages, rule.plus)
         outcome = _strategy_plan(rule, stage, failed, num_stages)
         if isinstance(outcome, tuple):
-            plans.append(RecoveryPlan(stage, outcome[0], outcome[1], edge_sources, reinit))
+            plans.append(Neighbours(stage, outcome[0], outcome[1], edge_sources, reinit))
             continue
         if fallback == "abort":
             raise UnrecoverableFailure(f"stage {stage} cannot be recovered: {outcome} (fallback=abort)")
@@ -202,7 +225,7 @@ def plan_recovery(failed: set[int], num_stages: int, strategy: str, fallback: st
         if fallback == "copy":
             near = _nearest_alive(stage, failed, num_stages)
             sources = (near,) if near is not None else ()
-        plans.append(RecoveryPlan(stage, fallback if sources or fallback == "random" else "random", sources,
+        plans.append(Neighbours(stage, fallback if sources or fallback in SOURCELESS else "random", sources,
                                   edge_sources, reinit, fallback=fallback, reason=outcome))
     return plans
 
@@ -225,7 +248,7 @@ def _combine(keys: list[str], srcs: list[StateDict], coeffs: list[float], templa
     return out
 
 
-def rebuild_stage(plan: RecoveryPlan, template: Mapping[str, Tensor], blocks: Mapping[int, StateDict],
+def rebuild_stage(plan: Neighbours, template: Mapping[str, Tensor], blocks: Mapping[int, StateDict],
                   norms: Mapping[int, float], edges: Mapping[str, StateDict], *, eps: float = 1e-4,
                   seed: int = 0, std: float = 0.02) -> tuple[StateDict, dict[int, float]]:
     """Build the lost stage's full state dict.
@@ -241,6 +264,11 @@ def rebuild_stage(plan: RecoveryPlan, template: Mapping[str, Tensor], blocks: Ma
         bad = [k for k, v in sd.items() if not torch.isfinite(v).all()]
         if bad:
             raise ValueError(f"source stage {s} has non-finite weights in {bad[:3]}; refusing to average them")
+    block_seed = derive_seed(seed, "recovery", plan.stage)
+    if plan.method in SOURCELESS:
+        init = _SOURCELESS_INITS[plan.method]
+        return _with_edges(plan, template, init({k: template[k] for k in block_keys}, seed=block_seed, std=std),
+                           edges, seed, std), {}
     if plan.method == "average":
         prev, nxt = plan.sources
         a, b = norms[nxt] + eps, norms[prev] + eps
@@ -249,14 +277,8 @@ def rebuild_stage(plan: RecoveryPlan, template: Mapping[str, Tensor], blocks: Ma
         coeffs = {s: 1.0 / len(plan.sources) for s in plan.sources}
     elif plan.method == "copy":
         coeffs = {plan.sources[0]: 1.0}
-    elif plan.method == "random":
-        coeffs = {}
     else:
         raise ValueError(f"unknown recovery method {plan.method!r}")
-    block_seed = derive_seed(seed, "recovery", plan.stage)
-    if not coeffs:
-        return _with_edges(plan, template, random_init({k: template[k] for k in block_keys}, seed=block_seed, std=std),
-                           edges, seed, std), coeffs
     common = [k for k in block_keys if all(k in sd for sd in srcs)]
     pick = [{k: sd[k] for k in common} for sd in srcs]
     if plan.method == "average":
@@ -272,7 +294,7 @@ def rebuild_stage(plan: RecoveryPlan, template: Mapping[str, Tensor], blocks: Ma
     return _with_edges(plan, template, state, edges, seed, std), coeffs
 
 
-def _with_edges(plan: RecoveryPlan, template: Mapping[str, Tensor], state: StateDict,
+def _with_edges(plan: Neighbours, template: Mapping[str, Tensor], state: StateDict,
                 edges: Mapping[str, StateDict], seed: int, std: float) -> StateDict:
     """Add the embedding / head: exactly from a live replica, else freshly initialised."""
     for comp in ("embed", "head"):
@@ -286,7 +308,7 @@ def _with_edges(plan: RecoveryPlan, template: Mapping[str, Tensor], state: State
     return state
 
 
-def recovered_optimizer_state(plan: RecoveryPlan, edge_optim: Mapping[str, Mapping[str, Mapping[str, Tensor]]]
+def recovered_optimizer_state(plan: Neighbours, edge_optim: Mapping[str, Mapping[str, Mapping[str, Tensor]]]
                               ) -> dict[str, dict[str, Tensor]]:
     """The optimizer state the rebuilt stage starts with, by parameter name: each component
     copied from a live replica takes that replica's Adam state exactly (moments and step

@@ -41,12 +41,12 @@ from checkfree.rundir import RunWriter
 from checkfree.saves import newest_save, read_save, write_save
 from checkfree.steprules import Commit, SoftErrorRule, apply_commits
 from checkfree.strategies import Figures, build_strategy, worker_config
-from checkfree.strategies.averaging import recovery_fields
+from checkfree.strategies.execute import SimExecutor
 from checkfree.strategies.state import StageState, capture_worker, restore_worker
 from checkfree.wirecodec import roundtrip
 from checkfree.worker import StageWorker, StepStats, resolve_device
 
-__all__ = ["Simulator", "SimContext", "run_microbatches", "sync_components", "evaluate", "recovery_fields"]
+__all__ = ["Simulator", "SimContext", "run_microbatches", "sync_components", "evaluate"]
 
 # Failures are drawn for this many times the configured steps, so that a strategy that
 # rolls back meets failures while it recomputes too.
@@ -184,7 +184,7 @@ class Simulator:
         self.plus = self.strategy.plus
         self.worker_cfg = worker_config(cfg, self.strategy)
         self.device = resolve_device(cfg.train.device)
-        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+        self.data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
         self.val = self.data.val_batches(cfg.train.eval_batches)
         self.failures: FailureSchedule = schedule_from_config(cfg.failures, cfg.num_stages,
@@ -207,6 +207,7 @@ class Simulator:
         save_run_tokenizer(self.data.tokenizer, self.writer.out)
         self.cost = CostModel(cfg)
         self.ctx = SimContext(self)
+        self.executor = SimExecutor(self.ctx, self.strategy)  # the strategy's plans and protection, carried out
         self.progress = progress
         self.group_counts = {"replicas_lost": 0, "rerouted_microbatches": 0}  # stage groups (train.replicas > 1)
         self.last_val = math.nan
@@ -225,7 +226,7 @@ class Simulator:
         it = step if iteration is None else iteration
         for s in sorted(failed):
             self.writer.event("failure", step=step, stage=s, strategy=self.cfg.recovery.strategy, iteration=it)
-        outcome = self.strategy.on_failure(self.ctx, step, failed)
+        outcome = self.executor.recover(step, failed)
         self.totals = self.totals + outcome.figures
         self.sim_time_s += outcome.figures.recovery_s
         self.writer.event("failure_outcome", step=step, stages=sorted(failed), strategy=self.cfg.recovery.strategy,
@@ -262,7 +263,8 @@ class Simulator:
 
     def save(self, step: int) -> None:
         """Save every stage's state, ready to run `step` (checkfree.saves)."""
-        blobs = {i: state_to_bytes(capture_worker(w, step, self.norms[i])) for i, w in enumerate(self.workers)}
+        blobs = {i: state_to_bytes(capture_worker(w, step, self.norms[i], clone=False))
+                 for i, w in enumerate(self.workers)}
         path = write_save(self.writer.out, step, blobs, {"iterations": self.iterations, "sim_time_s": self.sim_time_s,
                                                          "totals": self.totals.as_dict()}, keep=self.keep_saves)
         self.writer.event("save", step=step, path=str(path))
@@ -278,6 +280,26 @@ class Simulator:
         self.writer.event("resume", step=meta["step"], path=str(self.resume_from))
         log.info("resuming at step %d from %s", meta["step"], self.resume_from)
         return int(meta["step"])
+
+    def _recovered_eval(self, step: int, stages: set[int]) -> float:
+        val = evaluate(self.workers, self.val)
+        self.writer.event("recovered_eval", step=step, stages=sorted(stages), val_loss=val)
+        return val
+
+    def rebuild_and_evaluate(self, stages: set[int]) -> float:
+        """Without training: restore the newest save (`resume=True`), let the strategy rebuild `stages` as at a
+        failure there, and return the validation loss right after (event recovered_eval: the rebuild's immediate
+        damage). The run ends 'completed' with no step trained."""
+        if self.resume_from is None:
+            raise ValueError("rebuild_and_evaluate restores a save: build the simulator with resume=True")
+        try:
+            step = self._resume()
+            self.recover(step, set(stages), self.iterations)
+            val = self._recovered_eval(step, set(stages))
+            self._summary("completed")
+            return val
+        finally:
+            self.writer.close()
 
     @contextlib.contextmanager
     def _deferred_signals(self):
@@ -309,6 +331,7 @@ class Simulator:
     def _run(self) -> dict:
         t = self.cfg.train
         step = self._resume() if self.resume_from is not None else 0
+        self.executor.start(step)
         bar = Progress(t.num_steps, "train", enabled=self.progress)
         bar.n = step
         try:
@@ -323,6 +346,8 @@ class Simulator:
                 failed -= lost
                 if failed:
                     step = self.recover(step, failed, self.iterations)
+                    if t.eval_after_recovery:  # the damage of the rebuild itself, before any step
+                        self._recovered_eval(step, failed)
                 record = self._iteration(step)
                 if t.replicas > 1:  # stage groups: the replicas that served each stage in this step
                     record["replicas"] = [t.replicas - (s in lost) for s in range(self.cfg.num_stages)]
@@ -375,9 +400,11 @@ class Simulator:
         loss, stats = self.train_step(step)
         record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
                   "block_grad_norms": [s.block_grad_norm_post for s in stats],
+                  "grad_norms_pre": [s.grad_norm_pre for s in stats],
+                  "block_grad_norms_pre": [s.block_grad_norm_pre for s in stats],
                   "step_time_s": round(time.perf_counter() - t0, 6)}
         # a rollback from inside the step (soft-error escalation) left nothing to protect
-        figs = self.strategy.after_step(self.ctx, step) if self.resume_at is None else Figures()
+        figs = self.executor.after_step(step) if self.resume_at is None else Figures()
         self.totals = self.totals + figs
         self.sim_time_s += self.cost.step_s() + figs.stall_s
         self.iterations += 1

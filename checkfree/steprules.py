@@ -32,8 +32,9 @@ class Commit:
     weights_finite: bool
 
 
-def apply_commits(commits: Iterable[Commit], norms: list[float], event: Event) -> set[int]:
-    """Record a committed step: every stage that updated keeps its omega in ``norms``; a skipped update is
+def apply_commits(commits: Iterable[Commit], norms: list[float] | None, event: Event) -> set[int]:
+    """Record a committed step: every stage that updated keeps its omega in ``norms`` (the simulator's; the
+    swarm's peers keep their own: None); a skipped update is
     reported (``skipped_step``); a stage whose weights are no longer finite is reported
     (``nonfinite_weights``) and returned among the stages to recover before the next step."""
     failed: set[int] = set()
@@ -43,7 +44,7 @@ def apply_commits(commits: Iterable[Commit], norms: list[float], event: Event) -
             failed.add(c.stage)
         if c.skipped:
             event("skipped_step", stage=c.stage, reason="non-finite gradient")
-        else:
+        elif norms is not None:
             norms[c.stage] = c.omega
     return failed
 

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from checkfree.config import RecoveryConfig, RunConfig
 from checkfree.model import PipelineStage, StageSpec, init_stage, plan_stages
+from checkfree.net.wire import all_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders
 from checkfree.recovery import get_rule, omega
 
@@ -172,11 +173,12 @@ class StageWorker:
         """Parameter groups clipped separately; "main" gives omega."""
         return {name: [p for _, p in g] for name, g in self.named_groups().items()}
 
-    def optimizer_state(self, prefix: str = "") -> dict[str, dict[str, Tensor]]:
-        """A copy of the Adam state of the parameters whose names start with `prefix`, by name."""
+    def optimizer_state(self, prefix: str = "", *, clone: bool = True) -> dict[str, dict[str, Tensor]]:
+        """A copy of the Adam state of the parameters whose names start with `prefix`, by name (``clone=False``:
+        the optimizer's own tensors, which its next step changes)."""
         names = self.param_names
-        return {names[i]: copy.deepcopy(st) for i, st in self.optimizer.state_dict()["state"].items()
-                if names[i].startswith(prefix)}
+        return {names[i]: copy.deepcopy(st) if clone else dict(st)
+                for i, st in self.optimizer.state_dict()["state"].items() if names[i].startswith(prefix)}
 
     def load_optimizer_state(self, state: dict[str, dict[str, Tensor]], groups: list[dict] | None = None) -> None:
         """Replace the Adam state by `state` (by parameter name; a parameter not named has
@@ -192,7 +194,7 @@ class StageWorker:
                 if v.ndim and v.shape != params[name].shape:
                     raise ValueError(f"optimizer state {name}.{field_name} has shape {tuple(v.shape)}, "
                                      f"expected {tuple(params[name].shape)}")
-                if not bool(torch.isfinite(v).all()):
+                if not all_finite(v):
                     raise ValueError(f"optimizer state {name}.{field_name} is not finite")
         sd = self.optimizer.state_dict()
         saved = {g.get("name", "main"): g for g in groups or []}
@@ -283,6 +285,12 @@ class StageWorker:
 
     def set_component_grad(self, comp: str, flat: Tensor) -> None:
         _set_grads(list(getattr(self.module, comp).parameters()), flat)
+
+    def set_grads(self, grads: dict[str, Tensor]) -> None:
+        """Set the named parameters' gradients (moved to each parameter's device and dtype)."""
+        params = dict(self.module.named_parameters())
+        for n, g in grads.items():
+            params[n].grad = g.to(params[n].device, params[n].dtype)
 
     def flat_grad(self) -> Tensor:
         """Every parameter's accumulated gradient (zeros where none), flattened into one float32 vector in

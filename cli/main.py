@@ -27,6 +27,9 @@ SUBCOMMANDS = {
     "export": "scheduler.export:add_parser",
     "experiment": "experiments.cli:add_parser",
     "chaos": "scheduler.chaos:add_parser",
+    "plot": "checkfree.plot:add_parser",
+    "status": "scheduler.status_cli:add_parser",
+    "pretrained": "checkfree.pretrained:add_parser",
 }
 # command -> its modes: name -> "module:function" that adds the mode's subparser to the command's modes (e.g.
 # `checkfree chaos dst`, which runs coordinators and peers together, a layer above both)

@@ -57,9 +57,7 @@ def setup_problem(setup: Setup) -> str | None:
     try:
         cfg = build_config(setup)
         check_swarm_groups(cfg)
-        strategy = build_strategy(cfg)
-        if strategy.snapshots_in_memory and setup.fallback != "abort":
-            return f"{setup.strategy} in the swarm takes --fallback abort only"
+        build_strategy(cfg)
     except ValueError as e:
         return str(e)
     return None

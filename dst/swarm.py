@@ -94,7 +94,7 @@ class SimSwarm:
         if d is not None and d.snapshots.parity.companion is not None:  # reft's snapshot companion: same machine
             with contextlib.suppress(ProcessLookupError):
                 d.snapshots.parity.companion.kill()
-        c = next((c for c in self.coordinators if str(c.coordinator.transport.peer_id) == pid), None)
+        c = next((c for c in self.coordinators if str(c.coordinator.rpc.transport.peer_id) == pid), None)
         if c is not None:
             c.killed = True
             if self.schedule.needs(Kind.COORDINATOR_RESTART):
@@ -136,7 +136,7 @@ class SimSwarm:
             raise
 
     async def _started(self, c: _Coordinator) -> None:
-        while c.coordinator.transport is None:
+        while c.coordinator.rpc.transport is None:
             if c.task.done():
                 c.task.result()
             await asyncio.sleep(0.01)
@@ -223,7 +223,7 @@ class SimSwarm:
         self.injector.slow.clear()
         for c in self.coordinators:
             if not c.task.done():
-                self.kill(str(c.coordinator.transport.peer_id)) if c.coordinator.transport else c.task.cancel()
+                self.kill(str(c.coordinator.rpc.transport.peer_id)) if c.coordinator.rpc.transport else c.task.cancel()
         await asyncio.gather(*(c.task for c in self.coordinators), *self._joining, return_exceptions=True)
         live = [t for t in self.tasks.values() if not t.done()]
         if live:

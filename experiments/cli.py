@@ -59,7 +59,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--target", type=float, help="fixed target validation loss")
     t.add_argument("--target-fraction", type=float,
                    help="target = the failure-free run's val loss after this fraction of the steps (default 0.5)")
-    g.add_argument("--fallback", choices=FALLBACKS, help="unrecoverable (adjacent) failures: abort, random or copy "
+    g.add_argument("--fallback", choices=FALLBACKS, help="unrecoverable (adjacent) failures: abort, random, copy or identity "
                    "(default copy)")
     g.add_argument("--data", help="corpus of every run: a text file or directory, or hf:<dataset> (default: the "
                                   "preset's, Shakespeare)")
@@ -97,7 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     esub = p.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
 
     helps = {"convergence": "every strategy x failure rate x seed: the paper's Table 2, plots",
-             "ablation-init": "recovery initialisation: random, copy, uniform, checkfree (paper Fig. 2)",
+             "ablation-init": "recovery initialisation: random, copy, uniform, checkfree (paper Fig. 2), identity",
              "ablation-ckpt": "checkpoint every 10/50/100 paper iterations vs CheckFree+ (Fig. 4b)",
              "ablation-rate": "CheckFree+ at several failure rates (Fig. 4a)",
              "ablation-swap": "checkfree vs checkfree+ without failures: the swap's cost (Fig. 4c)",
@@ -106,6 +106,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         e = esub.add_parser(name, help=helps[name], description=helps[name])
         _add_options(e)
         e.set_defaults(func=run)
+    from experiments import pretrained
+
+    e = esub.add_parser("pretrained", help="recovery on a trained network: paired branches from one warm checkpoint",
+                        description=pretrained.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pretrained.add_arguments(e)
+    e.set_defaults(func=pretrained.main)
 
 
 def settings_from_args(args: argparse.Namespace):

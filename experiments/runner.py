@@ -136,7 +136,7 @@ def _prepare_data(spec: RunSpec) -> None:
     from checkfree.data import build_data
 
     cfg = config_from_dict({**spec.config, "failures": {**spec.config["failures"], "trace": None}})
-    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
 
 

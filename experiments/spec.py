@@ -21,7 +21,7 @@ conversion p = 1 - (1 - h)^(91.3 / 3600).
 Failure traces. For every (rate, seed) one trace is drawn with failures on *all* stages
 (`bernoulli_schedule`, seed = failure seed), over the iteration budget (rolled-back
 recomputations meet failures too). Strategies that cannot recover the first / last stage
-(`Strategy.fails_edges` is False: checkfree, uniform, copy, random -- the paper never fails the
+(`Strategy.fails_edges` is False: checkfree, uniform, copy, random, identity -- the paper never fails the
 edge stages under plain CheckFree) replay the *inner* trace: the same draws with stages 0 and
 S-1 removed (exactly `bernoulli_schedule(..., protect={0, S-1})`). Every other strategy replays
 the full trace. Because the draws depend only on (seed, iteration), the traces of one seed are
@@ -61,7 +61,7 @@ ALL_STRATEGIES = ["checkpoint", "redundant", "checkfree", "checkfree+", "gemini"
                   "checkfree+snap", "uniform", "copy", "random"]
 IN_MEMORY = ("redundant", "gemini", "reft", "baft")  # fall back to a persistent checkpoint when copies are lost
 ROLLBACK = ("checkpoint", "gemini", "reft", "baft")  # roll every stage back: need an iteration budget
-LOCAL_STRATEGIES = ("checkfree", "checkfree+", "uniform", "copy", "random", "checkpoint", "gemini")
+LOCAL_STRATEGIES = ("checkfree", "checkfree+", "uniform", "copy", "random", "identity", "checkpoint", "gemini")
 
 
 def default_jobs() -> int:

@@ -4,7 +4,8 @@
                 paper's Table 2 (hours to target, ratios vs checkpointing and redundant
                 computation, failures), plots of validation loss vs simulated wall-clock
                 and vs iterations, time-to-target bars; `--runtime local` adds swarm runs.
-* ablation-init recovery initialisation: random, copy, uniform, checkfree (paper Fig. 2).
+* ablation-init recovery initialisation: random, copy, uniform, checkfree (paper Fig. 2), and identity
+                (layer drop: the lost stage a pass-through; the baseline the paper lacks).
 * ablation-ckpt checkpointing every 10 / 50 / 100 paper iterations vs CheckFree+ (Fig. 4b).
 * ablation-rate CheckFree+ at several failure rates (Fig. 4a).
 * ablation-swap the cost of CheckFree+'s swaps without failures: checkfree vs checkfree+ at rate 0 (Fig. 4c).
@@ -51,7 +52,7 @@ from experiments.spec import (
 __all__ = ["EXPERIMENTS", "specs_for", "report", "run_experiment"]
 
 EXPERIMENTS = ("convergence", "ablation-init", "ablation-ckpt", "ablation-rate", "ablation-swap")
-INIT_STRATEGIES = ["random", "copy", "uniform", "checkfree"]
+INIT_STRATEGIES = ["random", "copy", "uniform", "checkfree", "identity"]
 # Paper Fig. 2 (500M, 16%): perplexity after 10,000 iterations (authors' plot script).
 PAPER_FIG2_PPL = {"checkfree": 22.60, "copy": 29.24, "random": 121.03}
 

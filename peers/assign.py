@@ -26,14 +26,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from checkfree.protocol import RPC, ProtocolError, Timeouts, require
+from checkfree.protocol import RPC, ProtocolError, require
 from checkfree.worker import StageWorker
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
 from peers.debug import DebugHooks
 from peers.recovery import Recovery
 from peers.snapshots import Snapshots
-from peers.stage import HostedStage, PeerState
+from peers.stage import HostedStage
 
 __all__ = ["MODES", "Assignment"]
 
@@ -46,14 +46,15 @@ class Assignment:
     """Makes this standby peer serve the stage the coordinator assigns it."""
 
     def __init__(self, hosted: HostedStage, compute: ComputeQueue, recovery: Recovery, snapshots: Snapshots,
-                 debug: DebugHooks, timeouts: Timeouts, release: Callable[[], Awaitable[None]] | None = None) -> None:
+                 debug: DebugHooks, release: Callable[[], Awaitable[None]] | None = None) -> None:
         self.hosted, self.compute, self.recovery, self.snapshots, self.debug = (hosted, compute, recovery,
                                                                                 snapshots, debug)
-        self.t = timeouts
         self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
+        # how long an ASSIGN waits for this peer's JOIN reply (see HostedStage.joining)
+        self.timeout = recovery.net.t.rpc_timeout
 
     async def on_assign(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        cfg, stage, mode = await self.hosted.await_joined(self.t.rpc_timeout), header["stage"], header["mode"]
+        cfg, stage, mode = await self.hosted.joining(self.timeout), header["stage"], header["mode"]
         if self.hosted.worker is not None and header.get("release") is True and self.release is not None:
             log.info("leaving stage %d's group to serve stage %d", self.hosted.index, stage)
             await self.release()
@@ -94,7 +95,4 @@ class Assignment:
 
     def _serve(self, worker: StageWorker, omega: float, step: object) -> None:
         """Start serving `worker`, its weights ready for `step` (0 unless the message says)."""
-        hosted = self.hosted
-        hosted.worker, hosted.omega = worker, omega
-        hosted.next_step = step if isinstance(step, int) else 0
-        hosted.state = PeerState.SERVING
+        self.hosted.serve(worker, omega, step if isinstance(step, int) else 0)

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from checkfree.net.transport import TransportError
 from checkfree.protocol import RPC, ProtocolError
-from checkfree.serialize import state_to_bytes
+from checkfree.serialize import blob_tensor, state_to_bytes
 from checkfree.strategies.state import capture_worker, unit_nbytes
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
@@ -49,8 +47,8 @@ class Backups:
         self.sending = (header["step"], blob)
         return {"bytes": len(blob), "units": units}, []
 
-    def _capture(self, step: int) -> tuple[bytes, list[int]]:
-        state = capture_worker(self.hosted.worker, step, self.hosted.omega)
+    def _capture(self, step: int) -> tuple[bytearray, list[int]]:
+        state = capture_worker(self.hosted.worker, step, self.hosted.omega, clone=False)  # serialised at once
         return state_to_bytes(state), list(unit_nbytes(state).values())
 
     async def send_part(self, backup: dict) -> None:
@@ -64,7 +62,7 @@ class Backups:
         if hi <= lo:
             return
         await self.compute.idle()  # the bubble: nothing of this stage's to compute right now
-        part = torch.frombuffer(bytearray(blob[lo:hi]), dtype=torch.uint8)
+        part = blob_tensor(memoryview(blob)[lo:hi])
         holder = holders.get(str(stage))
         try:
             await self.net.call(holder, RPC.BACKUP_PART, self.net.t.step_timeout, [part],
@@ -101,12 +99,12 @@ class Backups:
         arrived; returns the stages whose backup this peer now holds complete."""
         step, held = header["step"], []
         if self.sending is not None and self.sending[0] == step:
-            self.snapshots.held[self.hosted.index] = self.sending
+            self.snapshots.keep(self.hosted.index, *self.sending)
             self.sending = None
             held.append(self.hosted.index)
         for owner, (s, buf, parts) in list(self.assembling.items()):
             if s == step and sum(parts.values()) == len(buf):
-                self.snapshots.held[owner] = (step, bytes(buf))
+                self.snapshots.keep(owner, step, bytes(buf))
                 del self.assembling[owner]
                 held.append(owner)
         return {"held": sorted(held)}, []

@@ -27,6 +27,7 @@ import torch
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import RunConfig
 from checkfree.net.wire import check_finite
+from checkfree.serialize import tensor_blob
 from checkfree.protocol import REQUEST_FIELDS, RPC, Kind, ProtocolError, require
 from checkfree.wirecodec import decode
 
@@ -147,7 +148,7 @@ def check_activation(tensors: list[torch.Tensor], what: str, cfg: RunConfig | No
     m, t = cfg.model, cfg.train
     check_finite([x for x in tensors if x.is_floating_point()])
     try:
-        return decode(tensors, t.wire_dtype, (t.microbatch_size, m.context_length, m.d_model), what)
+        return decode(tensors, t.wire_dtype, (t.microbatch_size, cfg.seq_len, m.d_model), what)
     except ValueError as e:
         raise ProtocolError(str(e)) from None
 
@@ -196,8 +197,9 @@ def check_sender(run: StepRun, peer: object, mb: int, idx: int) -> None:
                             f"attempt {run.attempt}")
 
 
-def check_blob(tensors: list[torch.Tensor], what: str) -> bytes:
-    """The bytes of a message that carries one serialized state (`what`) as one 1-D uint8 tensor."""
+def check_blob(tensors: list[torch.Tensor], what: str) -> memoryview:
+    """The bytes of a message that carries one serialized state (`what`) as one 1-D uint8 tensor: a view of the
+    received message (no copy)."""
     if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
         raise ProtocolError(f"{what} is one 1-D uint8 tensor")
-    return tensors[0].numpy().tobytes()
+    return tensor_blob(tensors[0])

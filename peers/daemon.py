@@ -40,7 +40,6 @@ from checkfree.net.transport import (
     RemoteError,
     dht_maddrs,
     rpc_note,
-    start_transport,
     stop_transport,
 )
 from checkfree.protocol import (
@@ -65,7 +64,7 @@ from peers.passes import Passes
 from peers.recovery import Recovery
 from peers.replicas import Replicas
 from peers.snapshots import Snapshots
-from peers.stage import HostedStage, PeerState
+from peers.stage import HostedStage
 from peers.step import StepTracker
 
 __all__ = ["PeerDaemon", "PeerOptions"]
@@ -110,14 +109,16 @@ class PeerDaemon:
         self.membership = Membership(opts.run_id, opts.timeouts, opts.secret_file, self.hosted, self.stop)
         self.replicas = Replicas(self.membership, self.hosted, self.compute)
         self.steps = StepTracker(opts.timeouts, self.hosted, self.compute, self.replicas)
-        self.snapshots = Snapshots(self.membership, self.hosted, self.steps, self.compute)
+        ips = listen_ips(opts.host_maddrs)  # reft's snapshot companion listens on this peer's host
+        self.snapshots = Snapshots(self.membership, self.hosted, self.steps, self.compute,
+                                   ips[0][1] if ips else "127.0.0.1")
         self.backups = Backups(self.membership, self.hosted, self.compute, self.snapshots)
         self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug, self.replicas,
                              self.backups)
         self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
         self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, self.debug)
         self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug,
-                                     opts.timeouts, self._release)
+                                     self._release)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
     def handlers(self) -> dict[str, Handler]:
@@ -153,20 +154,13 @@ class PeerDaemon:
         opts, net = self.opts, self.membership
         if opts.threads:
             torch.set_num_threads(opts.threads)
-        ips = listen_ips(opts.host_maddrs)
-        self.snapshots.parity.companion_host = ips[0][1] if ips else "127.0.0.1"  # reft's snapshot companion
-        net.dht, net.transport = await start_transport(
-            opts.initial_peers, opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
-            opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
-            tcp_port=opts.tcp_port, secret=net.secret)
+        await net.start(opts)
         # only now: the DHT process forked above would inherit asyncio's handlers and then ignore the
         # SIGTERM that DHT.shutdown / multiprocessing's exit send it, hanging this peer's exit forever
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
         hb = None
-        if net.secret is not None:  # every request this peer makes carries its membership token
-            net.transport.extra_header = {"token": net.token()}
         try:
             await self._register()
             addrs = ",".join(await dht_maddrs(net.dht))
@@ -201,7 +195,7 @@ class PeerDaemon:
         if self.hosted.companion:  # reft's crash-surviving snapshot holder, started while standing by
             self.snapshots.parity.prepare()
         if cfg.train.wan:
-            self.membership.wan = WanEmulator(cfg)
+            self.membership.emulate(WanEmulator(cfg))
         log.info("joined run %s as standby", self.opts.run_id)
         # pay torch's one-off lazy initialisation (~3 s on a CPU) now, not inside a recovery
         asyncio.create_task(self.compute.run(StageWorker, self.hosted.worker_cfg, cfg.num_stages - 1))
@@ -217,8 +211,7 @@ class PeerDaemon:
         await self.steps.drop("this replica leaves its stage")
         self.steps.reset()
         self.group.close()
-        self.hosted.worker, self.hosted.omega, self.hosted.next_step = None, 0.0, 0
-        self.hosted.state = PeerState.STANDBY
+        self.hosted.release()
 
     # ---- handlers --------------------------------------------------------------------
     async def _on_ping(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
@@ -236,7 +229,7 @@ class PeerDaemon:
             tag = f"-{self.membership.me}" if self.hosted.cfg.train.stage_groups else ""  # a stage group's replica
             await self.compute.run(self.debug.dump_final, self.hosted.worker, self.hosted.omega, tag)
         if run_ended:
-            self.membership.run_finished = True
+            self.membership.finish()
             if self.opts.stay:
                 print(f"run finished ({reason}); staying (--stay) until stopped", flush=True)
                 return {"ok": True}, []

@@ -38,8 +38,7 @@ class Failover:
         if run is not None and not run.ready():
             await self.steps.drop("dropped: the coordinator changed")
             run = None
-        self.net.coordinator = new
-        self.net.heard_from_coordinator()
+        self.net.adopted_by(new)
         log.info("coordinator %s took over run %s (previous: %s)", new, self.net.run_id, old)
         hosted = self.hosted
         return {"stage": hosted.index, "state": hosted.state.value, "next_step": hosted.next_step,

@@ -61,18 +61,9 @@ class StageGroup:
         dead, to, mbs = header["dead"], header["to"], header["mbs"]
         if not all(isinstance(mb, int) and 0 <= mb < len(run.hops) for mb in mbs):
             raise ProtocolError(f"REROUTE names microbatches outside the step: {mbs!r:.200}")
-        for mb in mbs:
-            run.hops[mb] = [to if p == dead else p for p in run.hops[mb]]
-        for g in run.groups.values():
-            if dead in g:
-                g.remove(dead)
+        new = run.reroute(dead, to, mbs, self.net.me)
         if to != self.net.me:
             return {"ok": True}, []
-        new = [mb for mb in mbs if mb not in run.mine]
-        run.mine.update(new)
-        run.remaining += len(new)
-        if new:
-            run.done.clear()
         t0 = time.perf_counter()
         for mb in new:
             idx = [h.stage for h in run.routes[mb]].index(self.hosted.index)
@@ -114,7 +105,7 @@ class StageGroup:
         except TimeoutError:
             raise ProtocolError(f"microbatch {mb} has no activation here within rpc_timeout") from None
         out = encode(run.sent[mb], self.hosted.cfg.train.wire_dtype)
-        run.bytes_sent += sum(t.numel() * t.element_size() for t in out)
+        run.count_sent(sum(t.numel() * t.element_size() for t in out))
         return {"ok": True}, out
 
     # ---- the gradient all-reduce -----------------------------------------------------------
@@ -130,7 +121,7 @@ class StageGroup:
         reduce_s = time.perf_counter() - t0
         worker = self.hosted.worker
         if self.hosted.plus:  # the group's sums, which the partner stage's COMPONENT_GRAD waits for
-            run.component_grads = {c: worker.component_grad(c) for c in worker.components}
+            run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
         run.reduced.set()
         if self.hosted.plus:
             await self.passes._sync_components(run)
@@ -145,7 +136,7 @@ class StageGroup:
         if run.pre_reduce is not None:
             worker.set_flat_grad(run.pre_reduce)
         flat = worker.flat_grad()
-        run.pre_reduce = flat.clone()
+        run.keep_pre_reduce(flat.clone())
         size = header["size"]
         if size == 1:
             return 0
@@ -163,7 +154,7 @@ class StageGroup:
         except Exception as e:
             self._pg = None  # (a group with a dead member cannot be used again)
             worker.set_flat_grad(run.pre_reduce)
-            run.pre_reduce = None  # restored: a sibling's redo may add to them before the next reduce
+            run.keep_pre_reduce(None)  # restored: a sibling's redo may add to them before the next reduce
             raise StepFailed(f"the gradient all-reduce of stage {self.hosted.index} failed: {str(e)[:300]}",
                              Kind.STEP_FAILED) from None
         worker.set_flat_grad(flat)

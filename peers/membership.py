@@ -32,8 +32,11 @@ from checkfree.net.transport import (
     TransportTimeout,
     announce,
     live_members_async,
+    sign_requests,
+    start_transport,
 )
 from checkfree.protocol import (
+    HEARTBEATS_PER_TTL,
     RPC,
     Kind,
     Timeouts,
@@ -67,6 +70,29 @@ class Membership:
         self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
         self.run_finished = False  # the coordinator said the run ended
         self.wan: WanEmulator | None = None  # the run's emulated network (train.wan), once joined
+
+    async def start(self, opts) -> None:
+        """This peer's DHT and transport (`opts`: the daemon's PeerOptions); with a run secret every request it
+        makes carries its membership token."""
+        self.dht, self.transport = await start_transport(
+            opts.initial_peers, opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
+            opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
+            tcp_port=opts.tcp_port, secret=self.secret)
+        if self.secret is not None:
+            sign_requests(self.transport, {"token": self.token()})
+
+    def emulate(self, wan: WanEmulator) -> None:
+        """The run's emulated network: calls between stages are held back as its links would."""
+        self.wan = wan
+
+    def finish(self) -> None:
+        """The coordinator said the run ended."""
+        self.run_finished = True
+
+    def adopted_by(self, coordinator: str) -> None:
+        """A new coordinator took this peer over (a sign of its life too)."""
+        self.coordinator = coordinator
+        self.heard_from_coordinator()
 
     @property
     def me(self) -> str:
@@ -200,7 +226,7 @@ class Membership:
 
     # ---- staying a member ----------------------------------------------------------------
     async def heartbeat(self) -> None:
-        """Refresh this peer's membership entry every ttl/3 (jittered) until cancelled."""
+        """Refresh this peer's membership entry every ttl / HEARTBEATS_PER_TTL (jittered) until cancelled."""
         key, me = members_key(self.run_id), self.me
         while True:
             try:
@@ -210,7 +236,7 @@ class Membership:
                                self.t.heartbeat_ttl)
             except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
-            await asyncio.sleep(self.t.heartbeat_ttl / 3 * random.uniform(0.8, 1.0))
+            await asyncio.sleep(self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
 
     async def watch_coordinator(self, limit: float) -> bool:
         """Return True once no coordinator has been heard from for `limit` seconds (False once the
@@ -239,7 +265,7 @@ class Membership:
         has a replacement ready, keep serving until our exact state has been handed over (the
         coordinator then sends SHUTDOWN, which sets `stop`) or `deadline` seconds pass.
         tell_coordinator=False: the coordinator itself asked this peer to go."""
-        self.hosted.state = PeerState.LEAVING
+        self.hosted.leave()
         if self.coordinator is None or not tell_coordinator:
             return
         try:

@@ -41,9 +41,10 @@ KEEP_STEPS = 2  # chunks of older snapshots than the newest two are dropped (a b
 class Parity:
     """This peer's parity block of its group's newest snapshot, and chunks arriving for it."""
 
-    def __init__(self, membership: Membership, hosted: HostedStage, held: dict[int, tuple[int, bytes]]) -> None:
+    def __init__(self, membership: Membership, hosted: HostedStage, held: dict[int, tuple[int, bytes]],
+                 companion_host: str = "127.0.0.1") -> None:
         self.net, self.hosted, self.held = membership, hosted, held  # held: the snapshots (peers.snapshots)
-        self.companion_host = "127.0.0.1"  # where this peer's snapshot companion listens (the daemon's host)
+        self.companion_host = companion_host  # where this peer's snapshot companion listens (the daemon's host)
         self.companion: subprocess.Popen | None = None
         self.companion_addr: str | None = None
         self._client: TcpTransport | None = None

@@ -185,11 +185,10 @@ class Passes:
         task.add_done_callback(run.tasks.discard)
 
     def _mb_done(self, run: StepRun) -> None:
-        run.remaining -= 1
-        if run.remaining == 0:
+        if run.microbatch_done():
             worker = self.hosted.worker
             if self.hosted.plus and not run.evaluate and not run.grouped:
-                run.component_grads = {c: worker.component_grad(c) for c in worker.components}
+                run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
             run.done.set()
 
     async def _forward_task(self, run: StepRun, mb: int, idx: int, x: torch.Tensor | None) -> None:
@@ -203,7 +202,7 @@ class Passes:
             if run.evaluate:
                 out = await self.compute.run(self.hosted.worker.infer, x, hop)
                 if hop.head:
-                    run.losses[mb] = float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten()))
+                    run.keep_loss(mb, float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())))
                 else:
                     await self._send(run, mb, idx + 1, RPC.FORWARD, out)
                 self._mb_done(run)
@@ -218,11 +217,10 @@ class Passes:
                 self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:
                 if run.grouped:  # kept for a sibling's redo, should the next hop's replica be lost
-                    run.sent[mb] = out
-                    run.event("sent", mb).set()
+                    run.keep_sent(mb, out)
                 await self._send(run, mb, idx + 1, RPC.FORWARD, out)
                 return
-            run.losses[mb] = float(out)  # this microbatch's share of the step loss (already / M)
+            run.keep_loss(mb, float(out))  # this microbatch's share of the step loss (already / M)
             if not math.isfinite(run.losses[mb]):
                 log.warning("non-finite loss at step %d microbatch %d", run.step, mb)
             await self._backward_task(run, mb, idx, None)
@@ -258,7 +256,7 @@ class Passes:
             grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
                                               (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
             if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost
-                run.sent_grad[mb] = grad_in
+                run.keep_sent_grad(mb, grad_in)
             self._mb_done(run)
             if idx == 0 and self.hosted.cfg.train.schedule == "1f1b":
                 self._start_next(run)  # one microbatch finished here: admit the next
@@ -273,7 +271,7 @@ class Passes:
         """Send microbatch `mb`'s activation (FORWARD) or gradient (BACKWARD) to the peer of its hop `idx`."""
         stage, target = run.routes[mb][idx].stage, run.peer(mb, idx)
         tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
-        run.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        run.count_sent(sum(t.numel() * t.element_size() for t in tensors))
         header = {"mb": mb, "hop": idx}
         if self.net.wan is not None:
             header["sent"] = time.time()  # the receiver measures the hop's one-way delay
@@ -324,5 +322,5 @@ class Passes:
             if run.error is not None:  # aborted while we waited: its gradients are dropped, the next attempt's
                 return  # would start from ours (checked and queued with no await between: ABORT's drop comes after)
             mine = run.component_grads[comp]
-            run.bytes_sent += other.numel() * other.element_size()  # counted once per transfer, at the receiver
+            run.count_sent(other.numel() * other.element_size())  # counted once per transfer, at the receiver
             await self.compute.run(self.hosted.worker.set_component_grad, comp, mine + other.to(mine.device))

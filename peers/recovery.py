@@ -21,7 +21,8 @@ import torch
 from checkfree.costmodel import stage_params
 from checkfree.pipeline import COMPONENTS
 from checkfree.protocol import RPC, ProtocolError, plan_from_wire, require
-from checkfree.recovery import RecoveryPlan, rebuild_stage, recovered_optimizer_state
+from checkfree.recovery import Neighbours, rebuild_stage, recovered_optimizer_state
+from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies.state import optim_from_wire, optim_to_wire, state_nbytes
 from checkfree.worker import StageWorker
 from peers.compute import ComputeQueue
@@ -68,8 +69,7 @@ class Recovery:
         """This stage's full state now (weights, Adam, LR scale, omega): a lossless handover."""
         self.hosted.serving()
         blob = await self.compute.run(self.hosted.capture_bytes, header["step"])
-        return ({"stage": self.hosted.index, "next_step": self.hosted.next_step},
-                [torch.frombuffer(bytearray(blob), dtype=torch.uint8)])
+        return {"stage": self.hosted.index, "next_step": self.hosted.next_step}, [blob_tensor(blob)]
 
     # ---- pulling -------------------------------------------------------------------------
     async def take_handover(self, worker: StageWorker, header: dict, rpc: str = RPC.GET_STATE) -> dict:
@@ -79,7 +79,7 @@ class Recovery:
         stage = header["stage"]  # the leaving peer serves the same stage, in the same region
         timeout = self.net.t.step_timeout + self._allowance(stage, stage)
         _, (blob,) = await self.net.call(header["source"], rpc, timeout, link=(stage, stage), step=header["step"])
-        omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
+        omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
         return {"omega": omega, "bytes": blob.numel()}
 
     async def recover(self, stage: int, header: dict) -> tuple[StageWorker, dict]:
@@ -115,7 +115,7 @@ class Recovery:
         fetched = await asyncio.gather(*(self._fetch(stage, s, pid, comp, step) for comp, (s, pid) in edges.items()))
         return {comp: (w, o) for comp, (w, _, o) in zip(edges, fetched)}
 
-    async def _pull(self, stage: int, plan: RecoveryPlan, peers: dict[int, str],
+    async def _pull(self, stage: int, plan: Neighbours, peers: dict[int, str],
                     step: int) -> tuple[dict, dict, dict, dict, float]:
         """Every weight pull of `plan` for `stage` at once: blocks and norms per source stage, the replicas'
         weights and Adam state per component, and the seconds it took."""
@@ -149,7 +149,7 @@ class Recovery:
         weights and two Adam moments in float32 (Membership.allowance; 0 on loopback)."""
         return self.net.allowance(source, stage, 12 * stage_params(self.hosted.cfg)[source])
 
-    def _rebuild(self, worker: StageWorker, plan: RecoveryPlan, blocks: dict, norms: dict, edges: dict,
+    def _rebuild(self, worker: StageWorker, plan: Neighbours, blocks: dict, norms: dict, edges: dict,
                  edge_optim: dict, step: int) -> dict[int, float]:
         """On the compute thread: the library's rebuild from the pulled weights, loaded into `worker`
         with a fresh optimizer. Returns the coefficient of each source stage."""

@@ -23,7 +23,7 @@ import torch
 from checkfree.net.transport import TransportError
 from checkfree.pipeline import Hop
 from checkfree.protocol import RPC, ProtocolError
-from checkfree.serialize import state_to_bytes
+from checkfree.serialize import blob_tensor, state_to_bytes, tensor_blob
 from checkfree.strategies.state import capture_worker
 from checkfree.worker import StageWorker
 from peers.compute import ComputeQueue
@@ -66,7 +66,7 @@ class Replicas:
         _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, self.net.t.step_timeout,
                                          link=(self.hosted.index, succ), step=header["step"])
         worker = await self.compute.run(self.hosted.build, succ, True, False)
-        self.omega = await self.compute.run(self.hosted.load_bytes, worker, blob.numpy().tobytes())
+        self.omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
         self.replica = worker
         log.info("holding a replica of stage %d (%.1f MB)", succ, blob.numel() / 1e6)
         return {"ok": True, "stage": succ, "bytes": blob.numel()}, []
@@ -94,7 +94,7 @@ class Replicas:
         if self.replica is None:
             raise ProtocolError("this peer holds no replica")
         blob = await self.compute.run(self._capture, header["step"])
-        return {"stage": self.replica.index}, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+        return {"stage": self.replica.index}, [blob_tensor(blob)]
 
     # ---- the step --------------------------------------------------------------------
     async def forward(self, x: torch.Tensor) -> None:
@@ -141,11 +141,8 @@ class Replicas:
 
     @staticmethod
     def _apply(replica: StageWorker, names: list[str], grads: list[torch.Tensor], step: int):
-        params = dict(replica.module.named_parameters())
-        for n, g in zip(names, grads):
-            p = params[n]
-            p.grad = g.to(p.device, p.dtype)
+        replica.set_grads(dict(zip(names, grads)))
         return replica.step(step)
 
-    def _capture(self, step: int) -> bytes:
-        return state_to_bytes(capture_worker(self.replica, step, self.omega))
+    def _capture(self, step: int) -> bytearray:
+        return state_to_bytes(capture_worker(self.replica, step, self.omega, clone=False))

@@ -10,10 +10,10 @@ a live stage rolls back to its own. Files: `checkfree.strategies.storage` (the s
 from __future__ import annotations
 
 import time
-
-import torch
+from typing import Any
 
 from checkfree.protocol import RPC, ProtocolError, require
+from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies import storage
 from checkfree.strategies.state import state_nbytes
 from checkfree.worker import StageWorker
@@ -31,10 +31,10 @@ class Snapshots:
     """The snapshots this peer holds, its own stage's and others', by stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker,
-                 compute: ComputeQueue) -> None:
+                 compute: ComputeQueue, companion_host: str = "127.0.0.1") -> None:
         self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
-        self.held: dict[int, tuple[int, bytes]] = {}  # stage -> (step, serialized full state)
-        self.parity = Parity(membership, hosted, self.held)  # reft
+        self.held: dict[int, tuple[int, Any]] = {}  # stage -> (step, serialized full state: a bytes-like object)
+        self.parity = Parity(membership, hosted, self.held, companion_host)  # reft
 
     def steps_held(self) -> dict[str, int]:
         """The step of each snapshot held here, by stage (for a new coordinator)."""
@@ -62,7 +62,7 @@ class Snapshots:
             require(header, holders=list)
             if self.net.me in header["holders"]:  # gemini keeps its own copy (a rollback of a live stage reads it)
                 self.held[stage] = (header["step"], blob)
-            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            payload = blob_tensor(blob)
             for pid in header["holders"]:
                 if pid != self.net.me:
                     await self.net.call(pid, RPC.STORE_SNAPSHOT, self.net.t.step_timeout, [payload], owner=stage,
@@ -85,21 +85,24 @@ class Snapshots:
         if held is None or held[0] != header["step"]:
             raise ProtocolError(f"no snapshot of stage {header['owner']} at step {header['step']} here "
                                 f"(have: {None if held is None else held[0]})")
-        return {"ok": True}, [torch.frombuffer(bytearray(held[1]), dtype=torch.uint8)]
+        return {"ok": True}, [blob_tensor(held[1])]
 
     async def on_restore(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         """Roll this live stage back to its snapshot at `step` (own memory or storage), or
         to its initial state for step 0 with source "init"."""
         stage = self.hosted.serving().index
         if header["step"] == 0 and header.get("source") == "init":
-            self.hosted.worker = await self.compute.run(self.hosted.build, stage)
-            self.hosted.omega = 0.0
+            self.hosted.rolled_back(0.0, 0, await self.compute.run(self.hosted.build, stage))
         else:
             blob = await self._blob(stage, header)
-            self.hosted.omega = await self.compute.run(self.hosted.load_bytes, self.hosted.worker, blob)
+            omega = await self.compute.run(self.hosted.load_bytes, self.hosted.worker, blob)
+            self.hosted.rolled_back(omega, header["step"])
         self.steps.reset()
-        self.hosted.next_step = header["step"]
         return {"ok": True}, []
+
+    def keep(self, stage: int, step: int, blob: bytes) -> None:
+        """Hold `stage`'s snapshot (or backup) of `step` (at most one per stage)."""
+        self.held[stage] = (step, blob)
 
     # ---- a replacement's side ----------------------------------------------------------
     async def restore_new(self, worker: StageWorker, header: dict, donors: dict | None = None) -> dict:
@@ -120,7 +123,7 @@ class Snapshots:
         moved = sum(state_nbytes(list(d)) for d in (donors or {}).values())
         return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": fetched + moved, **origin}
 
-    async def _blob(self, stage: int, header: dict) -> bytes:
+    async def _blob(self, stage: int, header: dict) -> Any:
         """The snapshot bytes of `stage` at `step`: own memory, a holder peer, or storage."""
         step = header["step"]
         if isinstance(header.get("storage"), str):
@@ -132,4 +135,4 @@ class Snapshots:
                 raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
             return held[1]
         _, (blob,) = await self.net.call(source, RPC.FETCH_SNAPSHOT, self.net.t.step_timeout, owner=stage, step=step)
-        return blob.numpy().tobytes()
+        return tensor_blob(blob)

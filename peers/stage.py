@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from enum import Enum
+from typing import Any
 
 from checkfree.config import RunConfig
 from checkfree.data import TokenData, build_data
@@ -49,7 +51,7 @@ class HostedStage:
         self.data: TokenData | None = None
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
         self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
-        self._configured = asyncio.Event()
+        self._configured = asyncio.Event()  # set once the run's config is known
 
     @property
     def index(self) -> int:
@@ -60,14 +62,14 @@ class HostedStage:
         """Take the run's config (from the coordinator's JOIN reply); `device` overrides the run's."""
         from checkfree.strategies import build_strategy, worker_config
 
-        self.cfg = cfg
         if device:
-            cfg.train.device = device
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device=device))
+        self.cfg = cfg
         resolve_device(cfg.train.device)
         strategy = build_strategy(cfg)
         self.plus = strategy.plus
-        self.redundant = strategy.swarm_replicas
-        self.companion = strategy.snapshot_companion
+        self.redundant = strategy.peer_service == "replicas"
+        self.companion = strategy.peer_service == "companion"
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
         self._configured.set()
@@ -78,12 +80,11 @@ class HostedStage:
             raise ProtocolError("this peer has not joined a run yet")
         return self.cfg
 
-    async def await_joined(self, timeout: float) -> RunConfig:
-        """The run's config, waiting up to `timeout` for this peer to take its JOIN reply: the coordinator may
-        assign a stage the moment it has admitted the peer, before the peer has read the reply."""
-        if self.cfg is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._configured.wait(), timeout)
+    async def joining(self, timeout: float) -> RunConfig:
+        """The run's config, waiting up to `timeout` s for it: the coordinator may assign a stage as soon as it
+        has admitted this peer, before its JOIN reply has arrived here."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._configured.wait(), timeout)
         return self.joined()
 
     def serving(self) -> StageWorker:
@@ -91,6 +92,33 @@ class HostedStage:
         if self.worker is None:
             raise ProtocolError("this peer hosts no stage")
         return self.worker
+
+    # ---- changes (every part changes the hosted stage through these) -----------------------
+    def serve(self, worker: StageWorker, omega: float, next_step: int) -> None:
+        """Serve `worker`'s stage from now on, its weights ready for `next_step`."""
+        self.worker, self.omega, self.next_step = worker, omega, next_step
+        self.state = PeerState.SERVING
+
+    def rolled_back(self, omega: float, next_step: int, worker: StageWorker | None = None) -> None:
+        """The stage's weights are a copy's now (or, `worker`, its initial state), ready for `next_step`."""
+        if worker is not None:
+            self.worker = worker
+        self.omega, self.next_step = omega, next_step
+
+    def committed(self, omega: float | None, next_step: int, figures: dict) -> None:
+        """A step was committed (`omega` None: its update was skipped, the norm stays); `figures` what a new
+        coordinator may need of it."""
+        if omega is not None:
+            self.omega = omega
+        self.next_step, self.last_commit = next_step, figures
+
+    def release(self) -> None:
+        """Let the stage go and stand by again (a stage group's replica moved elsewhere)."""
+        self.worker, self.omega, self.next_step = None, 0.0, 0
+        self.state = PeerState.STANDBY
+
+    def leave(self) -> None:
+        self.state = PeerState.LEAVING
 
     # ---- on the compute thread --------------------------------------------------------
     def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:
@@ -101,7 +129,7 @@ class HostedStage:
             worker.attach_guard(make_guard(self.cfg, stage))
         if self._needs_data(stage) and self.data is None:
             c = self.cfg
-            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.model.context_length,
+            self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.seq_len,
                                    seed=c.train.seed, microbatch_size=c.train.microbatch_size)
         return worker
 
@@ -109,14 +137,16 @@ class HostedStage:
         holders = edge_holders(self.cfg.num_stages, self.plus)
         return stage in holders["embed"] or stage in holders["head"]
 
-    def capture_bytes(self, step: int) -> bytes:
-        """The hosted stage's full state as of `step` (weights, Adam, LR scale, RNG, omega)."""
-        return state_to_bytes(capture_worker(self.worker, step, self.omega))
+    def capture_bytes(self, step: int) -> bytearray:
+        """The hosted stage's full state as of `step` (weights, Adam, LR scale, RNG, omega), serialised straight
+        from the live tensors (one copy)."""
+        return state_to_bytes(capture_worker(self.worker, step, self.omega, clone=False))
 
     @staticmethod
-    def load_bytes(worker: StageWorker, blob: bytes, donors: dict | None = None) -> float:
-        """Load a full state captured by `capture_bytes` into `worker` (its replicated components from `donors`,
-        component -> (weights, Adam state), when given); returns its omega."""
+    def load_bytes(worker: StageWorker, blob: Any, donors: dict | None = None) -> float:
+        """Load a full state captured by `capture_bytes` (any bytes-like object; not copied before the load's own
+        copy into the worker) into `worker` (its replicated components from `donors`, component -> (weights, Adam
+        state), when given); returns its omega."""
         state = state_from_bytes(blob)
         restore_worker(worker, with_components(state, donors) if donors else state)
         return float(state["norm"])

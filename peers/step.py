@@ -76,6 +76,47 @@ class StepRun:
     def event(self, kind: str, mb: int) -> asyncio.Event:
         return self.events.setdefault((kind, mb), asyncio.Event())
 
+    def microbatch_done(self) -> bool:
+        """One microbatch of this peer's finished its backward here; whether it was the last."""
+        self.remaining -= 1
+        return self.remaining == 0
+
+    def keep_loss(self, mb: int, loss: float) -> None:
+        self.losses[mb] = loss
+
+    def keep_sent(self, mb: int, activation: torch.Tensor) -> None:
+        """The activation this peer sent on for `mb` (a sibling's redo may ask for it: GET_PASS)."""
+        self.sent[mb] = activation
+        self.event("sent", mb).set()
+
+    def keep_sent_grad(self, mb: int, grad: torch.Tensor | None) -> None:
+        self.sent_grad[mb] = grad
+
+    def keep_component_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """CheckFree+: this holder's embedding / head gradients, for its partner's COMPONENT_GRAD."""
+        self.component_grads = grads
+
+    def count_sent(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+
+    def keep_pre_reduce(self, flat: torch.Tensor | None) -> None:
+        """The gradients before a REDUCE (None: restored, nothing kept)."""
+        self.pre_reduce = flat
+
+    def reroute(self, dead: str, to: str, mbs: list[int], me: str) -> list[int]:
+        """A lost replica's (`dead`) hops of `mbs` go to `to`; the microbatches this peer takes on (if it is `to`)."""
+        for mb in mbs:
+            self.hops[mb] = [to if p == dead else p for p in self.hops[mb]]
+        for g in self.groups.values():
+            if dead in g:
+                g.remove(dead)
+        new = [mb for mb in mbs if mb not in self.mine] if to == me else []
+        self.mine.update(new)
+        self.remaining += len(new)
+        if new:
+            self.done.clear()
+        return new
+
     def fail(self, message: str, kind: str = Kind.STEP_FAILED) -> None:
         if self.error is None:
             self.error, self.kind = message, kind
@@ -204,12 +245,9 @@ class StepTracker:
         if grads is not None:  # redundant computation: the predecessor's replica takes the same step
             await replicas.ship(run.step, run.peers, grads)
             redundant = {"redundant_s": replicas.take_seconds(), "replica_bytes": replicas.shipped}
-        if not stats.skipped:
-            hosted.omega = stats.omega(hosted.cfg.recovery)
-        hosted.next_step = run.step + 1
-        hosted.last_commit = {"step": run.step, "losses": {str(k): v for k, v in run.losses.items()},
-                              "lr": stats.lr, "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post,
-                              **run.figures()}
+        hosted.committed(None if stats.skipped else stats.omega(hosted.cfg.recovery), run.step + 1, {
+            "step": run.step, "losses": {str(k): v for k, v in run.losses.items()}, "lr": stats.lr,
+            "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post, **run.figures()})
         self._set(None)
         return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post,
                 "lr": stats.lr,

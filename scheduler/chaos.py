@@ -24,6 +24,7 @@ import numpy as np
 
 from checkfree.cli import add_transport_arguments
 from checkfree.failures import write_trace
+from checkfree.recovery import FALLBACKS
 from checkfree.rundir import read_jsonl
 
 __all__ = ["add_parser", "chaos_trace", "tally"]
@@ -39,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     p.add_argument("--kills", type=int, default=30, help="SIGKILLs by trace (recovery kills come on top)")
     p.add_argument("--recovery-kills", type=int, default=2, help="replacements killed during their recovery")
     p.add_argument("--spares", type=int, default=2, help="standby peers kept running")
-    p.add_argument("--fallback", default="copy", choices=("random", "copy", "abort"),
+    p.add_argument("--fallback", default="copy", choices=FALLBACKS,
                    help="what an unrecoverable (adjacent) failure does; abort ends the chaos run at the first one")
     p.add_argument("--seed", type=int, default=0, help="seed of the failure schedule")
     p.add_argument("--out", default="runs/chaos", help="run directory")

@@ -45,6 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tell peers when the run ends (they print 'run finished' and exit unless started with "
                         "--stay); default on")
     p.add_argument("--max-attempts", type=int, default=5, help="attempts of one step before giving up")
+    p.add_argument("--dashboard", metavar="HOST:PORT",
+                   help="serve a live, read-only dashboard (/), /status (JSON) and /metrics (Prometheus) here; PORT "
+                        "alone binds 127.0.0.1, port 0 any free port (the address is printed as 'dashboard: URL'). "
+                        "A non-loopback HOST needs the run secret, sent by clients as 'Authorization: Bearer SECRET'")
     f = p.add_argument_group("coordinator failover (the run's config then comes from its peers; config flags are "
                              "ignored)").add_mutually_exclusive_group()
     f.add_argument("--takeover", action="store_true",
@@ -85,12 +89,30 @@ def _iterations(text: str, flag: str) -> frozenset[int]:
     return its
 
 
+async def _run(coordinator, out: str, dashboard, secret: bytes | None) -> dict:
+    """The coordinator's run, with its dashboard (a scheduler.dashboard.Bind) served from the same event loop."""
+    if dashboard is None:
+        return await coordinator.run()
+    from scheduler.dashboard import serve_dashboard
+    from scheduler.status import LiveStatus
+
+    async with serve_dashboard(LiveStatus(coordinator, out), dashboard, secret):
+        return await coordinator.run()
+
+
 def run_scheduler(args: argparse.Namespace) -> int:
     from checkfree.failures import FailureSchedule, read_trace, read_trace_scopes
     from checkfree.net.transport import TransportError
     from scheduler.coordinator import Coordinator, CoordinatorOptions
 
     cfg = config_from_args(args)
+    dashboard = secret = None
+    if args.dashboard is not None:  # a bad address, or a public one without a secret: refused before anything starts
+        from checkfree.auth import load_secret
+        from scheduler.dashboard import check_bind, parse_bind
+
+        secret = load_secret(args.secret_file)
+        dashboard = check_bind(parse_bind(args.dashboard), secret)
     failover = args.takeover or args.standby
     if not failover:
         warn_if_overwriting(args)
@@ -114,8 +136,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
                               tensorboard=args.tensorboard)
     if args.resume and failover:
         raise ValueError("--resume starts the run again from its saves; --takeover/--standby join a live one")
+    coordinator = Coordinator(None if failover else cfg, opts)
     try:
-        summary = asyncio.run(Coordinator(None if failover else cfg, opts).run())
+        summary = asyncio.run(_run(coordinator, args.out, dashboard, secret))
     except TransportError as e:
         raise ValueError(str(e)) from e
     print(json.dumps(summary), flush=True)

@@ -10,11 +10,10 @@ from checkfree.failures import FailureSchedule
 from checkfree.net.transport import RemoteError, TransportError
 from checkfree.protocol import Timeouts
 
-__all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS", "ROLLBACK_STRATEGIES",
+__all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS",
            "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures", "COMMIT_FIGURES", "commit_figures"]
 
 CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
-ROLLBACK_STRATEGIES = ("checkpoint", "gemini")  # rollback strategies that run for real in the swarm
 
 
 class Rollback(Exception):
@@ -91,10 +90,11 @@ class CoordinatorOptions:
 
 @dataclass
 class Member:
+    """A peer of the run, as membership knows it (which stage it serves is the stage table's: StageTable)."""
+
     peer_id: str
     joined: float
-    stage: int = -1
-    leaving: bool = False
+    leaving: bool = False  # failed, lost or retiring: never given a stage again
     handover: bool = False  # leaving gracefully, waiting to hand its exact state to a standby
     left: bool = False  # it announced its leave (LEAVE), rather than being retired or lost
     observer: bool = False  # joined to read (export), never assigned a stage

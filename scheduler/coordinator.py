@@ -1,28 +1,26 @@
 """The coordinator: owns a distributed run.
 
-It holds the config, admits peers (JOIN), assigns stages (waiting peers fill empty stages,
-the rest wait as standbys), drives each step (RUN_STEP on every stage peer, then COMMIT
-once all are ready), detects failures (expired DHT heartbeats, failure reports from peers
-whose call to a neighbour failed, failed pings, stragglers that ran over step_timeout), retires
-failed peers that may still be running (a healed partition), orders recoveries (which standby rebuilds
-which stage from which live neighbours), and writes the same run directory as the
-simulator. A step interrupted by a failure is aborted (partial gradients dropped) and run
-again after recovery; nothing is committed until every stage is ready.
+It holds the config, admits peers, assigns stages, drives each step (RUN_STEP on every stage peer, then COMMIT
+once all are ready), detects failures, orders recoveries by the strategy's plan and writes the same run directory
+as the simulator. A step interrupted by a failure is aborted (partial gradients dropped) and run again after
+recovery; nothing is committed until every stage is ready.
 
-The coordinator is composed of parts, one module each:
+It is composed of parts, each the only writer of its own state, built with what it needs (as the peer daemon,
+peers/daemon.py; torchft's Manager composes its process group and checkpoint transport beside a lighthouse that
+decides membership only):
 
-    scheduler/membership.py   JOIN/REPORT/LEAVE/STATUS, standbys and ASSIGN, failure detection, retiring, handover
-    scheduler/steps.py        RUN_STEP attempts, the route table, soft errors, COMMIT
-    scheduler/recovery.py     recovery orders; snapshots and rollback of the rollback strategies
-    scheduler/replicas.py     redundant computation: replicas taken, a lost stage's replica promoted
-    scheduler/backups.py      baft: backups started, sent part by part in the bubbles, sealed
-    scheduler/outputs.py      saves and resume, the tokenizer, the final weights
-    scheduler/groups.py       stage groups: replicas placed, a group step's routes, reroutes and gradient reduce
-    scheduler/failover.py     a standby coordinator taking over
-    scheduler/injector.py     fault injection for the local swarm (off in production)
-    scheduler/common.py       the options and types they share
+    scheduler/rpc.py          the transport: requests of this run to peers, heartbeats
+    scheduler/stage_table.py  who serves which stage (stage groups' replicas included)
+    scheduler/membership.py   JOIN/REPORT/LEAVE/STATUS, standbys, failure detection, retiring, handover
+    scheduler/placement.py    standbys given stages and stage groups' places
+    scheduler/steps.py        step attempts (scheduler/stage_groups.py: a group step), soft errors, COMMIT
+    scheduler/recovery.py     the strategy's recovery plans, carried out
+    scheduler/protection.py   the strategy's protection (snapshots, checkpoints, backups, replicas) and its ledger
+    scheduler/outputs.py      the run directory, measured figures, saves and resume, final weights
+    scheduler/failover.py     a standby coordinator watching, a takeover adopting the run from its peers
+    scheduler/injector.py     the local swarm's fault schedule (no schedule in production)
 
-This module keeps the training loop (`_train`) and the run's lifecycle (`run`).
+This module wires them, keeps the training loop (`_train`) and the run's lifecycle (`run`).
 """
 
 from __future__ import annotations
@@ -33,140 +31,84 @@ import logging
 import math
 import signal
 import time
-from pathlib import Path
 
-from checkfree.auth import join_token, load_secret
 from checkfree.config import RunConfig
-from checkfree.costmodel import CostModel
 from checkfree.groups import check_swarm_groups
 from checkfree.model import plan_stages
+from checkfree.net.transport import dht_maddrs, rpc_note
 from checkfree.pipeline import evaluates_after
-from checkfree.net.transport import (
-    dht_maddrs,
-    rpc_note,
-    start_transport,
-    stop_transport,
-)
-from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC, request
+from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC
 from checkfree.recovery import UnrecoverableFailure
-from checkfree.rundir import RunWriter
-from checkfree.steprules import Commit, SoftErrorRule, apply_commits
-from checkfree.strategies.base import Figures
+from checkfree.steprules import Commit, apply_commits
+from checkfree.strategies import build_strategy
 from checkfree.wan import WanEmulator
-from scheduler.backups import BackupsMixin
-from scheduler.common import (
-    CoordinatorAlive,
-    CoordinatorOptions,
-    Member,
-    Rollback,
-    commit_figures,
-    step_figures,
-)
-from scheduler.failover import FailoverMixin
-from scheduler.groups import GroupsMixin
-from scheduler.injector import ChaosMixin
-from scheduler.membership import MembershipMixin
-from scheduler.outputs import OutputsMixin
-from scheduler.recovery import RecoveryMixin
-from scheduler.replicas import ReplicasMixin
-from scheduler.steps import StepsMixin
+from scheduler.common import (EVAL_ATTEMPT, CoordinatorAlive, CoordinatorOptions, Member, Rollback, commit_figures,
+                              step_figures)
+from scheduler.failover import Failover
+from scheduler.injector import Injector
+from scheduler.membership import Membership
+from scheduler.outputs import Outputs
+from scheduler.placement import Placement
+from scheduler.protection import Protection
+from scheduler.recovery import Recovery
+from scheduler.rpc import Rpc
+from scheduler.stage_table import StageTable
+from scheduler.steps import StepDriver
 
 __all__ = ["CoordinatorOptions", "Coordinator", "CoordinatorAlive", "Member"]
 
 log = logging.getLogger(__name__)
 
 
-class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, ReplicasMixin, BackupsMixin, OutputsMixin,
-                  FailoverMixin, ChaosMixin):
+class Coordinator:
+    """One run's coordinator: its parts, the training loop, the lifecycle."""
+
     def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
         """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
+        if cfg is None and not (opts.takeover or opts.standby):
+            raise ValueError("a coordinator needs a config unless it takes over a running run")
         self.opts, self.t = opts, opts.timeouts
-        self.secret = load_secret(opts.secret_file)
-        self.members: dict[str, Member] = {}
-        self.stage_peer: dict[int, str] = {}
-        self.reported: set[str] = set()
-        self.writer: RunWriter | None = None
-        self.transport = None
-        self.dht = None
-        self.step = 0
-        self.iteration = 0  # executed steps, re-runs after a rollback included (the chaos clock)
-        self.member_event = asyncio.Event()
+        self.step = 0  # the step the run is at
+        self.iteration = 0  # executed steps, re-runs after a rollback included (the fault schedules' clock)
+        self.rpc = Rpc(opts)
+        self.table = StageTable()
+        self.out = Outputs(opts, self.rpc, self.table)
+        self.members = Membership(self.rpc, self.table, self.out, lambda: self.step)
+        self.failover = Failover(opts, self.rpc, self.members, self.table, self.out)
+        self.faults = Injector(opts, self.rpc, self.table, self.members, self.out)
         self.cfg: RunConfig | None = None
-        self._attempt_floor: dict[int, int] = {}  # step -> first attempt number (after a takeover)
-        self._retired: set[str] = set()  # failed peers already told to shut down
-        self._partitioned: list[str] = []  # local swarm: peers cut off the network, healed at the next iteration
-        self._retire_task: asyncio.Task | None = None
-        self._stdin: asyncio.StreamReader | None = None  # local swarm: the launcher's acknowledgements
-        self._saving: asyncio.Task | None = None  # the save being written in the background
-        self.over: str | None = None  # the run's final status once it has ended (late joins are refused)
         self._in_commit = False  # between a step's COMMIT and its record (a stop signal is deferred)
         self._stop_after_commit = False
-        self._init_groups()
         if cfg is not None:
             self._configure(cfg)
-        elif not (opts.takeover or opts.standby):
-            raise ValueError("a coordinator needs a config unless it takes over a running run")
 
     def _configure(self, cfg: RunConfig) -> None:
+        """The parts that need the run's config (refused here, before any peer starts, when it is bad)."""
         self.cfg = cfg
-        opts = self.opts
-        from checkfree.strategies import build_strategy
-        from checkfree.strategies.averaging import AveragingStrategy
-
-        name = cfg.recovery.strategy
         self.strategy = build_strategy(cfg)
-        swarm_replicas = self.strategy.swarm_replicas
-        if not (isinstance(self.strategy, AveragingStrategy) or self.strategy.swarm_rollback or swarm_replicas):
-            raise ValueError(f"strategy {name!r} runs in the simulator only: it has no distributed implementation")
-        if swarm_replicas and cfg.strategy.storage_fallback:
-            raise ValueError(f"{name} in the swarm: when a replica and its holder are lost together it applies "
-                             f"--fallback; --storage-fallback runs in the simulator only")
-        if self.strategy.snapshots_in_memory and self.strategy.when_all_copies_lost() not in ("checkpoint", "abort"):
-            raise ValueError(f"{name} in the swarm: when every holder of a snapshot is lost it rolls back to storage "
-                             f"(--storage-fallback yes) or aborts; --fallback {cfg.recovery.fallback} runs in the "
-                             f"simulator only")
         check_swarm_groups(cfg)
-        self.plus = self.strategy.plus
+        plan_stages(cfg.model.num_layers, cfg.num_stages)
         if cfg.train.wan:  # checked now (an unknown profile is an error before any peer starts), shown once
             for line in WanEmulator(cfg).describe():
                 print(f"emulated WAN {cfg.train.wan}: {line}", flush=True)
-        self.cost = CostModel(cfg)  # the strategies' choices that depend on links (a snapshot's source)
-        self.figures = Figures()  # what fault tolerance cost this run, measured: summary.json, as the simulator's
-        self.snap_step = 0  # gemini, baft: step of the last complete in-memory snapshot / backup
-        self._backup_peers: dict[int, tuple[str, str]] = {}  # baft: stage -> (its peer, its backup holder's)
-        self.companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address
-        self.snap_holders: dict[int, dict[int, str]] = {}  # stage -> {holder stage: peer holding its snapshot}
-        self.ckpt_step = 0  # checkpoint (or gemini's storage fallback): last complete checkpoint
-        self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
-        self._chaos_done: set[int] = set()
-        self._recovery_killed: set[int] = set()
-        self.norms = [0.0] * cfg.num_stages
-        self.soft_rule = SoftErrorRule()  # attempts lost in a row to each stage's soft errors
-        self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
-        plan_stages(cfg.model.num_layers, cfg.num_stages)
+        self.members.configure(cfg)
+        self.protection = Protection(cfg, self.opts, self.strategy, self.rpc, self.table, self.out)
+        self.driver = StepDriver(cfg, self.opts, self.rpc, self.table, self.members, self.out,
+                                 self.protection.in_step, self.faults.fault_fields)
+        self.driver.configure(self.strategy.plus)
+        self.placement = Placement(cfg, self.rpc, self.table, self.members, self.out, lambda: self.driver.groups.speeds,
+                                   self.faults.assign_fields)
+        self.recovery = Recovery(cfg, self.strategy, self.rpc, self.table, self.members, self.placement,
+                                 self.protection, self.out, self.faults.replacement_fields)
 
-    # ---- helpers -----------------------------------------------------------------------
-    def _event(self, event: str, **fields) -> None:
-        if self.writer is not None:
-            self.writer.event(event, **fields)
-
-    async def _call(self, pid: str, name: str, header: dict, timeout: float, tensors=()):
-        return await self.transport.call(pid, name, request(name, self.opts.run_id, **header), tensors, timeout=timeout)
-
-    def _charge(self, **figures) -> None:
-        """Add measured costs of fault tolerance (checkfree.strategies.base.Figures fields) to the run's."""
-        self.figures = self.figures + Figures(**figures)
-
-    def _status(self, text: str) -> None:
-        print(f"status: {text}", flush=True)
-
+    # ---- the training loop -----------------------------------------------------------------
     async def _train(self) -> None:
-        cfg, writer = self.cfg, self.writer
+        cfg = self.cfg
         last_val = math.nan
-        step = self.step  # 0, or where a takeover found the run
+        step = self.step  # 0, or where a takeover or a resume found the run
         while step < cfg.train.num_steps:
             self.step = step
-            await self._chaos(self.iteration)
+            await self.faults.at_iteration(self.iteration)
             t0 = time.perf_counter()
             try:
                 results = await self._run_step(step)
@@ -176,59 +118,91 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
             self._in_commit = True  # a stop signal waits until this step is recorded (_on_stop_signal)
             commits = await self._commit(step)
             self.iteration += 1
-            attempts = self._last_attempt + 1
-            loss = sum(float(v) for r in results.values() for v in r["losses"].values())
-            post = [commits[s].get("post", math.nan) if isinstance(commits[s], dict) else math.nan
-                    for s in range(cfg.num_stages)]
-            self.soft_rule.clear()
-            done = {s: r for s, r in commits.items() if isinstance(r, dict)}
-            for s, r in done.items():
-                self.soft_counts[self.stage_peer[s]] = r.get("soft_errors", {})
-            broken = apply_commits(
-                [Commit(s, float(r["omega"]), bool(r.get("skipped")), bool(r.get("weights_finite", True)))
-                 for s, r in done.items()], self.norms,
-                lambda event, stage, **f: self._event(event, step=step, stage=stage, peer_id=self.stage_peer[stage], **f))
-            for s in broken:  # numeric guard: a broken stage is a failed stage, recovered before the next step
-                self.members[self.stage_peer[s]].leaving = True
-            lr = next((r["lr"] for r in commits.values() if isinstance(r, dict)), math.nan)
-            block_post = [commits[s].get("block_post", math.nan) if isinstance(commits[s], dict) else math.nan
-                          for s in range(cfg.num_stages)]
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norms": post, "block_grad_norms": block_post,
-                      "step_time_s": round(time.perf_counter() - t0, 6), "attempts": attempts,
-                      "live_peers": sum(self._replica_counts()), **step_figures(results, cfg.num_stages),
-                      **commit_figures(commits, cfg.num_stages)}
-            if self._groups_on():  # stage groups: replicas per stage, and the microbatches each computed
-                record["replicas"] = self._replica_counts()
-                record["replica_microbatches"] = [results.get(s, {}).get("replica_microbatches")
-                                                  for s in range(cfg.num_stages)]
-                if any("reduce_s" in r for r in results.values()):
-                    record["reduce_s"] = [results.get(s, {}).get("reduce_s") for s in range(cfg.num_stages)]
-            if "backup_bytes" in record:  # baft: the parts sent in this step's bubbles
-                self._charge(bytes_moved=sum(x or 0 for x in record["backup_bytes"]))
-            if "redundant_s" in record:  # the step waited for the slowest stage's redundant forwards
-                self._charge(stall_s=max(x or 0.0 for x in record["redundant_s"]),
-                             bytes_moved=sum(x or 0 for x in record["replica_bytes"]))
-            await self._protect(step)
+            record = self._record(step, results, commits, time.perf_counter() - t0)
+            await self.protection.protect(step)
             if evaluates_after(step, cfg.train.eval_every, cfg.train.num_steps):
                 try:
                     ev = await self._run_step(step, evaluate=True)
                 except Rollback as r:
-                    writer.metric(record)
+                    self.out.writer.metric(record)
                     step = r.step
                     self._step_done(step)
                     continue
                 losses = [float(v) for r in ev.values() for v in r["losses"].values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
-            writer.metric(record)
+            self.out.writer.metric(record)
             if self.opts.save_every and (step + 1) % self.opts.save_every == 0 and step + 1 < cfg.train.num_steps:
-                await self._save(step + 1)
-            c = writer.counts
+                await self.out.save(cfg, step + 1, self.iteration)
+            c = self.out.counts()
             val = f", val {last_val:.4f}" if "val_loss" in record else ""
-            print(f"step {step}: loss {loss:.4f}{val}, {record['step_time_s'] * 1000:.0f} ms, peers "
-                  f"{record['live_peers']}+{len(self._standbys())}, failures {c['failures']}, recoveries "
+            print(f"step {step}: loss {record['loss']:.4f}{val}, {record['step_time_s'] * 1000:.0f} ms, peers "
+                  f"{record['live_peers']}+{len(self.members.standbys())}, failures {c['failures']}, recoveries "
                   f"{c['recoveries']}, fallbacks {c['fallbacks']}", flush=True)
             step += 1
             self._step_done(step)
+
+    async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:
+        """Run a step (or an evaluation) to completion: detect and recover failed stages, abort and retry an
+        interrupted attempt. Evaluation attempts are numbered from EVAL_ATTEMPT so their messages never mix with
+        the training step's."""
+        base = EVAL_ATTEMPT if evaluate else self.driver.first_attempt(step)
+        for attempt in range(base, base + self.opts.max_attempts):
+            found = await self.members.detect()
+            if found.handed_over:  # the copies the leaving peers held left with them
+                await self.protection.handed_over(found.handed_over, step)
+            if found.failed:
+                await self.recovery.recover(step, found.failed)
+            if not evaluate:
+                await self.placement.fill_groups(step, first=self.iteration == 0)
+            results = await self.driver.attempt(step, attempt, evaluate)
+            if results is not None:
+                self.driver.succeeded(attempt)
+                return results
+            self.out.event("aborted_step", step=step, attempt=attempt, evaluate=evaluate)
+        raise RuntimeError(f"step {step} failed {self.opts.max_attempts} times without a detectable peer failure; "
+                           "check the peers' logs (slow peers: raise --step-timeout)")
+
+    async def _commit(self, step: int) -> dict[int, dict | Exception]:
+        await self.faults.in_commit(step, self._commit_stages, self.cfg.num_stages)
+        return await self.driver.commit(step)
+
+    async def _commit_stages(self, stages: list[int]) -> None:
+        await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.COMMIT, {
+            "step": self.step, "attempt": self.driver.last_attempt}, self.t.rpc_timeout) for s in stages))
+
+    def _record(self, step: int, results: dict[int, dict], commits: dict[int, dict | Exception], took: float) -> dict:
+        """The step's metrics line; a stage whose weights broke is treated as failed (recovered before the next
+        step); the costs the peers measured are charged."""
+        cfg, done = self.cfg, {s: r for s, r in commits.items() if isinstance(r, dict)}
+        self.driver.committed(commits)
+        broken = apply_commits(
+            [Commit(s, float(r["omega"]), bool(r.get("skipped")), bool(r.get("weights_finite", True)))
+             for s, r in done.items()], None,
+            lambda event, stage, **f: self.out.event(event, step=step, stage=stage, peer_id=self.table.peer(stage), **f))
+        for s in broken:  # numeric guard: a broken stage is a failed stage
+            self.members.drop(self.table.peer(s))
+        per = {k: [done.get(s, {}).get(k, math.nan) for s in range(cfg.num_stages)] for k in ("post", "block_post")}
+        record = {"step": step, "loss": sum(float(v) for r in results.values() for v in r["losses"].values()),
+                  "lr": next((r["lr"] for r in done.values()), math.nan), "grad_norms": per["post"],
+                  "block_grad_norms": per["block_post"], "step_time_s": round(took, 6),
+                  "attempts": self.driver.last_attempt + 1, "live_peers": sum(self.table.replica_counts(cfg.num_stages)),
+                  **step_figures(results, cfg.num_stages), **commit_figures(commits, cfg.num_stages)}
+        if self._groups_on():  # stage groups: replicas per stage, and the microbatches each computed
+            record["replicas"] = self.table.replica_counts(cfg.num_stages)
+            record["replica_microbatches"] = [results.get(s, {}).get("replica_microbatches")
+                                              for s in range(cfg.num_stages)]
+            if any("reduce_s" in r for r in results.values()):
+                record["reduce_s"] = [results.get(s, {}).get("reduce_s") for s in range(cfg.num_stages)]
+        if "backup_bytes" in record:  # baft: the parts sent in this step's bubbles
+            self.out.charge(bytes_moved=sum(x or 0 for x in record["backup_bytes"]))
+        if "redundant_s" in record:  # the step waited for the slowest stage's redundant forwards
+            self.out.charge(stall_s=max(x or 0.0 for x in record["redundant_s"]),
+                            bytes_moved=sum(x or 0 for x in record["replica_bytes"]))
+        return record
+
+    def _groups_on(self) -> bool:
+        """Whether the run uses stage groups at all (its metrics and summary carry their figures)."""
+        return self.cfg.train.stage_groups or self.table.grouped()
 
     def _on_stop_signal(self, task: asyncio.Task) -> None:
         """SIGTERM/SIGINT/SIGHUP: stop now or, during a commit, once the step is recorded. A commit is never cut
@@ -245,49 +219,73 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
             self.step = next_step
             raise asyncio.CancelledError
 
-    # ---- main -------------------------------------------------------------------------
+    # ---- the run ---------------------------------------------------------------------------
+    async def _take_over(self) -> None:
+        """A standby (once the run's coordinator stops answering) or a takeover: the run adopted from its peers."""
+        if self.opts.standby:
+            await self.failover.watch()
+        cfg, replies = await self.failover.adopt()
+        self._configure(cfg)
+        found = await self.failover.resume(cfg, replies, self.driver, self.protection)
+        self.step = self.iteration = found.step
+        record = dict(found.record) if found.record is not None else None
+        if found.whole and found.step > 0:
+            # the old coordinator may have died between committing the step before and protecting it (a snapshot
+            # or checkpoint due then): taken now, as the simulator took it (taking it twice changes nothing)
+            await self.protection.protect(found.step - 1)
+            if record is not None and evaluates_after(found.step - 1, cfg.train.eval_every, cfg.train.num_steps):
+                try:  # the evaluation due after the step it records never ran either
+                    ev = await self._run_step(found.step - 1, evaluate=True)
+                    losses = [float(v) for r in ev.values() for v in r["losses"].values()]
+                    record["val_loss"] = sum(losses) / len(losses)
+                except Rollback as r:
+                    self.step = self.iteration = r.step
+        if record is not None:
+            self.out.writer.metric(record)
+
+    def _open(self) -> dict[int, bytes] | None:
+        """A new run's directory (--resume: the run goes on from its newest save: its states)."""
+        saved = None
+        if self.opts.resume:
+            self.step, saved = self.out.resume_point(self.cfg)
+            self.iteration = self.step
+        self.out.open(self.cfg, resume=self.opts.resume)
+        self.out.keep_tokenizer(self.cfg)
+        return saved
+
+    async def _fill(self, saved: dict[int, bytes] | None) -> None:
+        """Every stage served (fresh, or loaded from the save), stage groups filled, the protection a run starts
+        with taken."""
+        await self.placement.fill(saved, self.step)
+        await self.placement.fill_groups(self.step, first=True)
+        await self.protection.start(self.step)
+        if saved is not None:
+            self.out.event("resume", step=self.step)
+            self.out.status(f"resumed run at step {self.step} from {self.opts.out}/saves")
+
     async def run(self) -> dict:
-        self._last_attempt = 0
-        self.dht, self.transport = await start_transport(
-            self.opts.initial_peers, self.opts.host_maddrs, self.opts.announce_maddrs, self.opts.identity_path,
-            self.opts.startup_timeout, transport=self.opts.transport, libp2p_port=self.opts.libp2p_port,
-            tcp_port=self.opts.tcp_port, secret=self.secret)
-        pid = str(self.transport.peer_id)
-        if self.secret is not None:  # lets a standby read the coordinator's STATUS
-            self.transport.extra_header = {"token": join_token(self.secret, self.opts.run_id, pid)}
-        announcer = None
+        opts = self.opts
+        pid = await self.rpc.start()
+        announcer = watcher = summary = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
             loop.add_signal_handler(sig, self._on_stop_signal, task)
         status, error = "failed", None
         try:
-            for name, h in ((RPC.JOIN, self._on_join), (RPC.REPORT, self._on_report), (RPC.LEAVE, self._on_leave),
-                            (RPC.STATUS, self._on_status)):
-                await self.transport.register(name, h)
-            addrs = ",".join(await dht_maddrs(self.dht)) + rpc_note(self.transport)
-            if self.opts.standby:
-                print(f"{READY_STANDBY} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
-                await self._watch()
-            if self.opts.takeover or self.opts.standby:
-                await self._take_over()
-            else:
-                saved = self._resume_point() if self.opts.resume else None
-                self.writer = RunWriter(self.opts.out, self.cfg.to_json(), tokens_per_step=self.cfg.tokens_per_step,
-                                        resume=self.opts.resume, tensorboard=self.opts.tensorboard)
-                self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self._keep_tokenizer))
-            announcer = asyncio.create_task(self._announce(pid))
-            print(f"{READY_COORDINATOR} peer_id={pid} run={self.opts.run_id} addrs={addrs}", flush=True)
-            if not (self.opts.takeover or self.opts.standby):
-                await self._fill_initial(saved)
-                await self._fill_groups()
-                if self.strategy.swarm_replicas:  # redundant: every predecessor's replica
-                    await self._replicate(set(range(self.cfg.num_stages)), self.step)
-                if saved is not None:
-                    self._event("resume", step=self.step)
-                    self._status(f"resumed run at step {self.step} from {self.opts.out}/saves")
+            await self.members.register()
+            addrs = ",".join(await dht_maddrs(self.rpc.dht)) + rpc_note(self.rpc.transport)
+            if opts.standby:
+                print(f"{READY_STANDBY} peer_id={pid} run={opts.run_id} addrs={addrs}", flush=True)
+            takeover = opts.takeover or opts.standby
+            saved = await self._take_over() if takeover else self._open()
+            announcer = asyncio.create_task(self.members.announce())
+            watcher = asyncio.create_task(self.members.watch_heartbeats())
+            print(f"{READY_COORDINATOR} peer_id={pid} run={opts.run_id} addrs={addrs}", flush=True)
+            if not takeover:
+                await self._fill(saved)
             await self._train()
-            if self.opts.save_final:
-                await self._gather_final()
+            if opts.save_final:
+                await self.out.gather_final(self.cfg)
             status = "completed"
         except UnrecoverableFailure as e:
             status, error = "aborted", str(e)
@@ -295,35 +293,44 @@ class Coordinator(MembershipMixin, StepsMixin, GroupsMixin, RecoveryMixin, Repli
         except asyncio.CancelledError:
             status, error = "interrupted", f"interrupted by a signal (SIGTERM/SIGINT/SIGHUP) before step {self.step}"
             print(f"status: interrupted at step {self.step}; stopping", flush=True)
-            if self.opts.save_every and self.writer is not None and len(self.stage_peer) == self.cfg.num_stages:
-                with contextlib.suppress(Exception):  # best effort: the peers may be going too
-                    await self._all(RPC.ABORT, {}, self.t.rpc_timeout)
-                    if await asyncio.wait_for(self._save(self.step), self.t.step_timeout):
-                        print(f"status: saved step {self.step} into {self.opts.out}/saves", flush=True)
+            await self._save_on_stop()
             raise KeyboardInterrupt from None
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            self.over = status
-            if self._saving is not None:
-                with contextlib.suppress(Exception):
-                    await self._saving
-            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-            summary = None
-            if self.writer is not None:
-                soft = {k: sum(int(c.get(k, 0)) for c in self.soft_counts.values())
-                        for k in ("injected", "detected", "corrected", "escalated")}
-                groups = ({**self.group_counts, "stage_recoveries": self.writer.counts["recoveries"]}
-                          if self._groups_on() else {})
-                summary = self.writer.summary(status, error, run_id=self.opts.run_id, soft_errors=soft,
-                                              strategy=self.cfg.recovery.strategy, **groups, **self.figures.as_dict())
-                self.writer.close()
-            if announcer is not None:
-                announcer.cancel()
-            if self.opts.shutdown_peers and self.cfg is not None:
-                await self._retire()  # failed peers that came back since (a healed partition)
-                await self._shutdown_peers(f"run {status}")
-            await stop_transport(self.dht, self.transport)
+            summary = await self._end(status, error, (announcer, watcher), loop)
+        return summary
+
+    async def _save_on_stop(self) -> None:
+        """Interrupted: with --save-every, a save where the run stopped (best effort: the peers may be going too)."""
+        if self.opts.save_every and self.out.writer is not None and len(self.table.served()) == self.cfg.num_stages:
+            with contextlib.suppress(Exception):
+                await self.driver.abort()
+                if await asyncio.wait_for(self.out.save(self.cfg, self.step, self.iteration), self.t.step_timeout):
+                    print(f"status: saved step {self.step} into {self.opts.out}/saves", flush=True)
+
+    async def _end(self, status: str, error: str | None, background: tuple[asyncio.Task | None, ...],
+                   loop) -> dict | None:
+        """The summary (None if the run directory never opened), the peers told, the transport stopped."""
+        self.members.end(status)
+        with contextlib.suppress(Exception):
+            await self.out.saved()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        summary = None
+        if self.out.writer is not None:
+            soft = {k: sum(int(c.get(k, 0)) for c in self.driver.soft_counts.values())
+                    for k in ("injected", "detected", "corrected", "escalated")}
+            groups = ({**self.table.counts, "rerouted_microbatches": self.driver.groups.rerouted,
+                       "stage_recoveries": self.out.counts()["recoveries"]} if self._groups_on() else {})
+            summary = self.out.close(status, error, soft_errors=soft, strategy=self.cfg.recovery.strategy,
+                                           **groups)
+        for task in background:
+            if task is not None:
+                task.cancel()
+        if self.opts.shutdown_peers and self.cfg is not None:
+            await self.members.retire()  # failed peers that came back since (a healed partition)
+            await self.members.shutdown_peers(f"run {status}")
+        await self.rpc.stop()
         return summary

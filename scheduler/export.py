@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -43,7 +44,8 @@ async def gather_live(opts: dict) -> tuple:
     """(RunConfig, {stage: state dict}): the coordinator's stage table, then each stage's peer's weights."""
     from checkfree.auth import join_token, load_secret
     from checkfree.config import config_from_dict
-    from checkfree.net.transport import TransportError, live_members_async, start_transport, stop_transport
+    from checkfree.net.transport import (TransportError, live_members_async, sign_requests, start_transport,
+                                         stop_transport)
     from checkfree.protocol import RPC, coordinator_from_records, coordinator_key
 
     t = opts["timeouts"]
@@ -66,7 +68,7 @@ async def gather_live(opts: dict) -> tuple:
             raise TransportError(f"no coordinator for run {opts['run_id']!r} in the DHT{hint}")
         if secret is not None:  # join as an observer; the token in every request lets the peers serve us
             me = str(transport.peer_id)
-            transport.extra_header = {"token": join_token(secret, opts["run_id"], me)}
+            sign_requests(transport, {"token": join_token(secret, opts["run_id"], me)})
             await transport.call(coord, RPC.JOIN, {"run": opts["run_id"], "peer_id": me, "role": "observer",
                                                    "token": join_token(secret, opts["run_id"], me)},
                                  timeout=t.rpc_timeout)
@@ -136,9 +138,8 @@ def _export_hf(args: argparse.Namespace) -> int:
         model_cfg, full, tok_file = run_cfg.model, merge_stages(run_cfg, states), args.tokenizer
     else:
         raise ValueError(_NO_SOURCE)
-    if tok_file is not None:
-        run_cfg.data.tokenizer = tok_file
-    tokenizer = build_tokenizer(run_cfg.data, model_cfg.vocab_size)
+    data = run_cfg.data if tok_file is None else dataclasses.replace(run_cfg.data, tokenizer=tok_file)
+    tokenizer = build_tokenizer(data, model_cfg.vocab_size)
     out = save_hf(model_cfg, full, args.output, tokenizer=tokenizer)
     n = sum(v.numel() for k, v in full.items() if not (k == "head.out.weight" and model_cfg.tie_embeddings))
     print(f"exported {n:,} parameters as a Hugging Face Llama model to {out} (model.safetensors, config.json, "

@@ -23,6 +23,7 @@ from pathlib import Path
 from checkfree.auth import SECRET_ENV
 from checkfree.progress import Progress
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
+from scheduler.dashboard import DASHBOARD_LINE
 from scheduler.injector import parse_chaos_line
 from scheduler.netlab import NetLab
 from scheduler.processes import Proc, await_line, kill_group, spawn
@@ -52,6 +53,11 @@ class SwarmOptions:
 
 
 
+def _dashboard_note(line: str) -> str:
+    """`swarm: dashboard URL (...)` from a coordinator's `dashboard: URL (...)` line."""
+    return f"swarm: dashboard {line.removeprefix(DASHBOARD_LINE).strip()}"
+
+
 class LocalSwarm:
     """Processes of one local run; `run()` returns the coordinator's exit code."""
 
@@ -63,11 +69,12 @@ class LocalSwarm:
         self.peers: list[Proc] = []
         self.crashed: list[Proc] = []  # peers whose training process alone was SIGKILLed (their group lives on)
         self.addr = ""
-        self.secret = secrets.token_hex(16)  # every local swarm is authenticated
+        self.secret = os.environ.get(SECRET_ENV) or secrets.token_hex(16)  # every local swarm is authenticated
         self.kills = 0
         self.preempted = 0
         self.partitioned = 0
         self.lab = NetLab() if opts.netns else None
+        self.kill_coordinator_at = opts.kill_coordinator_at  # (None once it was killed)
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         # the processes' temporary directory, removed at teardown: what a SIGKILLed process cannot remove itself
         # (multiprocessing's pymp-* listener directories, torch's shared-memory manager socket) goes with it
@@ -162,6 +169,7 @@ class LocalSwarm:
         self.coordinator = self._spawn_coordinator("coordinator", *extra)
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
+        self._show_dashboard(self.coordinator)
         if o.kill_coordinator_at is not None and o.failover == "standby":
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
             self._await_ready(self.standby, READY_STANDBY)
@@ -179,7 +187,7 @@ class LocalSwarm:
                 if (line := self.coordinator.lines.get()) is None:
                     break
                 if (self.opts.kill_coordinator_in == "step" and (m := STEP_LINE.match(line)) is not None
-                        and int(m.group(1)) + 1 == self.opts.kill_coordinator_at):
+                        and int(m.group(1)) + 1 == self.kill_coordinator_at):
                     self.kill_coordinator()
                 if (chaos := parse_chaos_line(line)) is not None:
                     action, fields = chaos
@@ -197,11 +205,19 @@ class LocalSwarm:
                 elif (m := STEP_LINE.match(line)) is not None:
                     bar.update(int(m.group(1)) + 1, loss=m.group(2), live=m.group(4), spare=m.group(5),
                                failures=m.group(6), recoveries=m.group(7))
+                elif line.startswith(DASHBOARD_LINE):  # a coordinator started by a failover: its own dashboard
+                    bar.write(_dashboard_note(line))
                 elif line.startswith("status:") or "Error" in line or "error" in line:
                     bar.write(line)
             return self.coordinator.popen.wait()
         finally:
             bar.close()
+
+    @staticmethod
+    def _show_dashboard(proc: Proc) -> None:
+        """Print the address of a coordinator's dashboard (its line comes before the coordinator's ready line)."""
+        if (line := next((x for x in proc.out if x.startswith(DASHBOARD_LINE)), None)) is not None:
+            print(_dashboard_note(line), flush=True)
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator's process group; the standby takes over, or a new coordinator
@@ -209,12 +225,13 @@ class LocalSwarm:
         old = self.coordinator
         kill_group(old, gone_within=0)
         self.old_coordinators.append(old)
-        self.opts.kill_coordinator_at = None
+        self.kill_coordinator_at = None
         live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]
         self.addr = live[0]  # later peers bootstrap from a live peer
         print(f"swarm: coordinator SIGKILLed; {self.opts.failover} coordinator takes over", flush=True)
         if self.standby is not None:
             self.coordinator, self.standby = self.standby, None
+            self._show_dashboard(self.coordinator)
         else:
             self.coordinator = self._spawn_coordinator("coordinator-takeover", "--takeover", "--initial-peers",
                                                        *live[:2])

@@ -13,6 +13,7 @@ themselves are scheduler/launcher.py's `LocalSwarm`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
@@ -50,6 +51,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_timeout_arguments(p, step_timeout=90.0, join_timeout=120.0)
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for a process to print its ready line")
     p.add_argument("--run-id", help="run name (default: derived from --out)")
+    d = p.add_mutually_exclusive_group()
+    d.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where the coordinator serves its live dashboard, /status and /metrics (default: a free port "
+                        "on 127.0.0.1; the address is printed). A non-loopback HOST needs $CHECKFREE_SECRET, the "
+                        "bearer token its clients send")
+    d.add_argument("--no-dashboard", action="store_true", help="serve no dashboard")
     c = p.add_argument_group("testing and chaos (fault injection of the local swarm; not for production runs)")
     c.add_argument("--crash-trace", metavar="FILE",
                    help="`step,stage` lines: SIGKILL only these stages' training processes at these steps (a process "
@@ -126,8 +133,22 @@ def run_local(args: argparse.Namespace) -> int:
     if args.threads_per_peer < 1:
         raise ValueError(f"--threads-per-peer must be >= 1, got {args.threads_per_peer}")
     cfg = config_from_args(args)
+    if not args.skip_memory_check:  # every process of the swarm on this machine
+        from checkfree.memory import PROCESS_BYTES, StageMemory, check_fits, swarm_memory
+
+        peers = [swarm_memory(cfg, s) for s in range(cfg.num_stages) for _ in range(cfg.train.replicas)]
+        total = sum(peers, StageMemory(process=(args.spares + 1) * PROCESS_BYTES))  # + standbys, coordinator
+        check_fits(total, f"this swarm ({len(peers)} peers, up to {max(p.total for p in peers) / 2**30:.1f} GiB "
+                          f"each, + {args.spares} spares and the coordinator)")
     check_swarm_groups(cfg)  # stage groups with a strategy that keeps one peer per stage: before anything is written
     timeouts_from_args(args)  # the timeout hierarchy, too
+    from checkfree.auth import load_secret
+    from scheduler.dashboard import check_bind, parse_bind
+
+    secret = load_secret()  # $CHECKFREE_SECRET (checked now) is the swarm's secret if set; else a random one
+    if not args.no_dashboard:  # a non-loopback dashboard needs a secret the user knows: $CHECKFREE_SECRET
+        check_bind(parse_bind(args.dashboard), secret)
+    dashboard = [] if args.no_dashboard else ["--dashboard", args.dashboard]
     out = Path(args.out)
     warn_if_overwriting(args)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,12 +156,12 @@ def run_local(args: argparse.Namespace) -> int:
             or args.hourly_failure_rate is not None):
         trace = demo_trace(cfg, out / "demo_trace.csv")
         if trace is not None:
-            cfg.failures.trace = str(trace)
+            cfg = dataclasses.replace(cfg, failures=dataclasses.replace(cfg.failures, trace=str(trace)))
     from checkfree.data import build_data
     from checkfree.strategies import build_strategy
 
     print("preparing data (tokenizer and token cache shared by all peers)...", flush=True)
-    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
+    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len,
                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size)
     if args.kill_coordinator_at is not None and not 1 <= args.kill_coordinator_at < cfg.train.num_steps:
         raise ValueError(f"--kill-coordinator-at must be a step in 1..{cfg.train.num_steps - 1}, "
@@ -167,7 +188,7 @@ def run_local(args: argparse.Namespace) -> int:
         ready_timeout=args.ready_timeout, progress=not args.no_progress, shared_flags=flags,
         peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
         netns=args.netns,
-        coordinator_flags=["--save-every", str(args.save_every), "--keep-saves", str(args.keep_saves)]
+        coordinator_flags=["--save-every", str(args.save_every), "--keep-saves", str(args.keep_saves), *dashboard]
         + (["--tensorboard"] if args.tensorboard else [])
         + (["--resume", str(out)] if args.resume else [])
         + (["--preempt-trace", args.preempt_trace] if args.preempt_trace else [])

@@ -1,261 +1,330 @@
-"""The coordinator's membership: peers join (JOIN), report a failed neighbour (REPORT), leave (LEAVE) or
-ask for the run's status (STATUS); standbys are assigned stages (ASSIGN); failures are detected (expired
-DHT heartbeats, reports, failed pings); failed peers that may still run are retired; a peer leaving
-gracefully hands its exact state to a standby; the run's end is announced to every peer."""
+"""The coordinator's membership: peers join (JOIN), report a failed neighbour (REPORT), leave (LEAVE) or ask
+for the run's status (STATUS); failures are detected (expired DHT heartbeats, reports, failed pings), lost
+replicas of a stage group leave it, failed peers that may still run are retired, a peer leaving gracefully
+hands its exact state to a standby, and the run's end is announced to every peer. Membership decides who is
+in the run only; which stage a peer serves is the stage table's (scheduler/stage_table.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from collections.abc import Callable
 
-import torch
-
-from checkfree.auth import coordinator_proof, join_token, record_ok, verify
-from checkfree.net.transport import announce, live_members_async
-from checkfree.protocol import (
-    RPC,
-    RUN_OVER,
-    Kind,
-    ProtocolError,
-    check_request,
-    coordinator_key,
-    coordinator_record,
-    members_key,
-)
+from checkfree.auth import coordinator_proof, join_token, verify
+from checkfree.config import RunConfig
+from checkfree.net.transport import announce
+from checkfree.protocol import (RPC, RUN_OVER, Kind, ProtocolError, check_request, coordinator_key,
+                                coordinator_record)
 from scheduler.common import CALL_ERRORS, Member
+from scheduler.outputs import Outputs
+from scheduler.rpc import Rpc
+from scheduler.stage_table import StageTable
 
-__all__ = ["MembershipMixin"]
+__all__ = ["Membership", "Detection"]
 
 log = logging.getLogger("scheduler.coordinator")
 
 
-class MembershipMixin:
-    """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
+class Detection:
+    """What one round of failure detection found: the stages whose every peer is gone (`failed`), and those whose
+    leaving peer handed its state over to a standby (`handed_over`)."""
 
-    # ---- peer-facing handlers ----------------------------------------------------------
+    def __init__(self, failed: set[int], handed_over: set[int]) -> None:
+        self.failed, self.handed_over = failed, handed_over
+
+
+class Membership:
+    """The peers of the run, the suspects among them, and the retired ones."""
+
+    def __init__(self, rpc: Rpc, table: StageTable, outputs: Outputs, step: Callable[[], int]) -> None:
+        self.rpc, self.table, self.out, self.step = rpc, table, outputs, step
+        self.t, self.run_id, self.secret = rpc.t, rpc.run_id, rpc.secret
+        self.cfg: RunConfig | None = None  # the run's, once known (a takeover adopts it from the peers)
+        self.members: dict[str, Member] = {}
+        self.reported: set[str] = set()  # suspects: reported unreachable or failing, not yet confirmed
+        self._retired: set[str] = set()  # failed peers already told to shut down
+        self._retire_task: asyncio.Task | None = None
+        self.joined = asyncio.Event()  # set when a peer joins
+        self.reports = asyncio.Event()  # set when a peer reports another unreachable
+        self.over: str | None = None  # the run's final status once it has ended (late joins are refused)
+        self._live_seen: tuple[float, dict[str, dict]] | None = None  # (when, peers) of the newest heartbeat read
+
+    def configure(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def end(self, status: str) -> None:
+        self.over = status
+
+    # ---- the peers' requests ---------------------------------------------------------------
+    async def register(self) -> None:
+        for name, handler in ((RPC.JOIN, self.on_join), (RPC.REPORT, self.on_report), (RPC.LEAVE, self.on_leave),
+                              (RPC.STATUS, self.on_status)):
+            await self.rpc.register(name, handler)
+
     def _check_run(self, name: str, header: dict) -> None:
         """The request against its definition (checkfree.protocol.REQUEST_FIELDS), then the run it names."""
         check_request(name, header)
-        if header["run"] != self.opts.run_id:
-            raise ProtocolError(f"request for run {header['run']!r}; this coordinator runs {self.opts.run_id!r}")
+        if header["run"] != self.run_id:
+            raise ProtocolError(f"request for run {header['run']!r}; this coordinator runs {self.run_id!r}")
 
-    async def _on_join(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_join(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(RPC.JOIN, header)
         if self.over is not None:
-            raise ProtocolError(f"{RUN_OVER}: run {self.opts.run_id!r} has ended ({self.over}); nothing to join",
+            raise ProtocolError(f"{RUN_OVER}: run {self.run_id!r} has ended ({self.over}); nothing to join",
                                 Kind.RUN_OVER)
         if self.cfg is None:
             raise ProtocolError("this coordinator is taking over the run; retry in a moment", Kind.TAKING_OVER)
         pid = str(peer)
         if header["peer_id"] != pid:
             raise ProtocolError(f"peer {pid} tried to join as {header['peer_id']}")
-        if self.secret is not None and not verify(join_token(self.secret, self.opts.run_id, pid), header.get("token")):
-            self._event("join_refused", peer_id=pid, reason="bad or missing token")
+        if self.secret is not None and not verify(join_token(self.secret, self.run_id, pid), header.get("token")):
+            self.out.event("join_refused", peer_id=pid, reason="bad or missing token")
             raise ProtocolError(f"peer {pid} is not authorized: missing or wrong run token (start it with the run's "
                                 "secret: --secret-file or $CHECKFREE_SECRET)", Kind.UNAUTHORIZED)
         if pid in self.members:
-            raise ProtocolError(f"peer {pid} has already joined run {self.opts.run_id!r} (duplicate join refused)")
+            raise ProtocolError(f"peer {pid} has already joined run {self.run_id!r} (duplicate join refused)")
         observer = header.get("role") == "observer"
-        self.members[pid] = Member(pid, time.time(), observer=observer)
-        self.member_event.set()
-        self._event("join", peer_id=pid, observer=observer)
+        self.admit(pid, time.time(), observer=observer)
+        self.out.event("join", peer_id=pid, observer=observer)
         reply = {"config": self.cfg.to_json(), "status": "standby"}
         if self.secret is not None:
-            reply["proof"] = coordinator_proof(self.secret, self.opts.run_id, str(self.transport.peer_id), pid)
+            reply["proof"] = coordinator_proof(self.secret, self.run_id, self.rpc.me, pid)
         return reply, []
 
-    async def _on_report(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    def admit(self, pid: str, joined: float, *, observer: bool = False) -> None:
+        """`pid` is a member now (a JOIN, or a peer a takeover adopted)."""
+        self.members[pid] = Member(pid, joined, observer=observer)
+        self.joined.set()
+
+    async def on_report(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(RPC.REPORT, header)
         reporter = self.members.get(str(peer))
         if reporter is None:
             raise ProtocolError(f"unknown peer {peer}: reports are accepted from members only")
-        if reporter.leaving and reporter.stage < 0:  # e.g. a partitioned peer's report arriving after it was replaced
+        if reporter.leaving and self.table.stage_of(str(peer)) < 0:  # e.g. a partitioned peer's late report
             raise ProtocolError(f"peer {peer} was retired from the run: its report is ignored")
-        if header["peer_id"] in self._group(header["stage"]):
-            self.reported.add(header["peer_id"])
-            self._report_event.set()
+        if header["peer_id"] in self.table.group(header["stage"]):
+            self.suspect(header["peer_id"])
+            self.reports.set()
             log.info("peer %s reports stage %d unreachable: %s", peer, header["stage"], header["reason"][:200])
         return {"ok": True}, []
 
-    async def _on_leave(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_leave(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(RPC.LEAVE, header)
         m = self.members.get(str(peer))
         if m is None:
             raise ProtocolError(f"unknown peer {peer}")
+        stage = self.table.stage_of(m.peer_id)
         m.leaving = m.left = True
         # a replica with live siblings leaves at once: they hold the same state
-        m.handover = m.stage >= 0 and bool(self._standbys()) and len(self._group(m.stage)) < 2
-        self._event("leave", peer_id=m.peer_id, stage=m.stage, handover=m.handover)
+        m.handover = stage >= 0 and bool(self.standbys()) and len(self.table.group(stage)) < 2
+        self.out.event("leave", peer_id=m.peer_id, stage=stage, handover=m.handover)
         return {"ok": True, "handover": m.handover}, []
 
-    async def _on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
         self._check_run(RPC.STATUS, header)
         if self.secret is not None and str(peer) not in self.members and not verify(
-                join_token(self.secret, self.opts.run_id, str(peer)), header.get("token")):
+                join_token(self.secret, self.run_id, str(peer)), header.get("token")):
             raise ProtocolError(f"unknown peer {peer}: status is for members only")
         if self.cfg is None:
             raise ProtocolError("this coordinator is not running the run (standby or taking over)")
-        return {"step": self.step, "stages": {str(s): p for s, p in self.stage_peer.items()},
-                "groups": {str(s): self._group(s) for s in self.stage_peer},
-                "standby": self._standbys(), "config": self.cfg.to_json()}, []
+        return {"step": self.step(), "stages": {str(s): p for s, p in self.table.primaries().items()},
+                "groups": {str(s): g for s, g in self.table.groups().items()},
+                "standby": self.standbys(), "config": self.cfg.to_json()}, []
 
-    def _standbys(self) -> list[str]:
+    # ---- who is in the run -----------------------------------------------------------------
+    def standbys(self) -> list[str]:
+        """Live members serving no stage, oldest first."""
         return [m.peer_id for m in sorted(self.members.values(), key=lambda m: m.joined)
-                if m.stage < 0 and not m.leaving and not m.observer and m.peer_id not in self.reported]
+                if not m.leaving and not m.observer and m.peer_id not in self.reported
+                and self.table.stage_of(m.peer_id) < 0]
 
-    async def _alive(self, pid: str) -> bool:
-        try:
-            await self._call(pid, RPC.PING, {}, timeout=min(5.0, self.t.rpc_timeout))
-            return True
-        except CALL_ERRORS:
-            return False
+    def suspect(self, pid: str) -> None:
+        """`pid` did not answer (or was reported): a failure if a ping confirms it."""
+        self.reported.add(pid)
 
-    # ---- membership and assignment -----------------------------------------------------
-    async def _take_standby(self, why: str) -> str:
+    def clear(self, pid: str) -> None:
+        """`pid` answered after all (a false report)."""
+        self.reported.discard(pid)
+
+    def drop(self, pid: str) -> None:
+        """`pid` leaves the run: failed, lost, a straggler, broken weights, soft errors (retired if it still runs)."""
+        self.members[pid].leaving = True
+
+    def leaving_gracefully(self, pid: str) -> None:
+        """`pid`'s leave (a SIGTERM) was under way when a takeover found it: handed over if a standby is free."""
+        m = self.members[pid]
+        m.leaving = m.left = m.handover = True
+
+    def leaving(self, pid: str) -> bool:
+        return self.members[pid].leaving
+
+    def live(self) -> list[str]:
+        """The members still in the run (observers apart)."""
+        return [m.peer_id for m in self.members.values() if not m.leaving and not m.observer]
+
+    async def take_standby(self, why: str) -> str:
         """The oldest live standby; waits (visibly, bounded by join_timeout) if there is none."""
         start = time.monotonic()
         deadline = start + self.t.join_timeout
         while True:
-            for pid in self._standbys():
-                if await self._alive(pid):
+            for pid in self.standbys():
+                if await self.rpc.alive(pid):
                     return pid
-                self.reported.add(pid)
+                self.suspect(pid)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no standby peer joined within join_timeout={self.t.join_timeout:g} s ({why}); "
                                    "start more peers with `checkfree peer --initial-peers ...`")
             if time.monotonic() - start > 2.0:
-                self._status(f"waiting for a peer to {why} ({len(self.stage_peer)}/{self.cfg.num_stages} stages "
-                             f"served, {left:.0f} s left)")
-            self.member_event.clear()
+                self.out.status(f"waiting for a peer to {why} ({len(self.table.served())}/{self.cfg.num_stages} "
+                                f"stages served, {left:.0f} s left)")
+            self.joined.clear()
             try:
-                await asyncio.wait_for(self.member_event.wait(), min(left, 2.0 if time.monotonic() - start < 2 else 10.0))
+                await asyncio.wait_for(self.joined.wait(), min(left, 2.0 if time.monotonic() - start < 2 else 10.0))
             except asyncio.TimeoutError:
                 pass
 
-    async def _assign(self, stage: int, pid: str, header: dict, timeout: float | None = None, tensors=()) -> dict:
-        """Give `stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
-        assignment fails is passed over and, in case it is merely slow and goes on to host the stage
-        anyway, retired."""
-        if self.members[pid].stage >= 0:  # a replica moved from its stage group: it lets its stage go first
-            header = {**header, "release": True}
+    # ---- failure detection -----------------------------------------------------------------
+    async def detect(self) -> Detection:
+        """Stages whose peer is gone (an expired heartbeat, a report confirmed by a failed ping, a leave), after the
+        lost replicas of stage groups left them; a leaving peer's stage is handed over to a standby when it can."""
         try:
-            reply, _ = await self._call(pid, RPC.ASSIGN, {"stage": stage, **header},
-                                        timeout=timeout or self.t.step_timeout, tensors=tensors)
-        except CALL_ERRORS:
-            self.reported.add(pid)
-            self.members[pid].leaving = True
-            raise
-        self.members[pid].stage = stage
-        self.stage_peer[stage] = pid
-        return reply
-
-    async def _fill_initial(self, saved: dict[int, bytes] | None = None) -> None:
-        """Give every stage to a standby, all at once (each peer builds its stage in parallel):
-        fresh, or (resuming) loaded from the saved states. A failed assignment is retried with
-        another standby."""
-        while missing := [s for s in range(self.cfg.num_stages) if s not in self.stage_peer]:
-            first = await self._take_standby(f"serve stage {missing[0]}")
-            pids = [first, *[p for p in self._standbys() if p != first][:len(missing) - 1]]
-            await asyncio.gather(*(self._assign_initial(s, pid, saved) for s, pid in zip(missing, pids)))
-
-    async def _assign_initial(self, stage: int, pid: str, saved: dict[int, bytes] | None) -> None:
-        mode, step = ("fresh", 0) if saved is None else ("load", self.step)
-        tensors = () if saved is None else [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
-        try:  # a peer starting up may take long to build its first stage: part of joining
-            reply = await self._assign(stage, pid, {"mode": mode, "step": step, **self._slow_header(stage)},
-                                       timeout=self.t.join_timeout, tensors=tensors)
-        except CALL_ERRORS as e:
-            log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
-            return
-        self.norms[stage] = float(reply.get("omega", 0.0))
-        self._event("assign", step=step, stage=stage, peer_id=pid, mode=mode)
-
-    async def _detect(self) -> set[int]:
-        """Stages whose peer is gone: expired heartbeat, a report confirmed by a failed ping, or a leave."""
-        try:
-            live = await self._heartbeats()
+            live = await self.heartbeats()
         except Exception as e:  # the DHT read is advisory: pings decide
             log.warning("reading heartbeats failed: %r", e)
             live = None
-        await self._prune_groups(live)  # lost replicas of a group leave it (no recovery)
-        failed = set()
-        for stage, pid in list(self.stage_peer.items()):
+        await self._prune(live)
+        failed, handed = set(), set()
+        for stage, pid in self.table.primaries().items():
             m = self.members[pid]
             if m.handover and await self._handover(stage, pid):
+                handed.add(stage)
                 continue
-            suspect = m.leaving or pid in self.reported or (live is not None and pid not in live)
-            if suspect and (m.leaving or not await self._alive(pid)):
+            if await self._gone(pid, live):
                 failed.add(stage)
-            elif suspect:
-                self.reported.discard(pid)  # a false report (e.g. from a partitioned neighbour): it answers
         back = live is not None and any(p in live for p in self._unretired())
         if back and (self._retire_task is None or self._retire_task.done()):
-            self._retire_task = asyncio.create_task(self._retire())  # a retired peer is back: tell it again
+            self._retire_task = asyncio.create_task(self.retire())  # a retired peer is back: tell it again
         # a stage nobody serves (its peer died while no coordinator was there to see it)
-        return failed | (set(range(self.cfg.num_stages)) - set(self.stage_peer))
+        return Detection(failed | (set(range(self.cfg.num_stages)) - set(self.table.served())), handed)
 
-    async def _heartbeats(self) -> dict[str, dict]:
-        """Peers with a live DHT heartbeat (with a run secret: only records a member signed)."""
-        found = await live_members_async(self.dht, members_key(self.opts.run_id)) or {}
-        return {p: v for p, v in found.items() if record_ok(self.secret, self.opts.run_id, "member", p, v)}
+    async def heartbeats(self) -> dict[str, dict]:
+        """Peers with a live DHT heartbeat (with a run secret: only records a member signed): the newest read if it
+        is younger than a third of a heartbeat TTL (`watch_heartbeats` keeps it so while the coordinator runs),
+        else a read now."""
+        seen = self._live_seen
+        if seen is not None and time.monotonic() - seen[0] < self.t.heartbeat_ttl / 3:
+            return seen[1]
+        return await self._read_heartbeats()
+
+    async def _read_heartbeats(self) -> dict[str, dict]:
+        live = await self.rpc.heartbeats()
+        self._live_seen = (time.monotonic(), live)
+        return live
+
+    async def watch_heartbeats(self) -> None:
+        """Read the heartbeats every ttl/4 (jittered) in the background: a step's failure detection then finds a
+        fresh read instead of waiting for one between two steps (a DHT read is ~10 ms on a quiet machine, more on
+        a busy one), and the DHT is read about once a second (ttl 4 s), not once per step. A heartbeat that
+        expired is seen at most ttl/3 later than by a read of its own."""
+        while True:
+            try:
+                await self._read_heartbeats()
+            except Exception as e:  # the DHT read is advisory: `detect` reads again itself, pings decide
+                log.debug("reading heartbeats failed: %r", e)
+            await asyncio.sleep(self.t.heartbeat_ttl / 4 * random.uniform(0.8, 1.0))
+
+    async def _gone(self, pid: str, live: dict | None) -> bool:
+        """A suspect (leaving, reported, no heartbeat) that is leaving or does not answer a ping; a suspect that
+        answers is cleared."""
+        m = self.members[pid]
+        if not (m.leaving or pid in self.reported or (live is not None and pid not in live)):
+            return False
+        if m.leaving or not await self.rpc.alive(pid):
+            return True
+        self.clear(pid)  # a false report (e.g. from a partitioned neighbour): it answers
+        return False
+
+    async def _prune(self, live: dict | None) -> None:
+        """Between steps: replicas that are gone leave their group; a stage keeps at least one peer here (when all
+        are gone it is a failed stage, recovered by the strategy)."""
+        for stage in [s for s in self.table.served() if len(self.table.group(s)) > 1]:
+            gone = [pid for pid in self.table.group(stage) if await self._gone(pid, live)]
+            rest = [p for p in self.table.group(stage) if p not in gone]
+            if gone and not [p for p in rest if await self.rpc.alive(p)]:  # (a group lost at once: not one by one)
+                for p in rest:
+                    self.suspect(p)
+                continue  # the whole group: a failed stage (`detect`), recovered by the strategy
+            for pid in gone:
+                m = self.members[pid]
+                self.lose_replica(stage, pid, "left" if m.left else "retired" if m.leaving else "gone")
+                self.clear(pid)
+                m.handover = False
+            if gone:
+                await self.retire()
+
+    def lose_replica(self, stage: int, pid: str, reason: str) -> None:
+        """`pid` no longer serves `stage` (lost, left or retired); a sibling goes on."""
+        rest = self.table.leave(stage, pid, lost=True)
+        self.drop(pid)
+        self.out.event("replica_lost", step=self.step(), stage=stage, peer_id=pid, reason=reason, replicas=len(rest))
 
     def _unretired(self) -> list[str]:
-        return [p for p, m in self.members.items() if m.leaving and m.stage < 0 and p not in self._retired]
+        return [p for p, m in self.members.items()
+                if m.leaving and self.table.stage_of(p) < 0 and p not in self._retired]
 
-    async def _retire(self) -> None:
+    async def retire(self) -> None:
         """Tell failed peers to shut down: a failed peer may still be running (broken weights, soft
         errors, a straggler, a partition). One that cannot be reached now is told again when its
-        heartbeat reappears (a healed partition: see _detect) and when the run ends."""
+        heartbeat reappears (a healed partition: see `detect`) and when the run ends."""
         pids = self._unretired()
-        results = await asyncio.gather(*(self._call(p, RPC.SHUTDOWN, {}, timeout=2.0) for p in pids),
-                                       return_exceptions=True)
+        results = await self.rpc.gather(pids, RPC.SHUTDOWN, {}, 2.0)
         for pid, r in zip(pids, results):
             if not isinstance(r, Exception) and pid not in self._retired:
                 self._retired.add(pid)
-                self._event("retired", step=self.step, peer_id=pid)
+                self.out.event("retired", step=self.step(), peer_id=pid)
 
     async def _handover(self, stage: int, pid: str) -> bool:
         """A peer leaving gracefully hands its exact state (weights and optimizer) to a standby:
         no recovery, nothing lost. False: it could not be done; the stage is then recovered."""
         self.members[pid].handover = False
-        standbys = self._standbys()
+        standbys = self.standbys()
         if not standbys:
             return False
         new = standbys[0]
         t0 = time.perf_counter()
         try:
-            reply, _ = await self._call(new, RPC.ASSIGN, {"stage": stage, "mode": "handover", "source": pid,
-                                                       "step": self.step}, timeout=self.t.step_timeout)
+            reply, _ = await self.rpc.call(new, RPC.ASSIGN, {"stage": stage, "mode": "handover", "source": pid,
+                                                           "step": self.step()}, timeout=self.t.step_timeout)
         except CALL_ERRORS as e:
             log.warning("handover of stage %d from %s to %s failed: %s", stage, pid, new, e)
-            self.reported.add(new)
+            self.suspect(new)
             return False
-        self.members[new].stage, self.stage_peer[stage] = stage, new
-        self.members[pid].stage = -1
-        self.norms[stage] = float(reply.get("omega", self.norms[stage]))
-        self._event("handover", step=self.step, stage=stage, strategy=self.cfg.recovery.strategy, source_peer=pid,
-                    peer_id=new, bytes=reply.get("bytes", 0), handover_s=round(time.perf_counter() - t0, 6))
-        if self.strategy.swarm_replicas:  # redundant computation: the leaving peer also held its successor's replica
-            await self._replicate({stage}, self.step)
-        (done,) = await asyncio.gather(self._call(pid, RPC.SHUTDOWN, {}, timeout=5.0), return_exceptions=True)
+        self.table.assign(stage, new)
+        self.out.event("handover", step=self.step(), stage=stage, strategy=self.cfg.recovery.strategy,
+                       source_peer=pid, peer_id=new, bytes=reply.get("bytes", 0),
+                       handover_s=round(time.perf_counter() - t0, 6))
+        (done,) = await self.rpc.gather([pid], RPC.SHUTDOWN, {}, 5.0)
         if not isinstance(done, Exception):
             self._retired.add(pid)
         return True
 
-    async def _announce(self, pid: str) -> None:
+    # ---- the run's presence ----------------------------------------------------------------
+    async def announce(self) -> None:
+        """The coordinator's record in the DHT, refreshed every heartbeat_ttl until cancelled."""
         while True:
             try:
-                await announce(self.dht, coordinator_key(self.opts.run_id), "main",
-                               coordinator_record(self.secret, self.opts.run_id, pid, self.transport.kind,
+                await announce(self.rpc.dht, coordinator_key(self.run_id), "main",
+                               coordinator_record(self.secret, self.run_id, self.rpc.me, self.rpc.kind,
                                                   ttl=self.t.heartbeat_ttl * 3),
                                ttl=self.t.heartbeat_ttl * 3)
             except Exception as e:
                 log.warning("announcing the coordinator failed: %r", e)
             await asyncio.sleep(self.t.heartbeat_ttl)
 
-    async def _shutdown_peers(self, reason: str) -> None:
-        live = [m.peer_id for m in self.members.values() if not m.leaving and not m.observer]
-        await asyncio.gather(*(self._call(p, RPC.SHUTDOWN, {"reason": reason}, timeout=5.0) for p in live),
-                             return_exceptions=True)
+    async def shutdown_peers(self, reason: str) -> None:
+        """The run is over: every live member is told (it exits unless started with --stay)."""
+        await self.rpc.gather(self.live(), RPC.SHUTDOWN, {"reason": reason}, 5.0)

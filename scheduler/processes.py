@@ -41,30 +41,35 @@ class Proc:
     def tail(self, n: int = 40) -> str:
         return "\n".join(list(self.out)[-n:])
 
-
-def _read(proc: Proc) -> None:
-    """Copy a process's output to its log and queue; note its peer id from the ready line, and report a
-    peer's start-up milestones as they happen (where a slow start-up spends its time)."""
-    log = open(proc.log, "a", buffering=1) if proc.log is not None else None
-    try:
-        for line in proc.popen.stdout:
+    def read(self) -> None:
+        """Copy the process's output to its log and queue; note its peer id from the ready line, and report a
+        peer's start-up milestones as they happen (where a slow start-up spends its time). Runs in a thread."""
+        log = open(self.log, "a", buffering=1) if self.log is not None else None
+        try:
+            for line in self.popen.stdout:
+                if log is not None:
+                    log.write(line)
+                if self.announce and (hit := next((m for m in MILESTONES if m[0] in line), None)):
+                    what = hit[1] + (f" (stage {m.group(1)})" if (m := re.search(r"serving stage (\d+)", line)) else "")
+                    print(f"swarm: {self.name} {what} {time.monotonic() - self.started:.1f} s after its start",
+                          flush=True)
+                    if hit[1] == "serving":
+                        self.announce = False
+                if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
+                    self.peer_id, self.addrs = m.group(1), m.group(2)
+                    self.ready.set()
+                self.out.append(line.rstrip("\n"))
+                self.lines.put(line.rstrip("\n"))
+        finally:
             if log is not None:
-                log.write(line)
-            if proc.announce and (hit := next((m for m in MILESTONES if m[0] in line), None)):
-                what = hit[1] + (f" (stage {m.group(1)})" if (m := re.search(r"serving stage (\d+)", line)) else "")
-                print(f"swarm: {proc.name} {what} {time.monotonic() - proc.started:.1f} s after its start", flush=True)
-                if hit[1] == "serving":
-                    proc.announce = False
-            if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
-                proc.peer_id, proc.addrs = m.group(1), m.group(2)
-                proc.ready.set()
-            proc.out.append(line.rstrip("\n"))
-            proc.lines.put(line.rstrip("\n"))
-    finally:
-        if log is not None:
-            log.close()
-    proc.lines.put(None)
-    proc.ready.set()
+                log.close()
+        self.lines.put(None)
+        self.ready.set()
+
+    def wait_exit(self) -> None:
+        """Until the process exits; notes when (runs in a thread)."""
+        self.popen.wait()
+        self.exited = time.monotonic()
 
 
 def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: list[str] = (), stdin=subprocess.DEVNULL,
@@ -74,13 +79,8 @@ def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: list[s
     popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree", *args], stdin=stdin, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     proc = Proc(popen, log=log, name=name, link=link, announce=announce)
-
-    def wait() -> None:
-        popen.wait()
-        proc.exited = time.monotonic()
-
-    threading.Thread(target=_read, args=(proc,), daemon=True).start()
-    threading.Thread(target=wait, daemon=True).start()
+    threading.Thread(target=proc.read, daemon=True).start()
+    threading.Thread(target=proc.wait_exit, daemon=True).start()
     return proc
 
 

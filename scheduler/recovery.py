@@ -1,132 +1,149 @@
-"""Where a failed stage comes back: the recovery order (which standby rebuilds which stage from which live
-neighbours, by the strategy's plan), the snapshots taken after a commit (gemini, checkfree+snap) or
-checkpoints (checkpoint), the rollback of every stage to the last complete one (gemini, checkpoint), and
-checkfree+snap's restore of a lone lost stage from its neighbour's snapshot."""
+"""Where a failed stage comes back: the coordinator carries out the strategy's `RecoveryPlan` (checkfree.plans,
+the same plan the simulator carries out) by telling peers where to pull from.
+
+A failure: the failed stages' peers are retired, the copies they held are gone from the `Copies` ledger, and the
+strategy plans. With a rollback every live stage restores its own copy (RESTORE) first; then each failed stage
+gets a standby that loads its copy (ASSIGN restore / promote), then the stages rebuilt from their neighbours
+(ASSIGN recover). The events are the plan's (`checkfree.plans.plan_events`) with what the peers measured; the
+protection due after it (`plan.then`) is taken; a rollback ends in `Rollback`, which re-runs the lost steps.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
+from checkfree.config import RunConfig
+from checkfree.plans import (Failure, Holder, Init, Own, Parity, RecoveryPlan, Replica, Source, Storage,
+                             abort_if_unrecoverable, plan_events)
 from checkfree.protocol import RPC, plan_to_wire
-from checkfree.recovery import UnrecoverableFailure, plan_recovery
-from checkfree.strategies import storage
-from checkfree.strategies.averaging import recovery_fields, unrecoverable
+from checkfree.recovery import Neighbours
+from checkfree.strategies import Strategy
 from scheduler.common import CALL_ERRORS, Rollback
+from scheduler.membership import Membership
+from scheduler.outputs import Outputs
+from scheduler.placement import Placement
+from scheduler.protection import Protection
+from scheduler.rpc import Rpc
+from scheduler.stage_table import StageTable
 
-__all__ = ["RecoveryMixin"]
+__all__ = ["Recovery"]
 
 log = logging.getLogger("scheduler.coordinator")
 
 
-class RecoveryMixin:
-    """Part of `scheduler.coordinator.Coordinator` (see the module docstring); state lives on the coordinator."""
+class Recovery:
+    """Carries out the strategy's recovery plans on the peers."""
 
-    # ---- recovery ---------------------------------------------------------------------
-    async def _recover(self, step: int, failed: set[int]) -> None:
+    def __init__(self, cfg: RunConfig, strategy: Strategy, rpc: Rpc, table: StageTable, membership: Membership,
+                 placement: Placement, protection: Protection, outputs: Outputs,
+                 replacement_fields: Callable[[str, int], Awaitable[dict]]) -> None:
+        self.cfg, self.strategy, self.rpc, self.table = cfg, strategy, rpc, table
+        self.members, self.placement, self.protection, self.out = membership, placement, protection, outputs
+        self.t = rpc.t
+        self.replacement_fields = replacement_fields  # (peer, stage) -> fields a fault injector adds (none in production)
+
+    async def recover(self, step: int, failed: set[int]) -> None:
+        """Recover `failed` at the start of `step` by the strategy's plan; raises Rollback after a rollback."""
         t0 = time.perf_counter()
         try:
-            await self._recover_stages(step, failed)
+            await self._recover(step, failed)
         finally:  # from detection to the recovered (or rolled back) pipeline, measured
-            self._charge(recovery_s=time.perf_counter() - t0)
+            self.out.charge(recovery_s=time.perf_counter() - t0)
 
-    async def _recover_stages(self, step: int, failed: set[int]) -> None:
+    async def _recover(self, step: int, failed: set[int]) -> None:
         strategy = self.cfg.recovery.strategy
         detected = time.time()
         for s in sorted(failed):
-            pid = self.stage_peer.pop(s, None)
-            for p in [pid, *self.extra.pop(s, [])]:  # (a stage group is lost when every replica is)
-                if p is not None:
-                    self.members[p].stage = -1
-                    self.members[p].leaving = True
-            self.group_gen[s] += 1
-            self._event("failure", step=step, stage=s, strategy=strategy, peer_id=pid)
-        await self._retire()
-        if self.strategy.swarm_rollback:
-            await self._rollback(step, failed)
-        if self.strategy.restores_alone:
-            failed = failed - await self._restore_alone(step, failed)
-            if not failed:
-                return
-        if self.strategy.swarm_replicas:
-            await self._recover_replicated(step, failed, detected)
-            return
-        await self._rebuild(step, failed, self.strategy.rule.name, detected)
+            gone = self.table.lose(s)  # (a stage group is lost when every replica is)
+            for p in gone:
+                self.members.drop(p)
+            self.out.event("failure", step=step, stage=s, strategy=strategy, peer_id=gone[0] if gone else None)
+        await self.members.retire()
+        self.strategy.interrupted()
+        copies = self.protection.lost(failed)
+        plan = self.strategy.recovery_plan(Failure(step, frozenset(failed), copies))
+        abort_if_unrecoverable(plan, strategy, self.out.event)
+        measured = await self._carry_out(plan, detected)
+        coefficients = {s: dict(zip(src.sources, measured[s].pop("coefficients", [])))
+                        for s, src in plan.rebuilt.items()}
+        for name, fields in plan_events(plan, strategy, self.cfg.recovery.omega_scope, coefficients):
+            self.out.event(name, **fields, **(measured.get(fields["stage"], {}) if "method" in fields else {}))
+        target = plan.rollback_to
+        await self.protection.recovered(plan, step if target is None else target)
+        if target is not None:
+            self.out.charge(lost_steps=step - target)
+            raise Rollback(target)
 
-    async def _recover_replicated(self, step: int, failed: set[int], detected: float) -> None:
-        """Redundant computation: promote every replica that survives; a stage lost together with its replica's
-        holder gets the declared fallback; then the new peers (and the holders of rebuilt stages, whose replica
-        is stale) take their successors' replicas."""
-        lost = failed - self.strategy.promotable(failed)
-        fb = self.cfg.recovery.fallback
-        reason = ", ".join(f"stage {s}'s replica holder {self.strategy.holder(s)} failed too" for s in sorted(lost))
-        if lost and fb == "abort":  # the run ends here: nothing is promoted first
-            self._event("fallback", step=step, stage=min(lost), strategy=self.cfg.recovery.strategy,
-                        fallback="abort", reason=reason)
-            raise unrecoverable(self.cfg.recovery.strategy, lost, reason)
-        await self._promote(step, failed)
-        if lost:
-            await self._rebuild(step, lost, fb, detected, reason)
-        await self._replicate(failed, step)  # the new peers; a rebuilt stage's holder is among them (it was lost)
+    async def _carry_out(self, plan: RecoveryPlan, detected: float) -> dict[int, dict]:
+        """The plan on the peers: live stages restore their copies (a rollback), failed stages load theirs, then
+        the rebuilds. What each failed stage's peer measured, by stage."""
+        if plan.rollback_to is not None:
+            live = {s: src for s, src in plan.copied.items() if s not in plan.failed}
+            await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.RESTORE, self._restore_header(plan, s, src),
+                                                 self.t.step_timeout) for s, src in live.items()))
+        measured = {}
+        for s, src in plan.copied.items():
+            if s in plan.failed:
+                measured[s] = await self._load(plan, s, src)
+        for s, src in plan.rebuilt.items():
+            measured[s] = await self._rebuild(plan, s, src, detected)
+        return measured
 
-    async def _rebuild(self, step: int, failed: set[int], rule: str, detected: float, reason: str | None = None) -> None:
-        """Rebuild `failed` from live neighbours by recovery rule `rule` (the strategy's, or a fallback's)."""
-        strategy = self.cfg.recovery.strategy
-        try:
-            plans = plan_recovery(failed, self.cfg.num_stages, rule, self.cfg.recovery.fallback)
-        except UnrecoverableFailure as e:
-            self._event("fallback", step=step, stage=min(failed), strategy=strategy, fallback="abort", reason=str(e))
-            raise
-        for plan in plans:
-            if reason is not None:  # a strategy's declared fallback (recorded as one, like in the simulator)
-                plan.fallback, plan.reason = rule, reason
-            sources = {str(s): self.stage_peer[s] for s in (*plan.sources, *plan.edge_sources.values())}
-            pid, reply, t0 = await self._assign_replacement(
-                step, plan.stage, {"mode": "recover", "plan": plan_to_wire(plan), "sources": sources, "step": step},
-                chaos=True)
-            self.norms[plan.stage] = 0.0
-            fields = recovery_fields(plan, dict(zip(plan.sources, reply.get("coefficients", []))),
-                                     self.cfg.recovery.omega_scope)
-            fields.update(peer_id=pid, norms=reply.get("norms", []), transfer_s=reply.get("transfer_s"),
-                          rebuild_s=reply.get("rebuild_s"), bytes=reply.get("bytes"),
-                          recovery_time_s=round(time.perf_counter() - t0, 6),
-                          since_detection_s=round(time.time() - detected, 6))
-            self._charge(bytes_moved=int(reply.get("bytes") or 0))
-            kind = "fallback" if plan.fallback else "recovery"
-            extra = {"fallback": plan.fallback, "reason": plan.reason} if plan.fallback else {}
-            self._event(kind, step=step, stage=plan.stage, strategy=strategy, **extra, **fields)
-            coeffs = "/".join(f"{c:.2f}" for c in fields["coefficients"])
-            edges = "".join(f", {c} copied from stage {h}" for c, h in plan.edge_sources.items())
-            self._status(f"stage {plan.stage} {kind}: {plan.method} of stage(s) "
-                         f"{', '.join(map(str, plan.sources)) or '-'}" + (f" (coefficients {coeffs})" if coeffs else "")
-                         + f"{edges} on peer {pid[-8:]}, {fields['recovery_time_s']:.2f} s")
+    def _restore_header(self, plan: RecoveryPlan, stage: int, src: Source) -> dict:
+        """Where `stage`'s copy comes from, as its peer is told (RESTORE, ASSIGN restore)."""
+        target = plan.rollback_to
+        if isinstance(src, Init):
+            return {"step": 0, "source": "init"}
+        if isinstance(src, Storage):
+            return {"step": src.step, "storage": self.protection.storage_dir}
+        if isinstance(src, Own):
+            return {"step": target, "source": None}
+        if isinstance(src, Parity):  # (the lost member's companion may have survived its crash)
+            spec = {"group": [self._peer(m) for m in src.group], "index": src.group.index(stage),
+                    **self.protection.companion(stage)}
+            return {"step": src.step, "parity": spec}
+        header = {"step": src.step, "source": self.table.peer(src.holder)}
+        if target is None:  # restored alone: serves from the failed step on, its components from the co-holders
+            header.update(serve_step=plan.step, edges={c: [d, self.table.peer(d)] for c, d in src.edges.items()})
+        return header
 
-    async def _restore_alone(self, step: int, failed: set[int]) -> set[int]:
-        """checkfree+snap: every lost stage whose snapshot a live neighbour still holds is restored from it alone
-        (up to snapshot_every - 1 steps stale; nobody rolls back, no step is lost), its embedding / head taken
-        from the live co-holder; the strategy object decides which (checkfree.strategies.hybrid), as in the
-        simulator. Returns the restored stages; the others are averaged, the restored ones among their sources."""
-        live = set(self.stage_peer.values())
-        held = {s for s, hs in self.snap_holders.items() if hs and all(p in live for p in hs.values())}
-        restored = self.strategy.restorable(failed, held if self.snap_step else set())
-        for s in sorted(restored):
-            (holder, source), = self.snap_holders[s].items()
-            edges = {comp: [d, self.stage_peer[d]] for comp, d in self.strategy.component_donors(s, failed).items()}
-            t0 = time.perf_counter()
-            pid, reply, _ = await self._assign_replacement(step, s, {"mode": "restore", "step": self.snap_step,
-                                                                     "source": source, "serve_step": step,
-                                                                     "edges": edges})
-            self.norms[s] = float(reply.get("omega", 0.0))
-            self._charge(bytes_moved=int(reply.get("bytes") or 0))
-            self._event("recovery", step=step, stage=s, strategy=self.cfg.recovery.strategy, method="snapshot",
-                        source=holder, snapshot_step=self.snap_step, staleness=step - self.snap_step, lost_steps=0,
-                        edge_sources={c: d for c, (d, _) in edges.items()}, peer_id=pid, bytes=reply.get("bytes", 0),
-                        recovery_time_s=round(time.perf_counter() - t0, 6))
-            self._status(f"stage {s} recovery: snapshot of step {self.snap_step} from stage {holder}"
-                         + "".join(f", {c} copied from stage {d}" for c, (d, _) in edges.items())
-                         + f" on peer {pid[-8:]}, {time.perf_counter() - t0:.2f} s")
-        return restored
+    def _peer(self, stage: int) -> str:
+        return self.table.peer(stage) if stage in self.table.served() else ""
+
+    async def _load(self, plan: RecoveryPlan, stage: int, src: Source) -> dict:
+        """A standby takes failed `stage` with its copy: what it measured (the event's fields)."""
+        if isinstance(src, Replica):
+            header = {"mode": "promote", "source": self.table.peer(src.holder), "step": plan.step, "stage": stage}
+        else:
+            header = {"mode": "restore", **self._restore_header(plan, stage, src)}
+        pid, reply, t0 = await self._assign_replacement(plan.step, stage, header, chaos=isinstance(src, Replica))
+        self.protection.replaced(stage)
+        self.out.charge(bytes_moved=int(reply.get("bytes") or 0))
+        via = {"restored_from": reply["restored_from"]} if reply.get("restored_from") == "companion" else {}
+        self.out.status(f"stage {stage} recovery: {_describe(plan, src)} on peer {pid[-8:]}, "
+                        f"{time.perf_counter() - t0:.2f} s")
+        return {"peer_id": pid, "bytes": reply.get("bytes", 0), "recovery_time_s": round(time.perf_counter() - t0, 6),
+                **via}
+
+    async def _rebuild(self, plan: RecoveryPlan, stage: int, src: Neighbours, detected: float) -> dict:
+        """A standby rebuilds `stage` from its live neighbours' weights: what it measured (the event's fields)."""
+        sources = {str(s): self.table.peer(s) for s in (*src.sources, *src.edge_sources.values())}
+        pid, reply, t0 = await self._assign_replacement(
+            plan.step, stage, {"mode": "recover", "plan": plan_to_wire(src), "sources": sources, "step": plan.step},
+            chaos=True)
+        self.out.charge(bytes_moved=int(reply.get("bytes") or 0))
+        took = time.perf_counter() - t0
+        coeffs = "/".join(f"{c:.2f}" for c in reply.get("coefficients", []))
+        edges = "".join(f", {c} copied from stage {h}" for c, h in src.edge_sources.items())
+        kind = "fallback" if plan.fallback and stage in plan.fallback.reasons else "recovery"
+        self.out.status(f"stage {stage} {kind}: {src.method} of stage(s) {', '.join(map(str, src.sources)) or '-'}"
+                        + (f" (coefficients {coeffs})" if coeffs else "") + f"{edges} on peer {pid[-8:]}, {took:.2f} s")
+        return {"coefficients": reply.get("coefficients", []), "peer_id": pid, "norms": reply.get("norms", []),
+                "transfer_s": reply.get("transfer_s"), "rebuild_s": reply.get("rebuild_s"), "bytes": reply.get("bytes"),
+                "recovery_time_s": round(took, 6), "since_detection_s": round(time.time() - detected, 6)}
 
     async def _assign_replacement(self, step: int, stage: int, header: dict,
                                   chaos: bool = False) -> tuple[str, dict, float]:
@@ -135,120 +152,26 @@ class RecoveryMixin:
         while True:
             # no standby: a stage group's spare replica rebuilds the lost stage (a stage loss costs more than a
             # group running one replica short)
-            pid = (None if self._standbys() else self._borrow_replica(step, stage)) or \
-                await self._take_standby(f"replace stage {stage}")
-            extra = {}
-            if chaos:
-                await self._chaos_replacement(pid, stage)
-                extra = self._chaos_rebuild(pid, stage)
+            borrowed = None if self.members.standbys() else self.placement.borrow_replica(step, stage)
+            pid = borrowed or await self.members.take_standby(f"replace stage {stage}")
+            extra = await self.replacement_fields(pid, stage) if chaos else {}
+            if borrowed:  # it lets its old stage go first
+                extra["release"] = True
             t0 = time.perf_counter()
             try:
-                return pid, await self._assign(stage, pid, {**header, **extra}), t0
+                return pid, await self.placement.assign(stage, pid, {**header, **extra}), t0
             except CALL_ERRORS as e:
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
-                self._event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
+                self.out.event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
 
-    # ---- rollback strategies (checkpoint, gemini): real snapshots in peers' memory / files
-    async def _protect(self, step: int) -> None:
-        """After committing `step`: take the strategy's snapshot / checkpoint when it says one is due (the same
-        rule as in the simulator). A snapshot counts only once every stage has completed it; a checkpoint is
-        sealed (checkfree.strategies.storage) only then; the previous one is kept until then."""
-        strategy, nxt = self.strategy, step + 1
-        if getattr(strategy, "clock", None) is not None:  # baft: backups in the bubbles (scheduler/backups.py)
-            await self._backup(step)
-        if strategy.snapshot_due(nxt) and getattr(strategy, "groups", None) is not None:  # reft: own copy + parity
-            members = {s: [self.stage_peer[m] for m in strategy.group_of(s)] for s in self.stage_peer}
-            if await self._snapshot_all(nxt, lambda s: {"parity": {"group": members[s],
-                                                                    "index": strategy.group_of(s).index(s)}}):
-                self.snap_step, self.snap_holders = nxt, {s: {s: p} for s, p in self.stage_peer.items()}
-        elif strategy.snapshot_due(nxt):
-            holders = {s: {h: self.stage_peer[h] for h in hs} for s, hs in enumerate(strategy.holders)}
-            if await self._snapshot_all(nxt, lambda s: {"holders": list(holders[s].values())}):
-                self.snap_step, self.snap_holders = nxt, holders
-        if strategy.checkpoint_due(nxt):
-            if await self._snapshot_all(nxt, lambda s: {"storage": self.storage_dir}):
-                storage.seal(self.storage_dir, nxt, self.cfg.num_stages)
-                self.ckpt_step = nxt
 
-    async def _snapshot_all(self, step: int, extra) -> bool:
-        t0 = time.perf_counter()
-        calls = [self._call(p, RPC.SNAPSHOT, {"step": step, **extra(s)}, self.t.step_timeout)
-                 for s, p in sorted(self.stage_peer.items())]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, Exception)]
-        kind = "storage" if "storage" in extra(0) else "memory"
-        seconds = time.perf_counter() - t0
-        sizes = {s: r[0]["bytes"] for s, r in zip(sorted(self.stage_peer), results) if not isinstance(r, Exception)}
-        sent = sum(r[0].get("sent", 0) for r in results if not isinstance(r, Exception))
-        self._event("snapshot", step=step, kind=kind, complete=not errors, seconds=round(seconds, 6),
-                    bytes=sum(sizes.values()), sent=sent)
-        if not errors:  # reft: where each stage's snapshot companion listens (it survives a crash of its peer)
-            self.companions = {s: r[0]["companion"] for s, r in zip(sorted(self.stage_peer), results)
-                               if r[0].get("companion")}
-        held: dict[str, int] = {}  # memory: the snapshots each peer holds (gemini: its own among them)
-        for s, n in sizes.items():
-            if "holders" in extra(s):
-                for pid in extra(s)["holders"]:
-                    held[pid] = held.get(pid, 0) + n
-            elif "parity" in extra(s):  # reft: its own snapshot and a parity block of ~1/(n-1) of the largest
-                group = self.strategy.group_of(s)
-                held[self.stage_peer[s]] = n - (-max(sizes.get(m, 0) for m in group) // (len(group) - 1))
-        # the next step waited for the snapshot; the bytes went over the network (memory) or to storage
-        self._charge(stall_s=seconds, bytes_moved=sent if kind == "memory" else sum(sizes.values()),
-                     extra_memory_bytes=max(held.values(), default=0))
-        return not errors
-
-    async def _rollback(self, step: int, failed: set[int]) -> None:
-        """Roll every stage back to the last complete snapshot; replacements fetch the lost stages' copies from
-        the live holder the strategy picks (gemini: the cheapest link, as in the simulator) or from storage
-        (checkpoint, or gemini's storage fallback when every holder of a stage is gone)."""
-        strategy, name = self.strategy, self.cfg.recovery.strategy
-        if getattr(strategy, "clock", None) is not None:
-            strategy.clock.abandon()  # baft: the backup in flight is worthless now (as in the simulator)
-        live = set(self.stage_peer.values())
-        from_storage = not strategy.snapshots_in_memory
-        target = self.ckpt_step if from_storage else self.snap_step
-        parity = getattr(strategy, "groups", None) is not None  # reft: a lost member is decoded from its group
-        holders = {s: [h for h, pid in self.snap_holders.get(s, {}).items() if pid in live] for s in failed}
-        lost = sorted(s for s in failed if self.snap_step and not holders[s]) if not from_storage else []
-        if parity and not from_storage:
-            lost = sorted(failed - strategy.decodable(failed)) if self.snap_step else []
-        if lost:
-            action = strategy.when_all_copies_lost()
-            reason = strategy.lost_reason(set(lost))
-            self._event("fallback", step=step, stage=min(lost), strategy=name, fallback=action, reason=reason)
-            if action != "checkpoint":  # _configure admits only abort here (see there)
-                raise unrecoverable(name, lost, reason)
-            from_storage, target = True, self.ckpt_step
-        source: dict[int, dict] = {}
-        holder: dict[int, int] = {}  # a failed stage -> the stage whose peer holds the copy it restores
-        for s in range(self.cfg.num_stages):
-            if target == 0:
-                source[s] = {"source": "init"}
-            elif from_storage:
-                source[s] = {"storage": self.storage_dir}
-            elif s in failed and parity:
-                group = strategy.group_of(s)
-                source[s] = {"parity": {"group": [self.snap_holders[m][m] for m in group], "index": group.index(s),
-                                        **({"companion": self.companions[s]} if s in self.companions else {})}}
-            elif s in failed:
-                holder[s] = strategy.restore_source(s, holders[s], self.cost)
-                source[s] = {"source": self.snap_holders[s][holder[s]]}
-            else:
-                source[s] = {"source": self.stage_peer[s]}
-        t0 = time.perf_counter()
-        await asyncio.gather(*(self._call(p, RPC.RESTORE, {"step": target, **source[s]}, self.t.step_timeout)
-                               for s, p in self.stage_peer.items()))
-        self._charge(lost_steps=step - target)
-        for s in sorted(failed):
-            pid, reply, _ = await self._assign_replacement(step, s, {"mode": "restore", "step": target, **source[s]})
-            self.norms[s] = float(reply.get("omega", 0.0))
-            self._charge(bytes_moved=int(reply.get("bytes") or 0))
-            if "parity" in source[s]:  # the replacement holds the lost member's snapshot and parity block now
-                self.snap_holders[s] = {s: pid}
-                self.companions.pop(s, None)  # (its own companion starts at the next snapshot)
-            self._event("recovery", step=step, stage=s, strategy=name, method="rollback", rollback_to=target,
-                        lost_steps=step - target, peer_id=pid,
-                        source=holder.get(s, source[s].get("source", reply.get("restored_from", "storage"))),
-                        bytes=reply.get("bytes", 0), recovery_time_s=round(time.perf_counter() - t0, 6))
-        raise Rollback(target)
+def _describe(plan: RecoveryPlan, src: Source) -> str:
+    """Where a failed stage's copy came from, for its status line."""
+    if isinstance(src, Replica):
+        return f"replica promoted from stage {src.holder}"
+    if isinstance(src, Holder) and plan.rollback_to is None:
+        return f"snapshot of step {src.step} from stage {src.holder}" + "".join(
+            f", {c} copied from stage {d}" for c, d in src.edges.items())
+    where = {Holder: lambda: f"stage {src.holder}'s copy", Parity: lambda: f"parity group {list(src.group)}",
+             Storage: lambda: "storage", Init: lambda: "the initial state"}[type(src)]()
+    return f"rollback to step {plan.rollback_to} from {where}"

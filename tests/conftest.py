@@ -1,10 +1,21 @@
-"""Shared fixtures: a per-test temporary cache, and a guard that no test leaves processes behind."""
+"""Shared fixtures (a per-test temporary cache, a guard that no test leaves processes behind) and the test tiers.
+
+Tiers (README "Test"; docs/testing.md): `make test-all` (CI) runs every test but the `slow` ones; `make test` is
+`pytest --quick`, the same minus the real-process tier, except the `smoke` run. A test is in the real-process tier
+(marker `processes`, added at collection) when it is marked so in its own file, or when its code, a fixture it
+uses or a helper of its own module it calls names something that starts OS processes (PROCESS_STARTERS). A
+`--quick` run lists any other test that started OS processes all the same, so the rule's misses show.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
+import sys
 import uuid
+from pathlib import Path
+from types import CodeType, ModuleType
 
 import pytest
 
@@ -93,3 +104,128 @@ def fresh_refusal_log():
     if transport is not None:
         transport.REFUSALS.__init__(transport.REFUSALS.per_window, transport.REFUSALS.window_s)
     yield
+
+
+# --- test tiers ---------------------------------------------------------------------------------------------------
+
+# Names whose use starts OS processes: process modules, hivemind's daemon-backed P2P and DHT (each runs a p2pd
+# process), the runtime's own spawners, and the subprocess tier's helper module (tests/swarmrun.py).
+PROCESS_STARTERS = {"subprocess", "multiprocessing", "Popen", "P2P", "DHT", "start_transport", "start_companion"}
+PROCESS_MODULES = {"subprocess", "multiprocessing", "swarmrun", "scheduler.processes", "scheduler.launcher"}
+TESTS_DIR = Path(__file__).resolve().parent
+WATCHERS = {"no_leftover_p2pd", "_process_tier_check"}  # autouse fixtures that look for processes, start none
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--quick", action="store_true",
+                     help="the quick tier (make test): leave out the real-process tier except the smoke run")
+
+
+def _names(code: CodeType) -> set[str]:
+    """Every global or attribute name a code object (and the functions, lambdas and comprehensions in it) uses,
+    imports included."""
+    names = set(code.co_names)
+    for inner in code.co_consts:
+        if isinstance(inner, CodeType):
+            names |= _names(inner)
+    return names
+
+
+def _is_ours(obj: object) -> bool:
+    """A function defined in a file under tests/ (a test module, conftest, inprocess.py, ...)."""
+    try:
+        return inspect.isfunction(obj) and Path(inspect.getfile(obj)).resolve().parent == TESTS_DIR
+    except TypeError:
+        return False
+
+
+def _starts_processes(func: object, seen: set[CodeType]) -> bool:
+    """Whether `func`, or a tests/ function it names (followed transitively), names a process starter."""
+    func = inspect.unwrap(getattr(func, "__func__", func))
+    code = getattr(func, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    module_globals = getattr(func, "__globals__", {})
+    for name in _names(code):
+        value = module_globals.get(name)
+        if name in PROCESS_STARTERS or (isinstance(value, ModuleType) and value.__name__ in PROCESS_MODULES) \
+                or getattr(value, "__module__", None) in PROCESS_MODULES:
+            return True
+        if _is_ours(inspect.unwrap(value) if callable(value) else value) and _starts_processes(value, seen):
+            return True
+    return False
+
+
+def _in_process_tier(item: pytest.Item) -> bool:
+    if item.get_closest_marker("processes"):
+        return True
+    seen: set[CodeType] = set()
+    fixtures = getattr(item, "_fixtureinfo", None)
+    defs = [d for ds in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in ds]
+    funcs = [getattr(item, "obj", None)] + [d.func for d in defs if d.argname not in WATCHERS]
+    return any(_starts_processes(f, seen) for f in funcs if f is not None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _in_process_tier(item) and not item.get_closest_marker("processes"):
+            item.add_marker("processes")
+    if not config.getoption("--quick"):
+        return
+    keep = [i for i in items if not i.get_closest_marker("processes") or i.get_closest_marker("smoke")]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("keyword")
+    if whole_suite and not any(i.get_closest_marker("smoke") for i in items):
+        raise pytest.UsageError("--quick: no test marked `smoke` was collected: the quick tier would have no "
+                                "real-process run (tests/test_smoke.py)")
+
+
+def _child_ticks() -> int:
+    """CPU clock ticks of this process's children that have exited and been waited for (/proc/self/stat)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[13]) + int(fields[14])  # cutime, cstime (fields 16 and 17 of proc(5))
+
+
+def _live_children() -> list[int]:
+    """This process's children still running (read from /proc: starting pgrep would itself be a child)."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass  # the process is gone
+    return found
+
+
+_UNDECLARED: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _process_tier_check(request, no_leftover_p2pd):
+    """In a --quick run, note a test that started OS processes without being in the real-process tier (set up
+    after no_leftover_p2pd, whose pgrep calls are children too)."""
+    quick = request.config.getoption("--quick")
+    if not quick or request.node.get_closest_marker("processes"):
+        yield
+        return
+    ticks, children = _child_ticks(), set(_live_children())
+    yield
+    now = set(_live_children())
+    # A child still running from an earlier test (torch_shm_manager, a pool's resource tracker) is not this test's,
+    # nor is the CPU time it brings when it is reaped during this test: count ticks only when none such ended.
+    if now - children or (_child_ticks() > ticks and not children - now):
+        _UNDECLARED.append(request.node.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if _UNDECLARED:
+        terminalreporter.section("quick tier: tests that started OS processes", sep="-")
+        terminalreporter.line("These ran in the quick tier although they start real processes; mark them "
+                              "`@pytest.mark.processes` (docs/testing.md):")
+        for nodeid in _UNDECLARED:
+            terminalreporter.line(f"  {nodeid}")

@@ -74,3 +74,89 @@ def test_profile_parses_py_spy_raw_stacks(tmp_path):
     assert category("decode_body (checkfree/net/wire.py:210)") == "wire format"
     assert category("backward (torch/autograd/__init__.py:395)") == "torch compute"
     assert thread_kind("asyncio_0") == "other threads"
+
+
+def test_vs_torch_pipelining_quick_compares_every_path_and_leaves_nothing(tmp_path):
+    """Both sides train the same stages on the same batches (losses agree step by step), every path has a row,
+    nothing is left running, and the last line is the ratio (its value is not checked: a speed)."""
+    out = tmp_path / "vs.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_torch_pipelining", "--quick", "--preset", "tiny",
+                           "--rounds", "1", "--no-hivemind", "--json", str(out)],
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"swarm/torch-pipelining: \d+\.\d{3}", lines[-1]), lines[-1]
+    assert "torch threads per process: intra-op 1" in proc.stdout
+    rows = {r[0].strip(): r for r in (line.strip("|").split("|") for line in lines if line.startswith("| ")
+                                      and not line.startswith("| path") and not line.startswith("|---"))}
+    assert set(rows) == {"torch gpipe", "torch 1f1b", "swarm tcp gpipe", "swarm tcp 1f1b"}
+    for name, r in rows.items():
+        assert float(r[1]) > 0 and float(r[3]) > 0  # s/step, CPU-s/step
+        assert float(r[5]) < 1e-4, (name, r[5])  # the same training: losses agree to float round-off
+    assert "losses: every path trained 8 steps: yes" in proc.stdout
+    assert re.search(r"left behind: 0 processes, 0 socket files \(of \d+ started\)", proc.stdout), proc.stdout
+    result = json.loads(out.read_text())
+    assert len(result["rounds"]) == 1 and len(result["rounds"][0]["torch gpipe"]["losses"]) == 8
+
+
+def test_idle_reports_the_standby_and_every_process_kind():
+    """The standby is found (a peer that computes nothing), every kind of process has a row, the swarm is stopped
+    and nothing is left behind; the last line is the standby's share (its value is not checked: a speed)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.idle", "--preset", "tiny", "--seconds", "3",
+                           "--warmup-steps", "2"], capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r[0].strip(): r for r in (line.strip("|").split("|") for line in proc.stdout.splitlines()
+                                      if line.startswith("| ") and not line.startswith("| process"))}
+    for name, count in (("standby peer (python: event loop, compute thread idle)", 1), ("standby's DHT process", 1),
+                        ("standby's p2pd", 1), ("stage peers (python: event loop + compute)", 4),
+                        ("stage peers' DHT processes", 4), ("stage peers' p2pd", 4), ("coordinator", 1)):
+        assert int(rows[name][1]) == count, (name, rows.get(name))
+    assert float(rows["stage peers (python: event loop + compute)"][2]) > 0
+    assert re.search(r"left behind: 0 processes, 0 socket files \(of \d+ started\)", proc.stdout), proc.stdout
+    assert re.fullmatch(r"idle standby: \d+\.\d\d% of a core", proc.stdout.strip().splitlines()[-1])
+
+
+def test_copies_quick_reports_before_and_after_for_every_operation():
+    """benchmarks.copies runs both paths side by side; the allocation counts (not timings) show the receive path
+    keeping one buffer per message and the snapshot path fewer copies than before."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.copies", "--quick"], check=False, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+                              if line.startswith("| ") and "operation" not in line)}
+    for op in ("receive one message", "check_finite (one activation)", "snapshot: capture + serialise",
+               "snapshot: send + receive", "snapshot: load", "snapshot: all three"):
+        assert op in rows, proc.stdout
+    after_receive = [r for k, r in rows.items() if k == "receive one message"][0][3]
+    assert after_receive.endswith("(1.00x)"), rows  # the body is the only buffer a received message takes
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"copies before/after: receive (\S+), check_finite (\S+), snapshot (\S+)", last)
+    assert m and float(m[1]) > 2 and float(m[3]) > 2, last
+
+
+def test_control_plane_quick_prints_the_table_and_the_growth_exponent(tmp_path):
+    """benchmarks.control_plane --quick: two in-process swarms (N = 4, 8), their table, the plot, and the growth
+    exponent as the last line (its value is not checked: it is a measurement)."""
+    result, png = tmp_path / "cp.json", tmp_path / "cp.png"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.control_plane", "--quick", "--json", str(result),
+                           "--plot", str(png)], check=False, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"coordinator cpu growth exponent: -?\d+\.\d\d", lines[-1]), lines[-1]
+    rows = [line for line in lines if re.match(r"\| \d+ \| 4 x \d \|", line)]
+    assert [int(r.split("|")[1]) for r in rows] == [4, 8], proc.stdout[-3000:]
+    data = json.loads(result.read_text())
+    for r in data["inprocess"]:  # every step's RUN_STEP and COMMIT went out and came back, and were counted
+        assert r["messages_sent"] >= 2 * r["peers"] and r["bytes_sent"] > 0 and r["coordinator_cpu_s"] > 0
+        assert r["by_rpc"]["calls cf.run_step"] == r["by_rpc"]["calls cf.commit"] == r["live_peers"]
+    assert png.stat().st_size > 0
+
+
+def test_the_control_plane_page_carries_what_the_result_files_render():
+    """docs/control-plane.md's tables are the benchmarks' own rendering of benchmarks/results/*.json (rewrite them
+    with `python -m benchmarks.docs_tables`), never typed by hand."""
+    from benchmarks.docs_tables import BLOCKS, PAGE, blocks, rendered
+
+    held = blocks(PAGE.read_text())
+    for marker, module, result in BLOCKS:
+        assert held.get(marker) == rendered(module, result), f"{marker}: run python -m benchmarks.docs_tables"

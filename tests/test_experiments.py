@@ -109,7 +109,8 @@ def test_quick_all_experiments_produce_complete_results_and_resume(tmp_path, cac
         rows = next(iter(_tables((d / "table.md").read_text()).values()))
         assert len(rows) >= 3 and all(len(r) == len(rows[0]) for r in rows), ablation
     init_rows = next(iter(_tables((out / "ablation-init" / "table.md").read_text()).values()))
-    assert {r[0].split(" @")[0] for r in init_rows[1:]} == {"no failures", "random", "copy", "uniform", "checkfree"}
+    assert {r[0].split(" @")[0] for r in init_rows[1:]} == {"no failures", "random", "copy", "uniform", "checkfree",
+                                                                        "identity"}
 
     # an interrupted matrix resumes without redoing finished runs
     victim = next(d for d in runs if d.name.startswith("checkpoint-16pct"))

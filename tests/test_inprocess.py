@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from checkfree.abft import FaultInjector
 from checkfree.failures import FailureSchedule
@@ -65,6 +66,31 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
     assert [(e["step"], e["stage"]) for e in got] == [(e["step"], e["stage"]) for e in want] == failures
     for g, w in zip(got, want):
         assert g.get("coefficients") == pytest.approx(w.get("coefficients"), rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy, fallback, failures", [
+    ("identity", "abort", [(3, 1), (3, 2), (4, 1)]),  # adjacent losses too: identity reads no neighbour
+    ("checkfree", "identity", [(3, 1), (3, 2)]),  # adjacent losses plain CheckFree cannot average
+])
+def test_identity_recovery_in_one_process_equals_the_simulator(tiny_cfg, tmp_path, strategy, fallback, failures):
+    """Layer drop, as a strategy and as a fallback: the swarm rebuilds the lost stages as pass-throughs (the
+    rebuilt blocks' residual output projections zero) and goes on with the simulator's losses and events."""
+    cfg = _cfg(tiny_cfg, strategy)
+    cfg.recovery.fallback = fallback
+    dump = tmp_path / "dump"
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
+                      dump_dir=str(dump), save_final=False)
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    fields = ("event", "step", "stage", "method", "sources", "fallback", "coefficients", "edges_reinit")
+    got, want = ([tuple(e.get(k) for k in fields) for e in _events(out, "recovery", "fallback")]
+                 for out in (tmp_path / "swarm", tmp_path / "sim"))
+    assert got == want and [(e[1], e[2], e[3]) for e in got] == [(s, st, "identity") for s, st in failures]
+    for step, stage in failures:
+        rebuilt = load_file(str(dump / f"rebuilt-step{step}-stage{stage}.safetensors"))
+        outputs = [v for k, v in rebuilt.items() if k.endswith(("attn.wo.weight", "mlp.w2.weight"))]
+        assert len(outputs) == 2 * cfg.model.num_layers // cfg.num_stages and not any(v.any() for v in outputs)
 
 
 @pytest.mark.parametrize("strategy", ["gemini", "checkpoint"])
@@ -132,8 +158,6 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
     stage 2 at step 6 restores stage 2 from stage 3's copy of the step-6 snapshot, and takes stage 1's snapshot
     (held by stage 2's peer) with it, so the kill of stage 1 at step 7 is averaged. Same decisions, events and
     losses as the simulator."""
-    from safetensors.torch import load_file
-
     from checkfree.serialize import state_from_bytes
 
     cfg = _cfg(tiny_cfg, "checkfree+snap", steps=8)
@@ -162,15 +186,20 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
 
 
 def test_the_swarm_runs_every_strategy_and_refuses_a_bad_combination_before_any_peer_starts(tiny_cfg, tmp_path):
+    """Every strategy with every fallback (each a plan the coordinator carries out, checkfree.plans); stage groups
+    only with a strategy that keeps no copies of a stage's peer."""
     from checkfree.strategies import STRATEGIES
     from scheduler.common import CoordinatorOptions
     from scheduler.coordinator import Coordinator
 
     for name in STRATEGIES:
-        Coordinator(_cfg(tiny_cfg, name), CoordinatorOptions(out=str(tmp_path / name)))
+        for fallback in ("abort", "random", "copy"):
+            cfg = _cfg(tiny_cfg, name)
+            cfg.recovery.fallback = fallback
+            Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / name)))
     cfg = _cfg(tiny_cfg, "gemini")
-    cfg.recovery.fallback = "random"
-    with pytest.raises(ValueError, match="--fallback random runs in the simulator only"):
+    cfg.train.replicas = 2
+    with pytest.raises(ValueError, match="gemini keeps one peer per stage"):
         Coordinator(cfg, CoordinatorOptions(out=str(tmp_path / "bad")))
 
 
@@ -241,8 +270,10 @@ def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tin
     failures = [(3, 1), (6, 3), (8, 0)]
     swarm, sim, got = _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, failures)
     assert [e["stage"] for e in got] == [1, 3, 0]
-    backups = _events(tmp_path / "swarm", "snapshot")
-    assert backups and all(e["kind"] == "backup" and e["complete"] for e in backups)
+    snapshots = _events(tmp_path / "swarm", "snapshot")
+    assert snapshots and all(e["kind"] in ("backup", "memory") and e["complete"] for e in snapshots)
+    # after each rollback every stage gives its holder its backup anew (the lost peers held some): at the target
+    assert [e["step"] for e in snapshots if e["kind"] == "memory"] == [e["rollback_to"] for e in got]
     metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
     assert sum(n or 0 for m in metrics for n in m.get("backup_bytes", [])) > 0
 
@@ -322,7 +353,7 @@ def test_baft_spreads_a_backup_over_several_steps_when_the_bubbles_are_short(tin
     # the backup as of step 1 completes after step 3; the one as of step 4 is cut short by the kill at iteration 6
     # (rollback to 1); re-run from 1, the backup as of 2 completes after step 4, the next is cut short again
     assert [e["rollback_to"] for e in got] == [1, 2]
-    backups = _events(tmp_path / "swarm", "snapshot")
+    backups = [e for e in _events(tmp_path / "swarm", "snapshot") if e["kind"] == "backup"]
     assert [e["step"] for e in backups][:2] == [1, 2] and all(e["complete"] for e in backups)
     sent = [m["backup_bytes"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl") if m.get("backup_bytes")]
     whole = swarm.summary["extra_memory_bytes"]

@@ -231,11 +231,11 @@ def test_late_join_is_refused_with_a_clear_reason(tmp_path):
 
     cfg = preset("tiny")
     coord = Coordinator(cfg, CoordinatorOptions(run_id="r", out=str(tmp_path)))
-    coord.writer = RunWriter(tmp_path, cfg.to_json())
-    coord.writer.close()
-    coord.over = "completed"
+    coord.out.open(cfg, resume=False)
+    coord.out.close("completed", None)
+    coord.members.end("completed")
     with pytest.raises(ProtocolError, match="run over: run 'r' has ended"):
-        asyncio.run(coord._on_join({"run": "r", "peer_id": "p"}, [], "p"))
+        asyncio.run(coord.members.on_join({"run": "r", "peer_id": "p"}, [], "p"))
 
 
 def test_refusal_log_is_rate_limited(caplog):

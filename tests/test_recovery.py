@@ -3,8 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkfree.recovery import (UnrecoverableFailure, checkfree_average, omega, plan_recovery, random_init,
-                                rebuild_stage, recovered_optimizer_state, uniform_average)
+from checkfree.config import ModelConfig
+from checkfree.model import PipelineStage, StageSpec, init_stage, plan_stages
+from checkfree.recovery import (UnrecoverableFailure, checkfree_average, identity_init, omega, plan_recovery,
+                                random_init, rebuild_stage, recovered_optimizer_state, uniform_average)
 
 
 def test_checkfree_average_hand_computed():
@@ -146,3 +148,82 @@ def test_block_scope_omega_excludes_the_embedding_and_head():
             assert stats.omega(stage) == pytest.approx(stats.omega(blocks))
     with pytest.raises(ValueError, match="omega_scope must be 'stage' or 'blocks'"):
         RecoveryConfig(omega_scope="all")
+
+
+def _identity_rebuilt(cfg: ModelConfig, spec: StageSpec, num_stages: int, strategy: str,
+                      fallback: str = "abort") -> PipelineStage:
+    """Stage `spec` trained-looking (seeded random), then rebuilt alone by `strategy` / `fallback`."""
+    stage = PipelineStage(cfg, spec, has_embedding=spec.is_first, has_head=spec.is_last)
+    init_stage(stage, seed=3)
+    (plan,) = plan_recovery({spec.index}, num_stages, strategy, fallback)
+    assert plan.method == "identity" and plan.sources == ()
+    state, coeffs = rebuild_stage(plan, stage.state_dict(), {}, {}, {}, seed=11)
+    assert coeffs == {}
+    stage.load_state_dict(state)
+    return stage
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2, 1])  # multi-head, grouped-query, multi-query attention
+def test_identity_rebuilt_stage_passes_its_input_through_exactly(kv_heads):
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=kv_heads, num_layers=6, context_length=16)
+    specs = plan_stages(cfg.num_layers, 3)
+    stage = _identity_rebuilt(cfg, specs[1], 3, "identity")
+    x = torch.randn(2, 16, cfg.d_model, generator=torch.Generator().manual_seed(0)) * 5
+    with torch.no_grad():
+        assert torch.equal(stage(x), x)
+    state = stage.state_dict()
+    for j in range(specs[1].num_blocks):
+        assert not state[f"blocks.{j}.attn.wo.weight"].any() and not state[f"blocks.{j}.mlp.w2.weight"].any()
+        for norm in ("attn_norm", "mlp_norm"):
+            assert torch.equal(state[f"blocks.{j}.{norm}.weight"], torch.ones(cfg.d_model))
+        for k in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):  # random: the stage can learn again
+            assert state[f"blocks.{j}.{k}.weight"].std() == pytest.approx(cfg.init_std, rel=0.3), k
+    # until it trains: the zero projections get gradients at once, the matrices behind them not yet
+    stage(x).pow(2).sum().backward()
+    grads = dict(stage.named_parameters())
+    assert grads["blocks.0.attn.wo.weight"].grad.abs().sum() > 0 and grads["blocks.0.mlp.w2.weight"].grad.abs().sum() > 0
+    assert not grads["blocks.0.attn.wq.weight"].grad.any() and not grads["blocks.0.mlp.w1.weight"].grad.any()
+
+
+def test_identity_on_an_edge_stage_is_the_fallbacks_pass_through_blocks_and_fresh_embedding():
+    """identity cannot rebuild an embedding or a head: it refuses the first / last stage like plain
+    CheckFree; as a fallback it rebuilds the blocks as pass-throughs and re-initialises the component."""
+    cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, num_layers=4, context_length=8)
+    specs = plan_stages(cfg.num_layers, 2)
+    with pytest.raises(UnrecoverableFailure, match="strategy identity cannot recover the first stage"):
+        plan_recovery({0}, 2, "identity")
+    first = _identity_rebuilt(cfg, specs[0], 2, "identity", fallback="identity")
+    (plan,) = plan_recovery({0}, 2, "identity", "identity")
+    assert plan.fallback == "identity" and plan.edges_reinit == ("embed",)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(first(tokens, embed=True), first.embed(tokens))
+    last = _identity_rebuilt(cfg, specs[1], 2, "checkfree", fallback="identity")
+    h = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        assert torch.equal(last(h, head=True), last.head(h))
+
+
+def test_identity_needs_no_neighbour_and_is_a_fallback_for_adjacent_losses():
+    plans = plan_recovery({1, 2}, 5, "identity")  # no sources, so adjacent losses are no obstacle
+    assert [(p.method, p.sources, p.fallback) for p in plans] == [("identity", (), None)] * 2
+    plans = plan_recovery({1, 2}, 5, "checkfree", fallback="identity")
+    assert [(p.method, p.sources, p.fallback) for p in plans] == [("identity", (), "identity")] * 2
+    assert all("adjacent" in p.reason for p in plans)
+    first, second = plan_recovery({0, 1}, 6, "checkfree+", fallback="identity")  # both embedding holders lost
+    assert (first.method, first.edges_reinit, second.method, second.edges_reinit) == (
+        "identity", ("embed",), "identity", ("embed",))
+    (alone,) = plan_recovery({5}, 6, "checkfree+", fallback="identity")  # the strategy itself recovers it
+    assert alone.method == "copy" and alone.fallback is None
+
+
+def test_identity_init_is_deterministic_and_leaves_other_keys_alone():
+    t = {"blocks.0.attn.wo.weight": torch.zeros(4, 4), "blocks.0.attn.wq.weight": torch.zeros(4, 4),
+         "blocks.0.mlp.w2.weight": torch.zeros(4, 8), "blocks.0.attn_norm.weight": torch.zeros(4),
+         "head.out.weight": torch.zeros(9, 4)}
+    x, y = identity_init(t, seed=5), identity_init(t, seed=5)
+    assert x.keys() == t.keys() and all(torch.equal(x[k], y[k]) for k in t)
+    rnd = random_init(t, seed=5)
+    for k in ("blocks.0.attn.wq.weight", "head.out.weight", "blocks.0.attn_norm.weight"):
+        assert torch.equal(x[k], rnd[k]), k
+    assert not x["blocks.0.attn.wo.weight"].any() and not x["blocks.0.mlp.w2.weight"].any()

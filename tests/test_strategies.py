@@ -201,11 +201,11 @@ def test_hybrid_restores_from_snapshot_without_rollback(tiny_cfg_module, tmp_pat
     try:
         for step in range(3):
             sim.train_step(step)
-            sim.strategy.after_step(sim.ctx, step)  # snapshot after step 2 (resumes at 3)
+            sim.executor.after_step(step)  # snapshot after step 2 (resumes at 3)
         at3 = _states(sim)
         for step in range(3, 5):
             sim.train_step(step)
-            sim.strategy.after_step(sim.ctx, step)
+            sim.executor.after_step(step)
         at5 = _states(sim)
         assert sim.recover(5, {1}) == 5  # no rollback
         now = _states(sim)

@@ -230,6 +230,29 @@ def test_omega_over_the_blocks_only_in_swarm_and_simulator(tmp_path, cache):
                                                                            rel=1e-3)
 
 
+def test_identity_for_real_rebuilds_adjacent_losses_as_pass_throughs(tmp_path, cache):
+    """`checkfree local --strategy identity` with real SIGKILLs over hivemind, against `checkfree simulate`:
+    stages 1 and 2, killed together at step 3, come back as pass-throughs (their blocks' residual output
+    projections zero; no neighbour is read), with the simulator's recovery events and losses."""
+    dump = tmp_path / "dump"
+    args = ("--steps", "5", "--strategy", "identity", "--trace", _trace(tmp_path, [(3, 1), (3, 2)]),
+            "--eval-every", "0")
+    proc, out = _local(tmp_path, "identity", *args, "--dump-recovery", str(dump), cache=cache, spares=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 peers SIGKILLed" in proc.stdout
+    sim = _simulate(tmp_path, "sim", *args, cache=cache)
+    fields = ("event", "step", "stage", "method", "sources", "coefficients", "edges_reinit")
+    got, want = ([tuple(e.get(k) for k in fields) for e in read_jsonl(d / "events.jsonl")
+                  if e["event"] in ("recovery", "fallback")] for d in (out, tmp_path / "sim"))
+    assert got == want == [("recovery", 3, s, "identity", [], [], []) for s in (1, 2)]
+    for stage in (1, 2):
+        rebuilt = load_file(str(dump / f"rebuilt-step3-stage{stage}.safetensors"))
+        outputs = [v for k, v in rebuilt.items() if k.endswith(("attn.wo.weight", "mlp.w2.weight"))]
+        assert len(outputs) == 4 and not any(v.any() for v in outputs)
+    assert [m["loss"] for m in read_jsonl(out / "metrics.jsonl")] == pytest.approx([m["loss"] for m in sim],
+                                                                                   rel=1e-5, abs=1e-5)
+
+
 def test_int8_wire_in_the_swarm_equals_the_simulator(tmp_path, cache):
     """--wire-dtype int8: peers send int8 activations/gradients with row scales (checkfree.wirecodec), the
     simulator applies the same round trip at each stage boundary, so both give the same losses; a step
@@ -332,10 +355,10 @@ def test_reft_restores_a_crashed_training_process_from_its_companion_and_a_dead_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _simulate(tmp_path, "sim", *args, "--trace", _trace(tmp_path, [(3, 1), (6, 2)]), cache=cache)
     _simulate(tmp_path, "clean", *args, cache=cache)
-    fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source")
+    fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source", "restored_from")
     got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
-    assert [g[:5] for g in got] == [w[:5] for w in want]
-    assert [(g[1], g[5]) for g in got] == [(1, "companion"), (2, "parity")]
+    assert [g[:6] for g in got] == [w[:6] for w in want]  # the same plan: decoded from parity
+    assert [(g[1], g[6]) for g in got] == [(1, "companion"), (2, None)]  # ...the lost peer's companion served it
     final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
     clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
     assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)

@@ -226,6 +226,28 @@ def test_check_finite_names_offender() -> None:
         check_finite({"act": torch.ones(2), "grad": torch.tensor([float("inf"), -float("inf")], dtype=torch.bfloat16)})
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64])
+def test_check_finite_is_exact_at_any_position_and_ignores_an_overflowing_sum(dtype) -> None:
+    """The sum test never accepts a NaN or Inf wherever it sits (first, last, a chunk boundary, one chunk's end),
+    and finite values whose sum overflows are still accepted (the chunked count settles it)."""
+    from checkfree.net.wire import FINITE_CHUNK
+
+    n = 2 * FINITE_CHUNK + 17
+    gen = torch.Generator().manual_seed(0)
+    for pos in (0, n - 1, FINITE_CHUNK, FINITE_CHUNK - 1, int(torch.randint(n, (1,), generator=gen))):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            t = torch.randn(n, generator=gen).to(dtype)
+            t[pos] = bad
+            with pytest.raises(WireError, match=r"contains (1 NaN and 0|0 NaN and 1) Inf"):
+                check_finite([t])
+            with pytest.raises(WireError):
+                check_finite([t.view(-1, 1).expand(n, 2).t()])  # not contiguous: counted on a copy
+    big = torch.finfo(torch.float32 if dtype.is_complex else dtype).max
+    huge = torch.full((n,), big / 2, dtype=dtype)
+    assert not bool(torch.isfinite(huge.sum()))  # the sum overflows ...
+    check_finite([huge])  # ... yet every value is finite
+
 # ---------------------------------------------------------------- transport over real p2pd daemons
 
 

@@ -36,6 +36,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
 from checkfree.net.base import Handler
 from checkfree.net.errors import TransportError, failed_request
+from checkfree.net.framed import FramedReader, adopt
 from checkfree.net.streams import (
     POOL_IDLE_SECONDS,
     POOL_MAX_IDLE_PER_KEY,
@@ -110,7 +111,7 @@ class HivemindTransport:
         """Serve ``handler`` under protocol ``name``; each incoming stream runs in its own task."""
 
         async def _on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve(name, info.peer_id, reader, writer)
+            await self._serve(name, info.peer_id, adopt(reader, writer), writer)
 
         self._handlers[name] = handler
         await self.p2p.add_binary_stream_handler(name, _on_stream)
@@ -119,7 +120,7 @@ class HivemindTransport:
         self._handlers.pop(name, None)
         await self.p2p.remove_binary_stream_handler(name)
 
-    async def _serve(self, name: str, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, name: str, peer: PeerID, reader: FramedReader, writer: asyncio.StreamWriter) -> None:
         """Answer requests on one stream until the caller closes it, it idles for ``idle_timeout`` or a
         request fails (after an error reply the stream is closed: its framing may be lost). The handler is
         looked up per request: once ``name`` is unregistered, a reused stream gets an error reply too."""
@@ -196,7 +197,7 @@ class HivemindTransport:
             except (P2PDaemonError, ConnectionError, OSError) as e:
                 raise TransportError(f"cannot open stream '{name}' to peer {peer}: {e}") from e
             self.streams_opened += 1
-            stream = reader, writer
+            stream = adopt(reader, writer), writer
         return await exchange(stream, frames, self.max_message_bytes, f"peer {peer}", f"stream '{name}'",
                                self._pool if self.pool_streams else None, key)
 

@@ -158,6 +158,7 @@ class MemoryTransport:
         self._handlers: dict[str, Handler] = {}
         self._running: set[asyncio.Task] = set()
         self.process = SimProcess.current.get()  # whose handlers these are (None: no process tracking)
+        self._context = contextvars.copy_context()  # its owner's: requests are handled as in the owner's process
         network.transports[self._peer_id] = self
 
     @property
@@ -196,9 +197,8 @@ class MemoryTransport:
         if target is None:
             raise TransportError(f"peer {peer_id} is unreachable (not in this process's memory network)")
         frames = encode_message({**self.extra_header, **header}, tensors)
-        # the handler runs in the serving process: a kill of the caller does not cancel it
-        served_in = target.process.context() if target.process is not None else None
-        task = asyncio.get_running_loop().create_task(target._serve(name, frames, me), context=served_in)
+        # the handler runs in the serving process (its owner's context): a kill of the caller does not cancel it
+        task = asyncio.create_task(target._serve(name, frames, me), context=target._context.copy())
         target._running.add(task)
         task.add_done_callback(target._running.discard)
         try:

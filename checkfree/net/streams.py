@@ -1,6 +1,7 @@
 """Length-prefixed request/reply streams over asyncio: chunked writes, reads into one fresh buffer that is
-released at once when the read fails, a pool of idle streams for reuse, and one call's exchange and
-timeout. Shared by the hivemind and tcp transports (the libp2p one runs the same framing under trio)."""
+released at once when the read fails (received in place, `checkfree.net.framed`), a pool of idle streams for
+reuse, and one call's exchange and timeout. Shared by the hivemind and tcp transports (the libp2p one runs the
+same framing under trio)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from checkfree.net.errors import TransportError, TransportTimeout, remote_error
+from checkfree.net.framed import FramedReader
 from checkfree.net.wire import (
     PREFIX_BYTES,
     WireError,
@@ -27,7 +29,7 @@ from checkfree.net.wire import (
 
 __all__ = ["WRITE_CHUNK_BYTES", "WRITE_HIGH_WATER", "READ_CHUNK_BYTES", "SOCKET_SEND_BUFFER_BYTES", "POOL_IDLE_SECONDS",
            "POOL_MAX_IDLE_PER_KEY", "Stream", "StreamPool", "write_frames", "read_message", "discard_until_eof",
-           "exchange", "reply_within", "quiet_disconnects", "stream_pool_default", "read_body", "dispatch"]
+           "exchange", "reply_within", "quiet_disconnects", "stream_pool_default", "read_body", "read_body_into", "dispatch"]
 
 logger = logging.getLogger("checkfree.net.transport")
 
@@ -65,7 +67,7 @@ async def write_frames(writer: asyncio.StreamWriter, frames: Sequence[bytes | me
     await writer.drain()
 
 
-async def read_message(reader: asyncio.StreamReader, max_message_bytes: int,
+async def read_message(reader: FramedReader | asyncio.StreamReader, max_message_bytes: int,
                         prefix: bytes | None = None) -> tuple[dict, list[torch.Tensor]]:
     """Read one length-prefixed message into a fresh writable buffer and decode it (``prefix``: its
     8-byte length prefix, if the caller has already read it).
@@ -73,11 +75,14 @@ async def read_message(reader: asyncio.StreamReader, max_message_bytes: int,
     The declared length is checked against ``max_message_bytes`` before the buffer is allocated. The
     buffer is not zero-filled (unlike ``bytearray(length)``), so its pages are only committed as bytes
     arrive: a peer that declares a large message and stalls costs address space, not memory; a read that
-    fails or is abandoned releases its buffer at once.
+    fails or is abandoned releases its buffer at once. A ``FramedReader`` (the transports' connections)
+    receives the body in place; a plain ``StreamReader`` (a test's raw connection) is read chunk by chunk.
     """
     if prefix is None:
         prefix = await reader.readexactly(PREFIX_BYTES)
     length = body_length(prefix, max_message_bytes=max_message_bytes)
+    if isinstance(reader, FramedReader):
+        return decode_body(await read_body_into(reader, length))
 
     async def read_some(n: int) -> bytes:
         chunk = await reader.read(n)
@@ -109,6 +114,19 @@ async def read_body(read_some: Callable[[int], Awaitable[bytes]], length: int) -
     return view
 
 
+async def read_body_into(reader: FramedReader, length: int) -> memoryview:
+    """`length` bytes received in place into one fresh buffer that is not zero-filled (see `read_body`)."""
+    body = np.empty(length, dtype=np.uint8)
+    view = memoryview(body)
+    try:
+        await reader.readinto(view)
+    except BaseException:
+        view.release()
+        del view, body
+        raise
+    return view
+
+
 async def dispatch(handlers: dict, name: str, header: dict, tensors: list[torch.Tensor], peer: Any) -> list:
     """The encoded reply of the handler registered under `name` (looked up per request: once unregistered, a
     reused stream or connection gets an error reply too); TransportError when there is none."""
@@ -135,12 +153,12 @@ def quiet_disconnects(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
-async def discard_until_eof(reader: asyncio.StreamReader) -> None:
+async def discard_until_eof(reader: FramedReader | asyncio.StreamReader) -> None:
     while await reader.read(READ_CHUNK_BYTES):
         pass
 
 
-Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+Stream = tuple[FramedReader, asyncio.StreamWriter]
 
 
 class StreamPool:
@@ -151,9 +169,9 @@ class StreamPool:
     def __init__(self, max_idle: float, max_per_key: int) -> None:
         self.max_idle = max_idle
         self.max_per_key = max_per_key
-        self.idle: dict[Any, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+        self.idle: dict[Any, list[tuple[FramedReader, asyncio.StreamWriter, float]]] = {}
 
-    def _fresh(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, since: float, now: float) -> bool:
+    def _fresh(self, reader: FramedReader, writer: asyncio.StreamWriter, since: float, now: float) -> bool:
         open_ = not (reader.at_eof() or reader.exception() is not None or writer.is_closing())
         return open_ and now - since <= self.max_idle
 
@@ -168,7 +186,7 @@ class StreamPool:
             writer.close()
         return None
 
-    def put(self, key: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def put(self, key: Any, reader: FramedReader, writer: asyncio.StreamWriter) -> None:
         """Keep a stream for reuse; also drop every pooled stream that expired or was closed remotely."""
         now = time.monotonic()
         for k in list(self.idle):

@@ -26,6 +26,7 @@ import secrets
 
 from checkfree.auth import SECRET_ENV, handshake_proof, verify
 from checkfree.net.errors import TransportError
+from checkfree.net.framed import FramedReader
 from checkfree.net.streams import read_message, write_frames
 from checkfree.net.wire import WireError, encode_message
 
@@ -53,7 +54,7 @@ def check_hello(hello: dict, secret: bytes | None) -> tuple[str, bytes]:
     return peer, nonce
 
 
-async def accept_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str,
+async def accept_handshake(reader: FramedReader, writer: asyncio.StreamWriter, me: str,
                            secret: bytes | None) -> str:
     """Server half: returns the caller's (proven, with a secret) peer id; ``HandshakeError`` if it fails."""
     hello, _ = await read_message(reader, HANDSHAKE_MAX_BYTES)
@@ -72,7 +73,7 @@ async def accept_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     return caller
 
 
-async def dial_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, peer: str,
+async def dial_handshake(reader: FramedReader, writer: asyncio.StreamWriter, me: str, peer: str,
                          secret: bytes | None) -> None:
     """Caller half, with the server meant to be ``peer``; ``HandshakeError`` if it fails."""
     mine = secrets.token_bytes(NONCE_BYTES)

@@ -62,6 +62,7 @@ from checkfree.net.errors import (
     TransportTimeout,
     failed_request,
 )
+from checkfree.net.framed import FramedReader, adopt
 from checkfree.net.streams import (
     Stream,
     StreamPool,
@@ -80,7 +81,7 @@ __all__ = ["HANDSHAKE_MAX_BYTES", "HandshakeError", "RemoteError", "TcpTransport
 
 logger = logging.getLogger(__name__)
 
-READER_LIMIT = 4 << 20  # StreamReader buffer: the default 64 KiB pauses the socket every 128 KiB
+READER_LIMIT = 4 << 20  # the StreamReader's buffer until `adopt` takes the connection over (before any byte)
 POOL_IDLE_SECONDS = 30.0  # a caller drops a pooled connection idle for longer (servers wait 2x)
 POOL_MAX_IDLE_PER_PEER = 8
 
@@ -213,7 +214,8 @@ class TcpTransport:
     async def unregister(self, name: str) -> None:
         self._handlers.pop(name, None)
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_connection(self, stream_reader: FramedReader, writer: asyncio.StreamWriter) -> None:
+        reader = adopt(stream_reader, writer)
         _nodelay(writer)
         self._serving[writer] = asyncio.current_task()  # type: ignore[assignment]
         where = writer.get_extra_info("peername")
@@ -234,11 +236,11 @@ class TcpTransport:
             self._serving.pop(writer, None)
             writer.close()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+    async def _accept(self, reader: FramedReader, writer: asyncio.StreamWriter) -> str:
         """Server half of the handshake; returns the caller's (proven, with a secret) peer id."""
         return await accept_handshake(reader, writer, self._peer_id, self.secret)
 
-    async def _reply_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: str | dict) -> None:
+    async def _reply_error(self, reader: FramedReader, writer: asyncio.StreamWriter, reply: str | dict) -> None:
         """Answer an error reply (``{"error": text[, "kind": ...]}``) and wait (bounded) for the caller to close,
         so that the reply is not lost to a reset caused by unread request bytes."""
         with contextlib.suppress(ConnectionError):
@@ -246,7 +248,7 @@ class TcpTransport:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(discard_until_eof(reader), self.linger_timeout)
 
-    async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, peer: str, reader: FramedReader, writer: asyncio.StreamWriter) -> None:
         """Answer requests on one connection until the caller closes it, it idles for ``idle_timeout`` or a
         request fails (then an error reply, and the connection is closed)."""
         while True:
@@ -274,7 +276,7 @@ class TcpTransport:
                 return
             await write_frames(writer, frames)
 
-    async def _read_request(self, reader: asyncio.StreamReader,
+    async def _read_request(self, reader: FramedReader,
                             size: int) -> tuple[bytes, tuple[dict, list[torch.Tensor]]]:
         """The rest of a request whose first byte (``size``, the protocol name's length) was read."""
         name = await reader.readexactly(size) if size else b""
@@ -330,10 +332,11 @@ class TcpTransport:
         errors = []
         for host, port in addrs:
             try:
-                reader, writer = await asyncio.open_connection(host, port, limit=READER_LIMIT)
+                stream_reader, writer = await asyncio.open_connection(host, port, limit=READER_LIMIT)
             except OSError as e:
                 errors.append(f"{host}:{port}: {e}")
                 continue
+            reader = adopt(stream_reader, writer)
             _nodelay(writer)
             try:
                 await self._handshake(peer, reader, writer)
@@ -352,7 +355,7 @@ class TcpTransport:
         if self.address_resolver is not None:
             self._addresses.pop(peer, None)
 
-    async def _handshake(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handshake(self, peer: str, reader: FramedReader, writer: asyncio.StreamWriter) -> None:
         """Caller half of the handshake; ``HandshakeError`` if it fails."""
         await dial_handshake(reader, writer, self._peer_id, peer, self.secret)
 

@@ -41,9 +41,15 @@ from checkfree.net.membership import (
 )
 from checkfree.net.streams import StreamPool, stream_pool_default
 
+
+def sign_requests(transport: Transport, header: dict) -> None:
+    """Merge `header` into every request `transport` sends from now on (e.g. the run's membership token)."""
+    transport.extra_header = dict(header)
+
+
 __all__ = [
     "TRANSPORTS", "Handler", "Transport", "HivemindTransport", "RemoteError", "TransportError", "TransportTimeout",
     "RefusalLog", "REFUSALS", "failed_request", "StreamPool", "stream_pool_default", "check_transport",
     "start_transport", "stop_transport", "rpc_note", "announce", "heartbeat", "live_members", "live_members_async",
-    "dht_maddrs", "learn_addresses", "rpc_addrs_key",
+    "dht_maddrs", "learn_addresses", "rpc_addrs_key", "sign_requests",
 ]

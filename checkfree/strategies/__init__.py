@@ -1,6 +1,7 @@
 """Fault-tolerance strategies behind one interface (see `base.Strategy`), by CLI name.
 
-* averaging (checkfree, checkfree+, uniform, copy, random): rebuild from live neighbours;
+* averaging (checkfree, checkfree+, uniform, copy, random, identity): rebuild from live neighbours (random and
+  identity from no one: fresh weights, or a pass-through stage);
 * checkpoint: persistent checkpoints every K steps, global rollback;
 * redundant: Bamboo-style replica of the successor, promoted on failure;
 * gemini: snapshots in m peers' CPU memory, global rollback;

@@ -9,8 +9,9 @@ from the cost model's t_f / t_b, which include the stages' own sends); when one 
 bubbles are too short the backup is spread over n steps (n = the largest over stages, so
 every stage's backup of the same step completes together). A backup counts only once
 complete; the previous one is kept until then. On a failure every stage rolls back to
-the last complete backup (lost steps between n and 2n-1); a lost stage whose holder
-failed too goes to the storage checkpoint if configured, else to the declared fallback.
+the last complete backup (lost steps between n and 2n-1), which every stage then gives its holder anew (the
+copies the lost peers held); a lost stage whose holder failed too goes to the storage checkpoint if
+configured, else to the declared fallback.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from dataclasses import dataclass
 
 from checkfree.baselines import BackupPlan, common_windows, plan_backup
 from checkfree.config import RunConfig
-from checkfree.strategies.base import FailureOutcome, Figures, StrategyContext
+from checkfree.plans import BackupPart, BackupSeal, BackupStart, Failure, Holder, Protect, RecoveryPlan, Snapshot
+from checkfree.strategies.base import Figures, StrategyContext
 from checkfree.strategies.rollback import InMemoryStrategy
-from checkfree.strategies.state import StageState, state_nbytes, unit_nbytes
 
-__all__ = ["BaftStrategy"]
+__all__ = ["BaftStrategy", "BackupClock"]
 
 
 def _chunks(units: list[int], windows: list[tuple[float, float]], bandwidth: float) -> list[int]:
@@ -66,15 +67,11 @@ class BackupClock:
 
 class BaftStrategy(InMemoryStrategy):
     name = "baft"
-    swarm_rollback = True  # the swarm runs it: backups really sent in the bubbles (peers/backups.py)
-    snapshots_in_memory = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.plans: list[BackupPlan] | None = None
         self.clock = BackupClock()
-        self.complete: dict[int, StageState] | None = None  # last complete backup (None: initial state)
-        self.sending: dict[int, StageState] | None = None  # backup in flight
 
     @property
     def rounds(self) -> int:
@@ -85,10 +82,9 @@ class BaftStrategy(InMemoryStrategy):
         last = self.cfg.num_stages - 1
         return stage + 1 if stage < last else last - 1
 
-    @staticmethod
-    def restore_source(stage: int, live_holders: list[int], cost) -> int:
-        """A lost stage's backup comes from its one holder."""
-        return live_holders[0]
+    def backup_holders(self) -> dict[int, tuple[int, ...]]:
+        """Who keeps each stage's backup: the stage itself and its holder."""
+        return {s: (s, self.holder(s)) for s in range(self.cfg.num_stages)}
 
     def plan_units(self, cost, units: dict[int, list[int]]) -> None:
         """Plan every stage's backup (its units' bytes: embedding, blocks, head, each with its Adam state) into
@@ -116,55 +112,53 @@ class BaftStrategy(InMemoryStrategy):
         total = sum(per) or 1
         return sum(per[:part]) / total, sum(per[:part + 1]) / total
 
-    def _plan(self, ctx: StrategyContext, states: dict[int, StageState]) -> None:
-        self.plan_units(ctx.cost, {s: list(unit_nbytes(st).values()) for s, st in states.items()})
-
-    def _memory(self, ctx: StrategyContext) -> int:
-        """A peer holds its in-flight copy, its own complete backup and its predecessor's."""
-        size = {s: state_nbytes(st) for s, st in (self.sending or self.complete or {}).items()}
-        if not size:
-            return 0
-        return max(2 * size[p] + sum(size[s] for s in size if self.holder(s) == p) for p in size)
-
-    @property
-    def complete_step(self) -> int:
-        return self.clock.complete_step
-
-    def protect(self, ctx: StrategyContext, step: int) -> Figures:
-        k = self.clock.part(step)  # the part this step's bubbles carried
-        moved = 0 if k is None else sum(p.bytes_in(k, w) for p in self.plans for w in range(len(p.windows)))
+    def protection_due(self, step: int) -> list[Protect]:
+        """After committing `step`: the backup in flight is sealed once its last part has gone, and the next one
+        starts."""
         completed, started = self.clock.after(step)
+        due: list[Protect] = []
         if completed:
-            self.complete, self.sending = self.sending, None
+            due.append(BackupSeal(self.clock.complete_step, self.backup_holders()))
         if started:
-            self.sending = {s: ctx.capture(s, step + 1) for s in range(ctx.num_stages)}
-            if self.plans is None:
-                self._plan(ctx, self.sending)
-        return Figures(bytes_moved=moved, extra_memory_bytes=self._memory(ctx))
+            due.append(BackupStart(step + 1))
+        return due + super().protection_due(step)
 
-    def reprotect(self, ctx: StrategyContext, step: int) -> int:
-        self.complete = {s: ctx.capture(s, step) for s in range(ctx.num_stages)}
-        self.clock.complete_step, self.sending = step, None
-        self.clock.abandon()
-        return sum(state_nbytes(st) for st in self.complete.values())
+    def in_step(self, step: int) -> BackupPart | None:
+        """The part of the backup in flight that step `step`'s bubbles carry (None: none)."""
+        part = self.clock.part(step)
+        if part is None or self.plans is None:
+            return None
+        stages = range(self.cfg.num_stages)
+        return BackupPart(self.clock.sent_from + 1, part, {s: self.part_bounds(s, part) for s in stages},
+                          {s: self.holder(s) for s in stages})
 
-    def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
-        self.sending = None  # an incomplete backup is worthless
-        self.clock.abandon()
-        sources = {s: self.holder(s) for s in failed if self.holder(s) not in failed}
-        lost = set(failed) - set(sources)
-        if self.complete is None or not lost:
-            return self._rollback(ctx, step, failed, sources, set())
-        return self.lost_copies(ctx, step, failed, lost, self.lost_reason(lost),
-                                lambda: self._rollback(ctx, step, failed, sources, lost))
+    def interrupted(self) -> None:
+        self.clock.abandon()  # an incomplete backup is worthless
 
-    def lost_reason(self, lost: set[int]) -> str:
-        return ", ".join(f"stage {s}'s backup holder {self.holder(s)} failed too" for s in sorted(lost))
+    def refill(self, step: int, from_storage: bool) -> tuple[Protect, ...]:
+        return (Snapshot(step, self.backup_holders()),)
 
-    def _rollback(self, ctx: StrategyContext, step: int, failed: set[int], sources: dict[int, int],
-                  skip: set[int]) -> FailureOutcome:
-        out = self.restore_all(ctx, step, self.complete, self.complete_step, failed, sources, skip)
-        if self.complete is not None:  # dead holders' backups of their live predecessors are re-sent
-            out.figures.bytes_moved += sum(state_nbytes(self.complete[s]) for s in range(ctx.num_stages)
-                                           if self.holder(s) in failed and s not in failed)
-        return out
+    def recovery_plan(self, failure: Failure) -> RecoveryPlan:
+        copies = failure.copies
+        copy_of = {s: Holder(self.holder(s), copies.step) for s in failure.failed
+                   if self.holder(s) in copies.holders(s)}
+        lost = sorted(set(failure.failed) - set(copy_of))
+        return self.rollback(failure, copy_of, {s: f"stage {s}'s backup holder {self.holder(s)} failed too"
+                                                for s in lost})
+
+    # ---- the simulator's prices --------------------------------------------------------
+    def step_figures(self, ctx: StrategyContext, step: int) -> Figures:
+        """The part of the backup in flight that this step's bubbles carried."""
+        k = self.clock.part(step)
+        moved = 0 if k is None else sum(p.bytes_in(k, w) for p in self.plans for w in range(len(p.windows)))
+        return Figures(bytes_moved=moved)
+
+    def memory(self, sizes: dict[int, int]) -> int:
+        """A peer holds its in-flight copy, its own complete backup and its predecessor's."""
+        return max((2 * sizes[p] + sum(sizes[s] for s in sizes if self.holder(s) == p) for p in sizes), default=0)
+
+    def refill_bytes(self, plan: RecoveryPlan, sizes: dict[int, int]) -> int:
+        """The dead holders' backups of their live predecessors are sent again (from storage: every backup)."""
+        if plan.fallback is not None and plan.fallback.name == "checkpoint":
+            return sum(sizes.values())
+        return sum(sizes[s] for s in sizes if self.holder(s) in plan.failed and s not in plan.failed)

@@ -1,17 +1,19 @@
-"""The strategy interface: hooks at step boundaries that return comparable figures.
+"""The strategy interface: decisions as data (checkfree.plans), the same for the simulator and the swarm.
 
-A strategy sees the run only through a `StrategyContext` (the simulator implements it over
-in-process workers; the distributed coordinator can implement it over RPCs), and reports
-what its work costs as `Figures` in the cost model's currency:
+A strategy decides and never moves anything itself:
 
-* ``after_step(ctx, step)``: after every stage's optimizer step of `step` (take snapshots,
-  refresh replicas, write checkpoints);
-* ``on_failure(ctx, step, failed)``: at the start of `step`, the stages in `failed` lost
-  their peers; recover them in place, or roll every stage back to an earlier step, or apply
-  the declared fallback (``recovery.fallback``; ``abort`` raises UnrecoverableFailure).
+* ``recovery_plan(failure)``: where every stage that changes after a failure gets its state (a
+  `checkfree.plans.RecoveryPlan`), given the copies left (`failure.copies`);
+* ``protection_due(step)``: after `step` is committed, the protection work due now (snapshots,
+  checkpoints, backups, replicas: `checkfree.plans.Protect` items);
+* ``interrupted()``: a failure happened; protection in flight is void.
 
-The state at step 0 is a pure function of the seed, so every strategy can always roll back
-to it without having stored anything (``ctx.reset``).
+The simulator carries plans and protection out on its stage workers (checkfree.strategies.execute) and prices
+them with the cost model through the ``*_figures`` / ``refill_bytes`` hooks here, in the cost model's currency
+(`Figures`); the coordinator carries them out on peers and measures what they cost.
+
+The state at step 0 is a pure function of the seed, so every strategy can always roll back to it without having
+stored anything (`checkfree.plans.Init`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
+from checkfree.plans import BackupPart, Checkpoint, Failure, Protect, RecoveryPlan
 from checkfree.recovery import StateDict
 from checkfree.strategies.state import StageState
 
@@ -51,9 +54,9 @@ class Figures:
 
 @dataclass
 class FailureOutcome:
-    """How a failure was handled: `rollback_to` is the step every stage now resumes from
-    (None: training continues with the failed step). `fallback` names the declared fallback
-    when some stage could not be recovered by the strategy itself (success is then False)."""
+    """How the simulator handled a failure: `rollback_to` is the step every stage now resumes from (None: training
+    continues with the failed step). `fallback` names the declared fallback when some stage could not be
+    recovered by the strategy itself (success is then False)."""
 
     figures: Figures = field(default_factory=Figures)
     rollback_to: int | None = None
@@ -67,7 +70,7 @@ class FailureOutcome:
 
 
 class StrategyContext(Protocol):
-    """What a strategy may do to the run. Stage states are copies (see strategies.state)."""
+    """The simulator's stage workers, as its executor of plans moves state between them (copies throughout)."""
 
     cfg: RunConfig
     cost: CostModel
@@ -107,37 +110,54 @@ class StrategyContext(Protocol):
 
 
 class Strategy:
-    """Base class: no protection, no recovery. Subclasses set the class attributes."""
+    """Base class: no protection. Subclasses set the class attributes and decide recoveries."""
 
     name: str = ""
     plus: bool = False  # trains with CheckFree+ routes and embedding / head replicas
     fails_edges: bool = True  # the failure model may fail the first / last stage by default
     lossless: bool = False  # recovery reproduces the failure-free run exactly
+    # the one peer service the swarm runs for this strategy beyond the common ones (None: none): "replicas"
+    # (each peer keeps its successor's replica, peers/replicas.py) or "companion" (a process keeps each peer's
+    # snapshot, peers/companion.py)
+    peer_service: str | None = None
+    restores_in_parallel: bool = False  # the simulator's price: copies and rebuilds travel at once (else in turn)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        # the steps between persistent checkpoints: the strategy's own, or its storage fallback's (None: none)
+        self.checkpoint_every: int | None = None
 
-    swarm_rollback: bool = False  # the distributed runtime runs it as a rollback strategy (checkpoint, gemini, ...)
-    snapshots_in_memory: bool = False  # keeps snapshots of every stage in peers' memory (gemini, baft, reft)
-    swarm_replicas: bool = False  # the swarm keeps each stage's replica on its predecessor (redundant)
-    restores_alone: bool = False  # the swarm restores a lone lost stage from a snapshot, no rollback (checkfree+snap)
-    snapshot_companion: bool = False  # the swarm keeps each peer's snapshot in a companion process too (reft)
-
-    def after_step(self, ctx: StrategyContext, step: int) -> Figures:
-        return Figures()
-
-    def snapshot_due(self, next_step: int) -> bool:
-        """Take the in-memory snapshot of every stage before `next_step` (simulator and swarm alike)."""
-        return False
-
-    def checkpoint_due(self, next_step: int) -> bool:
-        """Write the persistent checkpoint of every stage before `next_step`: the strategy's own, or its storage
-        fallback's (`strategy.storage_fallback`)."""
-        storage = getattr(self, "storage", None)
-        return storage is not None and next_step % storage.every == 0
-
-    def on_failure(self, ctx: StrategyContext, step: int, failed: set[int]) -> FailureOutcome:
+    # ---- decisions (both runtimes) --------------------------------------------------------
+    def recovery_plan(self, failure: Failure) -> RecoveryPlan:
         raise NotImplementedError
 
-    def _event(self, ctx: StrategyContext, name: str, step: int, stage: int, **fields: Any) -> None:
-        ctx.event(name, step=step, stage=stage, strategy=self.name, **fields)
+    def protection_at_start(self) -> list[Protect]:
+        """The protection a run starts with, before its first step (redundant computation: the replicas)."""
+        return []
+
+    def protection_due(self, step: int) -> list[Protect]:
+        """After committing `step`: the protection work due now (this base: the checkpoint, if one is due)."""
+        every = self.checkpoint_every
+        return [Checkpoint(step + 1)] if every is not None and (step + 1) % every == 0 else []
+
+    def protection_after_handover(self, stages: tuple[int, ...]) -> list[Protect]:
+        """The peers of `stages` handed their exact state over to new peers and left: the protection those must take
+        (the copies the leaving peers held for others left with them)."""
+        return []
+
+    def in_step(self, step: int) -> BackupPart | None:
+        """Protection that travels inside step `step` itself (BAFT: a part of the backup, in the bubbles)."""
+        return None
+
+    def interrupted(self) -> None:
+        """A failure: protection in flight is void (BAFT's backup being sent)."""
+
+    # ---- the simulator's prices (cost-model figures) ---------------------------------------
+    def step_figures(self, ctx: StrategyContext, step: int) -> Figures:
+        """What training `step` itself cost beyond the plain pipeline (CheckFree+'s replica exchange, BAFT's
+        bubbles, redundant forwards): priced before the step's protection."""
+        return Figures()
+
+    def refill_bytes(self, plan: RecoveryPlan, sizes: dict[int, int]) -> int:
+        """Bytes the protection due after `plan` (its `then`) moves, given each stage's copy size."""
+        return 0

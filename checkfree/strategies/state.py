@@ -25,11 +25,13 @@ __all__ = ["StageState", "capture_worker", "restore_worker", "with_components", 
 StageState = dict[str, Any]
 
 
-def capture_worker(worker: StageWorker, step: int, norm: float) -> StageState:
-    """A deep copy of everything `worker` needs to resume at `step`."""
+def capture_worker(worker: StageWorker, step: int, norm: float, *, clone: bool = True) -> StageState:
+    """A deep copy of everything `worker` needs to resume at `step`. ``clone=False``: the weights and Adam state
+    are the worker's own tensors (for a caller that serialises them at once, on the thread that trains: the
+    serialisation is then the only copy)."""
     return {
-        "model": {k: v.detach().clone() for k, v in worker.module.state_dict().items()},
-        "optim": {"state": worker.optimizer_state(),
+        "model": {k: v.detach().clone() if clone else v.detach() for k, v in worker.module.state_dict().items()},
+        "optim": {"state": worker.optimizer_state(clone=clone),
                   "groups": [{k: v for k, v in g.items() if k != "params"} for g in worker.optimizer.param_groups]},
         "lr_scale": float(worker.lr_scale),
         "step": int(step),

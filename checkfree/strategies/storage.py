@@ -51,8 +51,14 @@ def seal(root: str | Path, step: int, num_stages: int) -> Path:
     return final
 
 
-def read_stage(root: str | Path, step: int, stage: int) -> bytes:
-    return stage_path(root, step, stage).read_bytes()
+def read_stage(root: str | Path, step: int, stage: int) -> bytearray:
+    """One stage's file, read into a writable buffer (its state loads from it without another copy)."""
+    path = stage_path(root, step, stage)
+    with open(path, "rb") as f:
+        blob = bytearray(os.fstat(f.fileno()).st_size)
+        if f.readinto(blob) != len(blob):
+            raise OSError(f"{path} changed size while it was read")
+    return blob
 
 
 def complete_steps(root: str | Path) -> list[int]:

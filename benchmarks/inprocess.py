@@ -1,0 +1,125 @@
+"""The in-process test tier: a coordinator and several peers (the real `Coordinator` and `PeerDaemon`) in one
+event loop over the memory network (`checkfree.net.memory`), with the coordinator's own chaos schedule as a
+deterministic fault injector: a scheduled kill is `MemoryNetwork.kill` (the peer unreachable, its running
+handlers cancelled) plus the cancellation of the peer's task, at the point the launcher would SIGKILL it.
+
+For the fast paths of the runtime (steps, routes, recovery orders, rollback, soft errors). What only real
+processes show (SIGKILL of a process, p2pd, sockets, signals, the launcher) stays in the subprocess tests.
+
+Each process-to-be runs in its own `contextvars` context with `ROLE` set ("coordinator" or "peer"): what its
+tasks spawn inherits it, and the memory transport runs a request's handler in the serving transport's context,
+so `benchmarks.control_plane` can tell the coordinator's share of the one event loop's time from the peers'.
+Used by the in-process tests (tests/test_inprocess.py, tests/test_groups.py) and benchmarks.control_plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from checkfree.config import RunConfig
+from checkfree.failures import FailureSchedule
+from checkfree.net.memory import MEMORY
+from checkfree.protocol import Timeouts
+from peers.daemon import PeerDaemon, PeerOptions
+from scheduler.common import CoordinatorOptions
+from scheduler.coordinator import Coordinator
+
+__all__ = ["ROLE", "TIMEOUTS", "InProcessSwarm", "run_swarm"]
+
+ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("checkfree_inprocess_role", default="other")
+
+TIMEOUTS = Timeouts(heartbeat_ttl=2.0, rpc_timeout=20.0, step_timeout=60.0, join_timeout=60.0)
+
+
+@dataclass
+class InProcessSwarm:
+    """One run: ``peers`` peer daemons (stages + spares) and a coordinator; ``killed`` the peers the fault
+    injector killed, in order, as (action, fields)."""
+
+    cfg: RunConfig
+    out: Path
+    peers: int
+    coordinator_options: dict = field(default_factory=dict)
+    peer_options: dict = field(default_factory=dict)
+    on_kill: Callable[[InProcessSwarm, dict], None] | None = None  # called just before each kill
+    timeouts: Timeouts = field(default_factory=lambda: TIMEOUTS)  # every process's (the tests': short ones)
+    killed: list[tuple[str, dict]] = field(default_factory=list)
+    daemons: dict[str, PeerDaemon] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    summary: dict | None = None
+    coordinator: Coordinator | None = None  # once `run()` has made it
+
+    async def _inject(self, action: str, fields: dict) -> None:
+        if action not in ("kill",):
+            raise NotImplementedError(f"the in-process tier injects kills only, not {action!r}")
+        pid = str(fields["peer"])
+        self.killed.append((action, dict(fields)))
+        if self.on_kill is not None:
+            self.on_kill(self, fields)
+        MEMORY.kill(pid)
+        task = self.tasks[pid]
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+    def _die(self, pid: str, loop: asyncio.AbstractEventLoop, why: str) -> None:
+        """A peer's own chaos kill (a replica mid-step or mid-reduce): the in-process SIGKILL, from the event loop or
+        the peer's compute thread; raises so that the dying peer computes nothing more."""
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._inject("kill", {"peer": pid, "why": why})))
+        if threading.current_thread() is threading.main_thread():
+            MEMORY.kill(pid)  # unreachable at once (the task's cancellation follows)
+            raise asyncio.CancelledError
+        raise RuntimeError(f"in-process chaos: peer {pid} killed ({why})")
+
+    async def run(self) -> dict:
+        MEMORY.reset()
+        opts = CoordinatorOptions(run_id="inproc", out=str(self.out), transport="memory", timeouts=self.timeouts,
+                                  chaos_handler=self._inject, **self.coordinator_options)
+        coordinator = self.coordinator = Coordinator(self.cfg, opts)
+        main = asyncio.create_task(coordinator.run(), context=_context("coordinator"))
+        for _ in range(self.peers):
+            d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=self.timeouts, leave_deadline=2.0,
+                                       coordinator_timeout=30.0, **self.peer_options))
+            task = asyncio.create_task(d.run(), context=_context("peer"))
+            await asyncio.sleep(0)  # the daemon's transport exists (peer id known) once it has started
+            while d.membership.transport is None:
+                await asyncio.sleep(0.01)
+            pid = str(d.membership.transport.peer_id)
+            self.daemons[pid], self.tasks[pid] = d, task
+            d.debug.die = functools.partial(self._die, pid, asyncio.get_running_loop())
+        try:
+            summary = await main
+        finally:
+            live = [t for t in self.tasks.values() if not t.done()]
+            if live:  # told to shut down by the coordinator: they end on their own, bounded
+                _, pending = await asyncio.wait(live, timeout=10)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*live, return_exceptions=True)
+            MEMORY.reset()
+        return summary
+
+
+def _context(role: str) -> contextvars.Context:
+    """A copy of the current context with ROLE set to `role` (what the launcher's separate process would be)."""
+    ctx = contextvars.copy_context()
+    ctx.run(ROLE.set, role)
+    return ctx
+
+
+def run_swarm(cfg: RunConfig, out: Path, *, peers: int, chaos: FailureSchedule | None = None,
+              dump_dir: str | None = None, on_kill: Callable[[InProcessSwarm, dict], None] | None = None,
+              **coordinator_options) -> InProcessSwarm:
+    """Run a swarm in this process to its end; the finished `InProcessSwarm` (its run directory is ``out``).
+    ``dump_dir``: the peers' --dump-recovery; ``on_kill(swarm, fields)``: called before each kill."""
+    swarm = InProcessSwarm(cfg, out, peers, {"chaos": chaos, **coordinator_options},
+                           {"dump_dir": dump_dir} if dump_dir else {}, on_kill)
+    swarm.summary = asyncio.run(swarm.run())
+    return swarm

@@ -1,0 +1,249 @@
+"""The simulator's executor of plans: it carries a strategy's `RecoveryPlan`s and protection (checkfree.plans)
+out on the in-process stage workers, keeps the copies that protection took, and prices both with the cost
+model (the swarm's coordinator carries the same plans out on peers: scheduler/recovery.py).
+
+The copies live here, one per stage (which stages' peers hold it is the `Copies` ledger's business): a snapshot
+or backup's full state, reft's serialized snapshot and parity block, the replica of redundant computation, and
+the checkpoint files in storage (the swarm's layout, checkfree.strategies.storage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from checkfree.baselines import Raim5Block, raim5_encode, raim5_recover
+from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, Failure, Holder, Init, Own, Parity,
+                             ParitySnapshot, Protect, RecoveryPlan, RefreshReplicas, Replica, Snapshot, Storage,
+                             TakeReplicas, abort_if_unrecoverable, plan_events)
+from checkfree.recovery import rebuild_stage, recovered_optimizer_state
+from checkfree.serialize import state_from_bytes, state_to_bytes
+from checkfree.strategies import storage
+from checkfree.strategies.base import FailureOutcome, Figures, Strategy, StrategyContext
+from checkfree.strategies.state import StageState, state_nbytes, unit_nbytes, with_components
+
+__all__ = ["SimExecutor"]
+
+
+class SimExecutor:
+    """Plans and protection carried out on the simulator's stage workers (`ctx`)."""
+
+    def __init__(self, ctx: StrategyContext, strategy: Strategy) -> None:
+        self.ctx, self.strategy, self.cost = ctx, strategy, ctx.cost
+        self.copies = Copies()
+        self.states: dict[int, StageState] = {}  # each stage's in-memory copy (a snapshot, a complete backup)
+        self.blobs: dict[int, bytes] = {}  # reft: each stage's serialized snapshot
+        self.blocks: dict[int, Raim5Block] = {}  # reft: the parity block each stage's peer holds
+        self.inflight: dict[int, StageState] = {}  # baft: the backup being sent
+        self.replicas: dict[int, StageState] = {}  # redundant: each stage's replica, at its predecessor
+
+    # ---- protection --------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Before the first step: the protection every run starts with (redundant: the replicas), not priced."""
+        for item in self.strategy.protection_at_start():
+            self.protect(item, step)
+
+    def after_step(self, step: int) -> Figures:
+        """After committing `step`: what the step itself cost the strategy, then the protection due now."""
+        figs = self.strategy.step_figures(self.ctx, step)
+        for item in self.strategy.protection_due(step):
+            figs = figs + self.protect(item, step + 1)
+        return figs
+
+    def protect(self, item: Protect, step: int) -> Figures:
+        """Carry `item` out (`step`: the step every stage is ready to run) and price it."""
+        ctx, cost, n = self.ctx, self.cost, self.ctx.num_stages
+        if isinstance(item, Checkpoint):
+            sizes = [storage.write_stage(ctx.storage_dir, item.step, s, state_to_bytes(ctx.capture(s, item.step)))
+                     for s in range(n)]
+            storage.seal(ctx.storage_dir, item.step, n)
+            self.copies.checkpointed(item.step)
+            return Figures(stall_s=max(cost.storage_s(b) for b in sizes), bytes_moved=sum(sizes))
+        if isinstance(item, Snapshot):
+            self.states = {s: ctx.capture(s, item.step) for s in range(n)}
+            self.copies.taken(item.step, item.holders)
+            return self._price_copies({s: state_nbytes(st) for s, st in self.states.items()}, item.holders)
+        if isinstance(item, ParitySnapshot):
+            return self._parity_snapshot(item)
+        if isinstance(item, BackupStart):
+            self.inflight = {s: ctx.capture(s, item.step) for s in range(n)}
+            if self.strategy.plans is None:  # the plan needs the states' sizes: the first backup's
+                self.strategy.plan_units(cost, {s: list(unit_nbytes(st).values()) for s, st in self.inflight.items()})
+            return Figures(extra_memory_bytes=self.strategy.memory({s: state_nbytes(st)
+                                                                    for s, st in self.inflight.items()}))
+        if isinstance(item, BackupSeal):
+            self.states, self.inflight = self.inflight, {}
+            self.copies.taken(item.step, item.holders)
+            return Figures(extra_memory_bytes=self.strategy.memory({s: state_nbytes(st)
+                                                                    for s, st in self.states.items()}))
+        if isinstance(item, (RefreshReplicas, TakeReplicas)):
+            stages = range(n) if isinstance(item, RefreshReplicas) else [(s + 1) % n for s in item.stages]
+            self.replicas.update({s: ctx.capture(s, step) for s in stages})
+            return Figures(extra_memory_bytes=max(state_nbytes(r) for r in self.replicas.values()))
+        raise AssertionError(f"unknown protection {item!r}")
+
+    def _price_copies(self, size: dict[int, int], holders: dict[int, tuple[int, ...]]) -> Figures:
+        """Every stage sends its copy to its other holders in the links' idle time: what does not fit stalls."""
+        stages = range(len(size))
+        held = [sum(size[i] for i in stages if p in holders[i]) for p in stages]
+        sends = {i: [(size[i], h) for h in holders[i] if h != i] for i in stages}
+        slowest = max(sum(self.cost.transfer_s(b, i, h) for b, h in v) for i, v in sends.items())
+        return Figures(stall_s=self.cost.background_stall_s(slowest, self.strategy.every),
+                       bytes_moved=sum(b for v in sends.values() for b, _ in v), extra_memory_bytes=max(held))
+
+    def _parity_snapshot(self, item: ParitySnapshot) -> Figures:
+        """reft: every stage's serialized state, and the parity blocks of every group."""
+        self.blobs = {s: state_to_bytes(self.ctx.capture(s, item.step)) for s in range(self.ctx.num_stages)}
+        moved, slowest = 0, 0.0
+        for g in item.groups:
+            for block in raim5_encode([self.blobs[s] for s in g]):
+                self.blocks[g[block.holder]] = block
+            for s in g:  # s sends one chunk of ~L/(n-1) to each other member
+                chunk = -(-len(self.blobs[s]) // (len(g) - 1))
+                moved += chunk * (len(g) - 1)
+                slowest = max(slowest, sum(self.cost.transfer_s(chunk, s, p) for p in g if p != s))
+        self.copies.taken(item.step, {s: (s,) for s in self.blobs})
+        memory = max(len(self.blobs[s]) + len(self.blocks[s].parity) for s in self.blobs)
+        return Figures(stall_s=self.cost.background_stall_s(slowest, self.strategy.every), bytes_moved=moved,
+                       extra_memory_bytes=memory)
+
+    # ---- recovery -----------------------------------------------------------------------
+    def recover(self, step: int, failed: set[int]) -> FailureOutcome:
+        """The strategy's plan for the failure of `failed` at the start of `step`, carried out: copies loaded, then
+        stages rebuilt, events written, the protection due after it taken."""
+        strategy, ctx = self.strategy, self.ctx
+        strategy.interrupted()
+        self.copies.lose(failed)
+        plan = strategy.recovery_plan(Failure(step, frozenset(failed), dataclasses.replace(self.copies)))
+        abort_if_unrecoverable(plan, strategy.name, ctx.event)
+        loaded = self._load(plan) if plan.copied else None
+        rebuilt, coeffs, took = self._rebuild(plan) if plan.rebuilt else (None, {}, {})
+        for name, fields in plan_events(plan, strategy.name, ctx.cfg.recovery.omega_scope, coeffs):
+            timing = {"recovery_time_s": took[fields["stage"]]} if name == "recovery" and fields["stage"] in took \
+                else {}
+            ctx.event(name, **fields, **timing)
+        self.copies.recovered(plan)
+        for item in plan.then:
+            self.protect(item, plan.rollback_to if plan.rollback_to is not None else step)
+        figs = _combine(loaded, rebuilt, strategy.restores_in_parallel)
+        if plan.then:
+            figs.bytes_moved += strategy.refill_bytes(plan, self._sizes(plan.then[0]))
+        fb = plan.fallback
+        return FailureOutcome(figs, plan.rollback_to, success=fb is None, fallback=None if fb is None else fb.name,
+                              method=_method(plan))
+
+    def _sizes(self, item: Protect) -> dict[int, int]:
+        """Each stage's copy, in bytes, as the protection `item` keeps it."""
+        if isinstance(item, ParitySnapshot):
+            return {s: len(b) for s, b in self.blobs.items()}
+        store = self.replicas if isinstance(item, TakeReplicas) else self.states
+        return {s: state_nbytes(st) for s, st in store.items()}
+
+    def _load(self, plan: RecoveryPlan) -> Figures:
+        """Every stage of the plan that loads a copy (or its initial state) does; priced by its transfers."""
+        ctx, cost = self.ctx, self.cost
+        moved, slowest = 0, 0.0
+        for s, src in plan.copied.items():
+            if isinstance(src, Init):
+                ctx.reset(s)
+                continue
+            if isinstance(src, Own):
+                ctx.restore(s, self._own(s), replace=False)
+                continue
+            if isinstance(src, Parity):
+                b, t = self._decode(s, src)
+                moved, slowest = moved + b, max(slowest, t)
+                continue
+            if isinstance(src, Storage):
+                blob = storage.read_stage(ctx.storage_dir, src.step, s)
+                ctx.restore(s, state_from_bytes(blob), replace=s in plan.failed)
+                moved, slowest = moved + len(blob), max(slowest, cost.storage_s(len(blob)))
+                continue
+            state, holder = (self.replicas[s], src.holder) if isinstance(src, Replica) else (self.states[s], src.holder)
+            if isinstance(src, Holder) and src.edges:  # its components from the live co-holders
+                state = with_components(state, {c: _parts(ctx.capture(h, state["step"])) for c, h in src.edges.items()})
+            ctx.restore(s, state, replace=True)
+            b = state_nbytes(state)
+            moved, slowest = moved + b, max(slowest, cost.transfer_s(b, holder, s))
+        lost = 0 if plan.rollback_to is None else plan.step - plan.rollback_to
+        return Figures(bytes_moved=moved, lost_steps=lost, recovery_s=cost.recovery_s(slowest))
+
+    def _own(self, stage: int) -> StageState:
+        return state_from_bytes(self.blobs[stage]) if stage in self.blobs else self.states[stage]
+
+    def _decode(self, stage: int, src: Parity) -> tuple[int, float]:
+        """reft: the lost member's snapshot decoded from the group's survivors; (bytes, seconds) of the decode:
+        each other member decodes one chunk from one chunk of every other survivor and sends it to the
+        replacement, which then rebuilds its own parity block from one chunk of each other member."""
+        g, cost = src.group, self.cost
+        idx = {p: i for i, p in enumerate(g)}
+        survivors = {idx[p]: self.blobs[p] for p in g if p != stage}
+        blocks = {idx[p]: self.blocks[p] for p in g if p != stage}
+        self.ctx.restore(stage, state_from_bytes(raim5_recover(idx[stage], survivors, blocks)), replace=True)
+        chunk = -(-len(self.blobs[stage]) // (len(g) - 1))
+        slowest = 0.0
+        for p in (p for p in g if p != stage):
+            gather = max((cost.transfer_s(chunk, q, p) for q in g if q not in (p, stage)), default=0.0)
+            slowest = max(slowest, gather + cost.transfer_s(chunk, p, stage))
+        return chunk * (len(g) - 1) * (len(g) - 1) + chunk * (len(g) - 1), slowest
+
+    def _rebuild(self, plan: RecoveryPlan) -> tuple[Figures, dict[int, dict[int, float]], dict[int, float]]:
+        """Rebuild every planned stage on a new peer from live stages' weights (and a replicated component's Adam
+        state, copied with it); sources send in parallel. (figures, coefficients and seconds by stage)."""
+        ctx, rc = self.ctx, self.ctx.cfg.recovery
+        moved, slowest, coefficients, took = 0, 0.0, {}, {}
+        for s, p in plan.rebuilt.items():
+            t0 = time.perf_counter()
+            blocks = {h: {k: v for k, v in ctx.weights(h).items() if k.startswith("blocks.")} for h in p.sources}
+            edges = {c: {k: v for k, v in ctx.weights(h).items() if k.startswith(c + ".")}
+                     for c, h in p.edge_sources.items()}
+            edge_optim = {c: ctx.optimizer_state(h, c) for c, h in p.edge_sources.items()}
+            state, coefficients[s] = rebuild_stage(p, ctx.template(s), blocks, {h: ctx.norm(h) for h in p.sources},
+                                                   edges, eps=rc.eps, seed=ctx.cfg.train.seed + plan.step,
+                                                   std=ctx.cfg.model.init_std)
+            ctx.load_recovered(s, state, rc.lr_scale, recovered_optimizer_state(p, edge_optim))
+            sends = [(h, _nbytes(sd)) for h, sd in blocks.items()] + [
+                (p.edge_sources[c], _nbytes(sd) + state_nbytes(edge_optim[c])) for c, sd in edges.items()]
+            moved += sum(b for _, b in sends)
+            slowest = max([slowest] + [self.cost.transfer_s(b, h, s) for h, b in sends])
+            took[s] = round(time.perf_counter() - t0, 6)
+        return Figures(bytes_moved=moved, recovery_s=self.cost.recovery_s(slowest)), coefficients, took
+
+
+def _nbytes(sd: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def _parts(state: StageState) -> tuple[dict, dict]:
+    """A captured state's weights and Adam state, by name (a donor of replicated components)."""
+    return state["model"], state["optim"]["state"]
+
+
+def _combine(loaded: Figures | None, rebuilt: Figures | None, parallel: bool) -> Figures:
+    """The copies, then the rebuilds: one after the other, or (`parallel`) at the same time (the slower one)."""
+    if loaded is None or rebuilt is None:
+        return loaded or rebuilt or Figures()
+    both = loaded + rebuilt
+    if parallel:
+        both.recovery_s = max(loaded.recovery_s, rebuilt.recovery_s)
+    return both
+
+
+def _method(plan: RecoveryPlan) -> str:
+    """How a failure was handled, in a word or two (the simulator's failure_outcome event)."""
+    parts = []
+    copied = set(map(type, plan.copied.values()))
+    if plan.rollback_to is not None:
+        parts.append("rollback-storage" if Storage in copied else "rollback-memory")
+    elif Replica in copied:
+        parts.append("promote-replica")
+    elif Holder in copied:
+        parts.append("snapshot")
+    rebuilt = list(plan.rebuilt.values())
+    fb = plan.fallback
+    if rebuilt and (fb is None or len(fb.reasons) < len(rebuilt)):
+        parts.append(rebuilt[0].method)
+    if rebuilt and fb is not None and fb.name in ("random", "copy"):
+        parts.append(f"fallback-{fb.name}")
+    return "+".join(parts)
+

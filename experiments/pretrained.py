@@ -1,0 +1,449 @@
+"""Fig. 2's question on a trained network: paired branches from one warm checkpoint (issue 27).
+
+A study fine-tunes (or trains) one trunk in the simulator and saves its full state (weights, Adam, omega)
+at each branch point. Every branch resumes from that save (`checkfree.saves`, `Simulator(resume=True)`)
+with its own data order (`train.seed`), fails one stage at the branch point through a one-line failure
+trace, rebuilds it with one initialisation, evaluates right after the rebuild (`train.eval_after_recovery`:
+the immediate damage) and trains on, evaluated every `eval_every` steps. The failure-free branch of the
+same seed is the reference. Branches whose rebuild is the same arithmetic are run once (`signature`).
+
+omega variants. A branch's save is the trunk's with each stage's omega rewritten for the branch's
+(norm kind, scope), from the trunk's metrics line of the step before the branch point (post- and pre-clip
+norms of the stage and of its blocks; `StepStats.omega`): the trunk has no failure, so its training does
+not depend on omega, and every variant's value is exactly what that variant would have recorded.
+
+Layout: run directories under `work/<study>/runs/<name>` (not committed; a branch's copy of the save is
+deleted when it finishes), results under `results/<study>/results.json` (rendered by
+`experiments.pretrained_report`). A run is finished when its summary.json says "completed"; an interrupted
+study, started again, reuses every finished run and redoes the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Init", "INITS", "PLUS", "Study", "Run", "STUDIES", "make_study", "trunk_config", "branch_config",
+           "branch_norms", "signature", "plan_runs", "run_study", "available_inits", "add_arguments", "main"]
+
+
+@dataclass(frozen=True)
+class Init:
+    """A recovery initialisation compared: a strategy and, for CheckFree, how omega is taken."""
+
+    label: str
+    strategy: str
+    norm_kind: str = "post-clip"
+    omega_scope: str = "stage"
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(" ", "-").replace("/", "-").replace("+", "plus")
+
+
+INITS = [
+    Init("uniform", "uniform"),
+    Init("checkfree post/stage", "checkfree", "post-clip", "stage"),
+    Init("checkfree post/blocks", "checkfree", "post-clip", "blocks"),
+    Init("checkfree pre/stage", "checkfree", "pre-clip", "stage"),
+    Init("checkfree pre/blocks", "checkfree", "pre-clip", "blocks"),
+    Init("copy", "copy"),
+    Init("random", "random"),
+    Init("identity", "identity"),
+]
+PLUS = Init("checkfree+", "checkfree+")
+SOURCELESS = ("random", "identity")  # rebuilt from a seed, not from live stages
+
+
+def available_inits(labels: list[str] | None = None) -> tuple[list[Init], list[str]]:
+    """The inits (all, or those named) whose strategy this build has, and the labels of the others."""
+    from checkfree.strategies import STRATEGIES
+
+    unknown = sorted(set(labels or []) - {i.label for i in INITS})
+    if unknown:
+        raise ValueError(f"unknown inits {unknown}; choose from {[i.label for i in INITS]}")
+    wanted = [i for i in INITS if labels is None or i.label in labels]
+    return [i for i in wanted if i.strategy in STRATEGIES], [i.label for i in wanted if i.strategy not in STRATEGIES]
+
+
+@dataclass(kw_only=True)
+class Study:
+    """One trunk and its branches."""
+
+    name: str  # results subdirectory
+    base: dict[str, Any]  # the trunk's RunConfig (as a dict): model, data, optimiser, strategy checkfree
+    branch_at: list[int]  # trunk steps at which branches start (each a multiple of eval_every)
+    recover_steps: int  # steps a curve trains after the failure
+    eval_every: int
+    seeds: list[int]  # data orders of the branches (the trunk trains with seed trunk_seed)
+    stages: list[int]  # stages failed (immediate damage for every init)
+    curve_stages: list[int]  # stages whose branches also get a recovery curve
+    plus_steps: int = 0  # > 0: a CheckFree+ trunk too, whose edge stages fail (curves of this many steps)
+    inits: list[str] | None = None  # Init labels compared (None: all of INITS)
+    trunk_seed: int = 0
+    jobs: int = 1
+    threads: int = 1
+    note: str = ""  # what was cut, for the report
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One simulator run of a study: a trunk (stage None, at None) or a branch."""
+
+    study: str
+    kind: str  # trunk | reference | curve | damage
+    trunk: str  # plain | plus
+    at: int | None = None
+    seed: int = 0
+    init: str | None = None  # Init.label
+    stage: int | None = None
+    steps: int = 0  # steps after the branch point
+
+    @property
+    def name(self) -> str:
+        if self.kind == "trunk":
+            return f"trunk-{self.trunk}"
+        init = next((i.slug for i in [*INITS, PLUS] if i.label == self.init), "none")
+        where = f"k{self.stage}" if self.stage is not None else "nofail"
+        return f"{self.trunk}-at{self.at}-s{self.seed}-{init}-{where}-r{self.steps}"
+
+
+def _init(label: str) -> Init:
+    return next(i for i in [*INITS, PLUS] if i.label == label)
+
+
+def trunk_config(study: Study, trunk: str) -> dict[str, Any]:
+    """The trunk's config: no failures, saves at every branch point, evaluated at each."""
+    c = json.loads(json.dumps(study.base))
+    c["train"].update(num_steps=max(study.branch_at) + 1, seed=study.trunk_seed, eval_every=study.eval_every)
+    c["recovery"]["strategy"] = "checkfree+" if trunk == "plus" else "checkfree"
+    c["failures"].update(rate=0.0, trace=None)
+    return c
+
+
+def branch_config(study: Study, run: Run, trace: Path | None) -> dict[str, Any]:
+    c = trunk_config(study, run.trunk)
+    c["train"].update(num_steps=run.at + run.steps, seed=run.seed, eval_after_recovery=True)
+    if run.init is not None:
+        i = _init(run.init)
+        c["recovery"].update(strategy=i.strategy, norm_kind=i.norm_kind, omega_scope=i.omega_scope, fallback="abort")
+    c["failures"]["trace"] = str(trace) if trace else None
+    return c
+
+
+def _trunk_line(work: Path, trunk: str, at: int) -> dict[str, Any]:
+    from checkfree.rundir import read_jsonl
+
+    lines = [m for m in read_jsonl(work / "runs" / f"trunk-{trunk}" / "metrics.jsonl") if m["step"] == at - 1]
+    if not lines:
+        raise ValueError(f"the {trunk} trunk has no metrics line for step {at - 1}")
+    return lines[-1]
+
+
+def branch_norms(line: dict[str, Any], init: Init) -> list[float]:
+    """Every stage's omega under `init`'s (kind, scope), from the trunk's metrics line (`StepStats.omega`)."""
+    from checkfree.config import RecoveryConfig
+    from checkfree.worker import StepStats
+
+    rc = RecoveryConfig(norm_kind=init.norm_kind, omega_scope=init.omega_scope)
+    return [StepStats(pre, post, 0.0, block_grad_norm_pre=bpre, block_grad_norm_post=bpost).omega(rc)
+            for pre, post, bpre, bpost in zip(line["grad_norms_pre"], line["grad_norms"],
+                                              line["block_grad_norms_pre"], line["block_grad_norms"])]
+
+
+def signature(init: Init, stage: int, norms: list[float], num_stages: int, seed: int, eps: float = 1e-4) -> tuple:
+    """What decides the rebuilt stage: the plan's method and each source's coefficient (`rebuild_stage`'s
+    arithmetic, coefficients to 6 decimals), and the seed for the inits drawn from one. Two inits with one signature
+    rebuild the same weights up to rounding: the uniform mean and a weighted mean of equal weights round
+    differently, and two stages that clipped have post-clip norms equal to ~1e-7 (`clip_grad_norm_` scales by
+    max_norm / (norm + 1e-6))."""
+    from checkfree.recovery import plan_recovery
+
+    plan = plan_recovery({stage}, num_stages, init.strategy, "abort")[0]
+    if plan.method in SOURCELESS:
+        return (plan.method, seed)
+    if plan.method == "average":
+        prev, nxt = plan.sources
+        a, b = norms[nxt] + eps, norms[prev] + eps
+        return ("weighted", round(b / (a + b), 6), round(a / (a + b), 6))
+    if plan.method == "uniform":
+        return ("weighted", 0.5, 0.5)
+    return (plan.method, plan.sources, tuple(sorted(plan.edge_sources.items())))
+
+
+def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], list[dict[str, Any]]]:
+    """The branch runs to do (priority order: damage, the cheapest and complete; then the references; then the
+    curves, seed by seed) and every reported cell
+    (at, stage, init, seed) with the run that measures it (a run of a coinciding init, or of another seed
+    for an init whose rebuild does not depend on the seed)."""
+    S = study.base["num_stages"]
+    runs: list[Run] = []
+    cells: list[dict[str, Any]] = []
+    for at in study.branch_at:
+        line = _trunk_line(work, "plain", at)
+        damage, curves = [], []
+        for stage in study.stages:
+            for seed in study.seeds:
+                seen: dict[tuple, Init] = {}
+                for init in inits:
+                    sig = signature(init, stage, branch_norms(line, init), S, seed)
+                    rep = seen.setdefault(sig, init)
+                    curve = stage in study.curve_stages
+                    # a rebuild that does not depend on the seed is measured once (first seed) unless it trains on
+                    run_seed = seed if curve or sig[0] in SOURCELESS else study.seeds[0]
+                    run = Run(study.name, "curve" if curve else "damage", "plain", at, run_seed, rep.label, stage,
+                              study.recover_steps if curve else 0)
+                    (curves if curve else damage).append(run)
+                    cells.append({"at": at, "stage": stage, "init": init.label, "seed": seed, "run": run.name,
+                                  "coincides_with": rep.label if rep is not init else None,
+                                  "signature": [str(x) for x in sig]})
+        runs += damage + [Run(study.name, "reference", "plain", at, s, steps=study.recover_steps) for s in study.seeds]
+        runs += sorted(curves, key=lambda r: (r.seed, study.curve_stages.index(r.stage)))
+    if study.plus_steps:
+        at = study.branch_at[-1]
+        runs += [Run(study.name, "reference", "plus", at, s, steps=study.plus_steps) for s in study.seeds]
+        for seed in study.seeds:
+            for stage in (0, S - 1):
+                run = Run(study.name, "curve", "plus", at, seed, PLUS.label, stage, study.plus_steps)
+                runs.append(run)
+                cells.append({"at": at, "stage": stage, "init": PLUS.label, "seed": seed, "run": run.name,
+                              "coincides_with": None, "signature": []})
+    unique = list(dict.fromkeys(runs))
+    return unique, cells
+
+
+def _done(directory: Path) -> bool:
+    try:
+        return json.loads((directory / "summary.json").read_text()).get("status") == "completed"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _check_memory(study: Study) -> None:
+    """Refuse a study whose trunk (with its saves) or whose `jobs` branch processes cannot fit (checkfree.memory)."""
+    from checkfree.config import config_from_dict
+    from checkfree.memory import StageMemory, check_fits, simulator_memory
+
+    cfg = config_from_dict(trunk_config(study, "plain"))
+    check_fits(simulator_memory(cfg, save_every=math.gcd(*study.branch_at)), f"the {study.name} study's trunk")
+    branch = simulator_memory(cfg)
+    check_fits(sum([branch] * study.jobs, StageMemory()), f"{study.jobs} {study.name} branch processes")
+
+
+def _run_trunk(study: Study, work: Path, trunk: str) -> None:
+    from checkfree.config import config_from_dict
+    from checkfree.saves import SAVES, newest_save
+    from checkfree.simulator import Simulator
+
+    d = work / "runs" / f"trunk-{trunk}"
+    if all((d / SAVES / f"step-{at:08d}" / "meta.json").is_file() for at in study.branch_at):
+        return  # the saves the branches need (the trunk may be further on: a study run with fewer branch points)
+    cfg = config_from_dict(trunk_config(study, trunk))
+    every = math.gcd(*study.branch_at)
+    resume = newest_save(d) is not None
+    # every save kept: the branch points' and those an interruption adds (pruning by age could drop a branch point's)
+    Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume).run()
+
+
+def _branch_save(study: Study, work: Path, run: Run, d: Path) -> None:
+    """The trunk's save at the branch point, with each stage's omega as the branch's init takes it."""
+    from checkfree.saves import SAVES, read_save, write_save
+    from checkfree.serialize import state_from_bytes, state_to_bytes
+
+    trunk = work / "runs" / f"trunk-{run.trunk}"
+    meta, blobs = read_save(trunk / SAVES / f"step-{run.at:08d}", study.base["num_stages"])
+    if run.init is not None and run.trunk == "plain":
+        norms = branch_norms(_trunk_line(work, "plain", run.at), _init(run.init))
+        for s, blob in blobs.items():
+            state = state_from_bytes(blob)
+            state["norm"] = norms[s]
+            blobs[s] = state_to_bytes(state)
+    write_save(d, run.at, blobs, {k: v for k, v in meta.items() if k not in ("step", "stages")}, keep=1)
+
+
+def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, threads: int, commit: str) -> dict[str, Any]:
+    """One branch, in a worker process: its save, its trace, the simulator resumed; the save deleted after.
+    `commit`: the code the study's invocation started on (recorded in run.json)."""
+    import torch
+
+    from checkfree.config import config_from_dict
+    from checkfree.saves import SAVES
+    from checkfree.simulator import Simulator
+
+    torch.set_num_threads(threads)
+    study, run, work_p = Study(**study_d), Run(**run_d), Path(work)
+    d = work_p / "runs" / run.name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    trace = None
+    if run.stage is not None:
+        trace = d / "trace.csv"
+        trace.write_text(f"{run.at},{run.stage}\n")
+    t0 = time.time()
+    try:
+        _branch_save(study, work_p, run, d)
+        (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name, "commit": commit}, indent=2))
+        sim = Simulator(config_from_dict(branch_config(study, run, trace)), d, progress=False, resume=True)
+        sim.rebuild_and_evaluate({run.stage}) if run.kind == "damage" else sim.run()
+        status = "completed"
+    except Exception as e:  # noqa: BLE001 - recorded; the study goes on and redoes it when restarted
+        status = f"error: {type(e).__name__}: {e}"
+    finally:
+        shutil.rmtree(d / SAVES, ignore_errors=True)
+    return {"name": run.name, "status": status, "wall_s": round(time.time() - t0, 1)}
+
+
+def _execute(study: Study, work: Path, runs: list[Run], commit: str):
+    """Each run's result as it finishes: one after the other in this process (jobs 1), or in `jobs` spawned
+    processes, one per run."""
+    args = [(study.to_dict(), asdict(r), str(work), study.threads, commit) for r in runs]
+    if study.jobs == 1:
+        yield from (run_branch(*a) for a in args)
+        return
+    with ProcessPoolExecutor(max_workers=study.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
+        yield from (f.result() for f in [ex.submit(run_branch, *a) for a in args])
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_study(study: Study, work: Path, results: Path, *, command: str = "", log=print,
+              report_only: bool = False) -> Path:
+    """Run (or resume) the study and write its results JSON; returns the results directory."""
+    from experiments.pretrained_report import collect, write_report
+
+    inits, missing = available_inits(study.inits)
+    work.mkdir(parents=True, exist_ok=True)
+    t0, commit = time.time(), _commit()  # the code this invocation runs
+    if not report_only:
+        _check_memory(study)
+        log(f"{study.name}: trunk(s)")
+        _run_trunk(study, work, "plain")
+        if study.plus_steps:
+            _run_trunk(study, work, "plus")
+    runs, cells = plan_runs(study, work, inits)
+    pending = [r for r in runs if not _done(work / "runs" / r.name)]
+    log(f"{study.name}: {len(runs)} branch runs, {len(runs) - len(pending)} already finished, {len(pending)} to run")
+    if pending and not report_only:
+        for i, res in enumerate(_execute(study, work, pending, commit), 1):
+            log(f"  [{i}/{len(pending)}] {res['name']}: {res['status']} ({res['wall_s']:.0f} s)")
+    data = collect(study, work, runs, cells, missing_inits=missing, commit=commit, command=command,
+                   wall_s=time.time() - t0)
+    return write_report(data, results / study.name)
+
+
+def make_study(name: str, *, init_from: str | None = None, **overrides: Any) -> Study:
+    """A named study (`STUDIES`) with any of its fields overridden."""
+    if name not in STUDIES:
+        raise ValueError(f"unknown study {name!r}; choose one of {sorted(STUDIES)}")
+    study = STUDIES[name](init_from)
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(study, k, v)
+    return study
+
+
+def _smollm2(init_from: str | None) -> Study:
+    """SmolLM2-135M fine-tuned on the built-in Shakespeare corpus with its own tokenizer, 6 stages of 5 layers."""
+    from checkfree.config import preset
+    from checkfree.hf import configure_from_hf
+
+    if init_from is None:
+        raise ValueError("the smollm2 study needs --init-from DIR (checkfree pretrained smollm2 --output DIR)")
+    cfg = preset("tiny")
+    configure_from_hf(cfg, model_config=None, init_from=init_from)
+    cfg.num_stages = 6
+    t = cfg.train
+    t.seq_len, t.num_microbatches, t.microbatch_size, t.eval_batches = 128, 2, 2, 4
+    t.lr = 1e-4  # fine-tuning: the tiny preset's 3e-3 is for training from scratch
+    # sized to a shared 2-core machine (a step of 512 tokens: ~65 s at load 16-22): curves for the middle stage
+    # only, no CheckFree+ trunk; more with --curve-stages 2,1 --plus-steps 15 (finished runs are reused)
+    return Study(name="smollm2", base=cfg.to_dict(), branch_at=[10], recover_steps=15, eval_every=5, seeds=[0, 1, 2],
+                 stages=[1, 2, 3, 4], curve_stages=[2], plus_steps=0, jobs=2, threads=1)
+
+
+def _small(init_from: str | None) -> Study:
+    """The `small` preset from scratch: one failure at 25 % and at 100 % of a 1,000-step run."""
+    from checkfree.config import preset
+
+    cfg = preset("small")
+    cfg.train.eval_batches = 4
+    return Study(name="small", base=cfg.to_dict(), branch_at=[250, 1000], recover_steps=30, eval_every=10,
+                 seeds=[0, 1, 2], stages=[1, 2], curve_stages=[1, 2], jobs=1, threads=1)
+
+
+def _tiny(init_from: str | None) -> Study:
+    """Seconds: the whole path on the tiny preset (tests)."""
+    from checkfree.config import preset
+
+    cfg = preset("tiny")
+    return Study(name="tiny", base=cfg.to_dict(), branch_at=[4], recover_steps=4, eval_every=2, seeds=[0, 1],
+                 stages=[1, 2], curve_stages=[1], plus_steps=2, jobs=1, threads=1)
+
+
+STUDIES = {"smollm2": _smollm2, "small": _small, "tiny": _tiny}
+
+
+def _ints(text: str) -> list[int]:
+    import argparse
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p) -> None:
+    """The flags of `checkfree experiment pretrained`."""
+    p.add_argument("--study", required=True, choices=sorted(STUDIES),
+                   help="smollm2: SmolLM2-135M fine-tuned (needs --init-from); small: the small preset from scratch, "
+                        "failures at 25 %% and 100 %% of 1,000 steps; tiny: seconds, the whole path")
+    p.add_argument("--init-from", metavar="DIR", help="the HF directory of SmolLM2 (checkfree pretrained smollm2 --output DIR)")
+    p.add_argument("--seeds", type=_ints, help="data orders of the branches (default 0,1,2)")
+    p.add_argument("--branch-at", type=_ints, help="trunk steps the branches start from (small: 250,1000; each a "
+                                                   "multiple of the first: the trunk saves every gcd of them)")
+    p.add_argument("--recover-steps", type=int, help="steps a recovery curve trains after the failure")
+    p.add_argument("--curve-stages", type=_ints, help="stages whose branches get a recovery curve")
+    p.add_argument("--plus-steps", type=int, help="CheckFree+ edge-stage curves' steps (0: no CheckFree+ trunk)")
+    p.add_argument("--jobs", type=int, help="branch runs in parallel (one process each)")
+    p.add_argument("--threads", type=int, help="torch threads per run process")
+    p.add_argument("--work", default="runs/pretrained", help="run directories (large; not committed)")
+    p.add_argument("--results", default="experiments/results/pretrained", help="results.json, table.md, plots")
+    p.add_argument("--report-only", action="store_true", help="only collect and render what has finished")
+
+
+def main(args) -> int:
+    import shlex
+    import sys
+
+    study = make_study(args.study, init_from=args.init_from, seeds=args.seeds, branch_at=args.branch_at,
+                       recover_steps=args.recover_steps,
+                       curve_stages=args.curve_stages, plus_steps=args.plus_steps, jobs=args.jobs,
+                       threads=args.threads)
+    if study.recover_steps < 1 or study.jobs < 1 or study.threads < 1 or not study.seeds:
+        raise ValueError("--recover-steps, --jobs and --threads must be >= 1 and --seeds name at least one seed")
+    argv = [a for a in sys.argv[1:] if a != "--report-only"]
+    command = "checkfree " + " ".join(shlex.quote(a) for a in argv) if "pretrained" in argv else ""
+    out = run_study(study, Path(args.work) / study.name, Path(args.results), command=command,
+                    report_only=args.report_only)
+    print(f"{study.name}: {out / 'table.md'}")
+    return 0

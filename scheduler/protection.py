@@ -1,0 +1,198 @@
+"""The protection the strategy says is due, carried out on the peers (checkfree.plans.Protect; the simulator
+carries out the same items: checkfree.strategies.execute):
+
+    Snapshot         every stage's full state kept by the peers of its holder stages (SNAPSHOT, STORE_SNAPSHOT)
+    ParitySnapshot   every stage keeps its own; each member of a parity group builds a parity block (REFT_CHUNK)
+    Checkpoint       every stage's file in storage, sealed once all are written
+    BackupStart      every stage takes its backup (BACKUP_START); its parts travel in the next steps' bubbles,
+                     named in RUN_STEP (`backup_header`)
+    BackupSeal       the backup counts where every part arrived (BACKUP_COMMIT)
+    RefreshReplicas  nothing to do here: every peer's COMMIT ships its gradients to its replica (peers/replicas.py)
+    TakeReplicas     the named stages copy their successors' full state (TAKE_REPLICA)
+
+A copy counts (the `Copies` ledger) only once every stage completed it; what it cost is measured into the run's
+figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from pathlib import Path
+
+from checkfree.config import RunConfig
+from checkfree.costmodel import CostModel
+from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, ParitySnapshot, Protect, RecoveryPlan,
+                             RefreshReplicas, Snapshot, TakeReplicas)
+from checkfree.protocol import RPC
+from checkfree.strategies import Strategy, storage
+from scheduler.common import CoordinatorOptions
+from scheduler.outputs import Outputs
+from scheduler.rpc import Rpc
+from scheduler.stage_table import StageTable
+
+__all__ = ["Protection"]
+
+
+class Protection:
+    """The copies of the run (the `Copies` ledger) and the protection work that makes them."""
+
+    def __init__(self, cfg: RunConfig, opts: CoordinatorOptions, strategy: Strategy, rpc: Rpc, table: StageTable,
+                 outputs: Outputs) -> None:
+        self.cfg, self.strategy, self.rpc, self.table, self.out = cfg, strategy, rpc, table, outputs
+        self.t = rpc.t
+        self.cost = CostModel(cfg)  # BAFT plans its backups' parts by the links' bubbles
+        self.copies = Copies()  # the snapshots, backups and checkpoints that exist, by stage (checkfree.plans)
+        self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
+        self._companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address
+        self._backup_peers: dict[int, tuple[str, str]] = {}  # baft: stage -> (its peer, its backup holder's)
+
+    # ---- the ledger, for the recovery ------------------------------------------------------
+    def lost(self, failed: set[int]) -> Copies:
+        """The peers of `failed` are gone, and the copies they held: what is left (a copy of the ledger)."""
+        self.copies.lose(failed)
+        return dataclasses.replace(self.copies)
+
+    async def handed_over(self, stages: set[int], step: int) -> None:
+        """The peers of `stages` handed their state over and left, with the copies they held: the ledger forgets
+        those, and the new peers take what the strategy says they must (redundant computation: the replica the
+        leaving peer held)."""
+        self.lost(stages)
+        for item in self.strategy.protection_after_handover(tuple(sorted(stages))):
+            await self.protect_item(item, step)
+
+    def companion(self, stage: int) -> dict:
+        """reft: where the lost `stage`'s peer's snapshot companion listened (it may have survived its crash)."""
+        return {"companion": self._companions[stage]} if stage in self._companions else {}
+
+    def replaced(self, stage: int) -> None:
+        """A new peer serves `stage` (its own companion starts at the next snapshot)."""
+        self._companions.pop(stage, None)
+
+    async def recovered(self, plan: RecoveryPlan, step: int) -> None:
+        """`plan` was carried out (every stage now at `step`): the ledger notes what it restored, then the
+        protection due after it is taken."""
+        self.copies.recovered(plan)
+        for item in plan.then:
+            await self.protect_item(item, step)
+
+    def adopted(self, snapshot_step: int, holders: dict[int, set[int]], storage_step_limit: int) -> None:
+        """A takeover: the newest snapshot every stage has a live holder of, and the newest complete checkpoint in
+        storage up to `storage_step_limit` (the run's step)."""
+        if snapshot_step:
+            self.copies.taken(snapshot_step, holders)
+        complete = [st for st in storage.complete_steps(self.storage_dir) if st <= storage_step_limit]
+        self.copies.checkpointed(max(complete, default=0))
+
+    # ---- protection --------------------------------------------------------------------
+    async def start(self, step: int) -> None:
+        """The protection a run starts with (redundant computation: every predecessor's replica)."""
+        for item in self.strategy.protection_at_start():
+            await self.protect_item(item, step)
+
+    async def protect(self, step: int) -> None:
+        """After committing `step`: the protection the strategy says is due now."""
+        for item in self.strategy.protection_due(step):
+            await self.protect_item(item, step + 1)
+
+    async def protect_item(self, item: Protect, step: int) -> None:
+        """Carry `item` out; `step`: the step every stage is ready to run."""
+        if isinstance(item, Snapshot):
+            pids = {s: [self.table.peer(h) for h in hs] for s, hs in item.holders.items()}
+            sizes = await self._snapshot_all(item.step, lambda s: {"holders": pids[s]})
+            held = {h: sum(n for s, n in sizes.items() if h in item.holders[s]) for h in self.table.served()}
+            self.out.charge(extra_memory_bytes=max(held.values(), default=0))  # (gemini: a peer's own among them)
+            if len(sizes) == self.cfg.num_stages:
+                self.copies.taken(item.step, item.holders)
+        elif isinstance(item, ParitySnapshot):
+            group = {s: g for g in item.groups for s in g}
+            sizes = await self._snapshot_all(item.step, lambda s: {"parity": {
+                "group": [self.table.peer(m) for m in group[s]], "index": group[s].index(s)}})
+            # its own snapshot and a parity block of ~1/(n-1) of its group's largest
+            self.out.charge(extra_memory_bytes=max((n - (-max(sizes.get(m, 0) for m in group[s]) // (len(group[s]) - 1))
+                                                 for s, n in sizes.items()), default=0))
+            if len(sizes) == self.cfg.num_stages:
+                self.copies.taken(item.step, {s: (s,) for s in group})
+        elif isinstance(item, Checkpoint):
+            if len(await self._snapshot_all(item.step, lambda s: {"storage": self.storage_dir})) == self.cfg.num_stages:
+                storage.seal(self.storage_dir, item.step, self.cfg.num_stages)
+                self.copies.checkpointed(item.step)
+        elif isinstance(item, BackupStart):
+            await self._backup_start(item.step)
+        elif isinstance(item, BackupSeal):
+            await self._seal_backup(item)
+        elif isinstance(item, TakeReplicas):
+            await self._replicate(set(item.stages), step)
+        else:
+            assert isinstance(item, RefreshReplicas), item  # (done by every peer's COMMIT)
+
+    async def _snapshot_all(self, step: int, extra) -> dict[int, int]:
+        """SNAPSHOT on every stage (`extra(stage)`: where it goes); the sizes of the stages that completed it."""
+        t0 = time.perf_counter()
+        stages = self.table.served()
+        results = await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.SNAPSHOT, {"step": step, **extra(s)},
+                                                    self.t.step_timeout) for s in stages), return_exceptions=True)
+        replies = {s: r[0] for s, r in zip(stages, results) if not isinstance(r, Exception)}
+        complete = len(replies) == len(stages)
+        kind = "storage" if "storage" in extra(0) else "memory"
+        seconds = time.perf_counter() - t0
+        sizes = {s: r["bytes"] for s, r in replies.items()}
+        sent = sum(r.get("sent", 0) for r in replies.values())
+        self.out.event("snapshot", step=step, kind=kind, complete=complete, seconds=round(seconds, 6),
+                    bytes=sum(sizes.values()), sent=sent)
+        if complete:  # reft: where each stage's snapshot companion listens (it survives a crash of its peer)
+            self._companions = {s: r["companion"] for s, r in replies.items() if r.get("companion")}
+        # the next step waited for the snapshot; the bytes went over the network (memory) or to storage
+        self.out.charge(stall_s=seconds, bytes_moved=sent if kind == "memory" else sum(sizes.values()))
+        return sizes
+
+    # ---- BAFT: backups in the bubbles ---------------------------------------------------
+    async def _backup_start(self, step: int) -> None:
+        """Every stage takes its backup as of `step` (its parts go out in the next steps' bubbles)."""
+        strategy = self.strategy
+        t0 = time.perf_counter()
+        stages = self.table.served()
+        replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.BACKUP_START, {"step": step},
+                                                    self.t.step_timeout) for s in stages))
+        if strategy.plans is None:  # the plan needs the states' sizes: the first backup's
+            strategy.plan_units(self.cost, {s: r[0]["units"] for s, r in zip(stages, replies)})
+        self._backup_peers = {s: (self.table.peer(s), self.table.peer(strategy.holder(s))) for s in stages}
+        size = {s: int(r[0]["bytes"]) for s, r in zip(stages, replies)}
+        # a peer holds its backup in flight, its own complete one and its predecessor's (as the simulator counts)
+        self.out.charge(stall_s=time.perf_counter() - t0, extra_memory_bytes=strategy.memory(size))
+
+    def in_step(self, step: int) -> dict:
+        """RUN_STEP's `backup` field: the part of the backup in flight this step's bubbles carry, per stage."""
+        part = self.strategy.in_step(step)
+        if part is None or not self._backup_peers:
+            return {}
+        return {"backup": {"step": part.step, "part": part.part,
+                           "holders": {str(s): p[1] for s, p in self._backup_peers.items()},
+                           "holder_stages": {str(s): part.holders[s] for s in self._backup_peers},
+                           "bounds": {str(s): list(part.bounds[s]) for s in self._backup_peers}}}
+
+    async def _seal_backup(self, item: BackupSeal) -> None:
+        """The backup of `item.step` counts if every stage's holder (and the stage itself) holds it complete."""
+        peers = list(self.table.primaries().values())
+        replies = await self.rpc.gather(peers, RPC.BACKUP_COMMIT, {"step": item.step}, self.t.rpc_timeout)
+        held = {pid: set(r[0]["held"]) for pid, r in zip(peers, replies) if not isinstance(r, Exception)}
+        complete = all(s in held.get(own, ()) and s in held.get(holder, ())
+                       for s, (own, holder) in self._backup_peers.items())
+        self.out.event("snapshot", step=item.step, kind="backup", complete=complete)
+        if complete:
+            self.copies.taken(item.step, item.holders)
+
+    # ---- redundant computation: replicas ------------------------------------------------
+    async def _replicate(self, stages: set[int], step: int) -> int:
+        """Each of `stages` takes a replica of its successor from the successor's peer; returns the bytes moved."""
+        s_count = self.cfg.num_stages
+        calls = [self.rpc.call(self.table.peer(s), RPC.TAKE_REPLICA,
+                               {"source": self.table.peer((s + 1) % s_count), "step": step}, self.t.step_timeout)
+                 for s in sorted(stages)]
+        replies = await asyncio.gather(*calls)
+        moved = sum(int(r[0].get("bytes", 0)) for r in replies)
+        self.out.event("replicas", step=step, stages=sorted(stages), bytes=moved)
+        self.out.charge(bytes_moved=moved, extra_memory_bytes=max(int(r[0].get("bytes", 0)) for r in replies))
+        return moved

@@ -1,0 +1,256 @@
+"""The coordinator's parts, each built alone with what it needs (scheduler/coordinator.py wires them), over the
+in-process memory network (checkfree.net.memory). Peers here are a handful of request handlers that answer
+what a part asks and record what it sent: the real peers meet the real coordinator in tests/test_inprocess.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+
+import pytest
+
+from checkfree.net.memory import MEMORY, MemoryTransport
+from checkfree.plans import Copies, Failure, Holder, Own, RecoveryPlan, Snapshot
+from checkfree.protocol import RPC, ProtocolError, Timeouts
+from checkfree.strategies import build_strategy
+from scheduler.common import CoordinatorOptions, Rollback
+from scheduler.membership import Membership
+from scheduler.outputs import Outputs
+from scheduler.placement import Placement
+from scheduler.protection import Protection
+from scheduler.recovery import Recovery
+from scheduler.rpc import Rpc
+from scheduler.stage_table import StageTable
+from scheduler.steps import StepDriver
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUTS = Timeouts(heartbeat_ttl=0.5, rpc_timeout=2.0, step_timeout=4.0, join_timeout=8.0)
+
+
+class Peers:
+    """Peers on the memory network that answer each request with `answer(name, header)` and record it."""
+
+    def __init__(self, n: int, answer: Callable[[str, str, dict], dict] | None = None) -> None:
+        self.answer = answer or (lambda pid, name, header: {"ok": True})
+        self.got: list[tuple[str, str, dict]] = []
+        self.ids = []
+        for _ in range(n):
+            t = MemoryTransport(MEMORY)
+            self.ids.append(t.peer_id)
+            for name in (RPC.PING, RPC.ASSIGN, RPC.RESTORE, RPC.SNAPSHOT, RPC.RUN_STEP, RPC.COMMIT, RPC.ABORT,
+                         RPC.SHUTDOWN, RPC.TAKE_REPLICA):
+                asyncio.get_running_loop().create_task(t.register(name, self._handler(t.peer_id, name)))
+
+    def _handler(self, pid: str, name: str):
+        async def handle(header: dict, tensors: list, caller) -> tuple[dict, list]:
+            self.got.append((pid, name, header))
+            return self.answer(pid, name, header), []
+        return handle
+
+    def sent(self, name: str) -> list[tuple[str, dict]]:
+        return [(p, h) for p, n, h in self.got if n == name]
+
+
+async def _parts(tmp_path, cfg=None):
+    """A started Rpc and the parts every other needs: the stage table, outputs (a run directory) and membership."""
+    MEMORY.reset()
+    opts = CoordinatorOptions(run_id="parts", out=str(tmp_path), transport="memory", timeouts=TIMEOUTS)
+    rpc = Rpc(opts)
+    await rpc.start()
+    table = StageTable()
+    out = Outputs(opts, rpc, table)
+    members = Membership(rpc, table, out, lambda: 0)
+    if cfg is not None:
+        out.open(cfg, resume=False)
+        members.configure(cfg)
+    return opts, rpc, table, out, members
+
+
+def _cfg(tiny_cfg, strategy="checkfree"):
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.recovery.strategy = strategy
+    return cfg
+
+
+def test_the_stage_table_is_the_one_record_of_who_serves_which_stage():
+    table = StageTable()
+    table.assign(0, "a")
+    table.assign(1, "b")
+    table.add_replica(1, "c")
+    assert table.group(1) == ["b", "c"] and table.stage_of("c") == 1 and table.stage_of("z") == -1
+    assert table.grouped() and table.replica_counts(3) == [1, 2, 0]
+    gen = table.generation(1)
+    assert table.leave(1, "b", lost=True) == ["c"] and table.peer(1) == "c"  # the sibling is the primary now
+    assert table.generation(1) == gen + 1 and table.counts == {"replicas_joined": 1, "replicas_lost": 1}
+    assert table.lose(1) == ["c"] and table.served() == [0] and table.stage_of("c") == -1
+
+
+def test_membership_admits_suspects_and_detects_alone(tiny_cfg, tmp_path):
+    """JOIN, a duplicate JOIN refused, a REPORT making a suspect, detection: a suspect that answers a ping is
+    cleared, one that does not is a failed stage, a stage nobody serves is failed too; LEAVE asks for a handover
+    when a standby can take it."""
+    cfg = _cfg(tiny_cfg)
+
+    async def main():
+        _, rpc, table, out, members = await _parts(tmp_path, cfg)
+        peers = Peers(3)
+        for pid in peers.ids:
+            await members.on_join({"run": "parts", "peer_id": pid}, [], pid)
+        with pytest.raises(ProtocolError, match="duplicate join"):
+            await members.on_join({"run": "parts", "peer_id": peers.ids[0]}, [], peers.ids[0])
+        assert members.standbys() == peers.ids
+        table.assign(0, peers.ids[0])
+        table.assign(1, peers.ids[1])
+        assert members.standbys() == [peers.ids[2]]
+        for pid in peers.ids[:2]:
+            await members.on_report({"run": "parts", "stage": table.stage_of(pid), "peer_id": pid,
+                                     "reason": "unreachable"}, [], peers.ids[2])
+        MEMORY.kill(peers.ids[1])
+        found = await members.detect()
+        assert found.failed == {1} | set(range(2, cfg.num_stages)) and not found.handed_over
+        assert members.reported == {peers.ids[1]}  # the false report about peer 0 is cleared
+        reply, _ = await members.on_leave({"run": "parts"}, [], peers.ids[0])
+        assert reply == {"ok": True, "handover": True} and members.leaving(peers.ids[0])
+        await rpc.stop()
+    asyncio.run(main())
+
+
+def test_placement_fills_every_stage_and_passes_over_a_peer_that_refuses(tiny_cfg, tmp_path):
+    cfg = _cfg(tiny_cfg)
+
+    async def main():
+        _, rpc, table, out, members = await _parts(tmp_path, cfg)
+        refuse = set()
+        peers = Peers(cfg.num_stages + 1, lambda pid, name, h: (_ for _ in ()).throw(ProtocolError("no"))
+                      if name == RPC.ASSIGN and pid in refuse else {"stage": h.get("stage")})
+        refuse.add(peers.ids[1])
+        for pid in peers.ids:
+            members.admit(pid, 0.0)
+        placement = Placement(cfg, rpc, table, members, out, dict, lambda stage: {})
+        await placement.fill(None, 0)
+        assert table.served() == list(range(cfg.num_stages)) and peers.ids[1] not in table.primaries().values()
+        assert members.leaving(peers.ids[1])  # it is retired, in case it goes on to host the stage anyway
+        assert {h["mode"] for _, h in peers.sent(RPC.ASSIGN)} == {"fresh"}
+        await rpc.stop()
+    asyncio.run(main())
+
+
+def test_the_step_driver_runs_an_attempt_and_reads_what_its_failure_says(tiny_cfg, tmp_path):
+    """RUN_STEP names every stage's peer and the route table; an uncorrectable soft error of one stage fails the
+    attempt, and the second one in a row retires that stage's peer."""
+    from checkfree.protocol import Kind, StepFailed
+
+    cfg = _cfg(tiny_cfg)
+
+    async def main():
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
+        soft = {"on": False}
+
+        def answer(pid, name, h):
+            if name == RPC.RUN_STEP and soft["on"] and pid == peers.ids[2]:
+                raise StepFailed("soft error", Kind.SOFT_ERROR, {"soft_errors": {"escalated": 1}})
+            return {"losses": {"0": 1.0}, "stage": table.stage_of(pid)} if name == RPC.RUN_STEP else {"ok": True}
+
+        peers = Peers(cfg.num_stages, answer)
+        for s, pid in enumerate(peers.ids):
+            members.admit(pid, 0.0)
+            table.assign(s, pid)
+        driver = StepDriver(cfg, opts, rpc, table, members, out, lambda step: {}, lambda name, pid, step: {})
+        results = await driver.attempt(3, 0, evaluate=False)
+        assert sorted(results) == list(range(cfg.num_stages))
+        (_, header), *_ = peers.sent(RPC.RUN_STEP)
+        assert header["routes"] == driver.route_table(3, False) and header["peers"]["2"] == peers.ids[2]
+        soft["on"] = True
+        assert await driver.attempt(3, 1, evaluate=False) is None and not members.leaving(peers.ids[2])
+        assert await driver.attempt(3, 2, evaluate=False) is None and members.leaving(peers.ids[2])
+        assert driver.soft_counts[peers.ids[2]] == {"escalated": 1} and peers.sent(RPC.ABORT)
+        await rpc.stop()
+    asyncio.run(main())
+
+
+def test_protection_counts_a_snapshot_only_once_every_stage_took_it(tiny_cfg, tmp_path):
+    cfg = _cfg(tiny_cfg, "gemini")
+
+    async def main():
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
+        fail = {"on": True}
+
+        def answer(pid, name, h):
+            if name == RPC.SNAPSHOT and fail["on"] and pid == peers.ids[3]:
+                raise ProtocolError("disk full")
+            return {"bytes": 100, "sent": 100}
+
+        peers = Peers(cfg.num_stages, answer)
+        for s, pid in enumerate(peers.ids):
+            table.assign(s, pid)
+        protection = Protection(cfg, opts, build_strategy(cfg), rpc, table, out)
+        item = Snapshot(2, {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)})
+        await protection.protect_item(item, 2)
+        assert protection.lost(set()).step == 0  # one stage failed it: no snapshot counts
+        fail["on"] = False
+        await protection.protect_item(item, 2)
+        assert protection.lost(set()).holders(0) == [0, 1]
+        assert [h["holders"] for p, h in peers.sent(RPC.SNAPSHOT) if p == peers.ids[2]][-1] == peers.ids[2:]
+        assert protection.lost({1}).holders(0) == [0]  # the copies a lost peer held are gone with it
+        await rpc.stop()
+    asyncio.run(main())
+
+
+def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp_path):
+    """A gemini rollback plan carried out alone: every live stage restores its own copy, the standby taking the lost
+    stage pulls the copy from its holder's peer, the event names the holder's stage, and Rollback says where
+    training resumes."""
+    cfg = _cfg(tiny_cfg, "gemini")
+    cfg.strategy.snapshot_every = 2
+
+    async def main():
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
+        peers = Peers(cfg.num_stages + 1, lambda pid, name, h: {"omega": 0.5, "bytes": 10} if name == RPC.ASSIGN
+                      else {"bytes": 10, "sent": 10} if name == RPC.SNAPSHOT else {"ok": True})
+        for s, pid in enumerate(peers.ids):
+            members.admit(pid, float(s))
+            if s < cfg.num_stages:
+                table.assign(s, pid)
+        strategy = build_strategy(cfg)
+        protection = Protection(cfg, opts, strategy, rpc, table, out)
+        await protection.protect_item(strategy.protection_due(1)[0], 2)  # the snapshot of step 2
+        placement = Placement(cfg, rpc, table, members, out, dict, lambda stage: {})
+
+        async def no_faults(pid, stage):
+            return {}
+
+        recovery = Recovery(cfg, strategy, rpc, table, members, placement, protection, out, no_faults)
+        lost = peers.ids[2]
+        MEMORY.kill(lost)
+        with pytest.raises(Rollback) as r:
+            await recovery.recover(3, {2})
+        assert r.value.step == 2
+        restores = {p: h for p, h in peers.sent(RPC.RESTORE)}
+        assert set(restores) == {peers.ids[s] for s in (0, 1, 3)}
+        assert all(h == {"run": "parts", "step": 2, "source": None} for h in restores.values())
+        (new, assign), = [(p, h) for p, h in peers.sent(RPC.ASSIGN)]
+        holder = strategy.restore_source(2, [3])
+        assert new == peers.ids[-1] and assign["mode"] == "restore" and assign["source"] == peers.ids[holder]
+        assert table.peer(2) == new and members.leaving(lost)
+        out.close("completed", None)
+        from checkfree.rundir import read_jsonl
+
+        (rec,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "recovery"]
+        assert (rec["source"], rec["rollback_to"], rec["peer_id"]) == (holder, 2, new)
+        await rpc.stop()
+    asyncio.run(main())
+
+
+def test_a_plan_is_a_value_the_strategy_returns(tiny_cfg):
+    """The same call the simulator makes: gemini's plan for a lost stage whose partner lives."""
+    cfg = _cfg(tiny_cfg, "gemini")
+    copies = Copies()
+    copies.taken(4, {s: hs for s, hs in enumerate(build_strategy(cfg).holders)})
+    copies.lose({1})
+    plan = build_strategy(cfg).recovery_plan(Failure(5, frozenset({1}), copies))
+    assert plan == RecoveryPlan(5, frozenset({1}), {0: Own(), 1: Holder(0, 4), 2: Own(), 3: Own()}, rollback_to=4,
+                                then=plan.then)
+    assert [type(p).__name__ for p in plan.then] == ["Snapshot"]

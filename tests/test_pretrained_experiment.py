@@ -1,0 +1,147 @@
+"""The pretrained-recovery study (`experiments.pretrained`) and what it needs of the library: the training
+sequence length as its own setting, an HF model's defaults, the simulator's evaluation right after a rebuild
+and its pre-clip norms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkfree.config import ModelConfig
+from checkfree.hf import save_hf
+from checkfree.model import LlamaModel
+from checkfree.rundir import read_jsonl
+from cli.main import build_parser, main
+from checkfree.cli import config_from_args
+from experiments.pretrained import INITS, Run, branch_norms, make_study, run_study, signature
+from experiments.pretrained_report import analyse, load_results, render_tables
+
+
+TEXT = "".join(f"Scene {i}. To be, or not to be, that is the question; whether 'tis nobler in the mind.\n"
+               for i in range(600))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small corpus and a token cache of this module's own (the tokenizer is trained once)."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "corpus.txt").write_text(TEXT)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CHECKFREE_CACHE", str(root / "cache"))
+        yield str(root / "corpus.txt")
+
+
+def _sim(tmp: Path, corpus: str, *flags: str) -> Path:
+    out = tmp / "run"
+    assert main(["simulate", "--preset", "tiny", "--data", corpus, "--no-progress", "--out", str(out), *flags]) == 0
+    return out
+
+
+def test_seq_len_is_its_own_setting(corpus, tmp_path, capsys):
+    out = _sim(tmp_path, corpus, "--steps", "2", "--seq-len", "16", "--eval-every", "0")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["context_length"] == 32 and cfg["train"]["seq_len"] == 16
+    m = read_jsonl(out / "metrics.jsonl")[0]
+    assert m["tokens_per_s"] == pytest.approx(4 * 8 * 16 / m["step_time_s"], rel=1e-3)  # 16 tokens a sequence
+    capsys.readouterr()
+    assert main(["simulate", "--preset", "tiny", "--seq-len", "33", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--seq-len must be in 1..32" in err and len(err.splitlines()) == 1
+
+
+def test_hf_model_defaults_are_for_fine_tuning(tmp_path):
+    cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, num_layers=2, context_length=4096)
+    save_hf(cfg, LlamaModel(cfg).state_dict(), tmp_path / "hf")
+    args = build_parser().parse_args(["simulate", "--init-from", str(tmp_path / "hf"), "--stages", "2"])
+    run = config_from_args(args)
+    assert (run.model.context_length, run.seq_len, run.train.lr) == (4096, 256, 1e-4)
+    args = build_parser().parse_args(["simulate", "--init-from", str(tmp_path / "hf"), "--stages", "2",
+                                      "--seq-len", "64", "--lr", "3e-4"])
+    run = config_from_args(args)
+    assert (run.seq_len, run.train.lr) == (64, 3e-4)
+
+
+def test_simulator_evaluates_right_after_a_recovery(corpus, tmp_path):
+    (tmp_path / "trace.csv").write_text("3,1\n")
+    out = _sim(tmp_path, corpus, "--steps", "5", "--trace", str(tmp_path / "trace.csv"), "--save-every", "3",
+               "--set", "train.eval_after_recovery=true")
+    events = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovered_eval"]
+    assert [(e["step"], e["stages"]) for e in events] == [(3, [1])] and events[0]["val_loss"] > 0
+    # the same rebuild from the save at step 3, without training: the same damage, bit for bit
+    import shutil
+
+    from checkfree.config import config_from_dict
+    from checkfree.simulator import Simulator
+
+    shutil.copytree(out / "saves", tmp_path / "again" / "saves")
+    cfg = config_from_dict(json.loads((out / "config.json").read_text()))
+    assert Simulator(cfg, tmp_path / "again", progress=False, resume=True).rebuild_and_evaluate({1}) == \
+        events[0]["val_loss"]
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["status"] == "completed"
+    m = read_jsonl(out / "metrics.jsonl")[0]
+    assert all(pre >= post for pre, post in zip(m["grad_norms_pre"], m["grad_norms"]))
+    assert all(pre >= post for pre, post in zip(m["block_grad_norms_pre"], m["block_grad_norms"]))
+
+
+def test_omega_variants_and_coincident_inits():
+    line = {"grad_norms_pre": [3.0, 2.0, 0.5, 4.0], "grad_norms": [1.0, 1.0, 0.5, 1.0],
+            "block_grad_norms_pre": [1.5, 2.0, 0.5, 2.0], "block_grad_norms": [0.5, 1.0, 0.5, 0.5]}
+    by = {i.label: i for i in INITS}
+    assert branch_norms(line, by["checkfree pre/stage"]) == [3.0, 2.0, 0.5, 4.0]
+    assert branch_norms(line, by["checkfree post/blocks"]) == [0.5, 1.0, 0.5, 0.5]
+    sig = {label: signature(by[label], 1, branch_norms(line, by[label]), 4, seed=0) for label in by
+           if by[label].strategy != "identity"}
+    # stage 1's neighbours 0 and 2: both clipped post-clip over the stage? 1.0 vs 0.5: no; over the blocks 0.5/0.5: yes
+    assert sig["checkfree post/blocks"] == sig["uniform"] != sig["checkfree post/stage"]
+    assert sig["random"] != signature(by["random"], 1, [0.0] * 4, 4, seed=1)  # drawn from the seed
+    # two stages that clipped: post-clip norms max_norm * pre / (pre + 1e-6), equal to ~1e-7: the same rebuild
+    clipped = {"grad_norms_pre": [1.92, 2.0, 1.21, 0.5], "grad_norms": [1.92 / (1.92 + 1e-6), 1.0, 1.21 / (1.21 + 1e-6), 0.5],
+               "block_grad_norms_pre": [1.0] * 4, "block_grad_norms": [1.0] * 4}
+    assert signature(by["checkfree post/stage"], 1, branch_norms(clipped, by["checkfree post/stage"]), 4, 0) == \
+        sig["uniform"]
+
+
+def test_tiny_study_end_to_end_resumes_and_renders(corpus, tmp_path):
+    study = make_study("tiny", seeds=[0, 1], curve_stages=[1], inits=["uniform", "checkfree post/stage", "copy",
+                                                                      "random"])
+    study.base["data"]["source"] = corpus
+    logs: list[str] = []
+    results = run_study(study, tmp_path / "work", tmp_path / "results", log=logs.append)
+    data = load_results(results / "results.json")
+    assert all(r["status"] == "completed" for r in data["runs"].values()), data["runs"]
+    assert (results / "table.md").read_text() == render_tables(data)
+    assert (results / "damage-at4.png").is_file() and (results / "recovery-at4.png").is_file()
+    a = analyse(data)
+    cells = {(c["init"], c["stage"], c["seed"]): c for c in a["cells"]}
+    assert {c["trunk"] for c in a["cells"]} == {"plain", "plus"}
+    # the deterministic inits' damage does not depend on the data order: one run serves both seeds
+    assert cells[("copy", 2, 0)]["run"] == cells[("copy", 2, 1)]["run"]
+    assert cells[("random", 2, 0)]["run"] != cells[("random", 2, 1)]["run"]
+    for c in a["cells"]:
+        assert c["damage"] is not None and (c["gaps"] is not None) == (c["stage"] == 1 or c["trunk"] == "plus")
+    assert cells[("uniform", 1, 0)]["gaps"][0][0] == study.eval_every  # a curve's first gap: eval_every steps on
+    # started again: every run reused
+    logs.clear()
+    run_study(study, tmp_path / "work", tmp_path / "results", log=logs.append)
+    assert any("0 to run" in line for line in logs), logs
+    assert not list((tmp_path / "work").rglob("saves/step-*/stage-0.bin"))[2:]  # only the two trunks keep saves
+
+
+def test_run_names_are_distinct():
+    runs = {Run("s", "curve", "plain", 4, seed, init.label, stage, 4).name for seed in (0, 1) for init in INITS
+            for stage in (1, 2)}
+    assert len(runs) == 2 * len(INITS) * 2
+
+
+def test_docs_results_are_rendered_from_the_result_files():
+    """docs/pretrained.md's results block is `render_section` of the committed results, byte for byte."""
+    from experiments.pretrained_report import SECTION_BEGIN, SECTION_END, render_section
+
+    root = Path(__file__).resolve().parent.parent
+    docs = (root / "docs" / "pretrained.md").read_text()
+    block = docs.split(SECTION_BEGIN, 1)[1].split(SECTION_END, 1)[0]
+    expected = render_section(root / "experiments" / "results" / "pretrained", "../experiments/results/pretrained/")
+    assert expected and block == f"\n\n{expected}\n"
