@@ -279,6 +279,7 @@ def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | 
     """One `checkfree local` run of CheckFree+ with stage groups for `steps` steps (stopped by SIGTERM after
     `minutes`) under `soak_faults`; returns its figures: faults, recoveries, lost steps, the memory of its process
     tree over time, what it left behind. Written to <workdir>/soak.json."""
+    from dst.report import code_commit as commit
     from dst.schedule import Setup
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -308,7 +309,7 @@ def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | 
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     steps_done = summary.get("steps", 0)
     report = {
-        "command": " ".join(["checkfree", "local", *cmd[4:]]), "seed": seed, "load": load,
+        "command": " ".join(["checkfree", "local", *cmd[4:]]), "seed": seed, "load": load, "commit": commit(),
         "minutes": round((time.monotonic() - t0) / 60, 2),
         "stopped_at_deadline": stopped, "status": summary.get("status"), "steps": steps_done,
         "faults_scheduled": sum(1 for f in schedule.faults if f.iteration < steps_done),

@@ -371,6 +371,15 @@ def test_the_search_catches_swapped_coefficients_within_50_schedules(tmp_path, c
     assert found.index < 50 and found.shrunk is not None and found.replayed.divergences
 
 
+def test_the_dst_page_shows_what_the_result_files_say():
+    """docs/dst.md includes dst/results/measured.md, rendered from the result files beside it (python -m dst.report
+    --write), never typed."""
+    from dst.report import MEASURED, render
+
+    assert MEASURED.read_text() == render(), "dst/results/measured.md is stale: python -m dst.report --write"
+    assert "<!-- include dst/results/measured.md -->" in (MEASURED.parents[2] / "docs" / "dst.md").read_text()
+
+
 def test_the_command_runs_generated_schedules_and_replays_one(tmp_path, cache):
     """`checkfree chaos dst` end to end (a subprocess): two generated schedules, then one replayed from its file; the
     last line is the summary, and report.jsonl has a line per schedule."""
