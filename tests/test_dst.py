@@ -152,6 +152,36 @@ def test_a_new_coordinator_sees_a_commit_under_way_after_it_not_half_way(tmp_pat
     _holds(schedule, tmp_path, cache, rules)
 
 
+def _reft_plan(stages: int, failed: set[int]):
+    """reft's plan (S=`stages`, one parity group) for `failed` lost at step 2, the snapshot of step 1 taken."""
+    from checkfree.plans import Copies, Failure
+    from dst.run import build_config
+    from checkfree.strategies import build_strategy
+
+    strategy = build_strategy(build_config(Setup(strategy="reft", stages=stages, steps=4, every=1)))
+    copies = Copies()
+    copies.taken(1, {s: (s,) for s in range(stages)})
+    copies.lose(failed)
+    return strategy.recovery_plan(Failure(2, frozenset(failed), copies))
+
+
+def test_both_runtimes_word_reft_recoveries_alike():
+    """The quick cover of the two reft tests below (marked slow: reft's snapshot companions are processes): both
+    runtimes write a plan's events with checkfree.plans.plan_events and abort with abort_if_unrecoverable, so the
+    plan decides the words. A decoded member's source is 'parity'; two members of one group lost abort with the
+    parity group named."""
+    from checkfree.plans import abort_if_unrecoverable, plan_events
+    from checkfree.recovery import UnrecoverableFailure
+
+    events = plan_events(_reft_plan(3, {1}), "reft", "blocks", {})
+    assert [(name, f["stage"], f["source"]) for name, f in events] == [("recovery", 1, "parity")]
+    seen = []
+    with pytest.raises(UnrecoverableFailure, match=r"reft cannot recover stage\(s\) \[0, 1\]: .*parity group"):
+        abort_if_unrecoverable(_reft_plan(3, {0, 1}), "reft", lambda name, **f: seen.append((name, f["reason"])))
+    assert seen and seen[0][0] == "fallback" and "parity group" in seen[0][1]
+
+
+@pytest.mark.slow
 def test_a_rollback_strategy_aborts_with_the_simulators_reason(tmp_path, cache):
     """Found by dst: reft losing two members of one parity group aborts in both runtimes, but the swarm said 'every
     holder of stage(s) [0, 1] failed and no storage fallback is configured' where the simulator names the parity
@@ -258,6 +288,7 @@ def test_a_takeover_mid_commit_keeps_and_commits_every_replica_of_a_stage_group(
     _holds(schedule, tmp_path, cache)
 
 
+@pytest.mark.slow
 def test_reft_records_a_decoded_member_as_restored_from_parity_in_both_runtimes(tmp_path, cache):
     """Found by dst: the swarm records a lost member rebuilt from its group's snapshots and parity blocks as
     `source: parity`; the simulator recorded the lost stage's own number."""
