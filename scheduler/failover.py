@@ -38,6 +38,15 @@ def _progress(reply: dict) -> int:
     return reply["next_step"] + (1 if ready and ready.get("step") == reply["next_step"] else 0)
 
 
+def _recorded(step: int, metrics: Path) -> bool:
+    """Whether the run's record holds the newest run of `step`: a line of it written after the newest rollback to it
+    or before it (a rollback runs the steps from its target again: an older line is of an earlier run)."""
+    events = metrics.parent / "events.jsonl"
+    since = max((e.get("time", 0.0) for e in read_jsonl(events) if e.get("rollback_to") is not None
+                 and e["rollback_to"] <= step), default=0.0) if events.exists() else 0.0
+    return any(m.get("step") == step and m.get("time", 0.0) > since for m in read_jsonl(metrics))
+
+
 @dataclass
 class Resumed:
     """Where a takeover found the run."""
@@ -248,7 +257,7 @@ class Failover:
         """The record of the step the old coordinator committed but did not record (it died in between), rebuilt
         from the peers' last commits (and those completed now) when every stage has one, the losses of every
         replica of a stage group merged; None if there is none to rebuild."""
-        if step < 0 or (metrics is not None and any(m.get("step") == step for m in read_jsonl(metrics))):
+        if step < 0 or (metrics is not None and _recorded(step, metrics)):
             return None
         last: dict[int, dict] = {}  # stage -> its last commit
         for pid, r in replies.items():

@@ -315,6 +315,15 @@ def test_a_takeover_keeps_the_snapshots_left_when_a_stage_lost_its_holder(tmp_pa
     _holds(schedule, tmp_path, cache)
 
 
+def test_a_takeover_records_the_rerun_of_a_step_rolled_back_to(tmp_path, cache):
+    """Found by dst (the 200-schedule run after the merge of issue 29's parts, checkpoint, schedule #69): the
+    coordinator died half-way through committing step 0 again after a rollback to step 0. The new coordinator saw a
+    record of step 0 (the first run's) and rebuilt none: the swarm's record lacked a step the simulator has."""
+    schedule = Schedule(Setup(strategy="checkpoint", stages=3, steps=3, every=2),
+                        (Fault(Kind.KILL_BEFORE_STEP, 1, stage=2), Fault(Kind.COORDINATOR_FAILOVER, 1, where="commit")))
+    _holds(schedule, tmp_path, cache)
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
