@@ -63,14 +63,13 @@ def _record(path: Path, i: int | str, o) -> None:
                             "status": (o.swarm or {}).get("status"), "signature": o.signature()}) + "\n")
 
 
-def _result(out: Path, started: float, load: str, **fields) -> None:
-    from dst.report import code_commit
+def _result(out: Path, started: float, load: str, commit: str, **fields) -> None:
 
     """<out>/result.json: how this run was made (command, commit, load average at the start, wall time) and what it
     found; dst/report.py renders the copies kept in dst/results/ into docs/dst.md."""
     (out / "result.json").write_text(json.dumps({
         "command": " ".join(["checkfree", "chaos", "dst", *sys.argv[sys.argv.index("dst") + 1:]])
-        if "dst" in sys.argv else "checkfree chaos dst", "commit": code_commit(), "load": load,
+        if "dst" in sys.argv else "checkfree chaos dst", "commit": commit, "load": load,
         "wall_s": round(time.monotonic() - started, 1), **fields}, indent=1) + "\n")
 
 
@@ -96,9 +95,12 @@ def run_dst(args: argparse.Namespace) -> int:
     _private_tmp(out)
     report_path = out / "report.jsonl"
     report_path.write_text("")
+    from dst.report import code_commit
+
     started, load = time.monotonic(), " ".join(f"{x:.2f}" for x in os.getloadavg())
+    at = (started, load, code_commit())  # the code this run runs: taken before it starts
     if args.replay:
-        return _replay(args, out, report_path, started, load)
+        return _replay(args, out, report_path, at)
     if args.soak_minutes is not None:
         return _soak(args, out)
     from dst.search import explore
@@ -129,13 +131,13 @@ def run_dst(args: argparse.Namespace) -> int:
               f"{rss[-1]:.0f} MB after the last; {report.seconds:.0f} s, {report.shrink_runs} shrinking runs")
     from dst.report import summarize
 
-    _result(out, started, load, summary=summarize(report_path))
+    _result(out, *at, summary=summarize(report_path))
     print(f"dst: {report.schedules} schedules, {len(report.found)} divergences, {report.faults} faults injected",
           flush=True)
     return 1 if report.found else 0
 
 
-def _replay(args: argparse.Namespace, out: Path, report_path: Path, started: float, load: str) -> int:
+def _replay(args: argparse.Namespace, out: Path, report_path: Path, at: tuple[float, str, str]) -> int:
     from dst.schedule import Schedule
     from dst.search import replay
 
@@ -159,7 +161,7 @@ def _replay(args: argparse.Namespace, out: Path, report_path: Path, started: flo
     if args.repeat > 1:
         common, n = signatures.most_common(1)[0]
         print(f"dst: the same outcome in {n} of {args.repeat} runs ({len(signatures)} distinct outcomes)")
-        _result(out, started, load, schedule=schedule.describe(), repeats=args.repeat, same=n,
+        _result(out, *at, schedule=schedule.describe(), repeats=args.repeat, same=n,
                 distinct=len(signatures), diverged=diverged)
     print(f"dst: {args.repeat} schedules, {diverged} divergences, {faults} faults injected", flush=True)
     return 1 if diverged else 0

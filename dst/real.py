@@ -291,7 +291,7 @@ def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | 
     tmp.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "checkfree", "local", *local_args(schedule, workdir, netns), "--spares", "2"]
     env = {**os.environ, MARK: mark, "TMPDIR": str(tmp), **({"CHECKFREE_CACHE": cache_dir} if cache_dir else {})}
-    t0, load = time.monotonic(), " ".join(f"{x:.2f}" for x in os.getloadavg())
+    t0, load, code = time.monotonic(), " ".join(f"{x:.2f}" for x in os.getloadavg()), commit()
     with open(workdir / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         watch = Watch(proc.pid, every=5.0).start()
@@ -309,7 +309,7 @@ def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | 
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     steps_done = summary.get("steps", 0)
     report = {
-        "command": " ".join(["checkfree", "local", *cmd[4:]]), "seed": seed, "load": load, "commit": commit(),
+        "command": " ".join(["checkfree", "local", *cmd[4:]]), "seed": seed, "load": load, "commit": code,
         "minutes": round((time.monotonic() - t0) / 60, 2),
         "stopped_at_deadline": stopped, "status": summary.get("status"), "steps": steps_done,
         "faults_scheduled": sum(1 for f in schedule.faults if f.iteration < steps_done),
