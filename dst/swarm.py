@@ -227,7 +227,7 @@ class SimSwarm:
         await asyncio.gather(*(c.task for c in self.coordinators), *self._joining, return_exceptions=True)
         live = [t for t in self.tasks.values() if not t.done()]
         if live:
-            await asyncio.wait(live, timeout=10)
+            await asyncio.wait(live, timeout=3)  # (told to stop by the coordinator: they end at once)
         for pid, t in self.tasks.items():
             if not t.done():
                 self.daemons[pid].stop.set()

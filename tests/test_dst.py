@@ -324,6 +324,33 @@ def test_a_takeover_records_the_rerun_of_a_step_rolled_back_to(tmp_path, cache):
     _holds(schedule, tmp_path, cache)
 
 
+def test_a_partitioned_peer_must_be_retired_unless_the_run_aborted_before_it_healed(tmp_path):
+    """The quick cover of the next test (slow: the cut-off peer's teardown waits out its grace periods): the
+    invariant's own words, on a run directory's events."""
+    import json
+
+    from dst.check import accounted
+    from dst.inject import Fired
+
+    cut = Fired(Fault(Kind.PARTITION, 0, stage=0, span=1), 0, 0, ["mem-1"], [(0, 0, False)])
+    failure = {"event": "failure", "step": 0, "stage": 0, "peer_id": "mem-1"}
+    for abort_step, complaint in ((0, False), (1, True)):  # before the healing iteration (1), or after it
+        (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in (failure, {
+            "event": "fallback", "step": abort_step, "stage": 0, "fallback": "abort"})) + "\n")
+        problems = accounted(tmp_path, [cut], [(0, 0, False, "mem-1")], [(0, 0, False)])
+        assert any("never retired" in p for p in problems) is complaint, problems
+
+
+@pytest.mark.slow
+def test_a_run_that_aborts_while_a_peer_is_cut_off_need_not_retire_it(tmp_path, cache):
+    """Found by dst (the same 200-schedule run, shrunk from schedule #69 to another divergence, in the harness): a
+    partition of stage 0 under CheckFree (which cannot rebuild the first stage) aborts the run at step 0 in both
+    runtimes, before the partition heals; the invariant 'every healed partition a retired peer' took the peer
+    nobody could reach for a lost one."""
+    schedule = Schedule(Setup(strategy="checkfree", stages=2, steps=3, every=1), (Fault(Kind.PARTITION, 0, stage=0),))
+    _holds(schedule, tmp_path, cache)
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
