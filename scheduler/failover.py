@@ -47,6 +47,11 @@ def _recorded(step: int, metrics: Path) -> bool:
     return any(m.get("step") == step and m.get("time", 0.0) > since for m in read_jsonl(metrics))
 
 
+def _next_recorded(metrics: Path) -> int:
+    """The step after the last one the run's record holds (0: none)."""
+    return max((m["step"] + 1 for m in read_jsonl(metrics)[-1:] if "step" in m), default=0)
+
+
 @dataclass
 class Resumed:
     """Where a takeover found the run."""
@@ -130,7 +135,9 @@ class Failover:
             self.members.admit(pid, time.time() + i * 1e-6)
             if r["stage"] >= 0:
                 holders.setdefault(r["stage"], []).append((pid, r))
-        step = max((r["next_step"] for hs in holders.values() for _, r in hs), default=0)
+        step = max((r["next_step"] for hs in holders.values() for _, r in hs), default=None)
+        if step is None:  # no peer serves a stage: the run's record says how far it came
+            step = _next_recorded(metrics) if resume else 0
         to_commit, lagging = self._serve(cfg, holders, step)
         commits = await asyncio.gather(*(self.rpc.call(pid, RPC.COMMIT, {"step": ready["step"],
                                                                          "attempt": ready["attempt"]},
@@ -232,7 +239,9 @@ class Failover:
             cfg = next((r["config"] for r in replies.values() if r.get("config")), None)
             stages = json.loads(cfg)["num_stages"] if cfg else None
             waited = time.monotonic() - start
-            if stages is not None and (len(served) >= stages or (served and waited > 2 * self.t.heartbeat_ttl)):
+            # (none served after two TTLs: every stage's peers died while no coordinator was there to see it, a
+            # failure of every stage that the strategy plans for like any other)
+            if stages is not None and (len(served) >= stages or waited > 2 * self.t.heartbeat_ttl):
                 return replies
             if waited > self.t.join_timeout:
                 raise TransportError(f"no peer of run {self.run_id!r} answered within join_timeout="

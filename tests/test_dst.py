@@ -351,6 +351,15 @@ def test_a_run_that_aborts_while_a_peer_is_cut_off_need_not_retire_it(tmp_path, 
     _holds(schedule, tmp_path, cache)
 
 
+def test_a_takeover_that_finds_no_stage_served_lets_the_strategy_decide(tmp_path, cache):
+    """Found by dst (the second 200-schedule run, schedule #108): the coordinator and every stage's peers died at
+    once. The standby found only spare peers, none serving a stage, and waited for one until the harness stopped
+    it; the simulator (and the strategy) abort: every stage failed, nothing to recover from."""
+    schedule = Schedule(Setup(strategy="checkfree", stages=2, steps=3),
+                        (Fault(Kind.COORDINATOR_FAILOVER, 0), Fault(Kind.KILL_ADJACENT, 0, stage=0)))
+    _holds(schedule, tmp_path, cache)
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
