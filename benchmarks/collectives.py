@@ -49,7 +49,7 @@ from datetime import timedelta
 
 from checkfree.net.lifeline import (
     held_socket_files,
-    living,
+    outliving,
     process_tree,
     sweep_stale_sockets,
 )
@@ -526,7 +526,7 @@ def main() -> None:
               + ("raised" if raised else "DID NOT ALL RAISE") + " after "
               + ", ".join("%.0f" % (k["after_s"] * 1e3) for k in ks) + " ms ("
               + ("within" if within else "NOT within") + f" the {KILL_TIMEOUT_S:.0f} s timeout): {ks[0]['raised']}")
-    left = sorted(living({p.pid for p in STARTED} | grandchildren))
+    left = sorted(outliving({p.pid for p in STARTED} | grandchildren))
     files = [f for f in sockets if os.path.exists(f)]
     print(f"left behind: {len(left)} processes, {len(files)} socket files (of {len(STARTED) + len(grandchildren)} "
           f"processes and {len(sockets)} hivemind socket files this run started){': ' if left or files else ''}"

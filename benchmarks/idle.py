@@ -34,7 +34,7 @@ from pathlib import Path
 
 from benchmarks.swarmmon import Sample, SwarmMonitor
 from benchmarks.throughput import swarm_command
-from checkfree.net.lifeline import held_socket_files, living, process_tree
+from checkfree.net.lifeline import held_socket_files, living, outliving, process_tree
 
 ROLES_SHOWN = ("coordinator", "coordinator-dht", "coordinator-p2pd", "peer", "peer-dht", "peer-p2pd", "launcher")
 
@@ -65,7 +65,7 @@ async def _dht_floor_case(period: float | None, read: float | None, seconds: flo
     import random
 
     from checkfree.net.lifeline import TiedDHT
-    from checkfree.net.membership import announce, live_members_async
+    from checkfree.net.heartbeats import announce, live_members_async
 
     boot = TiedDHT(start=True)
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
@@ -177,9 +177,11 @@ def main() -> None:
             log.close()
         cpu = usage(a, b)
         standby = report(args, a, b, cpu, roles, load0)
-        left = living(set(roles))
+        left = outliving(set(roles))
         files = [f for f in sockets if os.path.exists(f)]
         print(f"left behind: {len(left)} processes, {len(files)} socket files (of {len(roles)} started)")
+        for pid in sorted(left):
+            print(f"  still running: pid {pid} ({roles[pid][0]}, {_comm(pid)})")
         print(f"idle standby: {100 * standby:.2f}% of a core")
 
 

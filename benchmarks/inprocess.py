@@ -1,7 +1,8 @@
 """The in-process test tier: a coordinator and several peers (the real `Coordinator` and `PeerDaemon`) in one
-event loop over the memory network (`checkfree.net.memory`), with the coordinator's own chaos schedule as a
-deterministic fault injector: a scheduled kill is `MemoryNetwork.kill` (the peer unreachable, its running
-handlers cancelled) plus the cancellation of the peer's task, at the point the launcher would SIGKILL it.
+event loop over the memory network (`checkfree.net.memory`), faults injected from outside by the local swarm's
+injector (`scheduler.injector`: a `FaultSchedule` acted out at the coordinator's one hook and around its
+transport): a scheduled kill is `MemoryNetwork.kill` (the peer unreachable, its running handlers cancelled) plus
+the cancellation of the peer's task, at the point the launcher would SIGKILL it.
 
 For the fast paths of the runtime (steps, routes, recovery orders, rollback, soft errors). What only real
 processes show (SIGKILL of a process, p2pd, sockets, signals, the launcher) stays in the subprocess tests.
@@ -9,7 +10,7 @@ processes show (SIGKILL of a process, p2pd, sockets, signals, the launcher) stay
 Each process-to-be runs in its own `contextvars` context with `ROLE` set ("coordinator" or "peer"): what its
 tasks spawn inherits it, and the memory transport runs a request's handler in the serving transport's context,
 so `benchmarks.control_plane` can tell the coordinator's share of the one event loop's time from the peers'.
-Used by the in-process tests (tests/test_inprocess.py, tests/test_groups.py) and benchmarks.control_plane.
+Used by the in-process tests (tests/test_inprocess.py, tests/test_stage_groups.py) and benchmarks.control_plane.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -24,15 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.config import RunConfig
-from checkfree.failures import FailureSchedule
 from checkfree.net.memory import MEMORY
 from checkfree.protocol import Timeouts
 from peers.daemon import PeerDaemon, PeerOptions
 from scheduler.common import CoordinatorOptions
 from scheduler.coordinator import Coordinator
+from scheduler.injector import FaultSchedule, Injector
 
 __all__ = ["ROLE", "TIMEOUTS", "InProcessSwarm", "run_swarm"]
 
+FAULT_FIELDS = {f.name for f in dataclasses.fields(FaultSchedule)} - {"handler"}
 ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("checkfree_inprocess_role", default="other")
 
 TIMEOUTS = Timeouts(heartbeat_ttl=2.0, rpc_timeout=20.0, step_timeout=60.0, join_timeout=60.0)
@@ -47,6 +50,7 @@ class InProcessSwarm:
     out: Path
     peers: int
     coordinator_options: dict = field(default_factory=dict)
+    faults: dict = field(default_factory=dict)  # FaultSchedule's fields (kills, reduce_kills, slow, ...)
     peer_options: dict = field(default_factory=dict)
     on_kill: Callable[[InProcessSwarm, dict], None] | None = None  # called just before each kill
     timeouts: Timeouts = field(default_factory=lambda: TIMEOUTS)  # every process's (the tests': short ones)
@@ -70,19 +74,20 @@ class InProcessSwarm:
             await task
 
     def _die(self, pid: str, loop: asyncio.AbstractEventLoop, why: str) -> None:
-        """A peer's own chaos kill (a replica mid-step or mid-reduce): the in-process SIGKILL, from the event loop or
-        the peer's compute thread; raises so that the dying peer computes nothing more."""
+        """A peer's own death by its fault hook (a replica mid-step or mid-reduce): the in-process SIGKILL, from the
+        event loop or the peer's compute thread; raises so that the dying peer computes nothing more."""
         loop.call_soon_threadsafe(lambda: loop.create_task(self._inject("kill", {"peer": pid, "why": why})))
         if threading.current_thread() is threading.main_thread():
             MEMORY.kill(pid)  # unreachable at once (the task's cancellation follows)
             raise asyncio.CancelledError
-        raise RuntimeError(f"in-process chaos: peer {pid} killed ({why})")
+        raise RuntimeError(f"in-process fault: peer {pid} killed ({why})")
 
     async def run(self) -> dict:
         MEMORY.reset()
         opts = CoordinatorOptions(run_id="inproc", out=str(self.out), transport="memory", timeouts=self.timeouts,
-                                  chaos_handler=self._inject, **self.coordinator_options)
-        coordinator = self.coordinator = Coordinator(self.cfg, opts)
+                                  **self.coordinator_options)
+        schedule = FaultSchedule(handler=self._inject, **self.faults)
+        coordinator = self.coordinator = Coordinator(self.cfg, opts, Injector(schedule))
         main = asyncio.create_task(coordinator.run(), context=_context("coordinator"))
         for _ in range(self.peers):
             d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=self.timeouts, leave_deadline=2.0,
@@ -114,12 +119,14 @@ def _context(role: str) -> contextvars.Context:
     return ctx
 
 
-def run_swarm(cfg: RunConfig, out: Path, *, peers: int, chaos: FailureSchedule | None = None,
-              dump_dir: str | None = None, on_kill: Callable[[InProcessSwarm, dict], None] | None = None,
-              **coordinator_options) -> InProcessSwarm:
+def run_swarm(cfg: RunConfig, out: Path, *, peers: int, dump_dir: str | None = None,
+              on_kill: Callable[[InProcessSwarm, dict], None] | None = None, **options) -> InProcessSwarm:
     """Run a swarm in this process to its end; the finished `InProcessSwarm` (its run directory is ``out``).
-    ``dump_dir``: the peers' --dump-recovery; ``on_kill(swarm, fields)``: called before each kill."""
-    swarm = InProcessSwarm(cfg, out, peers, {"chaos": chaos, **coordinator_options},
-                           {"dump_dir": dump_dir} if dump_dir else {}, on_kill)
+    ``dump_dir``: the peers' --dump-recovery; ``on_kill(swarm, fields)``: called before each kill; ``options``:
+    `FaultSchedule`'s fields (kills, reduce_kills, slow, ...) and `CoordinatorOptions`' (save_final, ...)."""
+    faults = {k: v for k, v in options.items() if k in FAULT_FIELDS}
+    coordinator_options = {k: v for k, v in options.items() if k not in FAULT_FIELDS}
+    swarm = InProcessSwarm(cfg, out, peers, coordinator_options, faults, {"dump_dir": dump_dir} if dump_dir else {},
+                           on_kill)
     swarm.summary = asyncio.run(swarm.run())
     return swarm

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from benchmarks.swarmmon import SwarmMonitor
 from benchmarks.throughput import swarm_command
-from checkfree.net.lifeline import held_socket_files, living
+from checkfree.net.lifeline import held_socket_files, outliving
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT_S = 120.0  # gloo rendezvous and every gloo operation of a torch run
@@ -302,7 +302,7 @@ def report(args, names: list[str], rounds: list[dict[str, dict]], load0, load1, 
           + ", ".join(f"{n} {v:.3f}" for n, v in outside.items()))
     steps_ok = all(len(x[n]["losses"]) == args.steps for x in rounds for n in names)
     print(f"losses: every path trained {args.steps} steps: {'yes' if steps_ok else 'NO'}")
-    left = sorted(living(STARTED | DESCENDANTS))
+    left = sorted(outliving(STARTED | DESCENDANTS))
     files = [f for f in SOCKETS if os.path.exists(f)]
     print(f"left behind: {len(left)} processes, {len(files)} socket files (of {len(STARTED | DESCENDANTS)} started)")
     if args.json:

@@ -1,4 +1,4 @@
-"""Checksum-protected attention (ABFT, after ATTNChecker); the soft-error injector it drives: `checkfree.faults`.
+"""Checksum-protected attention (ABFT, after ATTNChecker); the soft-error injector it drives: `checkfree.bitflips`.
 
 `AttentionGuard` replaces the arithmetic of `checkfree.model.Attention` (through its
 `guard` hook) with explicit attention math in which the six matmuls are protected:
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from checkfree.faults import (
+from checkfree.bitflips import (
     FAULT_KINDS,
     SITES,
     Fault,
@@ -306,10 +306,6 @@ class AttentionGuard:
     @property
     def injected(self) -> int:
         return 0 if self.injector is None else self.injector.injected
-
-    def reset_counters(self) -> None:
-        """Zero detected/corrected/escalated/triggered/checks."""
-        self.detected = self.corrected = self.escalated = self.triggered = self.checks = 0
 
     def __call__(self, attn: Attention, x: Tensor) -> Tensor:
         """Attention forward of `attn` on x (B, T, C) with protected matmuls."""

@@ -113,7 +113,7 @@ class ParitySnapshot:
     over the group's states (reft)."""
 
     step: int
-    groups: tuple[tuple[int, ...], ...]
+    parity_groups: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The distributed runtime's messages and timeouts, defined once for peers and coordinator.
 
-Every RPC carries a msgpack header (and, for tensors, raw payloads: see checkfree.net.wire).
+Every RPC carries a msgpack header (and, for tensors, raw payloads: see checkfree.net.wire); its fields are a
+typed message of checkfree.messages, which is also the receiver's admission check.
 Every header names the run (`run`); a request for another run is refused. Requests that
 belong to a step also carry `step` and `attempt`: a step interrupted by a failure is
 aborted and re-run as the next attempt, and messages of an aborted attempt are refused.
@@ -29,17 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from checkfree.auth import record_ok, sign_record
-from checkfree.pipeline import Hop
-from checkfree.recovery import Neighbours
 
-__all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "plan_to_wire", "plan_from_wire",
-           "hop_to_wire", "require", "ProtocolError", "READY_PEER", "READY_COORDINATOR", "READY_STANDBY",
-           "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK", "STRAGGLER_MARK",
-           "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed", "Kind", "REQUEST_FIELDS",
-           "check_request", "request", "HEARTBEATS_PER_TTL"]
+__all__ = ["RPC", "Timeouts", "DHT_PREFIX", "coordinator_key", "members_key", "ProtocolError", "READY_PEER",
+           "READY_COORDINATOR", "READY_STANDBY", "coordinator_record", "coordinator_from_records", "STEP_TIMEOUT_MARK",
+           "STRAGGLER_MARK", "RUN_OVER", "EXIT_COORDINATOR_GONE", "EXIT_RUN_OVER", "StepFailed", "Kind",
+           "HEARTBEATS_PER_TTL"]
 
 DHT_PREFIX = "checkfree"
 # a peer refreshes its DHT heartbeat this many times per heartbeat_ttl (jittered 0.8-1x): two chances before it
@@ -188,89 +185,3 @@ def coordinator_from_records(found: dict, secret: bytes | None, run_id: str, tra
 
 def members_key(run_id: str) -> str:
     return f"{DHT_PREFIX}/{run_id}/peers"
-
-
-def plan_to_wire(plan: Neighbours) -> dict[str, Any]:
-    d = dataclasses.asdict(plan)
-    d["sources"] = list(plan.sources)
-    d["edges_reinit"] = list(plan.edges_reinit)
-    return d
-
-
-def plan_from_wire(d: dict[str, Any]) -> Neighbours:
-    return Neighbours(stage=int(d["stage"]), method=str(d["method"]), sources=tuple(int(s) for s in d["sources"]),
-                        edge_sources={str(k): int(v) for k, v in d["edge_sources"].items()},
-                        edges_reinit=tuple(d["edges_reinit"]), fallback=d.get("fallback"),
-                        reason=str(d.get("reason", "")))
-
-
-def hop_to_wire(hop: Hop) -> list:
-    return [hop.stage, hop.embed, hop.head]
-
-
-def require(header: dict, **types: type | tuple[type, ...]) -> None:
-    """Check that `header` has each field with the given type; ProtocolError names what is wrong."""
-    for name, typ in types.items():
-        if name not in header:
-            raise ProtocolError(f"request is missing field {name!r}")
-        value = header[name]
-        if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, (int, float))):
-            raise ProtocolError(f"field {name!r} must be {getattr(typ, '__name__', typ)}, got {type(value).__name__}")
-
-
-# ---- the requests, defined once: both ends check a header against these ------------------------------
-_STEP = {"step": int, "attempt": int}
-_HOP = {**_STEP, "mb": int, "hop": int}
-_SNAPSHOT = {"owner": int, "step": int}
-
-REQUEST_FIELDS: dict[str, dict[str, type]] = {
-    # served by peers
-    RPC.PING: {},
-    RPC.FORWARD: _HOP,
-    RPC.BACKWARD: _HOP,
-    RPC.COMPONENT_GRAD: {**_STEP, "comp": str},
-    RPC.GET_WEIGHTS: {"part": str},
-    RPC.GET_STATE: {"step": int},
-    RPC.STORE_SNAPSHOT: _SNAPSHOT,
-    RPC.FETCH_SNAPSHOT: _SNAPSHOT,
-    RPC.TAKE_REPLICA: {"source": str, "step": int},
-    RPC.REPLICA_GRAD: {"step": int, "stage": int, "names": list},
-    RPC.GET_REPLICA: {"step": int},
-    RPC.BACKUP_START: {"step": int},
-    RPC.BACKUP_PART: {"owner": int, "step": int, "offset": int, "total": int},
-    RPC.BACKUP_COMMIT: {"step": int},
-    RPC.REFT_CHUNK: {"step": int, "owner": int, "holder": int, "n": int, "length": int},
-    RPC.REFT_FETCH: {"step": int},
-    RPC.REROUTE: {**_STEP, "dead": str, "to": str, "mbs": list},
-    RPC.GET_PASS: {**_STEP, "mb": int, "hop": int},
-    RPC.REDUCE: {**_STEP, "prefix": str, "rank": int, "size": int, "store": str},
-    RPC.ASSIGN: {"stage": int, "mode": str},
-    RPC.RUN_STEP: {**_STEP, "peers": dict, "evaluate": bool},
-    RPC.COMMIT: _STEP,
-    RPC.ABORT: {},
-    RPC.SNAPSHOT: {"step": int},
-    RPC.RESTORE: {"step": int},
-    RPC.SHUTDOWN: {},
-    RPC.ADOPT: {},
-    # served by the coordinator
-    RPC.JOIN: {"peer_id": str},
-    RPC.REPORT: {"stage": int, "peer_id": str, "reason": str},
-    RPC.LEAVE: {},
-    RPC.STATUS: {},
-}
-
-
-def check_request(name: str, header: dict) -> None:
-    """A request header against its definition (`run` and `REQUEST_FIELDS[name]`): the receiver's check, and
-    the sender's (`request`); ProtocolError names the field at fault."""
-    if name not in REQUEST_FIELDS:
-        raise ProtocolError(f"unknown request {name!r}")
-    require(header, run=str, **REQUEST_FIELDS[name])
-
-
-def request(name: str, run: str, **fields: object) -> dict:
-    """The header of a `name` request for run `run`, checked against its definition before it is sent (a
-    malformed request is a bug of the sender: it fails here, not at the receiver)."""
-    header = {"run": run, **fields}
-    check_request(name, header)
-    return header

@@ -30,7 +30,7 @@ from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
 from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
-from checkfree.groups import spread
+from checkfree.stage_groups import spread
 from checkfree.pipeline import Hop, edge_holders, evaluates_after, plain_route, route
 from checkfree.recovery import StateDict, UnrecoverableFailure
 from checkfree.softerrors import UncorrectableSoftError, guard_counts, make_guard
@@ -39,7 +39,7 @@ from checkfree.export import save_export
 from checkfree.progress import Progress
 from checkfree.rundir import RunWriter
 from checkfree.saves import newest_save, read_save, write_save
-from checkfree.steprules import Commit, SoftErrorRule, apply_commits
+from checkfree.steprules import SoftErrorRule, StageUpdate, apply_commits
 from checkfree.strategies import Figures, build_strategy, worker_config
 from checkfree.strategies.execute import SimExecutor
 from checkfree.strategies.state import StageState, capture_worker, restore_worker
@@ -256,7 +256,7 @@ class Simulator:
         self.soft_rule.clear()
         sync_components(self.workers, self.plus)
         stats = [w.step(step) for w in self.workers]
-        commits = [Commit(i, st.omega(self.cfg.recovery), st.skipped, st.weights_finite) for i, st in enumerate(stats)]
+        commits = [StageUpdate(i, st.omega(self.cfg.recovery), st.skipped, st.weights_finite) for i, st in enumerate(stats)]
         # a stage whose weights broke is treated as failed: recovered before the next step
         self.pending_failed |= apply_commits(commits, self.norms, functools.partial(self._event, step=step))
         return loss, stats

@@ -11,7 +11,7 @@ recompute the microbatch, then skip the step, then treat the stage as failed.
 from __future__ import annotations
 
 from checkfree.abft import AttentionGuard, UncorrectableSoftError, install_guard
-from checkfree.faults import FaultInjector
+from checkfree.bitflips import FaultInjector
 from checkfree.config import RunConfig
 from checkfree.model import derive_seed, plan_stages
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from checkfree.softerrors import ESCALATE_AFTER_SKIPS
 
-__all__ = ["Commit", "apply_commits", "SoftErrorRule"]
+__all__ = ["StageUpdate", "apply_commits", "SoftErrorRule"]
 
 Event = Callable[..., None]
 
 
 @dataclass(frozen=True)
-class Commit:
+class StageUpdate:
     """One stage's result of applying a step's update.
 
     ``skipped``: the gradient was not finite, the update was not applied and the stage's omega is kept;
@@ -32,7 +32,7 @@ class Commit:
     weights_finite: bool
 
 
-def apply_commits(commits: Iterable[Commit], norms: list[float] | None, event: Event) -> set[int]:
+def apply_commits(commits: Iterable[StageUpdate], norms: list[float] | None, event: Event) -> set[int]:
     """Record a committed step: every stage that updated keeps its omega in ``norms`` (the simulator's; the
     swarm's peers keep their own: None); a skipped update is
     reported (``skipped_step``); a stage whose weights are no longer finite is reported

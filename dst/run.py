@@ -47,7 +47,7 @@ def build_config(setup: Setup, cache_dir: str | None = None) -> RunConfig:
 
 def setup_problem(setup: Setup) -> str | None:
     """Why the swarm (or the simulator) refuses `setup`, or None."""
-    from checkfree.groups import check_swarm_groups
+    from checkfree.stage_groups import check_swarm_groups
     from checkfree.strategies import build_strategy
 
     if setup.replicas > 1 and setup.strategy not in AVERAGING:

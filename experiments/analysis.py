@@ -1,4 +1,14 @@
-"""From run directories to the paper's numbers: target, time to target, tables, raw JSON.
+"""From run directories to results.json, and from results.json to the numbers the reports show.
+
+Two steps, so that every report (table.md, the README's rendered regions) is computed by the same
+code from the same committed file:
+
+* `load_run` reads one run directory into a *record*: what the run wrote (spec, summary,
+  provenance, validation curve with its recorded clock, training losses, failures, recoveries with
+  their coefficients, how often each stage's gradient was clipped). `write_results` stores the
+  records of an experiment with its settings; `read_results` loads them back.
+* `derive` computes, from records, everything a table shows: the simulated clock priced by the
+  current cost model (experiments.clock), the target, the time to target, hours.
 
 Time to target. The target is a validation loss: `--target` if given, else the failure-free
 run's validation loss at `target_fraction` of the steps (the last evaluation at or before
@@ -6,36 +16,31 @@ that step), per seed. A run reaches it at the first evaluation (in execution ord
 recomputations after a rollback included) whose validation loss is <= the target; the
 simulated wall-clock and the executed iterations at that point are linearly interpolated
 between that evaluation and the previous one. A run that never gets there (within its steps
-or its iteration budget, or because it aborted) has "not reached".
+or its iteration budget, or because it aborted) has not reached it.
 
-Simulated hours are the simulator's `sim_time_s` (the cost model, `--cost-profile`).
 The paper's own accounting (Table 2: hours = iterations to target x iteration time, 91.3 s,
-or 151.04 s for redundant computation) is given beside it: `paper_hours`.
+or 151.04 s for redundant computation) is given beside the simulated hours: `paper_hours`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
-from statistics import mean, stdev
 from typing import Any
 
+from checkfree.costmodel import CostModel
 from checkfree.rundir import read_jsonl
+from experiments.clock import repriced_s, run_config, stale_terms
 from experiments.runner import run_dir
-from experiments.spec import (
-    PAPER_ITERATION_S,
-    PAPER_REDUNDANT_ITERATION_S,
-    RunSpec,
-    Settings,
-    paper_p,
-    rate_label,
-)
+from experiments.spec import PAPER_ITERATION_S, PAPER_REDUNDANT_ITERATION_S, RunSpec, Settings
 
-__all__ = ["load_run", "reference_target", "time_to_target", "analyse", "fmt_hours", "NOT_REACHED",
-           "markdown_table", "write_results"]
+__all__ = ["load_run", "reference_target", "time_to_target", "derive", "analyse", "write_results", "read_results",
+           "settings_from_dict", "CLIPPED", "RESULTS_FORMAT"]
 
-NOT_REACHED = "not reached"
+RESULTS_FORMAT = 2
+CLIPPED = 1.0 - 1e-4  # a stage's post-clip gradient norm at or above this was clipped (max_norm 1.0)
 
 
 def _num(x: Any) -> float:
@@ -45,10 +50,23 @@ def _num(x: Any) -> float:
         return math.nan
 
 
+def _json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _clipped_share(metrics: list[dict[str, Any]]) -> list[float]:
+    """Per stage: the share of executed steps whose post-clip gradient norm hit the clip (max_norm 1.0)."""
+    norms = [m["grad_norms"] for m in metrics if m.get("grad_norms")]
+    if not norms:
+        return []
+    return [round(sum(1 for n in norms if _num(n[s]) >= CLIPPED) / len(norms), 4) for s in range(len(norms[0]))]
+
+
 def load_run(out: Path, spec: RunSpec) -> dict[str, Any]:
-    """A run's spec, summary, validation curve, training losses and failures."""
+    """The record of one run: spec, summary, provenance, validation curve (recorded clock), training losses,
+    failures, recoveries (sources and coefficients) and each stage's share of clipped steps."""
     d = run_dir(out, spec)
-    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {"status": "missing"}
+    summary = _json(d / "summary.json") or {"status": "missing"}
     metrics = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
     events = read_jsonl(d / "events.jsonl") if (d / "events.jsonl").is_file() else []
     val, losses = [], []
@@ -60,8 +78,12 @@ def load_run(out: Path, spec: RunSpec) -> dict[str, Any]:
                         "val_loss": _num(m["val_loss"])})
     failures = [{"iteration": e.get("iteration", e.get("step")), "step": e.get("step"), "stage": e.get("stage")}
                 for e in events if e.get("event") == "failure"]
-    return {"spec": spec.to_dict(), "summary": summary, "val": val, "loss": losses, "failures": failures,
-            "fallbacks": sum(1 for e in events if e.get("event") == "fallback")}
+    recoveries = [{k: e.get(k) for k in ("step", "stage", "method", "sources", "coefficients", "omega_scope")}
+                  | {"fallback": e.get("fallback")} for e in events if e.get("event") in ("recovery", "fallback")]
+    return {"spec": spec.to_dict(), "summary": summary, "provenance": _json(d / "provenance.json"), "val": val,
+            "loss": losses, "failures": failures, "recoveries": recoveries,
+            "fallbacks": sum(1 for e in events if e.get("event") == "fallback"),
+            "clipped_share": _clipped_share(metrics)}
 
 
 def reference_target(ref: dict[str, Any], settings: Settings) -> float:
@@ -101,11 +123,25 @@ def _paper_iteration_s(strategy: str) -> float:
     return PAPER_REDUNDANT_ITERATION_S if strategy == "redundant" else PAPER_ITERATION_S
 
 
-def analyse(out: Path, specs: list[RunSpec], settings: Settings) -> dict[str, Any]:
-    """Every run with its time to target (targets from each seed's failure-free run)."""
-    runs = {}
-    for spec in {s.name: s for s in specs}.values():
-        runs[spec.name] = load_run(out, spec)
+def _reprice(r: dict[str, Any]) -> None:
+    """The validation curve's clock with the step term of the current cost model (experiments.clock)."""
+    cfg = run_config(r["spec"]["config"])
+    prov = r.get("provenance") or {}
+    r["clock_stale"] = stale_terms(prov.get("cost_model"), cfg) if r["spec"]["runtime"] == "sim" else []
+    if "step_s" not in prov or r["spec"]["runtime"] != "sim":
+        return
+    step_s = CostModel(cfg).step_s()
+    for v in r["val"]:
+        v["sim_time_s_recorded"] = v["sim_time_s"]
+        v["sim_time_s"] = repriced_s(v["sim_time_s"], v["iteration"], prov["step_s"], step_s)
+
+
+def derive(runs: dict[str, dict[str, Any]], settings: Settings) -> dict[str, Any]:
+    """Every run record with its clock re-priced and its time to target (targets from each seed's failure-free
+    run); the records are copied, not changed."""
+    runs = copy.deepcopy(runs)
+    for r in runs.values():
+        _reprice(r)
     targets: dict[int, float] = {}
     for r in runs.values():
         sp = r["spec"]
@@ -123,194 +159,46 @@ def analyse(out: Path, specs: list[RunSpec], settings: Settings) -> dict[str, An
         r["paper_hours"] = hit["iterations"] * _paper_iteration_s(sp["strategy"]) / 3600.0 if hit else None
         r["failures_before_target"] = (sum(1 for f in r["failures"] if f["iteration"] < hit["iterations"])
                                        if hit else len(r["failures"]))
-        last = [v for v in r["val"]]
-        r["final_val_loss"] = last[-1]["val_loss"] if last else None
-        r["total_hours"] = (max((v["sim_time_s"] for v in last), default=math.nan) / 3600.0) if last else None
+        r["final_val_loss"] = r["val"][-1]["val_loss"] if r["val"] else None
+        r["total_hours"] = (max(v["sim_time_s"] for v in r["val"]) / 3600.0) if r["val"] else None
     return {"settings": settings.to_dict(), "targets": targets, "runs": runs}
 
 
-def fmt_hours(h: float | None) -> str:
-    if h is None:
-        return NOT_REACHED
-    return f"{h:.4g}" if h < 100 else f"{h:.1f}"
+def analyse(out: Path, specs: list[RunSpec], settings: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(records, derived) of the distinct runs of `specs`."""
+    records = {s.name: load_run(out, s) for s in {s.name: s for s in specs}.values()}
+    return records, derive(records, settings)
 
 
-def _cell(rs: list[dict[str, Any]], key: str = "hours") -> tuple[float | None, str]:
-    """Mean over seeds when every seed reached the target, else 'not reached (k/n)'."""
-    if not rs:
-        return None, "missing"
-    vals = [r[key] for r in rs]
-    if any(r["summary"].get("status") in ("missing", "error") for r in rs):
-        return None, "error" if any(r["summary"].get("status") == "error" for r in rs) else "missing"
-    if all(v is not None for v in vals):
-        m = mean(vals)
-        return m, fmt_hours(m) + seed_spread(vals)
-    k = sum(v is not None for v in vals)
-    return None, NOT_REACHED + (f" ({k}/{len(vals)} seeds)" if k else "")
+def _clean(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
 
 
-def seed_spread(vals: list[float]) -> str:
-    """' ± s (n=k: v1 / v2 / ...)': the sample standard deviation over seeds and each seed's value ('' for one)."""
-    if len(vals) < 2:
-        return ""
-    return f" ± {stdev(vals):.2g} (n={len(vals)}: {' / '.join(f'{v:.4g}' for v in vals)})"
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def group(analysis: dict[str, Any], strategy: str, rate: float, runtime: str = "sim",
-          label: str | None = None) -> list[dict[str, Any]]:
-    """The runs (one per seed) of one strategy label at one rate."""
-    label = label or strategy
-    return [r for r in analysis["runs"].values()
-            if r["spec"]["strategy"] == strategy and r["spec"]["rate"] == rate and r["spec"]["runtime"] == runtime
-            and r["spec"]["label"] == label]
-
-
-def _ratio(base: float | None, base_total: list[float], h: float | None) -> str:
-    """base / h (> 1: faster than the baseline). When the baseline never reached the target,
-    its total simulated time is a lower bound of its time to target: '> x'."""
-    if h is None:
-        return NOT_REACHED
-    if base is not None:
-        return f"{base / h:.2f}x"
-    if base_total:
-        return f"> {min(base_total) / h:.2f}x"
-    return "n/a"
-
-
-def write_results(analysis: dict[str, Any], path: Path) -> None:
-    """The raw JSON of an experiment: settings, targets and every run (summary, curves, failures)."""
+def write_results(records: dict[str, dict[str, Any]], settings: Settings, path: Path) -> None:
+    """results.json of an experiment: its settings and every run's record (what the runs wrote; nothing
+    derived, so that a report re-reads it with the current code)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-
-    def clean(x: Any) -> Any:
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    path.write_text(json.dumps(clean(analysis), sort_keys=True, separators=(",", ":")))
+    data = {"format": RESULTS_FORMAT, "settings": settings.to_dict(), "runs": records}
+    path.write_text(json.dumps(_clean(data), sort_keys=True, separators=(",", ":")))
 
 
-def rate_header(settings: Settings, rate: float) -> str:
-    return f"{rate_label(rate)} (p={settings.p(rate):.3g})" if rate else "0%"
+def settings_from_dict(d: dict[str, Any]) -> Settings:
+    return Settings(**{k: v for k, v in d.items() if k in Settings.__dataclass_fields__})
 
 
-def convergence_tables(analysis: dict[str, Any], settings: Settings, strategies: list[str],
-                       rates: list[float]) -> str:
-    """The paper's Table 2 at CPU scale, plus ratios, failures, iterations and the paper's accounting."""
-    header = ["strategy"] + [rate_header(settings, r) for r in rates]
-    ref = [r for r in analysis["runs"].values() if r["spec"]["label"] == "no failures"]
-    ref_cell = _cell(ref)[1]
-
-    def rows(fn) -> list[list[str]]:
-        return [[s] + [fn(s, rate) for rate in rates] for s in strategies]
-
-    def hours(s: str, rate: float, key: str = "hours") -> str:
-        return _cell(group(analysis, s, rate), key)[1]
-
-    def ratio_vs(base: str):
-        def fn(s: str, rate: float) -> str:
-            b = group(analysis, base, rate)
-            bval = _cell(b)[0]
-            btot = [r["total_hours"] for r in b if r["total_hours"] is not None and not r["reached"]]
-            return _ratio(bval, btot, _cell(group(analysis, s, rate))[0])
-        return fn
-
-    def failures(s: str, rate: float) -> str:
-        rs = group(analysis, s, rate)
-        if not rs:
-            return "missing"
-        tot = mean(len(r["failures"]) for r in rs)
-        before = mean(r["failures_before_target"] for r in rs)
-        fb = mean(r["fallbacks"] for r in rs)
-        kind = rs[0]["spec"]["trace_kind"]
-        return f"{tot:g} ({before:g}) {kind}" + (f", {fb:g} fallback" if fb else "")
-
-    def iterations(s: str, rate: float) -> str:
-        m, txt = _cell(group(analysis, s, rate), "iterations_to_target")
-        return txt if m is None else f"{m:.0f}"
-
-    def status(s: str, rate: float) -> str:
-        rs = group(analysis, s, rate)
-        return ", ".join(sorted({str(r["summary"].get("status")) for r in rs})) or "missing"
-
-    parts = []
-    parts.append("### Simulated hours to the target validation loss\n\n"
-                 f"Cost profile `{settings.cost_profile}`; failure-free reference: {ref_cell} h.\n\n")
-    parts.append(markdown_table(header, [["no failures"] + [ref_cell] * len(rates)] + rows(hours)))
-    parts.append("\n### Speed-up vs checkpointing (checkpoint hours / strategy hours; > 1: faster)\n\n")
-    parts.append(markdown_table(header, rows(ratio_vs("checkpoint"))))
-    parts.append("\n### Speed-up vs redundant computation (redundant hours / strategy hours)\n\n")
-    parts.append(markdown_table(header, rows(ratio_vs("redundant"))))
-    parts.append("\n### Failures seen: whole run (before reaching the target), trace replayed\n\n")
-    parts.append(markdown_table(header, rows(failures)))
-    parts.append("\n### Iterations to target (executed steps, recomputations included)\n\n")
-    ref_it = _cell(ref, "iterations_to_target")
-    parts.append(markdown_table(header, [["no failures"] + [f"{ref_it[0]:.0f}" if ref_it[0] else ref_it[1]] * len(rates)]
-                                + rows(iterations)))
-    parts.append("\n### The paper's accounting: iterations to target x the paper's iteration time "
-                 f"({PAPER_ITERATION_S} s; redundant {PAPER_REDUNDANT_ITERATION_S} s), hours\n\n")
-    ref_ph = _cell(ref, "paper_hours")[1]
-    parts.append(markdown_table(header, [["no failures"] + [ref_ph] * len(rates)]
-                                + rows(lambda s, r: hours(s, r, "paper_hours"))))
-    parts.append("\n### Run status\n\n")
-    parts.append(markdown_table(header, rows(status)))
-    return "".join(parts)
-
-
-def local_table(analysis: dict[str, Any]) -> str:
-    """Swarm runs beside the simulator runs of the same configuration and trace."""
-    rows = []
-    for r in analysis["runs"].values():
-        sp = r["spec"]
-        if sp["runtime"] != "local":
-            continue
-        twins = [x for x in analysis["runs"].values() if x["spec"]["runtime"] == "sim" and x["spec"]["label"] == sp["label"]
-                 and x["spec"]["rate"] == sp["rate"] and x["spec"]["seed"] == sp["seed"]]
-        for x in [r] + twins:
-            s = x["summary"]
-            hit = x["hit"]
-            rows.append([x["spec"]["runtime"], x["spec"]["label"], rate_label(sp["rate"]), str(sp["seed"]),
-                         str(s.get("status")), str(len(x["failures"])), str(s.get("recoveries", "")),
-                         str(s.get("fallbacks", "")),
-                         f"{x['final_val_loss']:.4f}" if x["final_val_loss"] is not None else "n/a",
-                         str(hit["step"] + 1) if hit else NOT_REACHED, f"{_num(s.get('wall_s')):.0f}"])
-        if twins:
-            a = {v["step"]: v["val_loss"] for v in r["val"]}
-            b = {v["step"]: v["val_loss"] for v in twins[0]["val"]}
-            common = sorted(set(a) & set(b))
-            if common:
-                diff = max(abs(a[k] - b[k]) for k in common)
-                la = {step: loss for _, step, loss in r["loss"]}
-                lb = {step: loss for _, step, loss in twins[0]["loss"]}
-                steps = sorted(set(la) & set(lb))
-                first = next((k for k in steps if abs(la[k] - lb[k]) > 1e-4), None)
-                same = f"train loss equal to 1e-4 through step {first - 1}" if first is not None else \
-                    f"train loss equal to 1e-4 at all {len(steps)} steps"
-                rows.append(["Δ (local - sim)", "", "", "", "", "", "", "", f"val: max {diff:.2e} over {len(common)} evals",
-                             same, ""])
-    if not rows:
-        return ""
-    header = ["runtime", "strategy", "rate", "seed", "status", "failures", "recoveries", "fallbacks",
-              "final val loss", "steps to target", "real wall-clock s"]
-    return "### Distributed runtime (`checkfree local`, real processes and SIGKILLs) vs the simulator\n\n" + \
-        markdown_table(header, rows)
-
-
-def mapping_table(settings: Settings, rates: list[float]) -> str:
-    rows = []
-    for r in rates:
-        if r == 0:
-            continue
-        rows.append([rate_label(r), f"{paper_p(r):.4g}", f"{settings.rate_scale:g}", f"{settings.p(r):.4g}",
-                     f"{settings.p(r) * settings.steps:.2f}"])
-    return markdown_table(["paper hourly rate", "paper p per iteration", "rate scale k", "p per CPU step",
-                           "expected failures per stage in the run"], rows)
+def read_results(path: Path) -> tuple[dict[str, dict[str, Any]], Settings]:
+    """The records and settings of a results.json written by `write_results`."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != RESULTS_FORMAT:
+        raise ValueError(f"{path}: results format {data.get('format')!r}, this code reads {RESULTS_FORMAT}; "
+                         f"rewrite it with `checkfree experiment ... --report-only` from the run directories")
+    for r in data["runs"].values():  # JSON null back to NaN where the clock was not finite
+        for v in r["val"]:
+            v["sim_time_s"] = math.nan if v["sim_time_s"] is None else v["sim_time_s"]
+    return data["runs"], settings_from_dict(data["settings"])

@@ -3,6 +3,8 @@
     checkfree experiment convergence [--quick] [--preset small] [--steps 100] [--rates 5,10,16] ...
     checkfree experiment ablation-init | ablation-ckpt | ablation-rate | ablation-swap [...]
     checkfree experiment all [...]            # the union of the above, one pool of processes
+    checkfree experiment convergence --recipe paper-500m-table2 --dry-run   # the paper's scale (experiments.recipes)
+    checkfree experiment report --readme [experiments/README.md] [--check]  # rendered regions (experiments.readme)
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import sys
 from checkfree.config import PRESETS
 from checkfree.recovery import FALLBACKS
 
-__all__ = ["add_parser", "settings_from_args", "run"]
+RECIPE_NAMES = ("paper-500m-table2", "paper-500m-fig2", "paper-124m")  # = experiments.recipes.RECIPES (not imported)
+
+__all__ = ["add_parser", "settings_from_args", "run", "run_report"]
 
 
 def _floats(text: str) -> list[float]:
@@ -43,8 +47,12 @@ def _strategies(text: str) -> list[str]:
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("matrix")
-    g.add_argument("--quick", action="store_true",
-                   help="tiny preset, 12 steps, 2 rates, 1 seed, every strategy: the whole path in about a minute")
+    base = g.add_mutually_exclusive_group()
+    base.add_argument("--quick", action="store_true",
+                      help="tiny preset, 12 steps, 2 rates, 1 seed, every strategy: the whole path in about a minute")
+    base.add_argument("--recipe", choices=sorted(RECIPE_NAMES),
+                      help="the paper's experiment at the paper's scale with the authors' failure probabilities, "
+                           "steps, checkpoint interval and evaluation (experiments/recipes.py); other flags override")
     g.add_argument("--preset", choices=sorted(PRESETS), help="model/training preset (default small; quick: tiny)")
     g.add_argument("--steps", type=int, help="steps per run (default 100; quick: 12)")
     g.add_argument("--seeds", type=_ints, help="comma-separated seeds (init, data and failure draws; default 0)")
@@ -87,7 +95,11 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     x.add_argument("--report-only", action="store_true", help="only rewrite tables and plots from finished runs")
     x.add_argument("--dry-run", action="store_true",
                    help="check each distinct configuration of the matrix (config, data loading, one training step) "
-                        "and print the cost model's time per run; trains nothing and writes no results")
+                        "and print its compute (FLOPs, GPU-hours) beside the cost model's simulated clock; trains "
+                        "nothing and writes no results")
+    x.add_argument("--gpu", default="A100", help="--dry-run: the GPU class of the compute estimate (A100, H100, L4)")
+    x.add_argument("--mfu", type=float, default=0.4,
+                   help="--dry-run: the utilisation (model FLOPs / peak) the compute estimate assumes (default 0.4)")
     x.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -106,6 +118,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         e = esub.add_parser(name, help=helps[name], description=helps[name])
         _add_options(e)
         e.set_defaults(func=run)
+    r = esub.add_parser("report", help="render the regions of a Markdown file from the committed result files",
+                        description="Rewrite every `<!-- BEGIN rendered: NAME -->` region of the file from the result "
+                                    "files (experiments/readme.py); --check only lists the regions that differ.")
+    r.add_argument("--readme", nargs="?", const="experiments/README.md", required=True, metavar="PATH",
+                   help="the Markdown file (default experiments/README.md)")
+    r.add_argument("--results", default="experiments/results", help="the results root the renderers read")
+    r.add_argument("--check", action="store_true", help="change nothing; exit 1 if a region differs")
+    r.set_defaults(func=run_report)
     from experiments import pretrained
 
     e = esub.add_parser("pretrained", help="recovery on a trained network: paired branches from one warm checkpoint",
@@ -136,6 +156,10 @@ def settings_from_args(args: argparse.Namespace):
     given = {k: v for k, v in fields.items() if v is not None}
     if args.quick:
         s = Settings.quick_settings(**given)
+    elif args.recipe:
+        from experiments.recipes import recipe
+
+        s = recipe(args.recipe, **given)
     else:
         if "out" not in given:
             given["out"] = f"experiments/results/{given.get('preset', 'small')}"
@@ -146,14 +170,19 @@ def settings_from_args(args: argparse.Namespace):
 
 def _validate(s) -> None:
     from checkfree.costmodel import get_profile
+    from experiments.spec import PAPER_MODELS
 
     get_profile(s.cost_profile)
+    if s.paper_model not in PAPER_MODELS:
+        raise ValueError(f"unknown paper model {s.paper_model!r}; choose one of {sorted(PAPER_MODELS)}")
     if s.steps < 2:
         raise ValueError(f"--steps must be >= 2, got {s.steps}")
     if not s.seeds:
         raise ValueError("--seeds: at least one seed")
     if any(r <= 0 or r >= 100 for r in s.rates):
         raise ValueError(f"--rates are hourly percentages in (0, 100), got {s.rates}")
+    for r in s.rates:
+        s.p(r)  # the paper model has a probability for it
     if s.rate_scale <= 0:
         raise ValueError(f"--rate-scale must be positive, got {s.rate_scale}")
     if not 0 < s.target_fraction <= 1:
@@ -177,11 +206,30 @@ def run(args: argparse.Namespace) -> int:
     argv = [a for a in sys.argv[1:] if a != "--report-only"]
     command = "checkfree " + " ".join(shlex.quote(a) for a in argv) if argv[:1] == ["experiment"] else ""
     if args.dry_run:
-        from experiments.suite import dry_run
+        from experiments.dryrun import dry_run
 
-        return dry_run(experiments, settings)
+        return dry_run(experiments, settings, gpu=args.gpu, mfu=args.mfu)
     dirs = run_experiment(experiments, settings, progress=not args.no_progress, command=command,
                           report_only=args.report_only)
     for name, d in dirs.items():
         print(f"{name}: {d / 'table.md'}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from experiments.readme import render_file
+
+    path, results = Path(args.readme), Path(args.results)
+    if not path.is_file():
+        raise ValueError(f"--readme {path}: no such file")
+    if not results.is_dir():
+        raise ValueError(f"--results {results}: no such directory")
+    changed = render_file(path, results, check=args.check)
+    if args.check:
+        print(f"{path}: {len(changed)} rendered region(s) differ from {results}" +
+              (": " + ", ".join(changed) if changed else ""))
+        return 1 if changed else 0
+    print(f"{path}: {len(changed)} region(s) rewritten" + (": " + ", ".join(changed) if changed else ""))
     return 0

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 from experiments.spec import ALL_STRATEGIES, rate_label  # noqa: E402
 
-__all__ = ["color", "val_curves", "convergence_figures", "ttt_bars", "save"]
+__all__ = ["color", "val_curves", "seed_bands", "convergence_figures", "ttt_bars", "ablation_figure", "save"]
 
 _PALETTE = plt.get_cmap("tab20").colors
 
@@ -162,4 +162,51 @@ def ttt_bars(analysis: dict[str, Any], rates: list[float], strategies: list[str]
     ax.set_title("time to target (hatched n/r: not reached; bar = total simulated time of the run)")
     ax.legend(fontsize=7, ncol=3)
     ax.grid(axis="y", alpha=0.3)
+    return save(fig, path)
+
+
+def ablation_figure(experiment: str, analysis: dict[str, Any], settings, path: Path) -> Path:
+    """Two panels of an ablation: the first seed's validation curves (with min-max bands over the seeds) against
+    iterations and against simulated hours (ablation-swap: the swap's validation-loss gap per seed instead)."""
+    from experiments.tables import ablation_selection, swap_gaps
+
+    runs = ablation_selection(experiment, analysis, settings)
+    seed0 = settings.seeds[0]
+    sel = [r for r in runs if r["spec"]["seed"] == seed0]
+    target = settings.target if settings.target is not None else analysis["targets"].get(seed0)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    color_fn, label_fn = None, None
+    if experiment == "ablation-ckpt":
+        longest = max(1, settings.scaled_interval(max(settings.ckpt_intervals)))
+        color_fn = lambda r: color(r["spec"]["label"]) if not r["spec"]["label"].startswith("checkpoint") else \
+            plt.get_cmap("Blues")(0.4 + 0.6 * r["spec"]["config"]["strategy"]["checkpoint_every"] / longest)
+    elif experiment == "ablation-rate":
+        rates = sorted(settings.plus_rates)
+        color_fn = lambda r: "black" if r["spec"]["label"] == "no failures" else \
+            plt.get_cmap("viridis")(rates.index(r["spec"]["rate"]) / max(1, len(rates) - 1) * 0.9)
+        label_fn = lambda r: r["spec"]["label"] if r["spec"]["label"] == "no failures" else \
+            f"checkfree+ @ {rate_label(r['spec']['rate'])}"
+    titles = {"ablation-init": f"recovery initialisation, {rate_label(settings.init_rate)} failures (inner trace)",
+              "ablation-ckpt": f"checkpoint frequency vs CheckFree+, {rate_label(settings.ckpt_rate)} failures",
+              "ablation-rate": "CheckFree+ at several failure rates",
+              "ablation-swap": "no failures: plain pipeline vs CheckFree+ swaps"}
+    val_curves(axes[0], sel, "iterations", target=target, mark_failures=experiment != "ablation-swap",
+               color_fn=color_fn, label_fn=label_fn)
+    axes[0].set_title(titles[experiment] + f" (seed {seed0})")
+    if len(settings.seeds) > 1:
+        seed_bands(axes[0], runs, "iterations", key=lambda r: (r["spec"]["label"], r["spec"]["rate"]),
+                   color_fn=color_fn)
+    axes[0].legend(fontsize=7)
+    if experiment == "ablation-swap":
+        for seed, gaps in swap_gaps(analysis).items():
+            axes[1].plot([k + 1 for k, _ in gaps], [g for _, g in gaps], color=color("checkfree+"),
+                         alpha=1.0 if seed == seed0 else 0.5, label=f"seed {seed}")
+        axes[1].axhline(0, color="grey", lw=0.8)
+        axes[1].set_xlabel("step")
+        axes[1].set_ylabel("val loss: checkfree+ minus plain")
+        axes[1].set_title("the swap's cost (> 0: CheckFree+ behind)")
+        axes[1].legend(fontsize=7)
+        axes[1].grid(alpha=0.3)
+    else:
+        val_curves(axes[1], sel, "hours", target=target, color_fn=color_fn, label_fn=label_fn)
     return save(fig, path)

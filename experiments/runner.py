@@ -1,7 +1,9 @@
 """Run the specs of a matrix: in parallel processes, resumable, with one progress bar.
 
 A run's directory is `<out>/runs/<spec.name>` and holds the usual run-directory files
-(config.json, metrics.jsonl, events.jsonl, summary.json) plus `spec.json`. `summary.json` is
+(config.json, metrics.jsonl, events.jsonl, summary.json) plus `spec.json` and `provenance.json`
+(the code version that ran it, the step time and the cost model's figures it was priced with, the
+detection time it used: experiments.provenance, experiments.clock). `summary.json` is
 written last, so its presence marks a finished run: an interrupted matrix, started again,
 skips every run that has one (unless its status is "error") and redoes the others from
 scratch.
@@ -30,9 +32,11 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from experiments.clock import fingerprint
+from experiments.provenance import code_version
 from experiments.spec import ROLLBACK, RunSpec
 
-__all__ = ["run_dir", "is_done", "run_one", "run_specs", "LOCAL_TIMEOUT_S"]
+__all__ = ["run_dir", "is_done", "run_one", "run_specs", "pending_specs", "provenance", "LOCAL_TIMEOUT_S"]
 
 LOCAL_TIMEOUT_S = 3600.0
 
@@ -87,8 +91,8 @@ def _run_sim(spec: dict, out: Path, directory: Path) -> dict[str, Any]:
     except UnrecoverableFailure:
         return json.loads((directory / "summary.json").read_text())
     except BudgetExhausted:
-        return sim._summary(steps=sim.last_step, status="budget-exhausted",
-                            error=f"iteration budget of {spec['max_iterations']} exhausted at step {sim.last_step}")
+        return sim._summary("budget-exhausted",
+                            f"iteration budget of {spec['max_iterations']} exhausted at step {sim.last_step}")
 
 
 def _run_local(spec: dict, out: Path, directory: Path) -> dict[str, Any]:
@@ -107,6 +111,13 @@ def _run_local(spec: dict, out: Path, directory: Path) -> dict[str, Any]:
     return json.loads(summary.read_text())
 
 
+def provenance(spec: dict, out: Path) -> dict[str, Any]:
+    """What `provenance.json` records for a run about to start."""
+    cost = fingerprint(_config(spec, out))
+    return {"code": code_version(), "step_s": cost["step_s"], "detection_s": cost["detection_s"],
+            "cost_model": cost}
+
+
 def run_one(spec: dict, out: str, threads: int = 1) -> dict[str, Any]:
     """Run one spec (in a worker process); returns {name, status, wall_s}. Never raises:
     an unexpected error is recorded as a summary with status "error" (redone on resume)."""
@@ -117,6 +128,7 @@ def run_one(spec: dict, out: str, threads: int = 1) -> dict[str, Any]:
     (directory / "spec.json").write_text(json.dumps(spec, indent=2, sort_keys=True))
     t0 = time.time()
     try:
+        (directory / "provenance.json").write_text(json.dumps(provenance(spec, out_p), indent=2, sort_keys=True))
         import torch
 
         torch.set_num_threads(threads)
@@ -148,13 +160,19 @@ def _order(spec: RunSpec) -> tuple:
     return (spec.rate != 0, -spec.rate, not rollback, spec.name)
 
 
+def pending_specs(specs: list[RunSpec], out: Path) -> list[RunSpec]:
+    """The distinct specs whose run is not finished yet."""
+    return [s for s in {s.name: s for s in specs}.values() if not is_done(run_dir(out, s))]
+
+
 def run_specs(specs: list[RunSpec], out: Path, *, jobs: int, threads: int = 1, progress: bool = True,
-              log=print) -> list[dict[str, Any]]:
-    """Run every spec not yet done; returns the results of the runs done now."""
+              log=print, on_finished=None) -> list[dict[str, Any]]:
+    """Run every spec not yet done; returns the results of the runs done now. `on_finished(result)` is
+    called as each run ends."""
     from tqdm import tqdm
 
     unique = list({s.name: s for s in specs}.values())
-    pending = [s for s in unique if not is_done(run_dir(out, s))]
+    pending = pending_specs(unique, out)
     done_before = len(unique) - len(pending)
     if done_before:
         log(f"resuming: {done_before} of {len(unique)} runs already finished, {len(pending)} to run")
@@ -170,6 +188,8 @@ def run_specs(specs: list[RunSpec], out: Path, *, jobs: int, threads: int = 1, p
 
     def finished(res: dict[str, Any]) -> None:
         results.append(res)
+        if on_finished is not None:
+            on_finished(res)
         bar.update(1)
         bar.set_postfix_str(f"last {res['name'][:40]} ({res['status']}, {res['wall_s']:.0f}s)")
         if res["status"] == "error":

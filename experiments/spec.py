@@ -7,16 +7,17 @@ by a factor ``k`` (``--rate-scale``): one CPU step stands for k of the paper's i
 and every quantity the paper states per iteration is scaled accordingly:
 
 * per-step failure probability      p = k * p_paper(h)
-* checkpoint interval               C = round(C_paper / k)          (C_paper = 100, the 500M setting)
+* checkpoint interval               C = round(C_paper / k)          (C_paper = 100 for 500M, 50 for 124M)
 * in-memory snapshot interval       K = max(1, round(10 / k))       (the project's default 10)
 * recovery (detection) time         (30 s / 91.3 s) * step_s / k    (the paper's ~30 s recovery is
                                                                      1/3 of an iteration; ``--detection-time auto``)
 
 so that the expected failures per step, the work lost per checkpoint rollback relative to the
 interval, and the share of wall-clock spent recovering match the paper's regime.
-`p_paper(h)` is the per-iteration probability the authors configured for an hourly rate h
-(5% -> 0.0009, 10% -> 0.002, 16% -> 0.004, 33% -> 0.01); any other h uses the paper's
-conversion p = 1 - (1 - h)^(91.3 / 3600).
+`p_paper(h)` is the per-iteration probability the authors configured for an hourly rate h in the
+config of the model the runs stand for (`Settings.paper_model`, `PAPER_MODELS`: 500M by default, whose
+Table 2 the CPU runs emulate); for the 500M model any other h uses the paper's conversion
+p = 1 - (1 - h)^(91.3 / 3600). The checkpoint interval C_paper is that model's too.
 
 Failure traces. For every (rate, seed) one trace is drawn with failures on *all* stages
 (`bernoulli_schedule`, seed = failure seed), over the iteration budget (rolled-back
@@ -42,18 +43,37 @@ from typing import Any
 from checkfree.config import RunConfig, preset
 from checkfree.failures import bernoulli_schedule, per_step_probability
 
-__all__ = ["PAPER_P", "PAPER_ITERATION_S", "PAPER_REDUNDANT_ITERATION_S", "PAPER_RECOVERY_S",
+__all__ = ["PAPER_MODELS", "PaperModel", "PAPER_P", "PAPER_ITERATION_S", "PAPER_REDUNDANT_ITERATION_S", "PAPER_RECOVERY_S",
            "PAPER_CHECKPOINT_EVERY", "ALL_STRATEGIES", "IN_MEMORY", "ROLLBACK", "Settings", "RunSpec",
            "paper_p", "rate_label", "build_config", "make_spec", "write_traces", "spec_for", "reference_spec",
-           "LOCAL_STRATEGIES", "default_jobs"]
+           "LOCAL_STRATEGIES", "OMEGA_STRATEGIES", "default_jobs"]
 
-# Per-iteration stage-failure probability the authors configured for an hourly rate (500M model).
-PAPER_P = {5.0: 0.0009, 10.0: 0.002, 16.0: 0.004, 33.0: 0.01}
 PAPER_ITERATION_S = 91.3  # the paper's 500M iteration time (all but redundant computation)
 PAPER_REDUNDANT_ITERATION_S = 151.04  # the paper's redundant-computation iteration time
 PAPER_RECOVERY_S = 30.0  # "recovery of a stage takes about 30 s"
-PAPER_CHECKPOINT_EVERY = 100  # 500M model (Table 2); the ablation uses 10 / 50 / 100
 PAPER_SNAPSHOT_EVERY = 10  # the project's default snapshot interval (gemini, reft, checkfree+snap)
+
+
+@dataclass(frozen=True)
+class PaperModel:
+    """What the authors configured for one model size: per-iteration failure probabilities by hourly rate (their
+    `simulate_training/<model>_config.json`, gensyn-ai/CheckFree) and the checkpoint interval of the paper's
+    checkpointing baseline."""
+
+    name: str
+    p: dict[float, float]  # hourly rate, percent -> per-iteration stage-failure probability
+    checkpoint_every: int  # iterations between checkpoints (paper: small 50, medium 100)
+    convert_other_rates: bool  # rates not in `p` by the paper's conversion (its 91.3 s iteration, 500M only)
+
+
+PAPER_MODELS = {
+    # 500M_config.json: "5": 0.0009, "10": 0.002, "16": 0.004, "33": 0.01
+    "500m": PaperModel("500m", {5.0: 0.0009, 10.0: 0.002, 16.0: 0.004, 33.0: 0.01}, 100, True),
+    # 124M_config.json: "10": 0.0006, "16": 0.001; no 5 % (or 33 %) figure, and no iteration time to convert with
+    "124m": PaperModel("124m", {10.0: 0.0006, 16.0: 0.001}, 50, False),
+}
+PAPER_P = PAPER_MODELS["500m"].p  # the CPU-scale runs emulate the 500M model's Table 2
+PAPER_CHECKPOINT_EVERY = PAPER_MODELS["500m"].checkpoint_every  # Table 2; the ablation uses 10 / 50 / 100
 
 # Display order: the paper's Table 2 columns first, then the seed papers' baselines, the
 # hybrid, and the recovery-initialisation ablations.
@@ -61,6 +81,9 @@ ALL_STRATEGIES = ["checkpoint", "redundant", "checkfree", "checkfree+", "gemini"
                   "checkfree+snap", "uniform", "copy", "random"]
 IN_MEMORY = ("redundant", "gemini", "reft", "baft")  # fall back to a persistent checkpoint when copies are lost
 ROLLBACK = ("checkpoint", "gemini", "reft", "baft")  # roll every stage back: need an iteration budget
+# Strategies whose recoveries weigh neighbours by omega: only their runs with failures depend on --omega-scope
+# (the others' runs are shared by both scopes).
+OMEGA_STRATEGIES = ("checkfree", "checkfree+", "checkfree+snap")
 LOCAL_STRATEGIES = ("checkfree", "checkfree+", "uniform", "copy", "random", "identity", "checkpoint", "gemini")
 
 
@@ -71,11 +94,17 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-def paper_p(hourly_pct: float) -> float:
-    """The paper's per-iteration probability for an hourly failure rate in percent."""
+def paper_p(hourly_pct: float, model: str = "500m") -> float:
+    """The authors' per-iteration probability for an hourly failure rate in percent, for one of their models."""
     if hourly_pct == 0:
         return 0.0
-    return PAPER_P.get(float(hourly_pct), per_step_probability(hourly_pct / 100.0, PAPER_ITERATION_S))
+    pm = PAPER_MODELS[model]
+    if float(hourly_pct) in pm.p:
+        return pm.p[float(hourly_pct)]
+    if not pm.convert_other_rates:
+        raise ValueError(f"the authors' {model} config gives failure probabilities for "
+                         f"{', '.join(f'{r:g} %' for r in pm.p)} only, not {hourly_pct:g} %")
+    return per_step_probability(hourly_pct / 100.0, PAPER_ITERATION_S)
 
 
 def rate_label(hourly_pct: float) -> str:
@@ -91,6 +120,7 @@ class Settings:
     seeds: list[int] = field(default_factory=lambda: [0])
     rates: list[float] = field(default_factory=lambda: [5.0, 10.0, 16.0])  # the paper's hourly rates, percent
     rate_scale: float = 20.0  # k: paper iterations per CPU step
+    paper_model: str = "500m"  # whose failure probabilities and checkpoint interval (PAPER_MODELS)
     strategies: list[str] = field(default_factory=lambda: list(ALL_STRATEGIES))
     cost_profile: str = "paper-geo"
     detection: str | float = "auto"  # seconds, or "auto" (the paper's 30 s recovery, time-compressed)
@@ -104,7 +134,7 @@ class Settings:
     eval_every: int = 5
     eval_batches: int | None = None
     microbatches: int | None = None  # override the preset's M (quick mode)
-    checkpoint_every: int | None = None  # None: PAPER_CHECKPOINT_EVERY / k
+    checkpoint_every: int | None = None  # None: the paper model's checkpoint interval / k
     snapshot_every: int | None = None  # None: PAPER_SNAPSHOT_EVERY / k
     failure_seed: int = 1234  # failure draws use failure_seed + seed
     # ablations
@@ -131,14 +161,22 @@ class Settings:
     # --- derived --------------------------------------------------------------------
     def p(self, hourly_pct: float) -> float:
         """Per-step failure probability of a CPU run for the paper's hourly rate."""
-        return min(1.0, self.rate_scale * paper_p(hourly_pct))
+        return min(1.0, self.rate_scale * self.paper_p(hourly_pct))
+
+    def paper_p(self, hourly_pct: float) -> float:
+        """The authors' per-iteration probability for the hourly rate (their config for `paper_model`)."""
+        return paper_p(hourly_pct, self.paper_model)
+
+    @property
+    def paper_checkpoint_every(self) -> int:
+        return PAPER_MODELS[self.paper_model].checkpoint_every
 
     def scaled_interval(self, paper_iterations: float) -> int:
         return max(1, round(paper_iterations / self.rate_scale))
 
     @property
     def ckpt_every(self) -> int:
-        return self.checkpoint_every or self.scaled_interval(PAPER_CHECKPOINT_EVERY)
+        return self.checkpoint_every or self.scaled_interval(self.paper_checkpoint_every)
 
     @property
     def snap_every(self) -> int:
@@ -236,7 +274,7 @@ def write_traces(settings: Settings, out: Path, rates: list[float]) -> dict[tupl
                 rel = trace_name(rate, seed, kind)
                 path = out / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
-                header = (f"# {kind} trace: paper hourly rate {rate:g}% -> p_paper {paper_p(rate):.6g} per iteration, "
+                header = (f"# {kind} trace: paper hourly rate {rate:g}% -> p_paper {settings.paper_p(rate):.6g} per iteration, "
                           f"x rate-scale {settings.rate_scale:g} = p {p:.6g} per step per stage; {S} stages; "
                           f"failure seed {fseed}; iterations 0..{settings.max_iterations - 1}"
                           + ("; stages 0 and S-1 removed" if kind == "inner" else "") + "\n")
@@ -256,16 +294,17 @@ def _trace_kind(strategy: str, cfg: RunConfig) -> str:
 def _digest(cfg: RunConfig, out: Path, extra: dict[str, Any]) -> str:
     """A run's identity: the knobs the experiment sets (not the whole config, so that a new
     config field with a default does not orphan finished runs), the preset's name, and the
-    content of the trace it replays."""
+    content of the trace it replays. Nothing the cost model computes: the detection time enters as
+    its setting (`extra`), so a change of the cost model keeps every run's name (the report prices
+    the clock anew, experiments.clock)."""
     t, r, st = cfg.train, cfg.recovery, cfg.strategy
     ident = {
         "preset": cfg.preset, "stages": cfg.num_stages, "steps": t.num_steps, "seed": t.seed,
         "microbatches": t.num_microbatches, "eval_every": t.eval_every, "eval_batches": t.eval_batches,
         "strategy": r.strategy, "fallback": r.fallback, "checkpoint_every": st.checkpoint_every,
         "snapshot_every": st.snapshot_every, "storage_fallback": st.storage_fallback,
-        "cost_profile": st.cost_profile, "detection_s": None if st.detection_s is None else round(st.detection_s, 9),
+        "cost_profile": st.cost_profile,
         "trace": hashlib.sha256((out / cfg.failures.trace).read_bytes()).hexdigest() if cfg.failures.trace else None,
-        **({"omega_scope": r.omega_scope} if r.omega_scope != "stage" else {}),  # finished runs keep their names
         **({"data": cfg.data.source} if cfg.data.source != "shakespeare" else {}),
         **extra,
     }
@@ -283,7 +322,9 @@ def make_spec(settings: Settings, out: Path, traces: dict, strategy: str, rate: 
     rel = traces[(rate, seed, kind)] if kind != "none" else None
     cfg.failures.trace = rel
     max_it = settings.max_iterations  # only strategies that roll back (incl. storage fallbacks) can need more than steps
-    digest = _digest(cfg, out, {"runtime": runtime, "max_iterations": max_it})
+    weighs = strategy in OMEGA_STRATEGIES and rel is not None and settings.omega_scope != "stage"
+    digest = _digest(cfg, out, {"runtime": runtime, "max_iterations": max_it, "detection": settings.detection,
+                                **({"omega_scope": settings.omega_scope} if weighs else {})})
     label = strategy if checkpoint_every is None else f"{strategy}/{checkpoint_every}"
     if strategy == "checkfree" and rate == 0:
         label = "no failures"  # = every plain averaging strategy without failures

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 
 from checkfree.net.transport import TransportError
-from checkfree.protocol import RPC, ProtocolError
+from checkfree.messages import (BackupCommit, BackupPart, BackupShare, BackupsHeld, BackupStart, BackupTaken, Ok)
+from checkfree.protocol import ProtocolError
 from checkfree.serialize import blob_tensor, state_to_bytes
 from checkfree.strategies.state import capture_worker, unit_nbytes
 from peers.checks import check_blob
@@ -40,22 +41,22 @@ class Backups:
         self.sent = 0  # bytes of parts sent (for the step's figures)
 
     # ---- the owner's side --------------------------------------------------------------
-    async def on_backup_start(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_backup_start(self, start: BackupStart, tensors: list, peer) -> tuple[BackupTaken, list]:
         """Take this stage's backup as of `step`; its units' bytes let the coordinator plan the bubbles."""
         self.hosted.serving()
-        blob, units = await self.compute.run(self._capture, header["step"])
-        self.sending = (header["step"], blob)
-        return {"bytes": len(blob), "units": units}, []
+        blob, units = await self.compute.run(self._capture, start.step)
+        self.sending = (start.step, blob)
+        return BackupTaken(bytes=len(blob), units=units), []
 
     def _capture(self, step: int) -> tuple[bytearray, list[int]]:
         state = capture_worker(self.hosted.worker, step, self.hosted.omega, clone=False)  # serialised at once
         return state_to_bytes(state), list(unit_nbytes(state).values())
 
-    async def send_part(self, backup: dict) -> None:
+    async def send_part(self, backup: BackupShare) -> None:
         """In this step's bubble: send the share of the backup in flight that the coordinator named."""
         stage = self.hosted.index
-        bounds, holders = backup.get("bounds", {}).get(str(stage)), backup.get("holders", {})
-        if self.sending is None or self.sending[0] != backup.get("step") or bounds is None:
+        bounds, holder = backup.bounds.get(stage), backup.holders.get(stage)
+        if self.sending is None or self.sending[0] != backup.step or bounds is None or holder is None:
             return
         step, blob = self.sending
         lo, hi = int(bounds[0] * len(blob)), int(bounds[1] * len(blob))
@@ -63,11 +64,9 @@ class Backups:
             return
         await self.compute.idle()  # the bubble: nothing of this stage's to compute right now
         part = blob_tensor(memoryview(blob)[lo:hi])
-        holder = holders.get(str(stage))
         try:
-            await self.net.call(holder, RPC.BACKUP_PART, self.net.t.step_timeout, [part],
-                                link=(stage, int(backup.get("holder_stages", {}).get(str(stage), stage))),
-                                owner=stage, step=step, offset=lo, total=len(blob))
+            await self.net.call(holder, BackupPart(owner=stage, step=step, offset=lo, total=len(blob)),
+                                self.net.t.step_timeout, [part], link=(stage, backup.holder_stages.get(stage, stage)))
             self.sent += hi - lo
         except (TransportError, TimeoutError) as e:  # the backup stays incomplete: the coordinator keeps the last one
             log.warning("backup part of step %d not delivered to %s: %s", step, holder, e)
@@ -77,9 +76,9 @@ class Backups:
         return sent
 
     # ---- the holder's side -------------------------------------------------------------
-    async def on_backup_part(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_backup_part(self, part: BackupPart, tensors: list, peer) -> tuple[Ok, list]:
         """A part of the predecessor's backup: its bytes at `offset` of a backup of `total` bytes."""
-        owner, step, offset, total = header["owner"], header["step"], header["offset"], header["total"]
+        owner, step, offset, total = part.owner, part.step, part.offset, part.total
         data = check_blob(tensors, "a backup part")
         cfg = self.hosted.joined()
         if not 0 <= owner < cfg.num_stages or owner == self.hosted.index:
@@ -92,12 +91,12 @@ class Backups:
             self.assembling[owner] = held
         held[1][offset:offset + len(data)] = data
         held[2][offset] = len(data)
-        return {"ok": True}, []
+        return Ok(), []
 
-    async def on_backup_commit(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_backup_commit(self, commit: BackupCommit, tensors: list, peer) -> tuple[BackupsHeld, list]:
         """The backup of `step` is done: the owner keeps its own copy, a holder each backup whose every byte
         arrived; returns the stages whose backup this peer now holds complete."""
-        step, held = header["step"], []
+        step, held = commit.step, []
         if self.sending is not None and self.sending[0] == step:
             self.snapshots.keep(self.hosted.index, *self.sending)
             self.sending = None
@@ -107,4 +106,4 @@ class Backups:
                 self.snapshots.keep(owner, step, bytes(buf))
                 del self.assembling[owner]
                 held.append(owner)
-        return {"held": sorted(held)}, []
+        return BackupsHeld(held=sorted(held)), []

@@ -1,7 +1,8 @@
 """Every request a peer serves passes one admission check, then the handler's own checks.
 
 `admit` is that one check, made before any handler runs: the run the request names, the
-header fields its RPC needs (`RULES`), then who may send it (`authorize`). Who may send what:
+header as its RPC's typed request (checkfree.messages: every field's type, nested ones too), then who
+may send it (`authorize`). Who may send what:
 
 * ANYONE: PING, a liveness probe.
 * MEMBER: the data RPCs (activations, gradients, weights, snapshots). With a run secret only
@@ -28,7 +29,8 @@ from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import RunConfig
 from checkfree.net.wire import check_finite
 from checkfree.serialize import tensor_blob
-from checkfree.protocol import REQUEST_FIELDS, RPC, Kind, ProtocolError, require
+from checkfree.messages import REQUEST_FIELDS, Adopt, Envelope, Message, Pass, RunStep, check_request, envelope
+from checkfree.protocol import RPC, Kind, ProtocolError
 from checkfree.wirecodec import decode
 
 if TYPE_CHECKING:
@@ -64,7 +66,7 @@ class Rule:
     """What a peer requires of one RPC before its handler runs."""
 
     access: Access
-    fields: dict[str, type] = field(default_factory=dict)  # header fields beyond `run`, and their types
+    fields: dict[str, type] = field(default_factory=dict)  # required header fields beyond `run` (from the type)
     action: str = ""  # what the request does, for a refusal ("only the run's coordinator may ...")
 
 
@@ -97,28 +99,29 @@ _ACCESS: dict[str, tuple[Access, str]] = {  # who may send each RPC, and what it
     RPC.REDUCE: (Access.COORDINATOR, "reduce a step's gradients"),
     RPC.ADOPT: (Access.NEW_COORDINATOR, ""),
 }
-# the header fields come from the requests' one definition (checkfree.protocol.REQUEST_FIELDS)
+# the header fields come from the requests' one definition (checkfree.messages)
 RULES: dict[str, Rule] = {name: Rule(access, dict(REQUEST_FIELDS[name]), action)
                           for name, (access, action) in _ACCESS.items()}
 
 
 def admit(name: str, header: dict, caller: str, *, run_id: str, secret: bytes | None, coordinator: str | None,
-          me: str) -> None:
-    """The one check before every handler: the run, the fields `RULES[name]` lists, then `authorize`.
-    Malformed requests are refused with the field at fault, before (and whoever) they come from."""
-    rule = RULES[name]
-    check_run(header, run_id)
-    require(header, **rule.fields)
-    authorize(rule, caller, header, run_id=run_id, secret=secret, coordinator=coordinator, me=me)
+          me: str) -> Message:
+    """The one check before every handler: the run, the header as the typed request of `name`, then `authorize`.
+    Malformed requests are refused with the field at fault, before (and whoever) they come from; the request."""
+    env = check_run(header, run_id)
+    message = check_request(name, header)
+    authorize(RULES[name], caller, env, message, run_id=run_id, secret=secret, coordinator=coordinator, me=me)
+    return message
 
 
-def authorize(rule: Rule, caller: str, header: dict, *, run_id: str, secret: bytes | None,
+def authorize(rule: Rule, caller: str, env: Envelope, message: Message, *, run_id: str, secret: bytes | None,
               coordinator: str | None, me: str) -> None:
     """Refuse (Kind.UNAUTHORIZED) a request `caller` may not send; `me` is this peer's id."""
     if rule.access is Access.ANYONE:
         return
     if rule.access is Access.NEW_COORDINATOR:
-        if secret is not None and not verify(coordinator_proof(secret, run_id, caller, me), header.get("proof")):
+        assert isinstance(message, Adopt)
+        if secret is not None and not verify(coordinator_proof(secret, run_id, caller, me), message.proof):
             raise ProtocolError(f"peer {caller} is not authorized to coordinate this run (no valid coordinator proof)",
                                 Kind.UNAUTHORIZED)
         return
@@ -129,15 +132,16 @@ def authorize(rule: Rule, caller: str, header: dict, *, run_id: str, secret: byt
         return
     # MEMBER: with a secret, nothing is served before this peer knows its coordinator
     if secret is not None and (coordinator is None or (
-            caller != coordinator and not verify(join_token(secret, run_id, caller), header.get("token")))):
+            caller != coordinator and not verify(join_token(secret, run_id, caller), env.token))):
         raise ProtocolError(f"peer {caller} is not authorized for this run", Kind.UNAUTHORIZED)
 
 
-def check_run(header: dict, run_id: str) -> None:
-    """Every request names the run; a request for another run is refused."""
-    require(header, run=str)
-    if header["run"] != run_id:
-        raise ProtocolError(f"request for run {header['run']!r}; this peer serves run {run_id!r}")
+def check_run(header: dict, run_id: str) -> Envelope:
+    """Every request names the run; a request for another run is refused. The request's envelope."""
+    env = envelope(header)
+    if env.run != run_id:
+        raise ProtocolError(f"request for run {env.run!r}; this peer serves run {run_id!r}")
+    return env
 
 
 def check_activation(tensors: list[torch.Tensor], what: str, cfg: RunConfig | None) -> torch.Tensor:
@@ -153,10 +157,10 @@ def check_activation(tensors: list[torch.Tensor], what: str, cfg: RunConfig | No
         raise ProtocolError(str(e)) from None
 
 
-def check_hop(run: StepRun, header: dict, stage: int, me: str | None = None) -> tuple[int, int]:
+def check_hop(run: StepRun, request: Pass, stage: int, me: str | None = None) -> tuple[int, int]:
     """The (microbatch, hop) a FORWARD, BACKWARD or GET_PASS names: in the step's routes and this peer's stage
     (in a stage group: a hop the step's table gives this peer, `me`)."""
-    mb, idx = header["mb"], header["hop"]
+    mb, idx = request.mb, request.hop
     if not 0 <= mb < len(run.routes) or not 0 <= idx < len(run.routes[mb]):
         raise ProtocolError(f"microbatch {mb} hop {idx} out of range")
     if run.routes[mb][idx].stage != stage:
@@ -168,23 +172,21 @@ def check_hop(run: StepRun, header: dict, stage: int, me: str | None = None) -> 
     return mb, idx
 
 
-def check_hops(header: dict, routes: list) -> list[list[str]]:
-    """A RUN_STEP's `hops` table: one peer id per hop of every microbatch of its routes."""
-    hops = header["hops"]
-    if not (isinstance(hops, list) and len(hops) == len(routes) and all(
-            isinstance(h, list) and len(h) == len(r) and all(isinstance(p, str) for p in h)
-            for h, r in zip(hops, routes))):
+def check_hops(request: RunStep, routes: list) -> list[list[str]]:
+    """A RUN_STEP's `hops` table: one peer id per hop of every microbatch of its routes (the types are the
+    admission check's)."""
+    hops = request.hops or []
+    if len(hops) != len(routes) or any(len(h) != len(r) for h, r in zip(hops, routes)):
         raise ProtocolError("RUN_STEP 'hops' must name one peer per hop of every microbatch")
     return [list(h) for h in hops]
 
 
-def check_groups(header: dict) -> dict[int, list[str]]:
+def check_groups(request: RunStep) -> dict[int, list[str]]:
     """A RUN_STEP's `groups`: stage -> its replicas' peer ids."""
-    groups = header.get("groups")
-    if not (isinstance(groups, dict) and all(str(k).isdigit() and isinstance(v, list) and v
-                                             and all(isinstance(p, str) for p in v) for k, v in groups.items())):
+    groups = request.groups
+    if groups is None or not all(k >= 0 and v for k, v in groups.items()):
         raise ProtocolError("RUN_STEP 'groups' must map each stage to a non-empty list of peer ids")
-    return {int(k): list(v) for k, v in groups.items()}
+    return {k: list(v) for k, v in groups.items()}
 
 
 def check_sender(run: StepRun, peer: object, mb: int, idx: int) -> None:

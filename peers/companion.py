@@ -28,16 +28,15 @@ import torch
 from checkfree.auth import SECRET_ENV
 from checkfree.net.errors import TransportError
 from checkfree.net.tcp_transport import TcpTransport, start_tcp_transport
-from checkfree.protocol import ProtocolError, require
+from checkfree.messages import CompanionFetch, CompanionStop, CompanionStore, Ok, from_wire, reply_of, to_wire
+from checkfree.protocol import ProtocolError
 
-__all__ = ["COMPANION_STORE", "COMPANION_FETCH", "COMPANION_STOP", "READY", "start_companion", "fetch_snapshot",
-           "companion_id"]
+__all__ = ["READY", "start_companion", "fetch_snapshot", "companion_id"]
 
 log = logging.getLogger(__name__)
 
-COMPANION_STORE = "cf.companion_store"  # the peer's newest snapshot (only from the peer itself)
-COMPANION_FETCH = "cf.companion_fetch"  # the snapshot of `step`, for a replacement
-COMPANION_STOP = "cf.companion_stop"  # the peer leaves: so does its companion
+# its RPCs (checkfree.messages): CompanionStore, the peer's newest snapshot (only from the peer itself);
+# CompanionFetch, the snapshot of `step` for a replacement; CompanionStop, the peer leaves: so does its companion
 READY = "companion ready"
 
 
@@ -48,34 +47,33 @@ def companion_id(peer_id: str) -> str:
 class Companion:
     def __init__(self, peer_id: str, parent: int, linger: float) -> None:
         self.peer_id, self.parent, self.linger = peer_id, parent, linger
-        self.snapshot: tuple[dict, bytes, bytes] | None = None  # (header: step, stage, parity meta; state; parity)
+        self.snapshot: tuple[CompanionStore, bytes, bytes] | None = None  # (step, stage, parity meta; state; parity)
         self.done = asyncio.Event()
 
     async def on_store(self, header: dict, tensors: list, caller) -> tuple[dict, list]:
         """The peer's snapshot and its parity block (`holder`, `n`, `lengths`: checkfree.baselines.Raim5Block)."""
-        require(header, step=int, stage=int, holder=int, n=int, lengths=list)
+        meta = from_wire(header, CompanionStore)
         if str(caller) != self.peer_id:
             raise ProtocolError(f"only peer {self.peer_id} stores snapshots here, not {caller}")
         if len(tensors) != 2 or any(t.dtype != torch.uint8 or t.dim() != 1 for t in tensors):
             raise ProtocolError("a snapshot and its parity block are two 1-D uint8 tensors")
-        meta = {k: header[k] for k in ("step", "stage", "holder", "n", "lengths")}
         self.snapshot = (meta, tensors[0].numpy().tobytes(), tensors[1].numpy().tobytes())
-        return {"ok": True}, []
+        return to_wire(Ok()), []
 
     async def on_fetch(self, header: dict, tensors: list, caller) -> tuple[dict, list]:
-        require(header, step=int)
-        if self.snapshot is None or self.snapshot[0]["step"] != header["step"]:
-            raise ProtocolError(f"no snapshot of step {header['step']} here "
-                                f"(have: {None if self.snapshot is None else self.snapshot[0]['step']})")
+        step = from_wire(header, CompanionFetch).step
+        if self.snapshot is None or self.snapshot[0].step != step:
+            raise ProtocolError(f"no snapshot of step {step} here "
+                                f"(have: {None if self.snapshot is None else self.snapshot[0].step})")
         meta, blob, parity = self.snapshot
-        return dict(meta), [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
-                            torch.frombuffer(bytearray(parity), dtype=torch.uint8)]
+        return to_wire(meta), [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                               torch.frombuffer(bytearray(parity), dtype=torch.uint8)]
 
     async def on_stop(self, header: dict, tensors: list, caller) -> tuple[dict, list]:
         if str(caller) != self.peer_id:
             raise ProtocolError(f"only peer {self.peer_id} stops its companion, not {caller}")
         asyncio.get_running_loop().call_later(0.05, self.done.set)
-        return {"ok": True}, []
+        return to_wire(Ok()), []
 
     async def watch_parent(self) -> None:
         """After the peer died: `linger` seconds for a replacement to fetch the snapshot, then exit."""
@@ -101,8 +99,8 @@ async def _serve(args: argparse.Namespace) -> None:
     companion = Companion(args.peer_id, os.getppid(), args.linger)
     t = await start_tcp_transport(companion_id(args.peer_id), (args.host,), 0,
                                   secret=secret.encode() if secret else None)
-    for name, handler in ((COMPANION_STORE, companion.on_store), (COMPANION_FETCH, companion.on_fetch),
-                          (COMPANION_STOP, companion.on_stop)):
+    for name, handler in ((CompanionStore.rpc, companion.on_store), (CompanionFetch.rpc, companion.on_fetch),
+                          (CompanionStop.rpc, companion.on_stop)):
         await t.register(name, handler)
     print(f"{READY} addr={t.get_visible_maddrs()[0]}", flush=True)
     watcher = asyncio.create_task(companion.watch_parent())
@@ -145,15 +143,17 @@ def start_companion(peer_id: str, host: str, linger: float, secret: bytes | None
 
 
 async def fetch_snapshot(me: str, address: str, step: int, secret: bytes | None,
-                         timeout: float) -> tuple[dict, bytes, bytes]:
-    """A replacement: (its header, the snapshot, the parity block) of `step` from a crashed peer's companion."""
+                         timeout: float) -> tuple[CompanionStore, bytes, bytes]:
+    """A replacement: (the snapshot's description, the snapshot, the parity block) of `step` from a crashed peer's
+    companion."""
     client = TcpTransport(f"{me}-fetch", secret=secret)
     try:
         peer = client.add_peer_address(address)
-        header, tensors = await client.call(peer, COMPANION_FETCH, {"step": step}, timeout=timeout)
+        reply, tensors = await client.call(peer, CompanionFetch.rpc, to_wire(CompanionFetch(step=step)),
+                                           timeout=timeout)
         if len(tensors) != 2:
             raise ProtocolError(f"the companion answered {len(tensors)} tensors, not a snapshot and a parity block")
-        return header, tensors[0].numpy().tobytes(), tensors[1].numpy().tobytes()
+        return reply_of(CompanionFetch.rpc, reply), tensors[0].numpy().tobytes(), tensors[1].numpy().tobytes()
     finally:
         await client.shutdown()
 

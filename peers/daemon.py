@@ -14,16 +14,16 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/assign.py       ASSIGN: a standby told which stage to serve and where its state comes from
     peers/passes.py       RUN_STEP, FORWARD, BACKWARD, COMPONENT_GRAD: running a step's microbatches
     peers/step.py         the step state machine: the active attempt, COMMIT, ABORT
-    peers/recovery.py     GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
+    peers/rebuild.py     GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
     peers/snapshots.py    SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
     peers/parity.py       REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
     peers/backups.py      BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
     peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
-    peers/groups.py       REROUTE, GET_PASS, REDUCE: one replica of a stage group
+    peers/stage_groups.py       REROUTE, GET_PASS, REDUCE: one replica of a stage group
     peers/failover.py     ADOPT: a new coordinator takes over
     peers/stage.py        the run config and the hosted stage
     peers/compute.py      the one compute thread all torch work runs on
-    peers/debug.py        --dump-recovery files and chaos hooks
+    peers/debug.py        --dump-recovery files, and the fault hook (fields a fault injector adds)
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from checkfree.protocol import (
     Kind,
     Timeouts,
 )
+from checkfree.messages import Ok, Ping, Pong, Shutdown
 from checkfree.wan import WanEmulator
 from checkfree.worker import StageWorker
 from peers.assign import Assignment
@@ -58,10 +59,10 @@ from peers.checks import RULES
 from peers.compute import ComputeQueue
 from peers.debug import DebugHooks
 from peers.failover import Failover
-from peers.groups import StageGroup
+from peers.stage_groups import StageGroup
 from peers.membership import Handler, Membership
 from peers.passes import Passes
-from peers.recovery import Recovery
+from peers.rebuild import Rebuild
 from peers.replicas import Replicas
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
@@ -115,9 +116,9 @@ class PeerDaemon:
         self.backups = Backups(self.membership, self.hosted, self.compute, self.snapshots)
         self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug, self.replicas,
                              self.backups)
-        self.recovery = Recovery(self.membership, self.hosted, self.compute, self.debug)
+        self.rebuild = Rebuild(self.membership, self.hosted, self.compute, self.debug)
         self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, self.debug)
-        self.assignment = Assignment(self.hosted, self.compute, self.recovery, self.snapshots, self.debug,
+        self.assignment = Assignment(self.hosted, self.compute, self.rebuild, self.snapshots, self.debug,
                                      self._release)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
@@ -129,7 +130,7 @@ class PeerDaemon:
             RPC.RUN_STEP: self.passes.on_run_step, RPC.FORWARD: self.passes.on_forward,
             RPC.BACKWARD: self.passes.on_backward, RPC.COMPONENT_GRAD: self.passes.on_component_grad,
             RPC.COMMIT: self.steps.on_commit, RPC.ABORT: self.steps.on_abort,
-            RPC.GET_WEIGHTS: self.recovery.on_get_weights, RPC.GET_STATE: self.recovery.on_get_state,
+            RPC.GET_WEIGHTS: self.rebuild.on_get_weights, RPC.GET_STATE: self.rebuild.on_get_state,
             RPC.SNAPSHOT: self.snapshots.on_snapshot, RPC.STORE_SNAPSHOT: self.snapshots.on_store_snapshot,
             RPC.FETCH_SNAPSHOT: self.snapshots.on_fetch_snapshot, RPC.RESTORE: self.snapshots.on_restore,
             RPC.TAKE_REPLICA: self.replicas.on_take_replica, RPC.REPLICA_GRAD: self.replicas.on_replica_grad,
@@ -214,17 +215,17 @@ class PeerDaemon:
         self.hosted.release()
 
     # ---- handlers --------------------------------------------------------------------
-    async def _on_ping(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        return {"stage": self.hosted.index, "state": self.hosted.state.value}, []
+    async def _on_ping(self, ping: Ping, tensors: list, peer) -> tuple[Pong, list]:
+        return Pong(stage=self.hosted.index, state=self.hosted.state.value), []
 
-    async def _on_shutdown(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def _on_shutdown(self, shutdown: Shutdown, tensors: list, peer) -> tuple[Ok, list]:
         """The coordinator ends this peer: the run is over, or its stage was handed over."""
         # no leave announcement needed: the coordinator asked (and may ask again: a request delayed by a
         # partition and its retry both arrive once the partition heals; both are answered)
-        reason = header.get("reason")
-        run_ended = isinstance(reason, str) and reason.startswith("run ")
+        reason = shutdown.reason
+        run_ended = reason is not None and reason.startswith("run ")
         if run_ended and self.membership.run_finished:  # a retry of the same message (e.g. after a partition healed)
-            return {"ok": True}, []
+            return Ok(), []
         if self.hosted.worker is not None and self.opts.dump_dir:
             tag = f"-{self.membership.me}" if self.hosted.cfg.train.stage_groups else ""  # a stage group's replica
             await self.compute.run(self.debug.dump_final, self.hosted.worker, self.hosted.omega, tag)
@@ -232,10 +233,10 @@ class PeerDaemon:
             self.membership.finish()
             if self.opts.stay:
                 print(f"run finished ({reason}); staying (--stay) until stopped", flush=True)
-                return {"ok": True}, []
+                return Ok(), []
             print(f"run finished ({reason}); exiting", flush=True)
         else:
             log.info("told to shut down by the coordinator")
         self._told_to_stop = True
         asyncio.get_running_loop().call_later(0.1, self.stop.set)
-        return {"ok": True}, []
+        return Ok(), []

@@ -1,16 +1,16 @@
-"""Debugging and chaos hooks of a peer, all off by default.
+"""Debugging, and the peer's one fault hook, all off by default.
 
 * `--dump-recovery DIR`: the weights served and rebuilt in recoveries, and the final state,
   saved as safetensors files with a JSON of metadata each.
-* `--chaos-slow` (sent by the coordinator with ASSIGN): a delay before every forward and
-  backward pass from a given step on — a slow GPU or an overloaded host.
-* `--chaos-rebuild-kills` (sent with ASSIGN): the replacement SIGKILLs itself after a number
-  of weight pulls — a death in the middle of a rebuild.
-* stage groups (sent with RUN_STEP / REDUCE by a local swarm's chaos schedule): a replica SIGKILLs itself
-  after its first forward of a step, or half-way through the gradient all-reduce — a death mid-step.
-  `die` is the kill; the in-process test tier replaces it by its own (tests/inprocess.py).
+* The fault hook: fields of a request that a fault injector added on its way (scheduler/injector.py wraps the
+  coordinator's transport; production requests never carry them), acted on at named points of this peer:
+  `inject_delay` (ASSIGN, --chaos-slow): a delay before every forward and backward pass from a given step on,
+  a slow GPU or an overloaded host; `chaos_die_after_pulls` (ASSIGN, --chaos-rebuild-kills): the replacement
+  SIGKILLs itself after a number of weight pulls, a death in the middle of a rebuild; `chaos_die_after_forwards`
+  (RUN_STEP) and `chaos_die_in_reduce` (REDUCE), stage groups: a replica SIGKILLs itself after its first
+  forward of a step, or half-way through the gradient all-reduce (which runs in gloo, out of the transport's
+  reach). `die` is the kill; the in-process test tier replaces it by its own (benchmarks/inprocess.py).
 """
-
 from __future__ import annotations
 
 import json
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from checkfree.messages import Assign, RunStep
 from checkfree.strategies.state import optim_to_wire
 from checkfree.worker import StageWorker
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class DebugHooks:
-    """The dump directory and the chaos settings of one peer."""
+    """The dump directory and the fault hook's settings of one peer."""
 
     def __init__(self, dump_dir: str | None) -> None:
         self.dump_dir = dump_dir
@@ -49,10 +50,10 @@ class DebugHooks:
             os.killpg(os.getpid(), signal.SIGKILL)  # machine dies, its DHT process and p2pd with it
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def arm_step_kill(self, header: dict) -> None:
+    def arm_step_kill(self, run_step: RunStep) -> None:
         """Take a RUN_STEP message's `chaos_die_after_forwards` (a replica dies in the middle of the step)."""
-        if isinstance(header.get("chaos_die_after_forwards"), int):
-            self.die_after_forwards = header["chaos_die_after_forwards"]
+        if run_step.chaos_die_after_forwards is not None:
+            self.die_after_forwards = run_step.chaos_die_after_forwards
 
     def computed(self, run: Any) -> None:
         """Count one forward of the step; the last one allowed kills this peer."""
@@ -63,15 +64,15 @@ class DebugHooks:
             self.die_after_forwards = None
             self.die(f"replica after a forward of step {run.step} (a replica lost mid-step)")
 
-    def arm_rebuild_kill(self, header: dict) -> None:
+    def arm_rebuild_kill(self, assign: Assign) -> None:
         """Take an ASSIGN message's `chaos_die_after_pulls` (before the rebuild's pulls start)."""
-        if isinstance(header.get("chaos_die_after_pulls"), int):
-            self.die_after_pulls = header["chaos_die_after_pulls"]
+        if assign.chaos_die_after_pulls is not None:
+            self.die_after_pulls = assign.chaos_die_after_pulls
 
-    def arm_delay(self, header: dict) -> None:
+    def arm_delay(self, assign: Assign) -> None:
         """Take an ASSIGN message's `inject_delay` (once the stage is ready)."""
-        if isinstance(header.get("inject_delay"), list):  # [seconds, from step]
-            self.inject_delay = (float(header["inject_delay"][0]), int(header["inject_delay"][1]))
+        if assign.inject_delay is not None:  # (seconds, from step)
+            self.inject_delay = assign.inject_delay
             log.warning("diagnostic: %.3g s delay per forward/backward from step %d", *self.inject_delay)
 
     def slowed(self, fn: Callable[..., Any], step: int) -> Callable[..., Any]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 
 from checkfree.net.transport import RemoteError, TransportError
-from checkfree.protocol import RPC, Kind, ProtocolError
+from checkfree.messages import Adopt, Adopted, Ready, Status
+from checkfree.protocol import Kind, ProtocolError
 from peers.membership import Membership
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
@@ -29,7 +30,7 @@ class Failover:
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, snapshots: Snapshots) -> None:
         self.net, self.hosted, self.steps, self.snapshots = membership, hosted, steps, snapshots
 
-    async def on_adopt(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_adopt(self, adopt: Adopt, tensors: list, peer) -> tuple[Adopted, list]:
         new, old = str(peer), self.net.coordinator
         if old is not None and old != new:
             await self._refuse_if_alive(old, new)
@@ -41,20 +42,17 @@ class Failover:
         self.net.adopted_by(new)
         log.info("coordinator %s took over run %s (previous: %s)", new, self.net.run_id, old)
         hosted = self.hosted
-        return {"stage": hosted.index, "state": hosted.state.value, "next_step": hosted.next_step,
-                "omega": hosted.omega, "token": self.net.token(),
-                "config": hosted.cfg.to_json() if hosted.cfg is not None else None,
-                "ready": None if run is None else {"step": run.step, "attempt": run.attempt,
-                                                   "losses": {str(k): v for k, v in run.losses.items()},
-                                                   **run.figures()},
-                "finished": list(self.steps.finished) if self.steps.finished is not None else None,
-                "last_commit": hosted.last_commit,
-                "snapshots": self.snapshots.steps_held()}, []
+        return Adopted(stage=hosted.index, state=hosted.state.value, next_step=hosted.next_step, omega=hosted.omega,
+                       token=self.net.token(), config=hosted.cfg.to_json() if hosted.cfg is not None else None,
+                       ready=None if run is None else Ready(step=run.step, attempt=run.attempt, losses=dict(run.losses),
+                                                           **run.figures()),
+                       finished=self.steps.finished, last_commit=hosted.last_commit,
+                       snapshots=self.snapshots.steps_held()), []
 
     async def _refuse_if_alive(self, old: str, new: str) -> None:
         """Refuse the takeover by `new` if the current coordinator `old` answers at all."""
         try:
-            await self.net.call(old, RPC.STATUS, self.net.t.rpc_timeout)
+            await self.net.call(old, Status(), self.net.t.rpc_timeout)
         except (TimeoutError, TransportError, OSError):
             return  # gone: the takeover may proceed
         except RemoteError:  # it answers, if only with an error: alive

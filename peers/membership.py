@@ -37,24 +37,24 @@ from checkfree.net.transport import (
 )
 from checkfree.protocol import (
     HEARTBEATS_PER_TTL,
-    RPC,
     Kind,
     Timeouts,
     coordinator_from_records,
     coordinator_key,
     members_key,
-    request,
 )
+from checkfree.messages import Join, Leave, Message, Request, Status, reply_of, request, to_wire
 from checkfree.strategies.state import state_nbytes
 from checkfree.wan import WanEmulator
 from peers.checks import admit
-from peers.stage import HostedStage, PeerState
+from peers.stage import HostedStage
 
-__all__ = ["Handler", "Membership"]
+__all__ = ["Handler", "Served", "Membership"]
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]
+Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]  # what the transport serves
+Served = Callable[[Any, list, Any], Awaitable[tuple[Message, list]]]  # a part's handler: typed request and reply
 
 
 class Membership:
@@ -102,34 +102,36 @@ class Membership:
         """This peer's membership token (None in an open swarm)."""
         return join_token(self.secret, self.run_id, self.me) if self.secret is not None else None
 
-    def admitted(self, name: str, handler: Handler) -> Handler:
-        """`handler` behind the one admission check of RPC `name` (peers.checks.admit). A request
-        from the coordinator is a sign of its life."""
+    def admitted(self, name: str, handler: Served) -> Handler:
+        """`handler` behind the one admission check of RPC `name` (peers.checks.admit): it gets the typed
+        request, and its typed reply goes on the wire. A request from the coordinator is a sign of its life."""
 
         async def admitted(header: dict, tensors: list, peer) -> tuple[dict, list]:
             if self.coordinator is not None and str(peer) == self.coordinator:
                 self.heard_from_coordinator()
-            admit(name, header, str(peer), run_id=self.run_id, secret=self.secret, coordinator=self.coordinator,
-                  me=self.me)
-            return await handler(header, tensors, peer)
+            message = admit(name, header, str(peer), run_id=self.run_id, secret=self.secret,
+                            coordinator=self.coordinator, me=self.me)
+            reply, out = await handler(message, tensors, peer)
+            return to_wire(reply), out
 
         return admitted
 
-    async def call(self, peer: str, name: str, timeout: float, tensors=(), *, link: tuple[int, int] | None = None,
-                   **fields: object) -> tuple[dict, list]:
-        """One request of this run to `peer`, its header built and checked against the request's one definition
-        (checkfree.protocol.request). `link`: (this end's stage, the peer's stage) of a transfer between stages,
+    async def call(self, peer: str, message: Request, timeout: float, tensors=(), *,
+                   link: tuple[int, int] | None = None) -> tuple[Any, list]:
+        """`message` to `peer`, for this run; its typed reply (checkfree.messages.reply_of: a malformed one is a
+        BadReply, a failed call). `link`: (this end's stage, the peer's stage) of a transfer between stages,
         held back by the run's emulated network if it has one (checkfree.wan), the request on the way there and
         the reply on the way back."""
-        header = request(name, self.run_id, **fields)
+        name, header = message.rpc, request(self.run_id, message)
         if self.wan is None or link is None:
-            return await self.transport.call(peer, name, header, tensors, timeout=timeout)
+            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
+            return reply_of(name, reply), out
 
-        async def shaped() -> tuple[dict, list]:
+        async def shaped() -> tuple[Any, list]:
             await self.wan.carry(link[0], link[1], state_nbytes(tensors))
             reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
             await self.wan.carry(link[1], link[0], state_nbytes(out))
-            return reply, out
+            return reply_of(name, reply), out
 
         try:  # the emulated links' time counts against the timeout, as a real WAN's would
             return await asyncio.wait_for(shaped(), timeout)
@@ -154,14 +156,14 @@ class Membership:
     async def join(self) -> RunConfig | None:
         """Find the coordinator and join; the run's config, or None if told to stop first."""
         me = self.me
-        fields = {"peer_id": me} | ({"token": self.token()} if self.secret is not None else {})
+        join = Join(peer_id=me)  # (with a run secret its token travels in every request's envelope: `start`)
         deadline = time.monotonic() + self.t.join_timeout
         while True:
             self.coordinator = await self._find_coordinator()
             if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
                 return None
             try:
-                header, _ = await self.call(self.coordinator, RPC.JOIN, self.t.rpc_timeout, **fields)
+                joined, _ = await self.call(self.coordinator, join, self.t.rpc_timeout)
                 break
             except (TimeoutError, TransportError, OSError, RemoteError) as e:
                 # the DHT may still name a coordinator that died (its record outlives it by up to
@@ -174,10 +176,10 @@ class Membership:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), 1.0)
         if self.secret is not None and not verify(
-                coordinator_proof(self.secret, self.run_id, self.coordinator, me), header.get("proof")):
+                coordinator_proof(self.secret, self.run_id, self.coordinator, me), joined.proof):
             raise TransportError(f"the coordinator {self.coordinator} found in the DHT failed authentication: "
                                  "it does not hold this run's secret")
-        return config_from_dict(json.loads(header["config"]))
+        return config_from_dict(json.loads(joined.config))
 
     async def _find_coordinator(self) -> str | None:
         """The coordinator's peer id; None if this peer is told to stop while it looks."""
@@ -247,7 +249,7 @@ class Membership:
             await asyncio.sleep(min(self.t.heartbeat_ttl, limit / 4))
             if self.coordinator is not None and time.monotonic() - self.last_contact > self.t.heartbeat_ttl:
                 try:
-                    await self.call(self.coordinator, RPC.STATUS, min(5.0, self.t.rpc_timeout))
+                    await self.call(self.coordinator, Status(), min(5.0, self.t.rpc_timeout))
                     self.heard_from_coordinator()
                 except RemoteError:  # it answers, if only with an error (e.g. taking over): alive
                     self.heard_from_coordinator()
@@ -269,11 +271,11 @@ class Membership:
         if self.coordinator is None or not tell_coordinator:
             return
         try:
-            reply, _ = await self.call(self.coordinator, RPC.LEAVE, min(5.0, self.t.rpc_timeout), peer_id=self.me)
+            left, _ = await self.call(self.coordinator, Leave(peer_id=self.me), min(5.0, self.t.rpc_timeout))
         except (TransportError, RemoteError) as e:
             log.info("could not announce leave to the coordinator: %s", e)
             return
-        if reply.get("handover") and self.hosted.worker is not None:
+        if left.handover and self.hosted.worker is not None:
             log.info("handing stage %d over before leaving (deadline %.0f s)", self.hosted.index, deadline)
             self.stop.clear()
             try:

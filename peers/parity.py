@@ -19,15 +19,11 @@ import torch
 
 from checkfree.baselines import Raim5Block, raim5_block, raim5_chunk, raim5_recover
 from checkfree.net.tcp_transport import TcpTransport, TransportError
-from checkfree.protocol import RPC, ProtocolError, require
+from checkfree.messages import (CompanionStop, CompanionStore, Ok, ParityCopy, ParityMeta, ReftChunk, ReftFetch,
+                                reply_of, to_wire)
+from checkfree.protocol import ProtocolError
 from peers.checks import check_blob
-from peers.companion import (
-    COMPANION_STOP,
-    COMPANION_STORE,
-    companion_id,
-    fetch_snapshot,
-    start_companion,
-)
+from peers.companion import companion_id, fetch_snapshot, start_companion
 from peers.membership import Membership
 from peers.stage import HostedStage
 
@@ -75,10 +71,10 @@ class Parity:
         if n < 2 or not 0 <= index < n or group[index] != self.net.me:
             raise ProtocolError(f"parity group {group} with this peer at {index} is not a group it belongs to")
         chunks = {p: raim5_chunk(blob, index, p, n) for p in range(n) if p != index}
-        await asyncio.gather(*(self.net.call(group[p], RPC.REFT_CHUNK, self.net.t.step_timeout,
+        await asyncio.gather(*(self.net.call(group[p], ReftChunk(step=step, owner=index, holder=p, n=n, length=len(blob)),
+                                             self.net.t.step_timeout,
                                              [torch.frombuffer(bytearray(c), dtype=torch.uint8)] if c else
-                                             [torch.empty(0, dtype=torch.uint8)],
-                                             step=step, owner=index, holder=p, n=n, length=len(blob))
+                                             [torch.empty(0, dtype=torch.uint8)])
                                for p, c in chunks.items()))
         await asyncio.wait_for(self._event(step).wait(), self.net.t.step_timeout)
         got = self.chunks.pop(step)
@@ -93,12 +89,13 @@ class Parity:
         self.prepare()
         await self._starting
         block = self.blocks[step]
-        await self._client.call(companion_id(self.net.me), COMPANION_STORE,
-                                {"step": step, "stage": self.hosted.index, "holder": block.holder, "n": block.n,
-                                 "lengths": list(block.state_lengths)},
-                                [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
-                                 torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)],
-                                timeout=self.net.t.step_timeout)
+        store = CompanionStore(step=step, stage=self.hosted.index, holder=block.holder, n=block.n,
+                               lengths=list(block.state_lengths))
+        reply, _ = await self._client.call(companion_id(self.net.me), store.rpc, to_wire(store),
+                                           [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                                            torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)],
+                                           timeout=self.net.t.step_timeout)
+        reply_of(store.rpc, reply)
 
     async def close(self) -> None:
         """This peer leaves: so does its companion (SIGKILL if it does not within 5 s)."""
@@ -108,7 +105,7 @@ class Parity:
         if self.companion is None:
             return
         with contextlib.suppress(Exception):
-            await self._client.call(companion_id(self.net.me), COMPANION_STOP, {}, timeout=5.0)
+            await self._client.call(companion_id(self.net.me), CompanionStop.rpc, to_wire(CompanionStop()), timeout=5.0)
         with contextlib.suppress(Exception):
             await self._client.shutdown()
         try:
@@ -117,10 +114,9 @@ class Parity:
             self.companion.kill()
             await asyncio.to_thread(self.companion.wait)
 
-    async def on_chunk(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_chunk(self, chunk: ReftChunk, tensors: list, peer) -> tuple[Ok, list]:
         """A chunk of another member's snapshot for this peer's parity block."""
-        step, owner, holder = header["step"], header["owner"], header["holder"]
-        n, length = header["n"], header["length"]
+        step, owner, holder, n, length = chunk.step, chunk.owner, chunk.holder, chunk.n, chunk.length
         if not (2 <= n and 0 <= owner < n and 0 <= holder < n and owner != holder and length >= 0):
             raise ProtocolError(f"parity chunk of member {owner} for member {holder} of a group of {n}")
         if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
@@ -132,46 +128,42 @@ class Parity:
         got[owner] = (tensors[0].numpy().tobytes(), length)
         if len(got) == n - 1:
             self._event(step).set()
-        return {"ok": True}, []
+        return Ok(), []
 
-    async def on_fetch(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_fetch(self, fetch: ReftFetch, tensors: list, peer) -> tuple[ParityMeta, list]:
         """This peer's snapshot of `step` and its parity block, for a lost member's replacement."""
-        step = header["step"]
+        step = fetch.step
         own, block = self.held.get(self.hosted.index), self.blocks.get(step)
         if own is None or own[0] != step or block is None:
             raise ProtocolError(f"no snapshot and parity of step {step} here")
-        return ({"holder": block.holder, "n": block.n, "lengths": list(block.state_lengths)},
+        return (ParityMeta(holder=block.holder, n=block.n, lengths=list(block.state_lengths)),
                 [torch.frombuffer(bytearray(own[1]), dtype=torch.uint8),
                  torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)])
 
-    async def decode(self, header: dict) -> tuple[bytes, str, int]:
+    async def decode(self, step: int, spec: ParityCopy) -> tuple[bytes, str, int]:
         """A replacement: the lost member's snapshot of `step` from its companion if that survived, else decoded
-        from the survivors (`parity`: the group's peers in order and the lost one's index), and this peer's parity
+        from the survivors (`spec`: the group's peers in order and the lost one's index), and this peer's parity
         block; (state, where it came from: "companion" or "parity", bytes fetched)."""
-        require(header, step=int)
-        spec = header.get("parity")
-        if not (isinstance(spec, dict) and isinstance(spec.get("group"), list) and isinstance(spec.get("index"), int)):
-            raise ProtocolError(f"assign 'parity' must be {{group: [peers], index: int}}, got {spec!r:.200}")
-        group, lost, step = spec["group"], spec["index"], header["step"]
-        if isinstance(spec.get("companion"), str):  # the lost peer's companion may have survived its crash
+        group, lost = spec.group, spec.index
+        if not 0 <= lost < len(group):
+            raise ProtocolError(f"assign 'origin.index' {lost} is outside the parity group of {len(group)}")
+        if spec.companion is not None:  # the lost peer's companion may have survived its crash
             try:
-                meta, blob, parity = await fetch_snapshot(self.net.me, spec["companion"], step, self.net.secret,
+                meta, blob, parity = await fetch_snapshot(self.net.me, spec.companion, step, self.net.secret,
                                                           self.net.t.rpc_timeout)
-                self.blocks = {step: Raim5Block(int(meta["holder"]), int(meta["n"]), parity,
-                                                tuple(int(x) for x in meta["lengths"]))}
+                self.blocks = {step: Raim5Block(meta.holder, meta.n, parity, tuple(meta.lengths))}
                 return blob, "companion", len(blob) + len(parity)
-            except (TransportError, ProtocolError, KeyError, ValueError) as e:
+            except (TransportError, ProtocolError, ValueError) as e:
                 log.warning("the lost peer's snapshot companion did not answer (%s): decoding from parity", e)
         members = [(i, p) for i, p in enumerate(group) if i != lost]
-        replies = await asyncio.gather(*(self.net.call(p, RPC.REFT_FETCH, self.net.t.step_timeout, step=step)
+        replies = await asyncio.gather(*(self.net.call(p, ReftFetch(step=step), self.net.t.step_timeout)
                                          for _, p in members))
         states, blocks, moved = {}, {}, 0
         for (i, _), (h, ts) in zip(members, replies):
             if len(ts) != 2:
                 raise ProtocolError(f"REFT_FETCH reply of member {i} carries {len(ts)} tensors, not 2")
             states[i] = check_blob(ts[:1], "a snapshot")
-            blocks[i] = Raim5Block(int(h["holder"]), int(h["n"]), check_blob(ts[1:], "a parity block"),
-                                   tuple(int(x) for x in h["lengths"]))
+            blocks[i] = Raim5Block(h.holder, h.n, check_blob(ts[1:], "a parity block"), tuple(h.lengths))
             moved += len(states[i]) + len(blocks[i].parity)
         blob = raim5_recover(lost, states, blocks)
         n, lengths = len(group), blocks[members[0][0]].state_lengths

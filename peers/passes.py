@@ -20,8 +20,8 @@ import torch
 
 from checkfree.net.transport import RemoteError, TransportError
 from checkfree.pipeline import Hop, edge_holders, plain_route, route
+from checkfree.messages import Backward, ComponentGrad, Forward, Ok, Pass, Report, RunStep, StepDone
 from checkfree.protocol import (
-    RPC,
     STEP_TIMEOUT_MARK,
     STRAGGLER_MARK,
     Kind,
@@ -55,25 +55,25 @@ class Passes:
         self.t = membership.t
 
     # ---- handlers --------------------------------------------------------------------
-    async def on_run_step(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_run_step(self, request: RunStep, tensors: list, peer) -> tuple[StepDone, list]:
         """Run this stage's part of a step (or an evaluation) and answer when it is done."""
         stage, cfg = self.hosted.serving().index, self.hosted.cfg
         old = self.steps.run
         if old is not None and not old.done.is_set():
             old.fail("superseded by a new step")
-        routes = self._routes(header["step"], header["evaluate"])
-        announced = header.get("routes")
+        routes = self._routes(request.step, request.evaluate)
+        announced = request.routes
         if announced is not None and announced != [[h.stage for h in hops] for hops in routes]:
-            raise ProtocolError(f"the coordinator's route table for step {header['step']} differs from this peer's "
+            raise ProtocolError(f"the coordinator's route table for step {request.step} differs from this peer's "
                                 "(different strategy or config?)")
-        run = StepRun(header["step"], header["attempt"], header["evaluate"],
-                      {int(k): str(v) for k, v in header["peers"].items()}, routes, remaining=len(routes))
-        if header.get("hops") is not None:  # a stage group: this peer computes the microbatches the table gives it
-            run.hops, run.groups = check_hops(header, routes), check_groups(header)
+        run = StepRun(request.step, request.attempt, request.evaluate, dict(request.peers), routes,
+                      remaining=len(routes))
+        if request.hops is not None:  # a stage group: this peer computes the microbatches the table gives it
+            run.hops, run.groups = check_hops(request, routes), check_groups(request)
             run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
-        self.debug.arm_step_kill(header)
+        self.debug.arm_step_kill(request)
         run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage
                               and run.peer(mb, 0) == self.net.me]
         window = len(run.pending_starts)
@@ -85,8 +85,8 @@ class Passes:
         for _ in range(min(window, len(run.pending_starts))):
             self._start_next(run)
         send = None
-        if self.backups is not None and isinstance(header.get("backup"), dict) and not run.evaluate:
-            send = asyncio.create_task(self.backups.send_part(header["backup"]))  # after the forwards queued
+        if self.backups is not None and request.backup is not None and not run.evaluate:
+            send = asyncio.create_task(self.backups.send_part(request.backup))  # after the forwards queued
             run.tasks.add(send)
         try:
             await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
@@ -108,52 +108,52 @@ class Passes:
         if send is not None:  # BAFT: the step is done once its part of the backup has gone (in the bubble, if it fit)
             await send
             figures["backup_bytes"] = self.backups.take_sent()
-        return {"losses": {str(k): v for k, v in run.losses.items()}, "stage": stage, **figures}, []
+        return StepDone(losses=dict(run.losses), stage=stage, **figures), []
 
-    async def on_forward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_forward(self, request: Forward, tensors: list, peer) -> tuple[Ok, list]:
         """An activation from the previous hop (checked before waiting for its step)."""
         arrived = time.time()
         x = check_activation(tensors, "activation", self.hosted.cfg)
-        run = await self.steps.current(header["step"], header["attempt"])
-        mb, idx = check_hop(run, header, self.hosted.index, self.net.me)
+        run = await self.steps.current(request.step, request.attempt)
+        mb, idx = check_hop(run, request, self.hosted.index, self.net.me)
         if idx > 0:
             check_sender(run, peer, mb, idx - 1)
-            self._arrived(run, header, run.routes[mb][idx - 1].stage, arrived)
+            self._arrived(run, request, run.routes[mb][idx - 1].stage, arrived)
         if mb in run.started:  # a sibling redoing a lost replica's microbatch: it needs our gradient again
             if mb in run.sent_grad and idx > 0:
-                self._spawn(run, self._send(run, mb, idx - 1, RPC.BACKWARD, run.sent_grad[mb]))
-            return {"ok": True, "duplicate": True}, []
+                self._spawn(run, self._send(run, mb, idx - 1, Backward, run.sent_grad[mb]))
+            return Ok(duplicate=True), []
         self._spawn(run, self._forward_task(run, mb, idx, x))
-        return {"ok": True}, []
+        return Ok(), []
 
-    async def on_backward(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_backward(self, request: Backward, tensors: list, peer) -> tuple[Ok, list]:
         """A gradient from the next hop (checked before waiting for its step)."""
         arrived = time.time()
         g = check_activation(tensors, "gradient", self.hosted.cfg)
-        run = await self.steps.current(header["step"], header["attempt"])
-        mb, idx = check_hop(run, header, self.hosted.index, self.net.me)
+        run = await self.steps.current(request.step, request.attempt)
+        mb, idx = check_hop(run, request, self.hosted.index, self.net.me)
         if run.evaluate:
             raise ProtocolError("an evaluation has no backward pass")
         if idx + 1 < len(run.routes[mb]):
             check_sender(run, peer, mb, idx + 1)
-            self._arrived(run, header, run.routes[mb][idx + 1].stage, arrived)
+            self._arrived(run, request, run.routes[mb][idx + 1].stage, arrived)
         if mb in run.backwarded:  # sent again for a sibling's redo: this stage's part is done already
-            return {"ok": True, "duplicate": True}, []
+            return Ok(duplicate=True), []
         self._spawn(run, self._backward_task(run, mb, idx, g))
-        return {"ok": True}, []
+        return Ok(), []
 
-    async def on_component_grad(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_component_grad(self, request: ComponentGrad, tensors: list, peer) -> tuple[Ok, list]:
         """CheckFree+: this holder's embedding or head gradient of a finished step, for its partner."""
-        run = await self.steps.current(header["step"], header["attempt"])
+        run = await self.steps.current(request.step, request.attempt)
         await asyncio.wait_for((run.reduced if run.grouped else run.done).wait(), self.t.step_timeout)
-        if run.error is not None or header["comp"] not in run.component_grads:
-            raise ProtocolError(f"no {header['comp']!r} gradient for step {run.step}: {run.error or 'not a holder'}")
-        return {}, [run.component_grads[header["comp"]].cpu()]
+        if run.error is not None or request.comp not in run.component_grads:
+            raise ProtocolError(f"no {request.comp!r} gradient for step {run.step}: {run.error or 'not a holder'}")
+        return Ok(), [run.component_grads[request.comp].cpu()]
 
-    def _arrived(self, run: StepRun, header: dict, src: int, arrived: float) -> None:
+    def _arrived(self, run: StepRun, request: Forward | Backward, src: int, arrived: float) -> None:
         """On an emulated WAN: record the one-way delay of a pass from stage `src` (its `sent` time to its handler's
         start here, before it waited for its step's RUN_STEP)."""
-        sent = header.get("sent")
+        sent = request.sent
         if self.net.wan is not None and isinstance(sent, float) and math.isfinite(sent):
             run.arrivals.setdefault(src, []).append(arrived - sent)
 
@@ -204,7 +204,7 @@ class Passes:
                 if hop.head:
                     run.keep_loss(mb, float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())))
                 else:
-                    await self._send(run, mb, idx + 1, RPC.FORWARD, out)
+                    await self._send(run, mb, idx + 1, Forward, out)
                 self._mb_done(run)
                 return
             if run.error is not None:  # ended (ABORT), though this task went on: an await can swallow a cancel
@@ -212,13 +212,13 @@ class Passes:
             out = await self._guarded_forward(key, x, hop, targets)
             if run.grouped:  # (a redo's backward may be waiting for it)
                 run.event("forward", mb).set()
-            self.debug.computed(run)  # chaos: a replica's death in the middle of a step
+            self.debug.computed(run)  # the peer's fault hook: a replica's death in the middle of a step
             if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
                 self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:
                 if run.grouped:  # kept for a sibling's redo, should the next hop's replica be lost
                     run.keep_sent(mb, out)
-                await self._send(run, mb, idx + 1, RPC.FORWARD, out)
+                await self._send(run, mb, idx + 1, Forward, out)
                 return
             run.keep_loss(mb, float(out))  # this microbatch's share of the step loss (already / M)
             if not math.isfinite(run.losses[mb]):
@@ -261,25 +261,23 @@ class Passes:
             if idx == 0 and self.hosted.cfg.train.schedule == "1f1b":
                 self._start_next(run)  # one microbatch finished here: admit the next
             if idx > 0:
-                await self._send(run, mb, idx - 1, RPC.BACKWARD, grad_in)
+                await self._send(run, mb, idx - 1, Backward, grad_in)
         except Exception as e:
             log.exception("backward of microbatch %d failed", mb)
             run.fail(f"backward of microbatch {mb} failed on stage {self.hosted.index}: {type(e).__name__}: {e}")
 
     # ---- neighbours --------------------------------------------------------------------
-    async def _send(self, run: StepRun, mb: int, idx: int, name: str, tensor: torch.Tensor) -> None:
+    async def _send(self, run: StepRun, mb: int, idx: int, kind: type[Pass], tensor: torch.Tensor) -> None:
         """Send microbatch `mb`'s activation (FORWARD) or gradient (BACKWARD) to the peer of its hop `idx`."""
         stage, target = run.routes[mb][idx].stage, run.peer(mb, idx)
         tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
         run.count_sent(sum(t.numel() * t.element_size() for t in tensors))
-        header = {"mb": mb, "hop": idx}
-        if self.net.wan is not None:
-            header["sent"] = time.time()  # the receiver measures the hop's one-way delay
+        sent = time.time() if self.net.wan is not None else None  # the receiver measures the hop's one-way delay
         try:
-            await self.net.call(target, name, self.t.rpc_timeout, tensors, link=(self.hosted.index, stage),
-                                step=run.step, attempt=run.attempt, **header)
+            await self.net.call(target, kind(step=run.step, attempt=run.attempt, mb=mb, hop=idx, sent=sent),
+                                self.t.rpc_timeout, tensors, link=(self.hosted.index, stage))
         except RemoteError as e:
-            run.fail(f"stage {stage} refused {name}: {e.remote_message}")
+            run.fail(f"stage {stage} refused {kind.rpc}: {e.remote_message}")
         except (TimeoutError, TransportError, OSError) as e:
             if len(run.groups.get(stage, ())) > 1:  # a replica with live siblings: the coordinator moves its work
                 log.warning("replica %s of stage %d unreachable (%s); reported", target, stage, str(e)[:200])
@@ -293,9 +291,9 @@ class Passes:
         if fail:
             run.fail(f"call to stage {stage} failed: {reason}")
         try:
-            await self.net.call(self.net.coordinator, RPC.REPORT, min(5.0, self.t.rpc_timeout), step=run.step,
-                                attempt=run.attempt, stage=stage, peer_id=peer_id or run.peers.get(stage, ""),
-                                reason=reason[:500])
+            await self.net.call(self.net.coordinator, Report(step=run.step, attempt=run.attempt, stage=stage,
+                                                             peer_id=peer_id or run.peers.get(stage, ""),
+                                                             reason=reason[:500]), min(5.0, self.t.rpc_timeout))
         except (TransportError, RemoteError) as e:
             log.warning("could not report the failure of stage %d: %s", stage, e)
 
@@ -313,9 +311,9 @@ class Passes:
         for comp in self.hosted.worker.components:
             partner = next(h for h in holders[comp] if h != self.hosted.index)
             try:
-                _, (other,) = await self.net.call(self._partner(run, partner), RPC.COMPONENT_GRAD, self.t.rpc_timeout,
-                                                  link=(self.hosted.index, partner), step=run.step,
-                                                  attempt=run.attempt, comp=comp)
+                _, (other,) = await self.net.call(self._partner(run, partner),
+                                                  ComponentGrad(step=run.step, attempt=run.attempt, comp=comp),
+                                                  self.t.rpc_timeout, link=(self.hosted.index, partner))
             except (TransportError, RemoteError, ValueError) as e:
                 await self._report(run, partner, str(e))
                 return

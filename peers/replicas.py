@@ -22,7 +22,8 @@ import torch
 
 from checkfree.net.transport import TransportError
 from checkfree.pipeline import Hop
-from checkfree.protocol import RPC, ProtocolError
+from checkfree.messages import GetReplica, GetState, Ok, ReplicaGrad, ReplicaTaken, State, TakeReplica
+from checkfree.protocol import ProtocolError
 from checkfree.serialize import blob_tensor, state_to_bytes, tensor_blob
 from checkfree.strategies.state import capture_worker
 from checkfree.worker import StageWorker
@@ -58,43 +59,43 @@ class Replicas:
         return (self.hosted.index - 1) % self.hosted.cfg.num_stages
 
     # ---- handlers --------------------------------------------------------------------
-    async def on_take_replica(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_take_replica(self, take: TakeReplica, tensors: list, peer) -> tuple[ReplicaTaken, list]:
         """Copy the successor's full state from its peer (`source`) into a new replica."""
         if not self.active:
             raise ProtocolError("this peer runs no redundant computation (strategy, or no stage)")
         succ = self.successor()
-        _, (blob,) = await self.net.call(header["source"], RPC.GET_STATE, self.net.t.step_timeout,
-                                         link=(self.hosted.index, succ), step=header["step"])
+        _, (blob,) = await self.net.call(take.source, GetState(step=take.step), self.net.t.step_timeout,
+                                         link=(self.hosted.index, succ))
         worker = await self.compute.run(self.hosted.build, succ, True, False)
         self.omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
         self.replica = worker
         log.info("holding a replica of stage %d (%.1f MB)", succ, blob.numel() / 1e6)
-        return {"ok": True, "stage": succ, "bytes": blob.numel()}, []
+        return ReplicaTaken(stage=succ, bytes=blob.numel()), []
 
-    async def on_replica_grad(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_replica_grad(self, grad: ReplicaGrad, tensors: list, peer) -> tuple[Ok, list]:
         """The successor's gradients of committed step `step`: the replica takes the same Adam step."""
         replica = self.replica
-        if replica is None or header["stage"] != replica.index:
-            raise ProtocolError(f"no replica of stage {header['stage']} here")
-        names = header["names"]
+        if replica is None or grad.stage != replica.index:
+            raise ProtocolError(f"no replica of stage {grad.stage} here")
+        names = grad.names
         params = dict(replica.module.named_parameters())
-        if len(names) != len(tensors) or any(not isinstance(n, str) or n not in params for n in names):
+        if len(names) != len(tensors) or any(n not in params for n in names):
             raise ProtocolError(f"replica gradients: {len(tensors)} tensors for names {str(names)[:200]}")
         for n, g in zip(names, tensors):
             if g.shape != params[n].shape or g.dtype != params[n].dtype:
                 raise ProtocolError(f"replica gradient {n}: {g.dtype} {tuple(g.shape)}, expected "
                                     f"{params[n].dtype} {tuple(params[n].shape)}")
-        stats = await self.compute.run(self._apply, replica, names, tensors, header["step"])
+        stats = await self.compute.run(self._apply, replica, names, tensors, grad.step)
         if not stats.skipped:
             self.omega = stats.omega(self.hosted.cfg.recovery)
-        return {"ok": True}, []
+        return Ok(), []
 
-    async def on_get_replica(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_get_replica(self, get: GetReplica, tensors: list, peer) -> tuple[State, list]:
         """The replica's full state now (weights, Adam, LR scale, omega), for a promotion."""
         if self.replica is None:
             raise ProtocolError("this peer holds no replica")
-        blob = await self.compute.run(self._capture, header["step"])
-        return {"stage": self.replica.index}, [blob_tensor(blob)]
+        blob = await self.compute.run(self._capture, get.step)
+        return State(stage=self.replica.index), [blob_tensor(blob)]
 
     # ---- the step --------------------------------------------------------------------
     async def forward(self, x: torch.Tensor) -> None:
@@ -126,9 +127,8 @@ class Replicas:
         if holder is None:
             return
         try:
-            await self.net.call(holder, RPC.REPLICA_GRAD, self.net.t.rpc_timeout, tensors,
-                                link=(self.hosted.index, self.holder()), step=step, stage=self.hosted.index,
-                                names=names)
+            await self.net.call(holder, ReplicaGrad(step=step, stage=self.hosted.index, names=names),
+                                self.net.t.rpc_timeout, tensors, link=(self.hosted.index, self.holder()))
             self.shipped = sum(t.numel() * t.element_size() for t in tensors)
         except (TransportError, TimeoutError) as e:
             log.warning("replica gradients of step %d not delivered to stage %d's peer: %s", step, self.holder(), e)

@@ -18,6 +18,7 @@ from typing import Any
 from checkfree.config import RunConfig
 from checkfree.data import TokenData, build_data
 from checkfree.pipeline import edge_holders
+from checkfree.messages import LastCommit
 from checkfree.protocol import ProtocolError
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.softerrors import make_guard
@@ -50,7 +51,7 @@ class HostedStage:
         self.omega = 0.0
         self.data: TokenData | None = None
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
-        self.last_commit: dict | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
+        self.last_commit: LastCommit | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
         self._configured = asyncio.Event()  # set once the run's config is known
 
     @property
@@ -105,7 +106,7 @@ class HostedStage:
             self.worker = worker
         self.omega, self.next_step = omega, next_step
 
-    def committed(self, omega: float | None, next_step: int, figures: dict) -> None:
+    def committed(self, omega: float | None, next_step: int, figures: LastCommit) -> None:
         """A step was committed (`omega` None: its update was skipped, the norm stays); `figures` what a new
         coordinator may need of it."""
         if omega is not None:

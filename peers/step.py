@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from checkfree.pipeline import Hop
+from checkfree.messages import Abort, Commit, Committed, LastCommit, Ok
 from checkfree.protocol import Kind, ProtocolError, Timeouts
 from checkfree.softerrors import guard_counts
 from checkfree.worker import InFlightPeak
@@ -130,7 +131,7 @@ class StepRun:
         out.update(microbatches=len(self.mine) if self.grouped else len(self.routes),
                    computing_s=round(self.computing_s, 6))
         if self.arrivals:
-            out["hop_delay_s"] = {str(s): round(sum(d) / len(d), 6) for s, d in sorted(self.arrivals.items())}
+            out["hop_delay_s"] = {s: round(sum(d) / len(d), 6) for s, d in sorted(self.arrivals.items())}
         return out
 
     def ready(self) -> bool:
@@ -227,9 +228,9 @@ class StepTracker:
             await self.compute.run(self.hosted.worker.drop_inflight)
 
     # ---- handlers --------------------------------------------------------------------
-    async def on_commit(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_commit(self, commit: Commit, tensors: list, peer) -> tuple[Committed, list]:
         """Clip and apply the optimizer step of the finished attempt; its omega for a later recovery."""
-        run = await self.current(header["step"], header["attempt"])
+        run = await self.current(commit.step, commit.attempt)
         if not run.ready():
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
         async with self._committing:
@@ -237,7 +238,7 @@ class StepTracker:
                 raise ProtocolError(f"step {run.step} attempt {run.attempt} is committed already")
             return await self._commit(run)
 
-    async def _commit(self, run: StepRun) -> tuple[dict, list]:
+    async def _commit(self, run: StepRun) -> tuple[Committed, list]:
         hosted, replicas = self.hosted, self.replicas
         grads = await self.compute.run(replicas.gradients) if replicas is not None and replicas.active else None
         stats = await self.compute.run(hosted.worker.step, run.step)
@@ -245,16 +246,15 @@ class StepTracker:
         if grads is not None:  # redundant computation: the predecessor's replica takes the same step
             await replicas.ship(run.step, run.peers, grads)
             redundant = {"redundant_s": replicas.take_seconds(), "replica_bytes": replicas.shipped}
-        hosted.committed(None if stats.skipped else stats.omega(hosted.cfg.recovery), run.step + 1, {
-            "step": run.step, "losses": {str(k): v for k, v in run.losses.items()}, "lr": stats.lr,
-            "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post, **run.figures()})
+        hosted.committed(None if stats.skipped else stats.omega(hosted.cfg.recovery), run.step + 1, LastCommit(
+            step=run.step, losses=dict(run.losses), lr=stats.lr, post=stats.grad_norm_post,
+            block_post=stats.block_grad_norm_post, **run.figures()))
         self._set(None)
-        return {"pre": stats.grad_norm_pre, "post": stats.grad_norm_post, "block_post": stats.block_grad_norm_post,
-                "lr": stats.lr,
-                "skipped": stats.skipped, "omega": hosted.omega, "stage": hosted.index,
-                "weights_finite": stats.weights_finite,
-                "soft_errors": guard_counts([hosted.worker.guard]), **redundant}, []
+        return Committed(pre=stats.grad_norm_pre, post=stats.grad_norm_post, block_post=stats.block_grad_norm_post,
+                         lr=stats.lr, skipped=stats.skipped, omega=hosted.omega, stage=hosted.index,
+                         weights_finite=stats.weights_finite, soft_errors=guard_counts([hosted.worker.guard]),
+                         **redundant), []
 
-    async def on_abort(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_abort(self, abort: Abort, tensors: list, peer) -> tuple[Ok, list]:
         await self.drop("aborted by the coordinator")
-        return {"ok": True}, []
+        return Ok(), []

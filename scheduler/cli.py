@@ -101,9 +101,9 @@ async def _run(coordinator, out: str, dashboard, secret: bytes | None) -> dict:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    from checkfree.failures import FailureSchedule, read_trace, read_trace_scopes
     from checkfree.net.transport import TransportError
     from scheduler.coordinator import Coordinator, CoordinatorOptions
+    from scheduler.injector import Injector
 
     cfg = config_from_args(args)
     dashboard = secret = None
@@ -119,27 +119,35 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if failover and not args.initial_peers:
         raise ValueError("--takeover/--standby need --initial-peers: the address of a live peer of the run "
                          "(or, for --standby, of its coordinator)")
-    chaos = FailureSchedule(*read_trace_scopes(args.chaos_trace, cfg.num_stages)) if args.chaos_trace else None
-    preempt = FailureSchedule(read_trace(args.preempt_trace, cfg.num_stages)) if args.preempt_trace else None
-    crash = FailureSchedule(read_trace(args.crash_trace, cfg.num_stages)) if args.crash_trace else None
-    partition = FailureSchedule(read_trace(args.partition_trace, cfg.num_stages)) if args.partition_trace else None
-    reduce_kills = (FailureSchedule(read_trace(args.chaos_reduce_trace, cfg.num_stages)) if args.chaos_reduce_trace
-                    else None)
-    opts = CoordinatorOptions(**network_options(args), out=args.out, chaos=chaos, preempt=preempt, crash=crash,
-                              reduce_kills=reduce_kills,
-                              chaos_recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
-                              chaos_rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
-                              shutdown_peers=args.shutdown_peers, max_attempts=args.max_attempts, partition=partition,
-                              slow=parse_slow(args.chaos_slow, cfg.num_stages), takeover=args.takeover,
-                              standby=args.standby, die_in_commit=args.chaos_die_in_commit,
+    opts = CoordinatorOptions(**network_options(args), out=args.out, shutdown_peers=args.shutdown_peers,
+                              max_attempts=args.max_attempts, takeover=args.takeover, standby=args.standby,
                               save_every=args.save_every, keep_saves=args.keep_saves, resume=bool(args.resume),
                               tensorboard=args.tensorboard)
     if args.resume and failover:
         raise ValueError("--resume starts the run again from its saves; --takeover/--standby join a live one")
-    coordinator = Coordinator(None if failover else cfg, opts)
+    schedule = fault_schedule(args, cfg.num_stages)
+    coordinator = Coordinator(None if failover else cfg, opts, Injector(schedule) if schedule else None)
     try:
         summary = asyncio.run(_run(coordinator, args.out, dashboard, secret))
     except TransportError as e:
         raise ValueError(str(e)) from e
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule | None:
+    """The --chaos-* / --*-trace flags as a fault schedule (scheduler/injector.py); None when none is given."""
+    from checkfree.failures import FailureSchedule, read_trace, read_trace_scopes
+    from scheduler.injector import FaultSchedule
+
+    def trace(path: str | None) -> FailureSchedule | None:
+        return FailureSchedule(read_trace(path, num_stages)) if path else None
+
+    schedule = FaultSchedule(
+        kills=FailureSchedule(*read_trace_scopes(args.chaos_trace, num_stages)) if args.chaos_trace else None,
+        preempt=trace(args.preempt_trace), crash=trace(args.crash_trace), partition=trace(args.partition_trace),
+        reduce_kills=trace(args.chaos_reduce_trace),
+        recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
+        rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
+        slow=parse_slow(args.chaos_slow, num_stages), die_in_commit=args.chaos_die_in_commit)
+    return None if schedule == FaultSchedule() else schedule

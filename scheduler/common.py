@@ -5,15 +5,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from checkfree.failures import FailureSchedule
 from checkfree.net.transport import RemoteError, TransportError
+from checkfree.messages import Committed, StepFigures, as_record
 from checkfree.protocol import Timeouts
 
-__all__ = ["CoordinatorOptions", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS",
+__all__ = ["CoordinatorOptions", "Hook", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS",
            "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures", "COMMIT_FIGURES", "commit_figures"]
 
 CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
+
+# the coordinator's one hook point: hook(point, coordinator) at "started" (its transport is up), "iteration" (an
+# iteration starts) and "commit" (before a step's COMMIT); None in production (faults from outside:
+# scheduler/injector.py)
+Hook = Callable[[str, Any], Awaitable[None]]
 
 
 class Rollback(Exception):
@@ -33,22 +39,23 @@ _OPTIONAL = ("hop_delay_s", "backup_bytes")  # only an emulated WAN / BAFT repor
 
 
 
-def step_figures(by_stage: dict[int, dict], num_stages: int) -> dict:
+def step_figures(by_stage: dict[int, StepFigures], num_stages: int) -> dict:
     """A step record's figures from its stages' replies: the tensor bytes sent (summed) and, per stage
     (None: not reported), the most microbatches whose activations it held at once, their bytes, and
     its peer process's peak resident memory so far."""
-    per_stage = {k: [by_stage.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]
-                 if k not in _OPTIONAL or any(k in r for r in by_stage.values())}
-    return {"wire_bytes": sum(int(r.get("bytes_sent", 0)) for r in by_stage.values()), **per_stage}
+    fields = {s: as_record(r) for s, r in by_stage.items()}
+    per_stage = {k: [fields.get(s, {}).get(k) for s in range(num_stages)] for k in STEP_FIGURES[1:]
+                 if k not in _OPTIONAL or any(k in r for r in fields.values())}
+    return {"wire_bytes": sum(r.bytes_sent for r in by_stage.values()), **per_stage}
 
 
 COMMIT_FIGURES = ("redundant_s", "replica_bytes")  # a peer's, per committed step (redundant computation only)
 
 
-def commit_figures(by_stage: dict[int, dict | Exception], num_stages: int) -> dict:
+def commit_figures(by_stage: dict[int, Committed | Exception], num_stages: int) -> dict:
     """A step record's figures from its stages' COMMIT replies, per stage: the seconds of redundant forwards and
     the gradient bytes shipped to the replica's holder (only when some stage reports them)."""
-    replies = [r if isinstance(r, dict) else {} for r in (by_stage.get(s, {}) for s in range(num_stages))]
+    replies = [as_record(r) if isinstance(r, Committed) else {} for r in (by_stage.get(s) for s in range(num_stages))]
     return {k: [r.get(k) for r in replies] for k in COMMIT_FIGURES if any(k in r for r in replies)}
 
 
@@ -65,27 +72,16 @@ class CoordinatorOptions:
     libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
     tcp_port: int = 0  # --transport tcp: port of the TCP RPC listener (0: any free port)
     timeouts: Timeouts = field(default_factory=Timeouts)
-    chaos: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL these (step, stage)
-    preempt: FailureSchedule | None = None  # local swarm: ask the launcher to SIGTERM these (preemption notices)
-    crash: FailureSchedule | None = None  # local swarm: ask the launcher to SIGKILL only these peers' main process
-    reduce_kills: FailureSchedule | None = None  # local swarm, stage groups: a replica dies mid-reduce at (step, stage)
-    chaos_recovery_kills: frozenset[int] = frozenset()  # local swarm: at these iterations, kill the chosen replacement
-    chaos_rebuild_kills: frozenset[int] = frozenset()  # ...or have it SIGKILL itself after its first weight pull
-    partition: FailureSchedule | None = None  # local swarm (--netns): cut these (step, stage) peers off the network
-    slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
     shutdown_peers: bool = True  # tell peers the run ended (they exit unless started with --stay)
     max_attempts: int = 5  # attempts of one step before the run gives up
     save_final: bool = True  # gather every stage into final_weights.safetensors at the end
     secret_file: str | None = None  # run secret (else $CHECKFREE_SECRET; neither: an open swarm)
     takeover: bool = False  # take over a running run whose coordinator is gone (state from the DHT and peers)
     standby: bool = False  # watch the run's coordinator; take over when it stops answering
-    die_in_commit: int | None = None  # local swarm chaos: SIGKILL own process group half-way through this commit
     save_every: int = 0  # gather every stage's full state into <out>/saves every N steps (0: never)
     keep_saves: int = 2
     resume: bool = False  # continue the run in `out` from its newest save
     tensorboard: bool = False  # also write metrics as TensorBoard scalars into <out>/tensorboard
-    # the in-process test tier: chaos requests (action, fields) go to this coroutine instead of to the launcher
-    chaos_handler: Callable[[str, dict], Awaitable[None]] | None = None
 
 
 @dataclass

@@ -18,9 +18,9 @@ decides membership only):
     scheduler/protection.py   the strategy's protection (snapshots, checkpoints, backups, replicas) and its ledger
     scheduler/outputs.py      the run directory, measured figures, saves and resume, final weights
     scheduler/failover.py     a standby coordinator watching, a takeover adopting the run from its peers
-    scheduler/injector.py     the local swarm's fault schedule (no schedule in production)
 
-This module wires them, keeps the training loop (`_train`) and the run's lifecycle (`run`).
+This module wires them, keeps the training loop (`_train`) and the run's lifecycle (`run`). Faults come from
+outside: the one hook point (`hook`, None in production) is where scheduler/injector.py acts.
 """
 
 from __future__ import annotations
@@ -33,19 +33,19 @@ import signal
 import time
 
 from checkfree.config import RunConfig
-from checkfree.groups import check_swarm_groups
+from checkfree.stage_groups import check_swarm_groups
 from checkfree.model import plan_stages
 from checkfree.net.transport import dht_maddrs, rpc_note
 from checkfree.pipeline import evaluates_after
-from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, RPC
+from checkfree.messages import Committed, StepDone
+from checkfree.protocol import READY_COORDINATOR, READY_STANDBY
 from checkfree.recovery import UnrecoverableFailure
-from checkfree.steprules import Commit, apply_commits
+from checkfree.steprules import StageUpdate, apply_commits
 from checkfree.strategies import build_strategy
 from checkfree.wan import WanEmulator
-from scheduler.common import (EVAL_ATTEMPT, CoordinatorAlive, CoordinatorOptions, Member, Rollback, commit_figures,
-                              step_figures)
+from scheduler.common import (EVAL_ATTEMPT, CoordinatorAlive, CoordinatorOptions, Hook, Member, Rollback,
+                              commit_figures, step_figures)
 from scheduler.failover import Failover
-from scheduler.injector import Injector
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.placement import Placement
@@ -63,8 +63,9 @@ log = logging.getLogger(__name__)
 class Coordinator:
     """One run's coordinator: its parts, the training loop, the lifecycle."""
 
-    def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions) -> None:
-        """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers."""
+    def __init__(self, cfg: RunConfig | None, opts: CoordinatorOptions, hook: Hook | None = None) -> None:
+        """`cfg` None: a takeover (`opts.takeover` or `opts.standby`) adopts the run's config from its peers.
+        `hook`: the one hook point (common.Hook), for faults from outside."""
         if cfg is None and not (opts.takeover or opts.standby):
             raise ValueError("a coordinator needs a config unless it takes over a running run")
         self.opts, self.t = opts, opts.timeouts
@@ -75,7 +76,7 @@ class Coordinator:
         self.out = Outputs(opts, self.rpc, self.table)
         self.members = Membership(self.rpc, self.table, self.out, lambda: self.step)
         self.failover = Failover(opts, self.rpc, self.members, self.table, self.out)
-        self.faults = Injector(opts, self.rpc, self.table, self.members, self.out)
+        self.hook = hook or _no_hook
         self.cfg: RunConfig | None = None
         self._in_commit = False  # between a step's COMMIT and its record (a stop signal is deferred)
         self._stop_after_commit = False
@@ -93,13 +94,12 @@ class Coordinator:
                 print(f"emulated WAN {cfg.train.wan}: {line}", flush=True)
         self.members.configure(cfg)
         self.protection = Protection(cfg, self.opts, self.strategy, self.rpc, self.table, self.out)
-        self.driver = StepDriver(cfg, self.opts, self.rpc, self.table, self.members, self.out,
-                                 self.protection.in_step, self.faults.fault_fields)
+        self.driver = StepDriver(cfg, self.opts, self.rpc, self.table, self.members, self.out, self.protection.in_step)
         self.driver.configure(self.strategy.plus)
-        self.placement = Placement(cfg, self.rpc, self.table, self.members, self.out, lambda: self.driver.groups.speeds,
-                                   self.faults.assign_fields)
+        self.placement = Placement(cfg, self.rpc, self.table, self.members, self.out,
+                                   lambda: self.driver.group_steps.speeds)
         self.recovery = Recovery(cfg, self.strategy, self.rpc, self.table, self.members, self.placement,
-                                 self.protection, self.out, self.faults.replacement_fields)
+                                 self.protection, self.out)
 
     # ---- the training loop -----------------------------------------------------------------
     async def _train(self) -> None:
@@ -108,7 +108,7 @@ class Coordinator:
         step = self.step  # 0, or where a takeover or a resume found the run
         while step < cfg.train.num_steps:
             self.step = step
-            await self.faults.at_iteration(self.iteration)
+            await self.hook("iteration", self)
             t0 = time.perf_counter()
             try:
                 results = await self._run_step(step)
@@ -128,7 +128,7 @@ class Coordinator:
                     step = r.step
                     self._step_done(step)
                     continue
-                losses = [float(v) for r in ev.values() for v in r["losses"].values()]
+                losses = [v for r in ev.values() for v in r.losses.values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
             self.out.writer.metric(record)
             if self.opts.save_every and (step + 1) % self.opts.save_every == 0 and step + 1 < cfg.train.num_steps:
@@ -141,7 +141,7 @@ class Coordinator:
             step += 1
             self._step_done(step)
 
-    async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, dict]:
+    async def _run_step(self, step: int, evaluate: bool = False) -> dict[int, StepDone]:
         """Run a step (or an evaluation) to completion: detect and recover failed stages, abort and retry an
         interrupted attempt. Evaluation attempts are numbered from EVAL_ATTEMPT so their messages never mix with
         the training step's."""
@@ -162,37 +162,33 @@ class Coordinator:
         raise RuntimeError(f"step {step} failed {self.opts.max_attempts} times without a detectable peer failure; "
                            "check the peers' logs (slow peers: raise --step-timeout)")
 
-    async def _commit(self, step: int) -> dict[int, dict | Exception]:
-        await self.faults.in_commit(step, self._commit_stages, self.cfg.num_stages)
+    async def _commit(self, step: int) -> dict[int, Committed | Exception]:
+        await self.hook("commit", self)
         return await self.driver.commit(step)
 
-    async def _commit_stages(self, stages: list[int]) -> None:
-        await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.COMMIT, {
-            "step": self.step, "attempt": self.driver.last_attempt}, self.t.rpc_timeout) for s in stages))
-
-    def _record(self, step: int, results: dict[int, dict], commits: dict[int, dict | Exception], took: float) -> dict:
+    def _record(self, step: int, results: dict[int, StepDone], commits: dict[int, Committed | Exception],
+                took: float) -> dict:
         """The step's metrics line; a stage whose weights broke is treated as failed (recovered before the next
         step); the costs the peers measured are charged."""
-        cfg, done = self.cfg, {s: r for s, r in commits.items() if isinstance(r, dict)}
+        cfg, done = self.cfg, {s: r for s, r in commits.items() if isinstance(r, Committed)}
         self.driver.committed(commits)
         broken = apply_commits(
-            [Commit(s, float(r["omega"]), bool(r.get("skipped")), bool(r.get("weights_finite", True)))
-             for s, r in done.items()], None,
+            [StageUpdate(s, r.omega, r.skipped, r.weights_finite) for s, r in done.items()], None,
             lambda event, stage, **f: self.out.event(event, step=step, stage=stage, peer_id=self.table.peer(stage), **f))
         for s in broken:  # numeric guard: a broken stage is a failed stage
             self.members.drop(self.table.peer(s))
-        per = {k: [done.get(s, {}).get(k, math.nan) for s in range(cfg.num_stages)] for k in ("post", "block_post")}
-        record = {"step": step, "loss": sum(float(v) for r in results.values() for v in r["losses"].values()),
-                  "lr": next((r["lr"] for r in done.values()), math.nan), "grad_norms": per["post"],
-                  "block_grad_norms": per["block_post"], "step_time_s": round(took, 6),
+        record = {"step": step, "loss": sum(v for r in results.values() for v in r.losses.values()),
+                  "lr": next((r.lr for r in done.values()), math.nan),
+                  "grad_norms": [done[s].post if s in done else math.nan for s in range(cfg.num_stages)],
+                  "block_grad_norms": [done[s].block_post if s in done else math.nan for s in range(cfg.num_stages)], "step_time_s": round(took, 6),
                   "attempts": self.driver.last_attempt + 1, "live_peers": sum(self.table.replica_counts(cfg.num_stages)),
                   **step_figures(results, cfg.num_stages), **commit_figures(commits, cfg.num_stages)}
         if self._groups_on():  # stage groups: replicas per stage, and the microbatches each computed
             record["replicas"] = self.table.replica_counts(cfg.num_stages)
-            record["replica_microbatches"] = [results.get(s, {}).get("replica_microbatches")
+            record["replica_microbatches"] = [results[s].replica_microbatches if s in results else None
                                               for s in range(cfg.num_stages)]
-            if any("reduce_s" in r for r in results.values()):
-                record["reduce_s"] = [results.get(s, {}).get("reduce_s") for s in range(cfg.num_stages)]
+            if any(r.reduce_s is not None for r in results.values()):
+                record["reduce_s"] = [results[s].reduce_s if s in results else None for s in range(cfg.num_stages)]
         if "backup_bytes" in record:  # baft: the parts sent in this step's bubbles
             self.out.charge(bytes_moved=sum(x or 0 for x in record["backup_bytes"]))
         if "redundant_s" in record:  # the step waited for the slowest stage's redundant forwards
@@ -236,7 +232,7 @@ class Coordinator:
             if record is not None and evaluates_after(found.step - 1, cfg.train.eval_every, cfg.train.num_steps):
                 try:  # the evaluation due after the step it records never ran either
                     ev = await self._run_step(found.step - 1, evaluate=True)
-                    losses = [float(v) for r in ev.values() for v in r["losses"].values()]
+                    losses = [v for r in ev.values() for v in r.losses.values()]
                     record["val_loss"] = sum(losses) / len(losses)
                 except Rollback as r:
                     self.step = self.iteration = r.step
@@ -266,6 +262,7 @@ class Coordinator:
     async def run(self) -> dict:
         opts = self.opts
         pid = await self.rpc.start()
+        await self.hook("started", self)
         announcer = watcher = summary = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
@@ -322,7 +319,7 @@ class Coordinator:
         if self.out.writer is not None:
             soft = {k: sum(int(c.get(k, 0)) for c in self.driver.soft_counts.values())
                     for k in ("injected", "detected", "corrected", "escalated")}
-            groups = ({**self.table.counts, "rerouted_microbatches": self.driver.groups.rerouted,
+            groups = ({**self.table.counts, "rerouted_microbatches": self.driver.group_steps.rerouted,
                        "stage_recoveries": self.out.counts()["recoveries"]} if self._groups_on() else {})
             summary = self.out.close(status, error, soft_errors=soft, strategy=self.cfg.recovery.strategy,
                                            **groups)
@@ -334,3 +331,7 @@ class Coordinator:
             await self.members.shutdown_peers(f"run {status}")
         await self.rpc.stop()
         return summary
+
+
+async def _no_hook(point: str, coordinator: Coordinator) -> None:
+    """No faults (production)."""

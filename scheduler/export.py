@@ -46,7 +46,8 @@ async def gather_live(opts: dict) -> tuple:
     from checkfree.config import config_from_dict
     from checkfree.net.transport import (TransportError, live_members_async, sign_requests, start_transport,
                                          stop_transport)
-    from checkfree.protocol import RPC, coordinator_from_records, coordinator_key
+    from checkfree.messages import GetWeights, Join, Request, Status, reply_of, request
+    from checkfree.protocol import coordinator_from_records, coordinator_key
 
     t = opts["timeouts"]
     secret = load_secret(opts.get("secret_file"))
@@ -54,6 +55,10 @@ async def gather_live(opts: dict) -> tuple:
                                            opts["identity_path"], opts["startup_timeout"],
                                            transport=opts["transport"], libp2p_port=opts["libp2p_port"],
                                            tcp_port=opts["tcp_port"], secret=secret)
+    async def call(pid: str, message: Request, timeout: float) -> tuple:
+        reply, tensors = await transport.call(pid, message.rpc, request(opts["run_id"], message), timeout=timeout)
+        return reply_of(message.rpc, reply), tensors
+
     try:
         found = await live_members_async(dht, coordinator_key(opts["run_id"]))
         coord = coordinator_from_records(found, secret, opts["run_id"], transport.kind)
@@ -69,16 +74,13 @@ async def gather_live(opts: dict) -> tuple:
         if secret is not None:  # join as an observer; the token in every request lets the peers serve us
             me = str(transport.peer_id)
             sign_requests(transport, {"token": join_token(secret, opts["run_id"], me)})
-            await transport.call(coord, RPC.JOIN, {"run": opts["run_id"], "peer_id": me, "role": "observer",
-                                                   "token": join_token(secret, opts["run_id"], me)},
-                                 timeout=t.rpc_timeout)
-        status, _ = await transport.call(coord, RPC.STATUS, {"run": opts["run_id"]}, timeout=t.rpc_timeout)
-        cfg = config_from_dict(json.loads(status["config"]))
+            await call(coord, Join(peer_id=me, role="observer"), t.rpc_timeout)
+        status, _ = await call(coord, Status(), t.rpc_timeout)
+        cfg = config_from_dict(json.loads(status.config))
         states = {}
-        for stage, pid in status["stages"].items():
-            reply, tensors = await transport.call(pid, RPC.GET_WEIGHTS, {"run": opts["run_id"], "part": "all"},
-                                                  timeout=t.step_timeout)
-            states[int(stage)] = dict(zip(reply["keys"], tensors))
+        for stage, pid in status.stages.items():
+            weights, tensors = await call(pid, GetWeights(part="all"), t.step_timeout)
+            states[stage] = dict(zip(weights.keys, tensors))
         return cfg, states
     finally:
         await stop_transport(dht, transport)

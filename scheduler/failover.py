@@ -10,10 +10,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import config_from_dict
 from checkfree.net.transport import RemoteError, TransportError, live_members_async
-from checkfree.protocol import RPC, Kind, coordinator_from_records, coordinator_key
+from checkfree.messages import Adopt, Adopted, Commit, LastCommit, Ready, Status, as_record
+from checkfree.protocol import Kind, coordinator_from_records, coordinator_key
 from checkfree.config import RunConfig
 from checkfree.rundir import read_jsonl
 from scheduler.common import CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, CoordinatorAlive, CoordinatorOptions, step_figures
@@ -31,11 +34,11 @@ log = logging.getLogger("scheduler.coordinator")
 LEAVING = "leaving"  # an ADOPT reply's `state` of a peer leaving gracefully (peers.stage.PeerState.LEAVING)
 
 
-def _progress(reply: dict) -> int:
+def _progress(reply: Adopted) -> int:
     """How far an ADOPT reply's stage has come: the step its weights are ready for, one more if it holds that step
     finished and ready to commit."""
-    ready = reply.get("ready")
-    return reply["next_step"] + (1 if ready and ready.get("step") == reply["next_step"] else 0)
+    ready = reply.ready
+    return reply.next_step + (1 if ready is not None and ready.step == reply.next_step else 0)
 
 
 def _recorded(step: int, metrics: Path) -> bool:
@@ -90,7 +93,7 @@ class Failover:
                                          f"join_timeout={self.t.join_timeout:g} s: nothing to stand by for")
             else:
                 try:
-                    await self.rpc.call(watched, RPC.STATUS, {}, timeout=min(5.0, self.t.rpc_timeout))
+                    await self.rpc.call(watched, Status(), timeout=min(5.0, self.t.rpc_timeout))
                     misses = 0
                 except CALL_ERRORS as e:
                     misses += 1
@@ -100,7 +103,7 @@ class Failover:
                     return
             await asyncio.sleep(self.t.heartbeat_ttl / 2)
 
-    async def adopt(self) -> tuple[RunConfig, dict[str, dict]]:
+    async def adopt(self) -> tuple[RunConfig, dict[str, Adopted]]:
         """The run's peers (found by their DHT heartbeats) adopted by this coordinator: the run's config and each
         peer's report (its stage, the step its weights are ready for, its norm, a finished but uncommitted step,
         the snapshots it holds). A standby whose takeover is refused (the coordinator answers its peers after all)
@@ -114,13 +117,13 @@ class Failover:
                     raise
                 print(f"standby: {e}; standing by again", flush=True)
                 await self.watch()
-        configs = {r["config"] for r in replies.values() if r.get("config")}
+        configs = {r.config for r in replies.values() if r.config}
         if len(configs) != 1:
             raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
                                f"{'no' if not configs else 'different'} run configs")
         return config_from_dict(json.loads(configs.pop())), replies
 
-    async def resume(self, cfg: RunConfig, replies: dict[str, dict], driver: StepDriver,
+    async def resume(self, cfg: RunConfig, replies: dict[str, Adopted], driver: StepDriver,
                      protection: Protection) -> Resumed:
         """Continue the run from the step its peers are at. If the old coordinator died half-way through a commit,
         the stages it did not reach (every replica of a stage group as far as the first) commit now, so every stage
@@ -130,20 +133,19 @@ class Failover:
         metrics = Path(self.opts.out) / "metrics.jsonl"
         resume = metrics.exists()
         self.out.open(cfg, resume=resume)  # the same run directory: keep counting where the old one stopped
-        holders: dict[int, list[tuple[str, dict]]] = {}
+        holders: dict[int, list[tuple[str, Adopted]]] = {}
         for i, (pid, r) in enumerate(replies.items()):
             self.members.admit(pid, time.time() + i * 1e-6)
-            if r["stage"] >= 0:
-                holders.setdefault(r["stage"], []).append((pid, r))
-        step = max((r["next_step"] for hs in holders.values() for _, r in hs), default=None)
+            if r.stage >= 0:
+                holders.setdefault(r.stage, []).append((pid, r))
+        step = max((r.next_step for hs in holders.values() for _, r in hs), default=None)
         if step is None:  # no peer serves a stage: the run's record says how far it came
             step = _next_recorded(metrics) if resume else 0
         to_commit, lagging = self._serve(cfg, holders, step)
-        commits = await asyncio.gather(*(self.rpc.call(pid, RPC.COMMIT, {"step": ready["step"],
-                                                                         "attempt": ready["attempt"]},
+        commits = await asyncio.gather(*(self.rpc.call(pid, Commit(step=ready.step, attempt=ready.attempt),
                                                        self.t.rpc_timeout) for pid, (_, ready) in to_commit.items()),
                                        return_exceptions=True)
-        last_commits: dict[str, dict] = {}  # peer -> the commit completed now (its last_commit)
+        last_commits: dict[str, LastCommit] = {}  # peer -> the commit completed now (its last_commit)
         for (pid, (stage, ready)), c in zip(to_commit.items(), commits):
             if isinstance(c, Exception) and pid == self.table.peer(stage):
                 lagging.append(stage)
@@ -152,11 +154,12 @@ class Failover:
                 self.table.leave(stage, pid)
                 self.members.drop(pid)
             else:
-                last_commits[pid] = {"step": step - 1, "losses": ready["losses"], "lr": c[0]["lr"],
-                                     "post": c[0]["post"], **{k: v for k, v in ready.items() if k in STEP_FIGURES}}
+                figures = {k: v for k, v in as_record(ready).items() if k in STEP_FIGURES}
+                last_commits[pid] = LastCommit(step=step - 1, losses=ready.losses, lr=c[0].lr, post=c[0].post,
+                                               **figures)
         await driver.abort()  # drop finished-but-uncommitted work of `step`
-        seen = [r["finished"] for r in replies.values() if r.get("finished")]  # [step, attempt]
-        seen += [[r["ready"]["step"], r["ready"]["attempt"]] for r in replies.values() if r.get("ready")]
+        seen = [r.finished for r in replies.values() if r.finished is not None]  # (step, attempt)
+        seen += [(r.ready.step, r.ready.attempt) for r in replies.values() if r.ready is not None]
         # the re-run of `step` must not reuse an attempt number its peers saw (they refuse stale attempts)
         driver.attempts_from(step, max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1)
         self._protection(replies, protection, step)
@@ -172,8 +175,8 @@ class Failover:
         whole = not lagging and len(self.table.served()) == cfg.num_stages
         return Resumed(step, whole, record)
 
-    def _serve(self, cfg: RunConfig, holders: dict[int, list[tuple[str, dict]]],
-               step: int) -> tuple[dict[str, tuple[int, dict]], list[int]]:
+    def _serve(self, cfg: RunConfig, holders: dict[int, list[tuple[str, Adopted]]],
+               step: int) -> tuple[dict[str, tuple[int, Ready]], list[int]]:
         """The stage table from the peers' reports: the newest peer of each stage serves it (a stage group's
         replicas as far as it beside it); the peers that finished the last step but did not commit it (peer ->
         (stage, the step it holds ready)), and the stages whose weights lag behind (failed).
@@ -181,33 +184,33 @@ class Failover:
         Two peers claim one stage when a handover was cut short, when one was done as the old coordinator died
         (the peer that handed its stage over is leaving), or when a partitioned peer is back after it was
         replaced: the newest is kept (a step finished and ready to commit counts), a peer not leaving first."""
-        to_commit: dict[str, tuple[int, dict]] = {}
+        to_commit: dict[str, tuple[int, Ready]] = {}
         lagging = []
         for stage, hs in sorted(holders.items()):
-            hs.sort(key=lambda x: (-_progress(x[1]), x[1].get("state") == LEAVING))
+            hs.sort(key=lambda x: (-_progress(x[1]), x[1].state == LEAVING))
             pid, r = hs[0]
             self.table.assign(stage, pid)
-            if r.get("state") == LEAVING:  # its leave (SIGTERM) is under way: handed over if a standby is free
+            if r.state == LEAVING:  # its leave (SIGTERM) is under way: handed over if a standby is free
                 self.members.leaving_gracefully(pid)
             for other, o in hs[1:]:
-                if cfg.train.stage_groups and _progress(o) == _progress(r) and o.get("state") != LEAVING:
+                if cfg.train.stage_groups and _progress(o) == _progress(r) and o.state != LEAVING:
                     self.table.add_replica(stage, other)  # a stage group's replica
                 else:
                     self.members.drop(other)
-            if r["next_step"] < step - 1 or _progress(r) < step:  # its weights are behind the others: a failed stage
+            if r.next_step < step - 1 or _progress(r) < step:  # its weights are behind the others: a failed stage
                 lagging.append(stage)
                 self.members.drop(pid)
                 continue
             for p, o in hs:  # those a step behind with it finished (the old coordinator died mid-commit)
-                if p in self.table.group(stage) and o["next_step"] == step - 1:
-                    to_commit[p] = (stage, o["ready"])
+                if p in self.table.group(stage) and o.next_step == step - 1 and o.ready is not None:
+                    to_commit[p] = (stage, o.ready)
         return to_commit, lagging
 
-    async def _adopt_peers(self) -> dict[str, dict]:
+    async def _adopt_peers(self) -> dict[str, Adopted]:
         """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat
         TTLs pass with at least one stage served; bounded by join_timeout)."""
         start = time.monotonic()
-        replies: dict[str, dict] = {}
+        replies: dict[str, Adopted] = {}
         refused: dict[str, str] = {}
         me = self.rpc.me
         while True:
@@ -219,24 +222,22 @@ class Failover:
             new = [p for p in live if p not in replies and p != me]
 
             async def adopt(p: str):
-                header = {}
-                if self.secret is not None:
-                    header["proof"] = coordinator_proof(self.secret, self.run_id, me, p)
-                return await self.rpc.call(p, RPC.ADOPT, header, timeout=self.t.rpc_timeout)
+                proof = coordinator_proof(self.secret, self.run_id, me, p) if self.secret is not None else None
+                return await self.rpc.call(p, Adopt(proof=proof), timeout=self.t.rpc_timeout)
 
             for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)
                 elif isinstance(r, Exception):
                     continue
-                elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r[0].get("token")):
+                elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r[0].token):
                     replies[p] = r[0]
                 else:  # a stranger answering for a forged heartbeat must not hand us a stage
                     self.out.event("join_refused", peer_id=p, reason="ADOPT reply without a valid run token")
             if refused and not replies:
                 raise CoordinatorAlive(next(iter(refused.values())))
-            served = {r["stage"] for r in replies.values() if r.get("stage", -1) >= 0}
-            cfg = next((r["config"] for r in replies.values() if r.get("config")), None)
+            served = {r.stage for r in replies.values() if r.stage >= 0}
+            cfg = next((r.config for r in replies.values() if r.config), None)
             stages = json.loads(cfg)["num_stages"] if cfg else None
             waited = time.monotonic() - start
             # (none served after two TTLs: every stage's peers died while no coordinator was there to see it, a
@@ -248,35 +249,36 @@ class Failover:
                                      f"{self.t.join_timeout:g} s: nothing to take over")
             await asyncio.sleep(0.2)
 
-    def _protection(self, replies: dict[str, dict], protection: Protection, step: int) -> None:
+    def _protection(self, replies: dict[str, Adopted], protection: Protection, step: int) -> None:
         """Rollback strategies after a takeover: the newest in-memory copies the live peers hold (the copies the
         dead peers held are gone, as they are from the simulator's ledger: with every holder of a stage dead, that
         stage has none), and the newest complete checkpoint in storage."""
         by_step: dict[int, dict[int, set[int]]] = {}  # step -> stage -> holder stages
         for r in replies.values():
-            if int(r.get("stage", -1)) < 0:
+            if r.stage < 0:
                 continue  # a standby holds no snapshot
-            for stage, st in (r.get("snapshots") or {}).items():
-                by_step.setdefault(int(st), {}).setdefault(int(stage), set()).add(int(r["stage"]))
+            for stage, st in r.snapshots.items():
+                by_step.setdefault(st, {}).setdefault(stage, set()).add(r.stage)
         newest = max(by_step, default=0)
         protection.adopted(newest, by_step.get(newest, {}), step)
 
-    def _missing_step(self, cfg: RunConfig, step: int, replies: dict[str, dict], commits: dict[str, dict],
+    def _missing_step(self, cfg: RunConfig, step: int, replies: dict[str, Adopted], commits: dict[str, LastCommit],
                       metrics: Path | None) -> dict | None:
         """The record of the step the old coordinator committed but did not record (it died in between), rebuilt
         from the peers' last commits (and those completed now) when every stage has one, the losses of every
         replica of a stage group merged; None if there is none to rebuild."""
         if step < 0 or (metrics is not None and _recorded(step, metrics)):
             return None
-        last: dict[int, dict] = {}  # stage -> its last commit
+        last: dict[int, LastCommit] = {}  # stage -> its last commit (its first replica's), every replica's losses
         for pid, r in replies.items():
-            c = commits.get(pid) or r.get("last_commit") or {}
-            if pid in self.table.group(r.get("stage", -1)) and c.get("step") == step:
-                last.setdefault(r["stage"], {**c, "losses": {}})["losses"].update(c["losses"])
+            c = commits.get(pid) or r.last_commit
+            if c is not None and pid in self.table.group(r.stage) and c.step == step:
+                prev = last.get(r.stage)
+                last[r.stage] = c if prev is None else msgspec.structs.replace(prev, losses={**prev.losses, **c.losses})
         if len(last) != cfg.num_stages:
             return None
-        return {"step": step, "loss": sum(float(v) for c in last.values() for v in c["losses"].values()),
-                "lr": next(iter(last.values()))["lr"], "attempts": None,
-                "grad_norms": [last[s]["post"] for s in range(cfg.num_stages)],
-                "block_grad_norms": [last[s].get("block_post") for s in range(cfg.num_stages)],
+        return {"step": step, "loss": sum(v for c in last.values() for v in c.losses.values()),
+                "lr": next(iter(last.values())).lr, "attempts": None,
+                "grad_norms": [last[s].post for s in range(cfg.num_stages)],
+                "block_grad_norms": [last[s].block_post for s in range(cfg.num_stages)],
                 "live_peers": len(self.table.served()), "recorded_by": "takeover", **step_figures(last, cfg.num_stages)}

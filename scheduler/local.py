@@ -28,7 +28,7 @@ from checkfree.cli import (
 )
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.wan import WanEmulator
-from checkfree.groups import check_swarm_groups
+from checkfree.stage_groups import check_swarm_groups
 from scheduler.launcher import LocalSwarm, SwarmOptions
 from scheduler.netlab import NetLab
 

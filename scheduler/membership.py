@@ -10,13 +10,15 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import RunConfig
-from checkfree.net.transport import announce
-from checkfree.protocol import (RPC, RUN_OVER, Kind, ProtocolError, check_request, coordinator_key,
-                                coordinator_record)
+from checkfree.net.transport import Handler, announce
+from checkfree.messages import (REQUESTS, AssignHandover, Envelope, Join, Joined, Leave, Left, Message, Ok, Report,
+                                RunStatus, Shutdown, Status, check_request, envelope, to_wire)
+from checkfree.protocol import RUN_OVER, Kind, ProtocolError, coordinator_key, coordinator_record
 from scheduler.common import CALL_ERRORS, Member
 from scheduler.outputs import Outputs
 from scheduler.rpc import Rpc
@@ -59,60 +61,63 @@ class Membership:
 
     # ---- the peers' requests ---------------------------------------------------------------
     async def register(self) -> None:
-        for name, handler in ((RPC.JOIN, self.on_join), (RPC.REPORT, self.on_report), (RPC.LEAVE, self.on_leave),
-                              (RPC.STATUS, self.on_status)):
-            await self.rpc.register(name, handler)
+        for kind, handler in ((Join, self.on_join), (Report, self.on_report), (Leave, self.on_leave),
+                              (Status, self.on_status)):
+            await self.rpc.register(kind.rpc, self._admitted(kind.rpc, handler))
 
-    def _check_run(self, name: str, header: dict) -> None:
-        """The request against its definition (checkfree.protocol.REQUEST_FIELDS), then the run it names."""
-        check_request(name, header)
-        if header["run"] != self.run_id:
-            raise ProtocolError(f"request for run {header['run']!r}; this coordinator runs {self.run_id!r}")
+    def _admitted(self, name: str, handler: Callable[[Any, Envelope, Any], Awaitable[Message]]) -> Handler:
+        """`handler` behind the check of its request (checkfree.messages: its type, then the run it names): it gets
+        the typed request and its envelope, and its typed reply goes on the wire."""
+        assert name in REQUESTS
 
-    async def on_join(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(RPC.JOIN, header)
+        async def admitted(header: dict, tensors: list, peer) -> tuple[dict, list]:
+            request, env = check_request(name, header), envelope(header)
+            if env.run != self.run_id:
+                raise ProtocolError(f"request for run {env.run!r}; this coordinator runs {self.run_id!r}")
+            reply = await handler(request, env, peer)
+            return to_wire(reply), []
+
+        return admitted
+
+    async def on_join(self, join: Join, env: Envelope, peer) -> Joined:
         if self.over is not None:
             raise ProtocolError(f"{RUN_OVER}: run {self.run_id!r} has ended ({self.over}); nothing to join",
                                 Kind.RUN_OVER)
         if self.cfg is None:
             raise ProtocolError("this coordinator is taking over the run; retry in a moment", Kind.TAKING_OVER)
         pid = str(peer)
-        if header["peer_id"] != pid:
-            raise ProtocolError(f"peer {pid} tried to join as {header['peer_id']}")
-        if self.secret is not None and not verify(join_token(self.secret, self.run_id, pid), header.get("token")):
+        if join.peer_id != pid:
+            raise ProtocolError(f"peer {pid} tried to join as {join.peer_id}")
+        if self.secret is not None and not verify(join_token(self.secret, self.run_id, pid), env.token):
             self.out.event("join_refused", peer_id=pid, reason="bad or missing token")
             raise ProtocolError(f"peer {pid} is not authorized: missing or wrong run token (start it with the run's "
                                 "secret: --secret-file or $CHECKFREE_SECRET)", Kind.UNAUTHORIZED)
         if pid in self.members:
             raise ProtocolError(f"peer {pid} has already joined run {self.run_id!r} (duplicate join refused)")
-        observer = header.get("role") == "observer"
+        observer = join.role == "observer"
         self.admit(pid, time.time(), observer=observer)
         self.out.event("join", peer_id=pid, observer=observer)
-        reply = {"config": self.cfg.to_json(), "status": "standby"}
-        if self.secret is not None:
-            reply["proof"] = coordinator_proof(self.secret, self.run_id, self.rpc.me, pid)
-        return reply, []
+        proof = coordinator_proof(self.secret, self.run_id, self.rpc.me, pid) if self.secret is not None else None
+        return Joined(config=self.cfg.to_json(), status="standby", proof=proof)
 
     def admit(self, pid: str, joined: float, *, observer: bool = False) -> None:
         """`pid` is a member now (a JOIN, or a peer a takeover adopted)."""
         self.members[pid] = Member(pid, joined, observer=observer)
         self.joined.set()
 
-    async def on_report(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(RPC.REPORT, header)
+    async def on_report(self, report: Report, env: Envelope, peer) -> Ok:
         reporter = self.members.get(str(peer))
         if reporter is None:
             raise ProtocolError(f"unknown peer {peer}: reports are accepted from members only")
         if reporter.leaving and self.table.stage_of(str(peer)) < 0:  # e.g. a partitioned peer's late report
             raise ProtocolError(f"peer {peer} was retired from the run: its report is ignored")
-        if header["peer_id"] in self.table.group(header["stage"]):
-            self.suspect(header["peer_id"])
+        if report.peer_id in self.table.group(report.stage):
+            self.suspect(report.peer_id)
             self.reports.set()
-            log.info("peer %s reports stage %d unreachable: %s", peer, header["stage"], header["reason"][:200])
-        return {"ok": True}, []
+            log.info("peer %s reports stage %d unreachable: %s", peer, report.stage, report.reason[:200])
+        return Ok()
 
-    async def on_leave(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(RPC.LEAVE, header)
+    async def on_leave(self, leave: Leave, env: Envelope, peer) -> Left:
         m = self.members.get(str(peer))
         if m is None:
             raise ProtocolError(f"unknown peer {peer}")
@@ -121,18 +126,16 @@ class Membership:
         # a replica with live siblings leaves at once: they hold the same state
         m.handover = stage >= 0 and bool(self.standbys()) and len(self.table.group(stage)) < 2
         self.out.event("leave", peer_id=m.peer_id, stage=stage, handover=m.handover)
-        return {"ok": True, "handover": m.handover}, []
+        return Left(handover=m.handover)
 
-    async def on_status(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
-        self._check_run(RPC.STATUS, header)
+    async def on_status(self, status: Status, env: Envelope, peer) -> RunStatus:
         if self.secret is not None and str(peer) not in self.members and not verify(
-                join_token(self.secret, self.run_id, str(peer)), header.get("token")):
+                join_token(self.secret, self.run_id, str(peer)), env.token):
             raise ProtocolError(f"unknown peer {peer}: status is for members only")
         if self.cfg is None:
             raise ProtocolError("this coordinator is not running the run (standby or taking over)")
-        return {"step": self.step(), "stages": {str(s): p for s, p in self.table.primaries().items()},
-                "groups": {str(s): g for s, g in self.table.groups().items()},
-                "standby": self.standbys(), "config": self.cfg.to_json()}, []
+        return RunStatus(step=self.step(), stages=self.table.primaries(), groups=self.table.groups(),
+                         standby=self.standbys(), config=self.cfg.to_json())
 
     # ---- who is in the run -----------------------------------------------------------------
     def standbys(self) -> list[str]:
@@ -281,7 +284,7 @@ class Membership:
         errors, a straggler, a partition). One that cannot be reached now is told again when its
         heartbeat reappears (a healed partition: see `detect`) and when the run ends."""
         pids = self._unretired()
-        results = await self.rpc.gather(pids, RPC.SHUTDOWN, {}, 2.0)
+        results = await self.rpc.gather(pids, Shutdown(), 2.0)
         for pid, r in zip(pids, results):
             if not isinstance(r, Exception) and pid not in self._retired:
                 self._retired.add(pid)
@@ -297,17 +300,17 @@ class Membership:
         new = standbys[0]
         t0 = time.perf_counter()
         try:
-            reply, _ = await self.rpc.call(new, RPC.ASSIGN, {"stage": stage, "mode": "handover", "source": pid,
-                                                           "step": self.step()}, timeout=self.t.step_timeout)
+            reply, _ = await self.rpc.call(new, AssignHandover(stage=stage, source=pid, step=self.step()),
+                                           timeout=self.t.step_timeout)
         except CALL_ERRORS as e:
             log.warning("handover of stage %d from %s to %s failed: %s", stage, pid, new, e)
             self.suspect(new)
             return False
         self.table.assign(stage, new)
         self.out.event("handover", step=self.step(), stage=stage, strategy=self.cfg.recovery.strategy,
-                       source_peer=pid, peer_id=new, bytes=reply.get("bytes", 0),
+                       source_peer=pid, peer_id=new, bytes=reply.bytes,
                        handover_s=round(time.perf_counter() - t0, 6))
-        (done,) = await self.rpc.gather([pid], RPC.SHUTDOWN, {}, 5.0)
+        (done,) = await self.rpc.gather([pid], Shutdown(), 5.0)
         if not isinstance(done, Exception):
             self._retired.add(pid)
         return True
@@ -327,4 +330,4 @@ class Membership:
 
     async def shutdown_peers(self, reason: str) -> None:
         """The run is over: every live member is told (it exits unless started with --stay)."""
-        await self.rpc.gather(self.live(), RPC.SHUTDOWN, {"reason": reason}, 5.0)
+        await self.rpc.gather(self.live(), Shutdown(reason=reason), 5.0)

@@ -12,7 +12,7 @@ from pathlib import Path
 from checkfree.config import RunConfig
 from checkfree.data import DataError, build_tokenizer, save_run_tokenizer
 from checkfree.export import save_export
-from checkfree.protocol import RPC
+from checkfree.messages import GetState, GetWeights
 from checkfree.rundir import RunWriter
 from checkfree.saves import newest_save, read_save, write_save
 from checkfree.strategies.base import Figures
@@ -61,10 +61,10 @@ class Outputs:
         """Gather every stage's full state, ready to run `step`, and write it to <out>/saves in a
         thread (training goes on meanwhile; the previous save is awaited first). False: a stage
         could not give its state at that step (nothing is written)."""
-        replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.GET_STATE, {"step": step},
+        replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), GetState(step=step),
                                                        timeout=self.t.step_timeout)
                                          for s in range(cfg.num_stages)), return_exceptions=True)
-        bad = [s for s, r in enumerate(replies) if isinstance(r, BaseException) or r[0].get("next_step") != step]
+        bad = [s for s, r in enumerate(replies) if isinstance(r, BaseException) or r[0].next_step != step]
         if bad:
             log.warning("save at step %d skipped: stage(s) %s not at that step or unreachable", step, bad)
             return False
@@ -105,9 +105,9 @@ class Outputs:
         """Every stage's weights into final_weights.safetensors."""
         states = {}
         for s in range(cfg.num_stages):
-            reply, tensors = await self.rpc.call(self.table.peer(s), RPC.GET_WEIGHTS, {"part": "all"},
-                                                 timeout=self.t.step_timeout)
-            states[s] = dict(zip(reply["keys"], tensors))
+            weights, tensors = await self.rpc.call(self.table.peer(s), GetWeights(part="all"),
+                                                   timeout=self.t.step_timeout)
+            states[s] = dict(zip(weights.keys, tensors))
         save_export(cfg, states, Path(self.opts.out) / "final_weights.safetensors")
 
     def close(self, status: str, error: str | None, **fields) -> dict | None:

@@ -2,7 +2,7 @@
 (fresh, or loaded from a save), then stage groups below `train.replicas` (the fewest replicas first, then the
 slowest): all of them at the start, later (a group that lost a replica) only while more than the reserve of
 standbys remain (`train.reserve`, default 1: a wholly lost stage needs a standby at once); with `train.reserve`
-set, every standby beyond it joins the group of the slowest stage by measured speed (checkfree.groups.slowest),
+set, every standby beyond it joins the group of the slowest stage by measured speed (checkfree.stage_groups.slowest),
 once every stage has been measured. A new replica copies a live sibling's exact state (weights, Adam, step), as a
 handover does. With no standby left, a replica of the largest group may be borrowed to rebuild a lost stage."""
 
@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from checkfree.config import RunConfig
-from checkfree.groups import slowest, stage_load
-from checkfree.protocol import RPC
+from checkfree.stage_groups import slowest, stage_load
+from checkfree.messages import AssignFresh, AssignLoad, AssignReplica, AssignRequest, Assigned
 from scheduler.common import CALL_ERRORS
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
@@ -33,24 +33,22 @@ class Placement:
     """Gives stages to standbys, writing the stage table through its methods."""
 
     def __init__(self, cfg: RunConfig, rpc: Rpc, table: StageTable, membership: Membership, outputs: Outputs,
-                 speeds: Callable[[], Mapping[str, float]], assign_extra: Callable[[int], dict]) -> None:
+                 speeds: Callable[[], Mapping[str, float]]) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
         self.speeds = speeds  # each peer's measured speed (the step driver's measure)
-        self.assign_extra = assign_extra  # header fields every assignment of a stage carries (a diagnostic delay)
 
-    async def assign(self, stage: int, pid: str, header: dict, timeout: float | None = None, tensors=()) -> dict:
-        """Give `stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
+    async def assign(self, pid: str, assign: AssignRequest, timeout: float | None = None, tensors=()) -> Assigned:
+        """Give `assign.stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
         assignment fails is passed over and, in case it is merely slow and goes on to host the stage
         anyway, retired."""
         try:
-            reply, _ = await self.rpc.call(pid, RPC.ASSIGN, {"stage": stage, **header},
-                                           timeout=timeout or self.t.step_timeout, tensors=tensors)
+            reply, _ = await self.rpc.call(pid, assign, timeout=timeout or self.t.step_timeout, tensors=tensors)
         except CALL_ERRORS:
             self.members.suspect(pid)
             self.members.drop(pid)
             raise
-        self.table.assign(stage, pid)
+        self.table.assign(assign.stage, pid)
         return reply
 
     async def fill(self, saved: dict[int, bytes] | None, step: int) -> None:
@@ -63,11 +61,13 @@ class Placement:
             await asyncio.gather(*(self._assign_initial(s, pid, saved, step) for s, pid in zip(missing, pids)))
 
     async def _assign_initial(self, stage: int, pid: str, saved: dict[int, bytes] | None, step: int) -> None:
-        mode, step = ("fresh", 0) if saved is None else ("load", step)
-        tensors = () if saved is None else [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
+        if saved is None:
+            mode, step, tensors, assign = "fresh", 0, (), AssignFresh(stage=stage)
+        else:
+            mode, tensors = "load", [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
+            assign = AssignLoad(stage=stage, step=step)
         try:  # a peer starting up may take long to build its first stage: part of joining
-            await self.assign(stage, pid, {"mode": mode, "step": step, **self.assign_extra(stage)},
-                              timeout=self.t.join_timeout, tensors=tensors)
+            await self.assign(pid, assign, timeout=self.t.join_timeout, tensors=tensors)
         except CALL_ERRORS as e:
             log.warning("assigning stage %d to %s failed: %s", stage, pid, e)
             return
@@ -97,8 +97,7 @@ class Placement:
         source = self.table.peer(stage)
         t0 = time.perf_counter()
         try:
-            reply, _ = await self.rpc.call(pid, RPC.ASSIGN, {"stage": stage, "mode": "replica", "source": source,
-                                                           "step": step, **self.assign_extra(stage)},
+            reply, _ = await self.rpc.call(pid, AssignReplica(stage=stage, source=source, step=step),
                                            timeout=self.t.step_timeout)
         except CALL_ERRORS as e:
             log.warning("stage %d's new replica %s failed to join: %s", stage, pid, e)
@@ -108,7 +107,7 @@ class Placement:
         self.table.add_replica(stage, pid)
         replicas = len(self.table.group(stage))
         self.out.event("replica_joined", step=step, stage=stage, peer_id=pid, source=source,
-                       bytes=reply.get("bytes", 0), join_s=round(time.perf_counter() - t0, 6), replicas=replicas)
+                       bytes=reply.bytes, join_s=round(time.perf_counter() - t0, 6), replicas=replicas)
         self.out.status(f"peer {pid[:12]} joined stage {stage}'s group ({replicas} replicas), "
                         f"copied from {source[:12]}")
 

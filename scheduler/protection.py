@@ -19,14 +19,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-
+from collections.abc import Callable
 from pathlib import Path
 
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
 from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, ParitySnapshot, Protect, RecoveryPlan,
                              RefreshReplicas, Snapshot, TakeReplicas)
-from checkfree.protocol import RPC
+from checkfree import messages as msg
+from checkfree.messages import (BackupCommit, BackupShare, Keep, KeepHolders, KeepParity, KeepStorage, Snapshotted,
+                                TakeReplica)
 from checkfree.strategies import Strategy, storage
 from scheduler.common import CoordinatorOptions
 from scheduler.outputs import Outputs
@@ -63,9 +65,9 @@ class Protection:
         for item in self.strategy.protection_after_handover(tuple(sorted(stages))):
             await self.protect_item(item, step)
 
-    def companion(self, stage: int) -> dict:
+    def companion(self, stage: int) -> str | None:
         """reft: where the lost `stage`'s peer's snapshot companion listened (it may have survived its crash)."""
-        return {"companion": self._companions[stage]} if stage in self._companions else {}
+        return self._companions.get(stage)
 
     def replaced(self, stage: int) -> None:
         """A new peer serves `stage` (its own companion starts at the next snapshot)."""
@@ -101,22 +103,23 @@ class Protection:
         """Carry `item` out; `step`: the step every stage is ready to run."""
         if isinstance(item, Snapshot):
             pids = {s: [self.table.peer(h) for h in hs] for s, hs in item.holders.items()}
-            sizes = await self._snapshot_all(item.step, lambda s: {"holders": pids[s]})
+            sizes = await self._snapshot_all(item.step, lambda s: KeepHolders(peers=pids[s]))
             held = {h: sum(n for s, n in sizes.items() if h in item.holders[s]) for h in self.table.served()}
             self.out.charge(extra_memory_bytes=max(held.values(), default=0))  # (gemini: a peer's own among them)
             if len(sizes) == self.cfg.num_stages:
                 self.copies.taken(item.step, item.holders)
         elif isinstance(item, ParitySnapshot):
-            group = {s: g for g in item.groups for s in g}
-            sizes = await self._snapshot_all(item.step, lambda s: {"parity": {
-                "group": [self.table.peer(m) for m in group[s]], "index": group[s].index(s)}})
+            group = {s: g for g in item.parity_groups for s in g}
+            sizes = await self._snapshot_all(item.step, lambda s: KeepParity(
+                group=[self.table.peer(m) for m in group[s]], index=group[s].index(s)))
             # its own snapshot and a parity block of ~1/(n-1) of its group's largest
             self.out.charge(extra_memory_bytes=max((n - (-max(sizes.get(m, 0) for m in group[s]) // (len(group[s]) - 1))
                                                  for s, n in sizes.items()), default=0))
             if len(sizes) == self.cfg.num_stages:
                 self.copies.taken(item.step, {s: (s,) for s in group})
         elif isinstance(item, Checkpoint):
-            if len(await self._snapshot_all(item.step, lambda s: {"storage": self.storage_dir})) == self.cfg.num_stages:
+            if len(await self._snapshot_all(item.step, lambda s: KeepStorage(storage=self.storage_dir))) == \
+                    self.cfg.num_stages:
                 storage.seal(self.storage_dir, item.step, self.cfg.num_stages)
                 self.copies.checkpointed(item.step)
         elif isinstance(item, BackupStart):
@@ -128,22 +131,22 @@ class Protection:
         else:
             assert isinstance(item, RefreshReplicas), item  # (done by every peer's COMMIT)
 
-    async def _snapshot_all(self, step: int, extra) -> dict[int, int]:
-        """SNAPSHOT on every stage (`extra(stage)`: where it goes); the sizes of the stages that completed it."""
+    async def _snapshot_all(self, step: int, keep: Callable[[int], Keep]) -> dict[int, int]:
+        """SNAPSHOT on every stage (`keep(stage)`: where it goes); the sizes of the stages that completed it."""
         t0 = time.perf_counter()
         stages = self.table.served()
-        results = await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.SNAPSHOT, {"step": step, **extra(s)},
+        results = await asyncio.gather(*(self.rpc.call(self.table.peer(s), msg.Snapshot(step=step, keep=keep(s)),
                                                     self.t.step_timeout) for s in stages), return_exceptions=True)
-        replies = {s: r[0] for s, r in zip(stages, results) if not isinstance(r, Exception)}
+        replies: dict[int, Snapshotted] = {s: r[0] for s, r in zip(stages, results) if not isinstance(r, Exception)}
         complete = len(replies) == len(stages)
-        kind = "storage" if "storage" in extra(0) else "memory"
+        kind = "storage" if isinstance(keep(0), KeepStorage) else "memory"
         seconds = time.perf_counter() - t0
-        sizes = {s: r["bytes"] for s, r in replies.items()}
-        sent = sum(r.get("sent", 0) for r in replies.values())
+        sizes = {s: r.bytes for s, r in replies.items()}
+        sent = sum(r.sent for r in replies.values())
         self.out.event("snapshot", step=step, kind=kind, complete=complete, seconds=round(seconds, 6),
                     bytes=sum(sizes.values()), sent=sent)
         if complete:  # reft: where each stage's snapshot companion listens (it survives a crash of its peer)
-            self._companions = {s: r["companion"] for s, r in replies.items() if r.get("companion")}
+            self._companions = {s: r.companion for s, r in replies.items() if r.companion}
         # the next step waited for the snapshot; the bytes went over the network (memory) or to storage
         self.out.charge(stall_s=seconds, bytes_moved=sent if kind == "memory" else sum(sizes.values()))
         return sizes
@@ -154,12 +157,12 @@ class Protection:
         strategy = self.strategy
         t0 = time.perf_counter()
         stages = self.table.served()
-        replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.BACKUP_START, {"step": step},
+        replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), msg.BackupStart(step=step),
                                                     self.t.step_timeout) for s in stages))
         if strategy.plans is None:  # the plan needs the states' sizes: the first backup's
-            strategy.plan_units(self.cost, {s: r[0]["units"] for s, r in zip(stages, replies)})
+            strategy.plan_units(self.cost, {s: r[0].units for s, r in zip(stages, replies)})
         self._backup_peers = {s: (self.table.peer(s), self.table.peer(strategy.holder(s))) for s in stages}
-        size = {s: int(r[0]["bytes"]) for s, r in zip(stages, replies)}
+        size = {s: r[0].bytes for s, r in zip(stages, replies)}
         # a peer holds its backup in flight, its own complete one and its predecessor's (as the simulator counts)
         self.out.charge(stall_s=time.perf_counter() - t0, extra_memory_bytes=strategy.memory(size))
 
@@ -168,16 +171,16 @@ class Protection:
         part = self.strategy.in_step(step)
         if part is None or not self._backup_peers:
             return {}
-        return {"backup": {"step": part.step, "part": part.part,
-                           "holders": {str(s): p[1] for s, p in self._backup_peers.items()},
-                           "holder_stages": {str(s): part.holders[s] for s in self._backup_peers},
-                           "bounds": {str(s): list(part.bounds[s]) for s in self._backup_peers}}}
+        return {"backup": BackupShare(step=part.step, part=part.part,
+                                      holders={s: p[1] for s, p in self._backup_peers.items()},
+                                      holder_stages={s: part.holders[s] for s in self._backup_peers},
+                                      bounds={s: tuple(part.bounds[s]) for s in self._backup_peers})}
 
     async def _seal_backup(self, item: BackupSeal) -> None:
         """The backup of `item.step` counts if every stage's holder (and the stage itself) holds it complete."""
         peers = list(self.table.primaries().values())
-        replies = await self.rpc.gather(peers, RPC.BACKUP_COMMIT, {"step": item.step}, self.t.rpc_timeout)
-        held = {pid: set(r[0]["held"]) for pid, r in zip(peers, replies) if not isinstance(r, Exception)}
+        replies = await self.rpc.gather(peers, BackupCommit(step=item.step), self.t.rpc_timeout)
+        held = {pid: set(r[0].held) for pid, r in zip(peers, replies) if not isinstance(r, Exception)}
         complete = all(s in held.get(own, ()) and s in held.get(holder, ())
                        for s, (own, holder) in self._backup_peers.items())
         self.out.event("snapshot", step=item.step, kind="backup", complete=complete)
@@ -188,11 +191,10 @@ class Protection:
     async def _replicate(self, stages: set[int], step: int) -> int:
         """Each of `stages` takes a replica of its successor from the successor's peer; returns the bytes moved."""
         s_count = self.cfg.num_stages
-        calls = [self.rpc.call(self.table.peer(s), RPC.TAKE_REPLICA,
-                               {"source": self.table.peer((s + 1) % s_count), "step": step}, self.t.step_timeout)
-                 for s in sorted(stages)]
+        calls = [self.rpc.call(self.table.peer(s), TakeReplica(source=self.table.peer((s + 1) % s_count), step=step),
+                               self.t.step_timeout) for s in sorted(stages)]
         replies = await asyncio.gather(*calls)
-        moved = sum(int(r[0].get("bytes", 0)) for r in replies)
+        moved = sum(r[0].bytes for r in replies)
         self.out.event("replicas", step=step, stages=sorted(stages), bytes=moved)
-        self.out.charge(bytes_moved=moved, extra_memory_bytes=max(int(r[0].get("bytes", 0)) for r in replies))
+        self.out.charge(bytes_moved=moved, extra_memory_bytes=max(r[0].bytes for r in replies))
         return moved

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from msgspec.structs import replace
 
 from checkfree.config import RunConfig
 from checkfree.plans import (Failure, Holder, Init, Own, Parity, RecoveryPlan, Replica, Source, Storage,
                              abort_if_unrecoverable, plan_events)
-from checkfree.protocol import RPC, plan_to_wire
+from checkfree.messages import (AssignPromote, AssignRecover, AssignRequest, AssignRestore, Assigned, InitialState,
+                                Origin, OwnCopy, ParityCopy, PeerCopy, Restore, StorageCopy)
 from checkfree.recovery import Neighbours
 from checkfree.strategies import Strategy
 from scheduler.common import CALL_ERRORS, Rollback
@@ -38,12 +39,10 @@ class Recovery:
     """Carries out the strategy's recovery plans on the peers."""
 
     def __init__(self, cfg: RunConfig, strategy: Strategy, rpc: Rpc, table: StageTable, membership: Membership,
-                 placement: Placement, protection: Protection, outputs: Outputs,
-                 replacement_fields: Callable[[str, int], Awaitable[dict]]) -> None:
+                 placement: Placement, protection: Protection, outputs: Outputs) -> None:
         self.cfg, self.strategy, self.rpc, self.table = cfg, strategy, rpc, table
         self.members, self.placement, self.protection, self.out = membership, placement, protection, outputs
         self.t = rpc.t
-        self.replacement_fields = replacement_fields  # (peer, stage) -> fields a fault injector adds (none in production)
 
     async def recover(self, step: int, failed: set[int]) -> None:
         """Recover `failed` at the start of `step` by the strategy's plan; raises Rollback after a rollback."""
@@ -82,8 +81,9 @@ class Recovery:
         the rebuilds. What each failed stage's peer measured, by stage."""
         if plan.rollback_to is not None:
             live = {s: src for s, src in plan.copied.items() if s not in plan.failed}
-            await asyncio.gather(*(self.rpc.call(self.table.peer(s), RPC.RESTORE, self._restore_header(plan, s, src),
-                                                 self.t.step_timeout) for s, src in live.items()))
+            await asyncio.gather(*(self.rpc.call(self.table.peer(s), Restore(step=step, origin=origin),
+                                                 self.t.step_timeout)
+                                   for s, src in live.items() for step, origin, _ in [self._copy(plan, s, src)]))
         measured = {}
         for s, src in plan.copied.items():
             if s in plan.failed:
@@ -92,23 +92,22 @@ class Recovery:
             measured[s] = await self._rebuild(plan, s, src, detected)
         return measured
 
-    def _restore_header(self, plan: RecoveryPlan, stage: int, src: Source) -> dict:
-        """Where `stage`'s copy comes from, as its peer is told (RESTORE, ASSIGN restore)."""
+    def _copy(self, plan: RecoveryPlan, stage: int, src: Source) -> tuple[int, Origin, dict]:
+        """Where `stage`'s copy comes from, as its peer is told (RESTORE, ASSIGN restore): the copy's step, its
+        origin, and what a stage restored alone takes besides (the step it serves from, its components' holders)."""
         target = plan.rollback_to
         if isinstance(src, Init):
-            return {"step": 0, "source": "init"}
+            return 0, InitialState(), {}
         if isinstance(src, Storage):
-            return {"step": src.step, "storage": self.protection.storage_dir}
+            return src.step, StorageCopy(storage=self.protection.storage_dir), {}
         if isinstance(src, Own):
-            return {"step": target, "source": None}
+            return target, OwnCopy(), {}
         if isinstance(src, Parity):  # (the lost member's companion may have survived its crash)
-            spec = {"group": [self._peer(m) for m in src.group], "index": src.group.index(stage),
-                    **self.protection.companion(stage)}
-            return {"step": src.step, "parity": spec}
-        header = {"step": src.step, "source": self.table.peer(src.holder)}
-        if target is None:  # restored alone: serves from the failed step on, its components from the co-holders
-            header.update(serve_step=plan.step, edges={c: [d, self.table.peer(d)] for c, d in src.edges.items()})
-        return header
+            return src.step, ParityCopy(group=[self._peer(m) for m in src.group], index=src.group.index(stage),
+                                        companion=self.protection.companion(stage)), {}
+        alone = {} if target is not None else {  # serves from the failed step on, its components from co-holders
+            "serve_step": plan.step, "edges": {c: (d, self.table.peer(d)) for c, d in src.edges.items()}}
+        return src.step, PeerCopy(peer=self.table.peer(src.holder)), alone
 
     def _peer(self, stage: int) -> str:
         return self.table.peer(stage) if stage in self.table.served() else ""
@@ -116,50 +115,46 @@ class Recovery:
     async def _load(self, plan: RecoveryPlan, stage: int, src: Source) -> dict:
         """A standby takes failed `stage` with its copy: what it measured (the event's fields)."""
         if isinstance(src, Replica):
-            header = {"mode": "promote", "source": self.table.peer(src.holder), "step": plan.step, "stage": stage}
+            assign: AssignRequest = AssignPromote(stage=stage, source=self.table.peer(src.holder), step=plan.step)
         else:
-            header = {"mode": "restore", **self._restore_header(plan, stage, src)}
-        pid, reply, t0 = await self._assign_replacement(plan.step, stage, header, chaos=isinstance(src, Replica))
+            step, origin, alone = self._copy(plan, stage, src)
+            assign = AssignRestore(stage=stage, step=step, origin=origin, **alone)
+        pid, reply, t0 = await self._assign_replacement(plan.step, assign)
         self.protection.replaced(stage)
-        self.out.charge(bytes_moved=int(reply.get("bytes") or 0))
-        via = {"restored_from": reply["restored_from"]} if reply.get("restored_from") == "companion" else {}
+        self.out.charge(bytes_moved=reply.bytes)
+        via = {"restored_from": reply.restored_from} if reply.restored_from == "companion" else {}
         self.out.status(f"stage {stage} recovery: {_describe(plan, src)} on peer {pid[-8:]}, "
                         f"{time.perf_counter() - t0:.2f} s")
-        return {"peer_id": pid, "bytes": reply.get("bytes", 0), "recovery_time_s": round(time.perf_counter() - t0, 6),
-                **via}
+        return {"peer_id": pid, "bytes": reply.bytes, "recovery_time_s": round(time.perf_counter() - t0, 6), **via}
 
     async def _rebuild(self, plan: RecoveryPlan, stage: int, src: Neighbours, detected: float) -> dict:
         """A standby rebuilds `stage` from its live neighbours' weights: what it measured (the event's fields)."""
-        sources = {str(s): self.table.peer(s) for s in (*src.sources, *src.edge_sources.values())}
+        sources = {s: self.table.peer(s) for s in (*src.sources, *src.edge_sources.values())}
         pid, reply, t0 = await self._assign_replacement(
-            plan.step, stage, {"mode": "recover", "plan": plan_to_wire(src), "sources": sources, "step": plan.step},
-            chaos=True)
-        self.out.charge(bytes_moved=int(reply.get("bytes") or 0))
+            plan.step, AssignRecover(stage=stage, plan=src, sources=sources, step=plan.step))
+        self.out.charge(bytes_moved=reply.bytes)
         took = time.perf_counter() - t0
-        coeffs = "/".join(f"{c:.2f}" for c in reply.get("coefficients", []))
+        coeffs = "/".join(f"{c:.2f}" for c in reply.coefficients)
         edges = "".join(f", {c} copied from stage {h}" for c, h in src.edge_sources.items())
         kind = "fallback" if plan.fallback and stage in plan.fallback.reasons else "recovery"
         self.out.status(f"stage {stage} {kind}: {src.method} of stage(s) {', '.join(map(str, src.sources)) or '-'}"
                         + (f" (coefficients {coeffs})" if coeffs else "") + f"{edges} on peer {pid[-8:]}, {took:.2f} s")
-        return {"coefficients": reply.get("coefficients", []), "peer_id": pid, "norms": reply.get("norms", []),
-                "transfer_s": reply.get("transfer_s"), "rebuild_s": reply.get("rebuild_s"), "bytes": reply.get("bytes"),
+        return {"coefficients": reply.coefficients, "peer_id": pid, "norms": reply.norms,
+                "transfer_s": reply.transfer_s, "rebuild_s": reply.rebuild_s, "bytes": reply.bytes,
                 "recovery_time_s": round(took, 6), "since_detection_s": round(time.time() - detected, 6)}
 
-    async def _assign_replacement(self, step: int, stage: int, header: dict,
-                                  chaos: bool = False) -> tuple[str, dict, float]:
-        """Give `stage` to a standby; a standby that dies while taking it over is reported and the
+    async def _assign_replacement(self, step: int, assign: AssignRequest) -> tuple[str, Assigned, float]:
+        """Give `assign.stage` to a standby; a standby that dies while taking it over is reported and the
         next one is tried. Returns (peer, reply, time the successful assignment started)."""
+        stage = assign.stage
         while True:
             # no standby: a stage group's spare replica rebuilds the lost stage (a stage loss costs more than a
             # group running one replica short)
             borrowed = None if self.members.standbys() else self.placement.borrow_replica(step, stage)
             pid = borrowed or await self.members.take_standby(f"replace stage {stage}")
-            extra = await self.replacement_fields(pid, stage) if chaos else {}
-            if borrowed:  # it lets its old stage go first
-                extra["release"] = True
             t0 = time.perf_counter()
-            try:
-                return pid, await self.placement.assign(stage, pid, {**header, **extra}), t0
+            try:  # (a borrowed replica lets its old stage go first)
+                return pid, await self.placement.assign(pid, replace(assign, release=bool(borrowed))), t0
             except CALL_ERRORS as e:
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
                 self.out.event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])

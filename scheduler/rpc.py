@@ -4,11 +4,13 @@ peers' heartbeats. Every other part of the coordinator calls peers through this 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from checkfree.auth import join_token, load_secret, record_ok
 from checkfree.net.transport import live_members_async, sign_requests, start_transport, stop_transport
-from checkfree.protocol import RPC, members_key, request
+from checkfree.messages import Ping, Request, reply_of, request
+from checkfree.protocol import members_key
 from scheduler.common import CALL_ERRORS, CoordinatorOptions
 
 __all__ = ["Rpc"]
@@ -34,6 +36,11 @@ class Rpc:
             sign_requests(self.transport, {"token": join_token(self.secret, self.run_id, self.me)})
         return self.me
 
+    def wrap(self, wrapper: Callable[[Any], Any]) -> None:
+        """The transport from now on is `wrapper(transport)` (a fault injector's, scheduler/injector.py; never in
+        production)."""
+        self.transport = wrapper(self.transport)
+
     async def stop(self) -> None:
         await stop_transport(self.dht, self.transport)
 
@@ -48,19 +55,21 @@ class Rpc:
     async def register(self, name: str, handler) -> None:
         await self.transport.register(name, handler)
 
-    async def call(self, pid: str, name: str, header: dict, timeout: float,
-                   tensors: Sequence = ()) -> tuple[dict, list]:
-        """One request of this run to peer `pid` (its header checked against the request's definition)."""
-        return await self.transport.call(pid, name, request(name, self.run_id, **header), tensors, timeout=timeout)
+    async def call(self, pid: str, message: Request, timeout: float, tensors: Sequence = ()) -> tuple[Any, list]:
+        """`message` to peer `pid`, for this run: its typed reply (checkfree.messages.reply_of: a malformed one is a
+        BadReply, a failed call) and tensors."""
+        reply, out = await self.transport.call(pid, message.rpc, request(self.run_id, message), tensors,
+                                               timeout=timeout)
+        return reply_of(message.rpc, reply), out
 
-    async def gather(self, pids: Sequence[str], name: str, header: dict, timeout: float) -> list:
-        """`name` to every one of `pids` at once: each reply, or the exception its call raised."""
-        return await asyncio.gather(*(self.call(p, name, header, timeout) for p in pids), return_exceptions=True)
+    async def gather(self, pids: Sequence[str], message: Request, timeout: float) -> list:
+        """`message` to every one of `pids` at once: each (reply, tensors), or the exception its call raised."""
+        return await asyncio.gather(*(self.call(p, message, timeout) for p in pids), return_exceptions=True)
 
     async def alive(self, pid: str) -> bool:
         """Whether `pid` answers a ping (bounded by min(5 s, rpc_timeout))."""
         try:
-            await self.call(pid, RPC.PING, {}, timeout=min(5.0, self.t.rpc_timeout))
+            await self.call(pid, Ping(), timeout=min(5.0, self.t.rpc_timeout))
             return True
         except CALL_ERRORS:
             return False

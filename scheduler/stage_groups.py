@@ -1,6 +1,6 @@
 """A step of stage groups (several replicas serve one stage: `train.replicas`, `train.reserve`).
 
-RUN_STEP names, for every microbatch, the replica of each stage that computes it (checkfree.groups.hop_table,
+RUN_STEP names, for every microbatch, the replica of each stage that computes it (checkfree.stage_groups.hop_table,
 balanced by the replicas' measured speed). A replica lost in the middle of the step (its RUN_STEP call fails, or a
 neighbour reports it, and it does not answer a ping) costs no abort while a sibling lives: REROUTE moves its
 microbatches to the sibling, which redoes them (peers/stage_group.py). Once every microbatch is done, REDUCE sums
@@ -19,10 +19,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from msgspec.structs import replace
+
 from checkfree.config import RunConfig
-from checkfree.groups import hop_table, move
+from checkfree.stage_groups import hop_table, move
 from checkfree.net.addresses import listen_ips
-from checkfree.protocol import RPC, Kind
+from checkfree.messages import Reduce, Reroute, Rerouted, RunStep, StepDone
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.rpc import Rpc
@@ -40,25 +42,24 @@ class GroupSteps:
 
     def __init__(self, cfg: RunConfig, rpc: Rpc, table: StageTable, membership: Membership, outputs: Outputs,
                  on_error: Callable[[int, str, BaseException], None], abort: Callable[[], object],
-                 host_maddrs: list[str], fault_fields: Callable[[str, str, int], dict]) -> None:
+                 host_maddrs: list[str]) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
         self.on_error = on_error  # what a replica's failed RUN_STEP says (the step driver's rule, as for a stage)
         self.abort = abort  # ABORT on every peer of the step
         self.host_maddrs = host_maddrs
-        self.fault_fields = fault_fields  # (request, peer, step) -> fields a fault injector adds (none in production)
         self.speeds: dict[str, float] = {}  # peer -> microbatches per second of computing, last measured
         self.rerouted = 0  # microbatches moved to a sibling, this run
         self._rerouting: dict[str, tuple[int, float]] = {}  # sibling -> (stage, when it got a lost replica's work)
         self._store = None  # the TCPStore the groups' gloo collectives meet at (made on first use)
         self._store_addr = ""
 
-    def measure(self, replies: dict[str, dict]) -> None:
+    def measure(self, replies: dict[str, StepDone]) -> None:
         """Each peer's speed (microbatches per second of its compute thread's busy time), averaged over its steps
         (half the weight on the newest: one noisy step on a shared machine does not starve a replica)."""
         for p, r in replies.items():
-            n, busy = r.get("microbatches"), r.get("computing_s")
-            if isinstance(n, int) and n > 0 and isinstance(busy, float) and busy > 0 and math.isfinite(busy):
+            n, busy = r.microbatches, r.computing_s
+            if n > 0 and busy > 0 and math.isfinite(busy):
                 self.speeds[p] = n / busy if p not in self.speeds else 0.5 * (self.speeds[p] + n / busy)
 
     def _store_address(self) -> str:
@@ -73,17 +74,16 @@ class GroupSteps:
             self._store_addr = f"{host}:{self._store.port}"
         return self._store_addr
 
-    async def attempt(self, step: int, attempt: int, header: dict) -> dict[int, dict] | None:
+    async def attempt(self, step: int, attempt: int, request: RunStep) -> dict[int, StepDone] | None:
         """One attempt of a group step: RUN_STEP on every replica, lost
         replicas' microbatches moved to siblings on the way, then REDUCE in every group. None: the attempt was
         aborted (a whole stage lost, or an error that is not a lost replica); its failures are noted for detection."""
         groups = {s: self.table.group(s) for s in range(self.cfg.num_stages)}
-        hops = hop_table(header["routes"], groups, self.speeds)
-        base = {**header, "hops": hops, "groups": {str(s): g for s, g in groups.items()}}
-        replies: dict[str, dict] = {}
+        hops = hop_table(request.routes, groups, self.speeds)
+        base = replace(request, hops=hops, groups=groups)
+        replies: dict[str, StepDone] = {}
         timeout = self.t.step_timeout + self.t.rpc_timeout
-        tasks = {asyncio.create_task(self.rpc.call(pid, RPC.RUN_STEP, {
-            **base, **self.fault_fields(RPC.RUN_STEP, pid, step)}, timeout)): pid for g in groups.values() for pid in g}
+        tasks = {asyncio.create_task(self.rpc.call(pid, base, timeout)): pid for g in groups.values() for pid in g}
         self.members.reports.clear()
         ok = await self._drive(step, attempt, tasks, replies, groups, hops)
         rounds = 0
@@ -105,7 +105,7 @@ class GroupSteps:
         await self._abort(tasks)
         return None
 
-    async def _drive(self, step: int, attempt: int, tasks: dict[asyncio.Task, str], replies: dict[str, dict],
+    async def _drive(self, step: int, attempt: int, tasks: dict[asyncio.Task, str], replies: dict[str, StepDone],
                      groups: dict[int, list[str]], hops: list[list[str]]) -> bool:
         """Wait for `tasks` (RUN_STEP or REROUTE calls); a replica found dead on the way has its microbatches moved
         to a sibling. False: the attempt cannot complete (aborted by the caller)."""
@@ -156,19 +156,20 @@ class GroupSteps:
             done.add(finished.get_nowait())
         return done
 
-    def _answered(self, step: int, pid: str, prev: dict | None, reply: dict) -> dict:
+    def _answered(self, step: int, pid: str, prev: StepDone | None, reply: StepDone | Rerouted) -> StepDone:
         """A replica's answer: a RUN_STEP's or a REROUTE's (its redone microbatches), merged in either order."""
-        if "redone" in reply:
+        if isinstance(reply, Rerouted) and reply.redone is not None:
             stage, t0 = self._rerouting.pop(pid, (self.table.stage_of(pid), time.perf_counter()))
             since = time.perf_counter() - t0
-            self.out.event("reroute_done", step=step, stage=stage, peer_id=pid, microbatches=reply["redone"],
-                           redo_s=reply.get("redo_s"), since_lost_s=round(since, 6))
-            self.out.status(f"stage {stage}: {reply['redone']} microbatch(es) of the lost replica redone by "
+            self.out.event("reroute_done", step=step, stage=stage, peer_id=pid, microbatches=reply.redone,
+                           redo_s=reply.redo_s, since_lost_s=round(since, 6))
+            self.out.status(f"stage {stage}: {reply.redone} microbatch(es) of the lost replica redone by "
                             f"{pid[:12]}, {since:.2f} s after the loss; step {step} goes on")
+        done = reply if isinstance(reply, StepDone) else StepDone(losses=reply.losses, bytes_sent=reply.bytes_sent)
         if prev is None:
-            return reply
-        return {**prev, **reply, "losses": {**prev.get("losses", {}), **reply.get("losses", {})},
-                "bytes_sent": max(int(prev.get("bytes_sent", 0)), int(reply.get("bytes_sent", 0)))}
+            return done
+        return replace(done if isinstance(reply, StepDone) else prev, losses={**prev.losses, **reply.losses},
+                       bytes_sent=max(prev.bytes_sent, reply.bytes_sent))
 
     async def _reroute(self, step: int, attempt: int, dead: str, groups: dict[int, list[str]],
                        hops: list[list[str]], tasks: dict[asyncio.Task, str]) -> bool:
@@ -197,17 +198,17 @@ class GroupSteps:
         for t in [t for t, p in tasks.items() if p == dead]:
             t.cancel()
             tasks.pop(t)
-        header = {"step": step, "attempt": attempt, "dead": dead, "to": to, "mbs": moved}
+        reroute = Reroute(step=step, attempt=attempt, dead=dead, to=to, mbs=moved)
         others = [p for g in groups.values() for p in g if p != to]
-        for p, r in zip(others, await self.rpc.gather(others, RPC.REROUTE, header, self.t.rpc_timeout)):
+        for p, r in zip(others, await self.rpc.gather(others, reroute, self.t.rpc_timeout)):
             if isinstance(r, Exception):
                 self.members.suspect(p)
                 self.members.reports.set()
-        tasks[asyncio.create_task(self.rpc.call(to, RPC.REROUTE, header, self.t.step_timeout + self.t.rpc_timeout))] = to
+        tasks[asyncio.create_task(self.rpc.call(to, reroute, self.t.step_timeout + self.t.rpc_timeout))] = to
         return True
 
     async def _reduce(self, step: int, attempt: int, groups: dict[int, list[str]],
-                      replies: dict[str, dict]) -> tuple[bool, list[str]]:
+                      replies: dict[str, StepDone]) -> tuple[bool, list[str]]:
         """REDUCE on every replica (each group's gloo all-reduce, then the component exchange under CheckFree+):
         whether every one succeeded, and the replicas found dead in it (the survivors of their groups restored
         their own gradients; another round reduces again)."""
@@ -215,16 +216,15 @@ class GroupSteps:
         calls = {}
         for s, g in groups.items():
             for rank, pid in enumerate(g):
-                h = {"step": step, "attempt": attempt, "store": store, "rank": rank, "size": len(g),
-                     "prefix": f"{self.rpc.run_id}/s{s}/g{self.table.generation(s)}/",
-                     **self.fault_fields(RPC.REDUCE, pid, step)}
-                calls[pid] = self.rpc.call(pid, RPC.REDUCE, h, self.t.step_timeout)
+                reduce = Reduce(step=step, attempt=attempt, store=store, rank=rank, size=len(g),
+                                prefix=f"{self.rpc.run_id}/s{s}/g{self.table.generation(s)}/")
+                calls[pid] = self.rpc.call(pid, reduce, self.t.step_timeout)
         pids = list(calls)
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
         failed = [p for p, r in zip(pids, results) if isinstance(r, Exception)]
         for p, r in zip(pids, results):
             if not isinstance(r, Exception):
-                replies[p] = {**replies.get(p, {}), "reduce_s": r[0].get("reduce_s")}
+                replies[p] = replace(replies.get(p) or StepDone(), reduce_s=r[0].reduce_s)
         if not failed:
             return True, []
         log.warning("step %d: the gradient reduce failed on %s", step, ", ".join(p[:12] for p in failed))
@@ -232,27 +232,26 @@ class GroupSteps:
             self.table.renew(s)
         return False, [p for p in failed if not await self.rpc.alive(p)]
 
-    def _merge(self, replies: dict[str, dict], groups: dict[int, list[str]],
-               hops: list[list[str]]) -> dict[int, dict]:
+    def _merge(self, replies: dict[str, StepDone], groups: dict[int, list[str]],
+               hops: list[list[str]]) -> dict[int, StepDone]:
         """The replicas' replies as one per stage (what the training loop records): losses of every microbatch
         once, bytes summed, peaks the largest, the replicas' microbatch counts; measured speeds kept."""
         by_stage = {}
         computed = Counter(p for row in hops for p in set(row))  # microbatches each replica computed, in one pass
         for s, g in groups.items():
-            rs = [replies.get(p, {}) for p in g]
+            rs = [replies.get(p) or StepDone() for p in g]
             losses = {}
             for r in rs:
-                losses.update(r.get("losses", {}))
-            merged = {"losses": losses, "stage": s,
-                      "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in rs),
-                      "replica_microbatches": [computed[p] for p in g]}
-            for k in ("inflight_peak", "activation_peak_bytes", "peak_rss_bytes", "reduce_s"):
-                vals = [r[k] for r in rs if r.get(k) is not None]
-                if vals:
-                    merged[k] = max(vals)
-            if any("hop_delay_s" in r for r in rs):
-                merged["hop_delay_s"] = next(r["hop_delay_s"] for r in rs if "hop_delay_s" in r)
-            by_stage[s] = merged
+                losses.update(r.losses)
+
+            def peak(name: str, rs: list[StepDone] = rs) -> float | None:
+                return max((v for r in rs if (v := getattr(r, name)) is not None), default=None)
+
+            by_stage[s] = StepDone(
+                losses=losses, stage=s, bytes_sent=sum(r.bytes_sent for r in rs),
+                replica_microbatches=[computed[p] for p in g], inflight_peak=peak("inflight_peak"),
+                activation_peak_bytes=peak("activation_peak_bytes"), peak_rss_bytes=peak("peak_rss_bytes"),
+                reduce_s=peak("reduce_s"), hop_delay_s=next((r.hop_delay_s for r in rs if r.hop_delay_s), None))
         self.measure(replies)
         return by_stage
 

@@ -145,7 +145,7 @@ def snapshot(coordinator: Coordinator, history: RunHistory) -> SwarmStatus:
     c = coordinator
     cfg = c.cfg
 
-    speeds = c.driver.groups.speeds if cfg else {}
+    speeds = c.driver.group_steps.speeds if cfg else {}
 
     def view(pid: str, standby: bool = False) -> PeerView:
         m = c.members.members.get(pid)

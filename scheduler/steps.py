@@ -12,7 +12,8 @@ from collections.abc import Callable
 from checkfree.config import RunConfig
 from checkfree.net.transport import RemoteError
 from checkfree.pipeline import route
-from checkfree.protocol import RPC, Kind
+from checkfree.messages import Abort, Commit, Committed, Request, RunStep, SoftErrors, StepDone, from_wire
+from checkfree.protocol import Kind, ProtocolError
 from checkfree.steprules import SoftErrorRule
 from scheduler.common import CoordinatorOptions
 from scheduler.membership import Membership
@@ -30,14 +31,13 @@ class StepDriver:
     """Step attempts and commits, and what their failures say about the peers."""
 
     def __init__(self, cfg: RunConfig, opts: CoordinatorOptions, rpc: Rpc, table: StageTable, membership: Membership,
-                 outputs: Outputs, in_step: Callable[[int], dict], fault_fields: Callable[[str, str, int], dict]) -> None:
+                 outputs: Outputs, in_step: Callable[[int], dict]) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
         self.plus = False  # CheckFree+ routes (set by `configure`)
         self.in_step = in_step  # RUN_STEP fields of protection that travels inside the step (BAFT's backup parts)
-        self.fault_fields = fault_fields
-        self.groups = GroupSteps(cfg, rpc, table, membership, outputs, self.replica_error, self.abort,
-                                 opts.host_maddrs, fault_fields)
+        self.group_steps = GroupSteps(cfg, rpc, table, membership, outputs, self.replica_error, self.abort,
+                                 opts.host_maddrs)
         self.soft_rule = SoftErrorRule()  # attempts lost in a row to each stage's soft errors
         self.soft_counts: dict[str, dict] = {}  # peer -> its guard's counters (dead peers' kept)
         self.last_attempt = 0  # the attempt number that completed the newest step
@@ -57,11 +57,11 @@ class StepDriver:
         """`attempt` completed its step (the one COMMIT names)."""
         self.last_attempt = attempt
 
-    async def all(self, name: str, header: dict, timeout: float) -> dict[int, dict | Exception]:
-        """`name` on every stage's peer (every replica of a stage group); by stage, its primary's reply (a failed
+    async def all(self, message: Request, timeout: float) -> dict[int, object | Exception]:
+        """`message` to every stage's peer (every replica of a stage group); by stage, its primary's reply (a failed
         replica is reported)."""
         calls = [(s, p) for s, g in self.table.groups().items() for p in g]
-        results = await self.rpc.gather([p for _, p in calls], name, header, timeout)
+        results = await self.rpc.gather([p for _, p in calls], message, timeout)
         out = {}
         for (s, p), r in zip(calls, results):
             if p != self.table.peer(s):
@@ -73,7 +73,7 @@ class StepDriver:
 
     async def abort(self) -> None:
         """ABORT on every peer of the run's stages: an attempt in flight ends there at once."""
-        await self.all(RPC.ABORT, {}, self.t.rpc_timeout)
+        await self.all(Abort(), self.t.rpc_timeout)
 
     def route_table(self, step: int, evaluate: bool) -> list[list[int]]:
         """Stage order of every microbatch of the step, CheckFree+ swaps included (announced so
@@ -83,22 +83,21 @@ class StepDriver:
             return [list(range(s))] * self.cfg.train.eval_batches
         return [[h.stage for h in route(s, self.plus, step, mb, m)] for mb in range(m)]
 
-    async def attempt(self, step: int, attempt: int, evaluate: bool) -> dict[int, dict] | None:
+    async def attempt(self, step: int, attempt: int, evaluate: bool) -> dict[int, StepDone] | None:
         """One attempt: RUN_STEP on every stage; the first error aborts the attempt everywhere."""
-        header = {"step": step, "attempt": attempt, "evaluate": evaluate, "peers": {
-            str(s): p for s, p in self.table.primaries().items()}, "routes": self.route_table(step, evaluate),
-            **({} if evaluate else self.in_step(step))}
+        request = RunStep(step=step, attempt=attempt, evaluate=evaluate, peers=self.table.primaries(),
+                          routes=self.route_table(step, evaluate), **({} if evaluate else self.in_step(step)))
         if not evaluate and self.table.grouped():  # several replicas of some stage (evaluations: the primaries)
-            return await self.groups.attempt(step, attempt, header)
+            return await self.group_steps.attempt(step, attempt, request)
         peers = self.table.primaries()
-        tasks = {s: asyncio.create_task(self.rpc.call(p, RPC.RUN_STEP, header, self.t.step_timeout + self.t.rpc_timeout))
+        tasks = {s: asyncio.create_task(self.rpc.call(p, request, self.t.step_timeout + self.t.rpc_timeout))
                  for s, p in peers.items()}
         done, pending = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
         errors = {s: t.exception() for s, t in tasks.items() if t in done and t.exception() is not None}
         if not errors:
             results = {s: t.result()[0] for s, t in tasks.items()}
             if not evaluate:
-                self.groups.measure({peers[s]: r for s, r in results.items()})
+                self.group_steps.measure({peers[s]: r for s, r in results.items()})
             return results
         if pending and any(getattr(e, "kind", None) in (Kind.STEP_TIMEOUT, Kind.STRAGGLER) for e in errors.values()):
             # every peer's step deadline passes at about the same time: hear them all before aborting,
@@ -126,7 +125,7 @@ class StepDriver:
         stage = self.table.stage_of(pid)
         kind = getattr(e, "kind", None)
         if kind == Kind.SOFT_ERROR:
-            self.soft_counts[pid] = e.detail.get("soft_errors", {})
+            self.soft_counts[pid] = soft_errors(e)
             event = functools.partial(self.out.event, step=step, strategy=self.cfg.recovery.strategy)
             if self.soft_rule.lost(stage, event):
                 self.members.drop(pid)
@@ -134,18 +133,26 @@ class StepDriver:
             self.out.event("straggler", step=step, stage=stage, peer_id=pid, reason=e.remote_message[:300])
             self.members.drop(pid)
 
-    async def commit(self, step: int) -> dict[int, dict | Exception]:
+    async def commit(self, step: int) -> dict[int, Committed | Exception]:
         """COMMIT of the finished attempt on every stage; a stage that dies between ready and commit is reported
         (its replacement rebuilds it before the next step)."""
-        results = await self.all(RPC.COMMIT, {"step": step, "attempt": self.last_attempt}, self.t.rpc_timeout)
+        results = await self.all(Commit(step=step, attempt=self.last_attempt), self.t.rpc_timeout)
         for s, r in results.items():
             if isinstance(r, Exception):
                 self.members.suspect(self.table.peer(s))
         return results
 
-    def committed(self, commits: dict[int, dict | Exception]) -> None:
+    def committed(self, commits: dict[int, Committed | Exception]) -> None:
         """A step is committed: the soft-error rule starts over, each peer's guard counters are kept."""
         self.soft_rule.clear()
         for s, r in commits.items():
-            if isinstance(r, dict):
-                self.soft_counts[self.table.peer(s)] = r.get("soft_errors", {})
+            if isinstance(r, Committed):
+                self.soft_counts[self.table.peer(s)] = r.soft_errors
+
+
+def soft_errors(e: RemoteError) -> dict[str, int]:
+    """The soft-error guard's counters a SOFT_ERROR step failure carries (none when its detail is malformed)."""
+    try:
+        return from_wire(e.detail, SoftErrors, "error detail").soft_errors
+    except ProtocolError:
+        return {}

@@ -160,3 +160,16 @@ def test_the_control_plane_page_carries_what_the_result_files_render():
     held = blocks(PAGE.read_text())
     for marker, module, result in BLOCKS:
         assert held.get(marker) == rendered(module, result), f"{marker}: run python -m benchmarks.docs_tables"
+
+
+def test_messages_reports_every_way_for_every_message(capsys):
+    """benchmarks.messages: each message, each way (dict, msgspec, pydantic, the two codecs) and its ratio to the
+    dict path, measured side by side (timings are printed, never asserted)."""
+    from benchmarks.messages import main
+
+    main(["--rounds", "1", "--n", "20"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("load average") and lines[1].split()[1:3] == ["dict", "msgspec"]
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert set(rows) == {"forward", "run_step", "assign_recover"}
+    assert all(len(re.findall(r"\d+\.\d\d \(\s*\d+\.\dx\)", r)) == 5 for r in rows.values()), rows

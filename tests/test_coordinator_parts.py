@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from checkfree.net.memory import MEMORY, MemoryTransport
 from checkfree.plans import Copies, Failure, Holder, Own, RecoveryPlan, Snapshot
+from checkfree.messages import Envelope, Join, Leave, Left, Report
 from checkfree.protocol import RPC, ProtocolError, Timeouts
 from checkfree.strategies import build_strategy
 from scheduler.common import CoordinatorOptions, Rollback
@@ -47,6 +50,8 @@ class Peers:
     def _handler(self, pid: str, name: str):
         async def handle(header: dict, tensors: list, caller) -> tuple[dict, list]:
             self.got.append((pid, name, header))
+            if name == RPC.PING:
+                return {"stage": -1, "state": "standby"}, []
             return self.answer(pid, name, header), []
         return handle
 
@@ -97,23 +102,24 @@ def test_membership_admits_suspects_and_detects_alone(tiny_cfg, tmp_path):
     async def main():
         _, rpc, table, out, members = await _parts(tmp_path, cfg)
         peers = Peers(3)
+        env = Envelope(run="parts")
         for pid in peers.ids:
-            await members.on_join({"run": "parts", "peer_id": pid}, [], pid)
+            await members.on_join(Join(peer_id=pid), env, pid)
         with pytest.raises(ProtocolError, match="duplicate join"):
-            await members.on_join({"run": "parts", "peer_id": peers.ids[0]}, [], peers.ids[0])
+            await members.on_join(Join(peer_id=peers.ids[0]), env, peers.ids[0])
         assert members.standbys() == peers.ids
         table.assign(0, peers.ids[0])
         table.assign(1, peers.ids[1])
         assert members.standbys() == [peers.ids[2]]
         for pid in peers.ids[:2]:
-            await members.on_report({"run": "parts", "stage": table.stage_of(pid), "peer_id": pid,
-                                     "reason": "unreachable"}, [], peers.ids[2])
+            await members.on_report(Report(stage=table.stage_of(pid), peer_id=pid, reason="unreachable"), env,
+                                    peers.ids[2])
         MEMORY.kill(peers.ids[1])
         found = await members.detect()
         assert found.failed == {1} | set(range(2, cfg.num_stages)) and not found.handed_over
         assert members.reported == {peers.ids[1]}  # the false report about peer 0 is cleared
-        reply, _ = await members.on_leave({"run": "parts"}, [], peers.ids[0])
-        assert reply == {"ok": True, "handover": True} and members.leaving(peers.ids[0])
+        reply = await members.on_leave(Leave(), env, peers.ids[0])
+        assert reply == Left(handover=True) and members.leaving(peers.ids[0])
         await rpc.stop()
     asyncio.run(main())
 
@@ -129,7 +135,7 @@ def test_placement_fills_every_stage_and_passes_over_a_peer_that_refuses(tiny_cf
         refuse.add(peers.ids[1])
         for pid in peers.ids:
             members.admit(pid, 0.0)
-        placement = Placement(cfg, rpc, table, members, out, dict, lambda stage: {})
+        placement = Placement(cfg, rpc, table, members, out, dict)
         await placement.fill(None, 0)
         assert table.served() == list(range(cfg.num_stages)) and peers.ids[1] not in table.primaries().values()
         assert members.leaving(peers.ids[1])  # it is retired, in case it goes on to host the stage anyway
@@ -158,7 +164,7 @@ def test_the_step_driver_runs_an_attempt_and_reads_what_its_failure_says(tiny_cf
         for s, pid in enumerate(peers.ids):
             members.admit(pid, 0.0)
             table.assign(s, pid)
-        driver = StepDriver(cfg, opts, rpc, table, members, out, lambda step: {}, lambda name, pid, step: {})
+        driver = StepDriver(cfg, opts, rpc, table, members, out, lambda step: {})
         results = await driver.attempt(3, 0, evaluate=False)
         assert sorted(results) == list(range(cfg.num_stages))
         (_, header), *_ = peers.sent(RPC.RUN_STEP)
@@ -193,7 +199,7 @@ def test_protection_counts_a_snapshot_only_once_every_stage_took_it(tiny_cfg, tm
         fail["on"] = False
         await protection.protect_item(item, 2)
         assert protection.lost(set()).holders(0) == [0, 1]
-        assert [h["holders"] for p, h in peers.sent(RPC.SNAPSHOT) if p == peers.ids[2]][-1] == peers.ids[2:]
+        assert [h["keep"]["peers"] for p, h in peers.sent(RPC.SNAPSHOT) if p == peers.ids[2]][-1] == peers.ids[2:]
         assert protection.lost({1}).holders(0) == [0]  # the copies a lost peer held are gone with it
         await rpc.stop()
     asyncio.run(main())
@@ -208,7 +214,7 @@ def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp
 
     async def main():
         opts, rpc, table, out, members = await _parts(tmp_path, cfg)
-        peers = Peers(cfg.num_stages + 1, lambda pid, name, h: {"omega": 0.5, "bytes": 10} if name == RPC.ASSIGN
+        peers = Peers(cfg.num_stages + 1, lambda pid, name, h: {"stage": h["stage"], "bytes": 10} if name == RPC.ASSIGN
                       else {"bytes": 10, "sent": 10} if name == RPC.SNAPSHOT else {"ok": True})
         for s, pid in enumerate(peers.ids):
             members.admit(pid, float(s))
@@ -217,12 +223,9 @@ def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp
         strategy = build_strategy(cfg)
         protection = Protection(cfg, opts, strategy, rpc, table, out)
         await protection.protect_item(strategy.protection_due(1)[0], 2)  # the snapshot of step 2
-        placement = Placement(cfg, rpc, table, members, out, dict, lambda stage: {})
+        placement = Placement(cfg, rpc, table, members, out, dict)
 
-        async def no_faults(pid, stage):
-            return {}
-
-        recovery = Recovery(cfg, strategy, rpc, table, members, placement, protection, out, no_faults)
+        recovery = Recovery(cfg, strategy, rpc, table, members, placement, protection, out)
         lost = peers.ids[2]
         MEMORY.kill(lost)
         with pytest.raises(Rollback) as r:
@@ -230,10 +233,11 @@ def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp
         assert r.value.step == 2
         restores = {p: h for p, h in peers.sent(RPC.RESTORE)}
         assert set(restores) == {peers.ids[s] for s in (0, 1, 3)}
-        assert all(h == {"run": "parts", "step": 2, "source": None} for h in restores.values())
+        assert all(h == {"run": "parts", "step": 2, "origin": {"kind": "own"}} for h in restores.values())
         (new, assign), = [(p, h) for p, h in peers.sent(RPC.ASSIGN)]
         holder = strategy.restore_source(2, [3])
-        assert new == peers.ids[-1] and assign["mode"] == "restore" and assign["source"] == peers.ids[holder]
+        assert new == peers.ids[-1] and assign["mode"] == "restore" and assign["origin"] == {
+            "kind": "peer", "peer": peers.ids[holder]}
         assert table.peer(2) == new and members.leaving(lost)
         out.close("completed", None)
         from checkfree.rundir import read_jsonl
@@ -254,3 +258,24 @@ def test_a_plan_is_a_value_the_strategy_returns(tiny_cfg):
     assert plan == RecoveryPlan(5, frozenset({1}), {0: Own(), 1: Holder(0, 4), 2: Own(), 3: Own()}, rollback_to=4,
                                 then=plan.then)
     assert [type(p).__name__ for p in plan.then] == ["Snapshot"]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_faults_come_from_outside():
+    """No fault schedule in the coordinator or the step path: the schedule is scheduler/injector.py's (its
+    FaultSchedule), acted out at the coordinator's one hook point and around its transport."""
+    from scheduler.injector import FaultSchedule
+
+    for path in ("scheduler/coordinator.py", "scheduler/steps.py", "scheduler/recovery.py", "peers/passes.py"):
+        assert "chaos" not in (ROOT / path).read_text(), path
+    options = {f.name for f in dataclasses.fields(CoordinatorOptions)}
+    assert not options & {f.name for f in dataclasses.fields(FaultSchedule)} and not any("chaos" in o for o in options)
+
+
+def test_messages_are_read_as_types():
+    """Peers and coordinator read typed messages (checkfree.messages): no header or reply is read as a dict."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for d in ("peers", "scheduler") for p in sorted((ROOT / d).glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "header.get(" in line or "reply.get(" in line]
+    assert not found, found

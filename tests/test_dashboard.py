@@ -47,7 +47,7 @@ async def _watch_swarm(cfg, out, failures: list[tuple[int, int]]):
     t = cfg.train  # the token cache, made once before any peer needs it (as `checkfree local` does)
     await asyncio.to_thread(build_data, cfg.data, vocab_size=cfg.model.vocab_size,
                             context_length=cfg.model.context_length, seed=t.seed, microbatch_size=t.microbatch_size)
-    swarm = InProcessSwarm(cfg, out, cfg.num_stages + 2, {"chaos": FailureSchedule(failures), "save_final": False})
+    swarm = InProcessSwarm(cfg, out, cfg.num_stages + 2, {"save_final": False}, {"kills": FailureSchedule(failures)})
     run = asyncio.create_task(swarm.run())
     while swarm.coordinator is None:
         await asyncio.sleep(0)

@@ -410,9 +410,9 @@ def test_a_fixed_schedule_holds_every_invariant(name, tmp_path, cache):
 # ---- mutation: the search must catch a broken recovery ------------------------------------------------------------
 def _swap_coefficients(monkeypatch) -> None:
     """The swarm's peers rebuild a lost stage with its two sources' gradient norms swapped (the simulator does not)."""
-    import peers.recovery
+    import peers.rebuild
 
-    rebuild = peers.recovery.rebuild_stage
+    rebuild = peers.rebuild.rebuild_stage
 
     def swapped(plan, template, blocks, norms, edges, **kwargs):
         if len(norms) == 2:
@@ -420,7 +420,7 @@ def _swap_coefficients(monkeypatch) -> None:
             norms = {a: norms[b], b: norms[a]}
         return rebuild(plan, template, blocks, norms, edges, **kwargs)
 
-    monkeypatch.setattr(peers.recovery, "rebuild_stage", swapped)
+    monkeypatch.setattr(peers.rebuild, "rebuild_stage", swapped)
 
 
 def test_swapped_recovery_coefficients_are_caught(tmp_path, cache, monkeypatch):

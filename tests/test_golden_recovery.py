@@ -79,7 +79,7 @@ def test_the_simulator_and_the_swarm_decide_every_recovery_alike(tiny_cfg, tmp_p
     whole = {(t, s) for t, s, w in trace if w}
     replicas = cfg.train.replicas
     swarm = run_swarm(cfg, tmp_path / "swarm", peers=replicas * cfg.num_stages + len(trace) + 1,
-                      chaos=FailureSchedule(events, whole if replicas > 1 else set()), save_final=False)
+                      kills=FailureSchedule(events, whole if replicas > 1 else set()), save_final=False)
     sim_cfg = copy.deepcopy(cfg)
     write_trace(tmp_path / "trace.csv", events, whole)
     sim_cfg.failures.trace = str(tmp_path / "trace.csv")

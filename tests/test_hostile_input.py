@@ -329,8 +329,11 @@ def test_peer_control_rpcs_refuse_bad_and_unauthorised_requests(live: Live) -> N
     live.refused(p, RPC.SHUTDOWN, {"run": RUN}, match=r"only the run's coordinator may shut this peer down")
     live.refused(p, RPC.ASSIGN, {"run": RUN, "stage": 99, "mode": "fresh"}, match=r"coordinator|out of range")
     live.refused(p, RPC.ASSIGN, {"run": RUN, "stage": 0, "mode": "fresh"}, match=r"coordinator|already hosts stage 0")
-    live.refused(p, RPC.ASSIGN, {"run": RUN, "stage": 1, "mode": "recover", "plan": {}, "sources": {}, "step": 0},
+    live.refused(p, RPC.ASSIGN, {"run": RUN, "stage": 1, "mode": "recover", "sources": {}, "step": 0,
+                                 "plan": {"stage": 1, "method": "average", "sources": [0, 2]}},
                  match=r"coordinator|already hosts stage 0")
+    live.refused(p, RPC.ASSIGN, {"run": RUN, "stage": 1, "mode": "recover", "plan": {}, "sources": {}, "step": 0},
+                 match=r"missing field 'plan.stage'")  # a nested field is checked too
     live.refused(p, RPC.RUN_STEP, {"run": RUN, "step": 5, "attempt": 0, "evaluate": False, "peers": {}},
                  match=r"only the run's coordinator")
     live.refused(p, RPC.RUN_STEP, {"run": RUN, "step": 5, "attempt": 0, "evaluate": True, "peers": {"0": p}},
@@ -364,11 +367,12 @@ def test_snapshot_rpcs_refuse_strangers_and_stay_bounded(live: Live, tmp_path: P
     """Rollback strategies' RPCs: only the coordinator may roll a stage back or make it write files;
     what a holder stores for others is bounded by the number of stages."""
     p = live.peer_id
-    live.refused(p, RPC.RESTORE, {"run": RUN, "step": 0, "source": "init"}, match=r"only the run's coordinator")
-    live.refused(p, RPC.SNAPSHOT, {"run": RUN, "step": 1, "storage": str(tmp_path)},
+    live.refused(p, RPC.RESTORE, {"run": RUN, "step": 0, "origin": {"kind": "init"}},
+                 match=r"only the run's coordinator")
+    live.refused(p, RPC.SNAPSHOT, {"run": RUN, "step": 1, "keep": {"kind": "storage", "storage": str(tmp_path)}},
                  match=r"only the run's coordinator")
     assert not list(tmp_path.iterdir())  # nothing written where a stranger asked
-    live.refused(p, RPC.SNAPSHOT, {"run": RUN, "step": 1, "holders": [str(live.t.peer_id)]},
+    live.refused(p, RPC.SNAPSHOT, {"run": RUN, "step": 1, "keep": {"kind": "holders", "peers": [str(live.t.peer_id)]}},
                  match=r"only the run's coordinator")
     blob = torch.zeros(4096, dtype=torch.uint8)
     for owner in (10**9, -1, 4):

@@ -1,5 +1,5 @@
 """The in-process tier (tests/inprocess.py): the real coordinator and peer daemons in one event loop over the
-memory network, faults from the coordinator's chaos schedule. Each test compares the swarm's run directory
+memory network, faults from outside (scheduler.injector). Each test compares the swarm's run directory
 with the simulator's for the same config and failures, in seconds instead of the subprocess tests' minutes."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
     rebuilds it with the same coefficients and goes on with the simulator's losses."""
     cfg = _cfg(tiny_cfg, strategy)
     failures = [(3, 1)] + ([(4, cfg.num_stages - 1)] if strategy == "checkfree+" else [])
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, chaos=FailureSchedule(failures),
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, kills=FailureSchedule(failures),
                       save_final=False)
     _simulate(cfg, tmp_path / "sim", failures)
     assert swarm.summary["status"] == "completed"
@@ -66,6 +66,25 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
     assert [(e["step"], e["stage"]) for e in got] == [(e["step"], e["stage"]) for e in want] == failures
     for g, w in zip(got, want):
         assert g.get("coefficients") == pytest.approx(w.get("coefficients"), rel=1e-5)
+
+
+@pytest.mark.parametrize("fault", ["recovery_kills", "rebuild_kills"])
+def test_a_replacement_lost_during_its_rebuild_is_replaced_by_the_next_standby(tiny_cfg, tmp_path, fault):
+    """Faults from outside (scheduler.injector, around the coordinator's transport): the standby chosen to rebuild
+    stage 1 at step 3 is killed as its ASSIGN leaves (recovery_kills) or SIGKILLs itself after its first weight
+    pull (rebuild_kills: the field the injector adds to the ASSIGN); the next standby rebuilds the stage and the
+    run keeps the simulator's losses."""
+    cfg = _cfg(tiny_cfg, "checkfree")
+    failures = [(3, 1)]
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, kills=FailureSchedule(failures),
+                      save_final=False, **{fault: frozenset({3})})
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    (retry,) = _events(tmp_path / "swarm", "recovery_retry")
+    (recovery,) = _events(tmp_path / "swarm", "recovery")
+    assert (retry["step"], retry["stage"]) == (recovery["step"], recovery["stage"]) == (3, 1)
+    assert retry["peer_id"] in [str(f["peer"]) for _, f in swarm.killed] and recovery["peer_id"] != retry["peer_id"]
 
 
 @pytest.mark.parametrize("strategy, fallback, failures", [
@@ -78,7 +97,7 @@ def test_identity_recovery_in_one_process_equals_the_simulator(tiny_cfg, tmp_pat
     cfg = _cfg(tiny_cfg, strategy)
     cfg.recovery.fallback = fallback
     dump = tmp_path / "dump"
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, kills=FailureSchedule(failures),
                       dump_dir=str(dump), save_final=False)
     _simulate(cfg, tmp_path / "sim", failures)
     assert swarm.summary["status"] == "completed"
@@ -101,7 +120,7 @@ def test_rollback_in_one_process_restores_what_the_simulator_does(tiny_cfg, tmp_
     cfg = _cfg(tiny_cfg, strategy, steps=7)
     cfg.strategy.snapshot_every = cfg.strategy.checkpoint_every = 2
     failures = [(5, 2)]
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, chaos=FailureSchedule(failures),
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, kills=FailureSchedule(failures),
                       save_final=False)
     sim = _simulate(cfg, tmp_path / "sim", failures)
     assert swarm.summary["status"] == "completed"
@@ -165,7 +184,7 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
     failures = [(5, 1), (6, 2), (7, 1)]
     held: dict[int, bytes] = {}
 
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 4, chaos=FailureSchedule(failures),
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 4, kills=FailureSchedule(failures),
                       save_final=False, dump_dir=str(tmp_path / "dump"), on_kill=lambda sw, f: held.update(
                           {s: b for d in sw.daemons.values() for s, (_, b) in d.snapshots.held.items()
                            if d.hosted.index == s + 1 and f["step"] == 5}))
@@ -212,7 +231,7 @@ def test_redundant_computation_promotes_replicas_and_loses_nothing(tiny_cfg, tmp
     cfg = _cfg(tiny_cfg, "redundant", steps=8)
     failures = [(2, 1), (4, 3), (6, 0)]
     clean = run_swarm(cfg, tmp_path / "clean", peers=cfg.num_stages, save_final=False)
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, kills=FailureSchedule(failures),
                       save_final=False)
     _simulate(cfg, tmp_path / "sim", failures)
     assert clean.summary["status"] == swarm.summary["status"] == "completed"
@@ -245,7 +264,7 @@ def _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, fai
     simulator's rollbacks (targets, lost steps), keeps its losses, and ends each step with the failure-free loss.
     Returns (swarm, simulator summary, the swarm's recovery events)."""
     clean = run_swarm(cfg, tmp_path / "clean", peers=cfg.num_stages, save_final=False)
-    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, chaos=FailureSchedule(failures),
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, kills=FailureSchedule(failures),
                       save_final=False)
     sim = _simulate(cfg, tmp_path / "sim", failures)
     assert clean.summary["status"] == swarm.summary["status"] == "completed"
@@ -301,7 +320,8 @@ def test_reft_companion_keeps_its_peers_snapshot_for_members_only_from_its_peer(
     import asyncio
 
     from checkfree.net.tcp_transport import RemoteError, TcpTransport
-    from peers.companion import COMPANION_STOP, COMPANION_STORE, companion_id, fetch_snapshot, start_companion
+    from checkfree.messages import CompanionStop, CompanionStore
+    from peers.companion import companion_id, fetch_snapshot, start_companion
 
     secret = b"0123456789abcdef-secret"
     proc, addr = start_companion("QmPeer", "127.0.0.1", linger=1.0, secret=secret)
@@ -314,14 +334,14 @@ def test_reft_companion_keeps_its_peers_snapshot_for_members_only_from_its_peer(
             t.add_peer_address(addr)
         tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (blob, parity)]
         try:
-            await peer.call(companion_id("QmPeer"), COMPANION_STORE, header, tensors, timeout=10)
+            await peer.call(companion_id("QmPeer"), CompanionStore.rpc, header, tensors, timeout=10)
             with pytest.raises(RemoteError, match="only peer QmPeer stores"):
-                await stranger.call(companion_id("QmPeer"), COMPANION_STORE, header, tensors[::-1], timeout=10)
+                await stranger.call(companion_id("QmPeer"), CompanionStore.rpc, header, tensors[::-1], timeout=10)
             meta, got_blob, got_parity = await fetch_snapshot("QmOther", addr, 4, secret, 10)
-            assert (meta["stage"], got_blob, got_parity) == (1, blob, parity)
+            assert (meta.stage, got_blob, got_parity) == (1, blob, parity)
             with pytest.raises(RemoteError, match="no snapshot of step 2"):
                 await fetch_snapshot("QmOther", addr, 2, secret, 10)
-            await peer.call(companion_id("QmPeer"), COMPANION_STOP, {}, timeout=10)
+            await peer.call(companion_id("QmPeer"), CompanionStop.rpc, {}, timeout=10)
         finally:
             await peer.shutdown()
             await stranger.shutdown()

@@ -17,9 +17,13 @@ def _admit(name: str, header: dict, caller: str, secret: bytes | None, coordinat
     admit(name, {"run": RUN, **header}, caller, run_id=RUN, secret=secret, coordinator=coordinator, me=ME)
 
 
+_NESTED = {"mode": "fresh", "keep": {"kind": "holders", "peers": []}, "origin": {"kind": "init"}}
+
+
 def _minimal(name: str) -> dict:
-    """A header with every field the RPC's rule requires (values of the right type)."""
-    return {k: {int: 0, str: "x", dict: {}, bool: False, list: []}[t] for k, t in RULES[name].fields.items()}
+    """A header with every field the RPC's rule requires (values of the right type; a tagged union: a variant)."""
+    return {k: _NESTED.get(k, {int: 0, str: "x", dict: {}, bool: False, list: []}[t])
+            for k, t in RULES[name].fields.items()}
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
@@ -68,19 +72,25 @@ def test_every_rpc_a_peer_serves_has_a_rule() -> None:
 
 
 def test_requests_are_defined_once_and_checked_at_both_ends():
-    """Every RPC's header fields come from checkfree.protocol.REQUEST_FIELDS: the peers' admission rules, the
-    coordinator's handlers and the senders' `request` all read that one table."""
-    from checkfree.protocol import REQUEST_FIELDS, RPC, ProtocolError, check_request, request
+    """Every RPC's header is a type of checkfree.messages: the peers' admission rules, the coordinator's handlers
+    and the senders all use those types (a sender cannot build a request without its required fields)."""
+    from checkfree.messages import REQUEST_FIELDS, Forward, check_request, request
+    from checkfree.protocol import RPC, ProtocolError
     from peers.checks import RULES
 
     served_by_peers = {n for n in vars(RPC).values() if isinstance(n, str) and n.startswith("cf.")} - {
         RPC.JOIN, RPC.REPORT, RPC.LEAVE, RPC.STATUS}
     assert set(RULES) == served_by_peers and all(RULES[n].fields == REQUEST_FIELDS[n] for n in RULES)
-    assert request(RPC.FORWARD, "r", step=1, attempt=0, mb=2, hop=1) == {"run": "r", "step": 1, "attempt": 0,
-                                                                         "mb": 2, "hop": 1}
-    with pytest.raises(ProtocolError, match="missing field 'hop'"):
-        request(RPC.FORWARD, "r", step=1, attempt=0, mb=2)
+    forward = Forward(step=1, attempt=0, mb=2, hop=1)
+    assert request("r", forward) == {"run": "r", "step": 1, "attempt": 0, "mb": 2, "hop": 1}
+    assert check_request(RPC.FORWARD, request("r", forward)) == forward
+    with pytest.raises(TypeError, match="hop"):
+        Forward(step=1, attempt=0, mb=2)
     with pytest.raises(ProtocolError, match="field 'stage' must be int, got str"):
         check_request(RPC.REPORT, {"run": "r", "stage": "1", "peer_id": "p", "reason": "x"})
     with pytest.raises(ProtocolError, match="unknown request 'cf.nope'"):
         check_request("cf.nope", {"run": "r"})
+    with pytest.raises(ProtocolError, match="field 'keep.peers\\[0\\]' must be str, got int"):  # nested fields too
+        check_request(RPC.SNAPSHOT, {"run": "r", "step": 1, "keep": {"kind": "holders", "peers": [1]}})
+    with pytest.raises(ProtocolError, match="field 'mode' cannot be 'sideways'"):
+        check_request(RPC.ASSIGN, {"run": "r", "stage": 1, "mode": "sideways"})

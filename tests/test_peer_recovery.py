@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from checkfree.pipeline import Hop
-from checkfree.protocol import RPC, plan_to_wire
+from checkfree.messages import AssignRecover, request
+from checkfree.protocol import RPC
 from checkfree.recovery import checkfree_average, plan_recovery, rebuild_stage
 from checkfree.strategies import build_strategy, worker_config
 from checkfree.worker import StageWorker
-from peers import recovery as recovery_mod
+from peers import rebuild as rebuild_mod
 from peers.daemon import PeerDaemon, PeerOptions
 from peers.stage import PeerState
 
@@ -127,10 +128,9 @@ def test_replacement_pulls_concurrently_and_rebuilds_off_the_event_loop(cfg, mon
         return rebuild_stage(*args, **kwargs)
 
     loop: asyncio.AbstractEventLoop | None = None
-    monkeypatch.setattr(recovery_mod, "rebuild_stage", held_rebuild)
+    monkeypatch.setattr(rebuild_mod, "rebuild_stage", held_rebuild)
     (plan,) = plan_recovery({2}, cfg.num_stages, "checkfree")
-    header = {"run": RUN, "stage": 2, "mode": "recover", "plan": plan_to_wire(plan), "step": 5,
-              "sources": {"1": "peer-1", "3": "peer-3"}}
+    header = request(RUN, AssignRecover(stage=2, plan=plan, step=5, sources={1: "peer-1", 3: "peer-3"}))
 
     async def ping_while_rebuilding() -> dict:
         await rebuilding.wait()

@@ -49,7 +49,7 @@ def test_plot_of_a_swarm_run_with_failures_marks_them(tiny_cfg, tmp_path):
     cfg = _tiny(tiny_cfg, 6)
     build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,  # as `local` does:
                seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size, progress=False)  # once, not per peer
-    run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, chaos=FailureSchedule([(2, 1), (4, 2)]),
+    run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 2, kills=FailureSchedule([(2, 1), (4, 2)]),
               save_final=False)
     written, notes = plot_run(tmp_path / "swarm", tmp_path / "png")
     assert [p.name for p in written] == ["loss.png", "step_time.png", "wire_bytes.png"] and notes == []

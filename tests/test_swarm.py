@@ -95,6 +95,9 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 512)
 
 
+# libp2p is slow (CI time): the same recovery runs over hivemind here, and a whole swarm over libp2p (1F1B) in
+# test_swarm_equals_simulator_without_failures[libp2p]
+@pytest.mark.parametrize("rpc_transport", ["hivemind", pytest.param("libp2p", marks=pytest.mark.slow)], indirect=True)
 def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache, rpc_transport):
     """Also: a SIGTERM (preemption notice) of stage 1 at step 3 is a lossless handover, not a failure."""
     dump = tmp_path / "dump"
@@ -271,6 +274,10 @@ def test_int8_wire_in_the_swarm_equals_the_simulator(tmp_path, cache):
     assert 0.2 < ratio < 0.35, ratio
 
 
+# slow (CI time): test_inprocess's snapshot test runs the same restores between real PeerDaemons and checks them bit
+# for bit, the golden check compares its events with the simulator's, and SIGKILLed real processes are recovered in
+# test_sigkill_intermediate_stage_recovered_by_checkfree
+@pytest.mark.slow
 def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_path, cache):
     """checkfree+snap with real processes and SIGKILLs: stage 1 restored from stage 2's peer's copy of the
     step-4 snapshot, stage 2 from stage 3's copy of step 6 (taking stage 1's snapshot with it), then stage 1
@@ -288,6 +295,9 @@ def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_pa
     assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5)
 
 
+# slow (CI time): test_inprocess's redundant test runs the same three kills between real PeerDaemons (promotions,
+# no attempt aborted, failure-free losses) and the golden check compares the events with the simulator's
+@pytest.mark.slow
 def test_redundant_computation_for_real_promotes_replicas_and_loses_nothing(tmp_path, cache):
     """Bamboo with real processes: three non-adjacent SIGKILLs (stages 1, 3, 0) each repaired by promoting the
     predecessor's replica; no attempt aborted, no step lost, the simulator's events, and the losses of a
@@ -307,6 +317,9 @@ def test_redundant_computation_for_real_promotes_replicas_and_loses_nothing(tmp_
     assert all(r > 0 for m in a for r in m["redundant_s"]) and all(n > 0 for m in a for n in m["replica_bytes"])
 
 
+# slow (CI time): test_inprocess's two BAFT tests send the backups in the bubbles between real PeerDaemons and roll
+# back like the simulator; the golden check compares the events
+@pytest.mark.slow
 def test_baft_for_real_rolls_back_to_the_backups_sent_in_the_bubbles(tmp_path, cache):
     """BAFT with real processes: backups travel in the bubbles; three non-adjacent SIGKILLs (iterations 3, 6, 8:
     stages 1, 3, 0) roll every stage back to the last complete backup, as the simulator does (same targets,

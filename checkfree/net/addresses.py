@@ -15,7 +15,7 @@ from hivemind.dht import DHT
 from hivemind.utils.multiaddr import Multiaddr
 
 from checkfree.net.errors import TransportError
-from checkfree.net.membership import announce, heartbeat, live_members_async
+from checkfree.net.heartbeats import announce, heartbeat, live_members_async
 
 __all__ = ["RPC_ADDRS_TTL", "RPC_ADDRS_ATTEMPTS", "rpc_addrs_key", "listen_ips", "announced_maddrs",
            "publish_rpc_addrs", "learn_addresses", "announce_rpc_addrs"]

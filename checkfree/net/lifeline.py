@@ -118,6 +118,16 @@ def living(pids: set[int]) -> set[int]:
     return alive
 
 
+def outliving(pids: set[int], timeout: float = 15.0, poll: float = 0.1) -> set[int]:
+    """Those of `pids` still running after up to `timeout` seconds. Processes that exit on their own once their
+    clients are gone (torch's torch_shm_manager, a pool's resource tracker) do so shortly after a swarm stops,
+    not at the instant its launcher returns; a check for leftovers waits for them, bounded."""
+    deadline = time.monotonic() + timeout
+    while (alive := living(pids)) and time.monotonic() < deadline:
+        time.sleep(poll)
+    return alive
+
+
 def held_socket_files(pids: set[int], prefix: str = "/tmp/hivemind-") -> set[str]:
     """The unix socket files under `prefix` that these processes hold open (hivemind's p2pd / p2pclient
     sockets; from /proc, Linux)."""

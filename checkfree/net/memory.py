@@ -221,7 +221,7 @@ class MemoryTransport:
 
 
 class MemoryDHT:
-    """The DHT calls `checkfree.net.membership` makes, over the network's record table (no expiry clock
+    """The DHT calls `checkfree.net.heartbeats` makes, over the network's record table (no expiry clock
     other than ``time.time``, which is what hivemind's ``get_dht_time`` returns)."""
 
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:

@@ -32,7 +32,7 @@ from checkfree.net.factory import (
     stop_transport,
 )
 from checkfree.net.hivemind_transport import HivemindTransport
-from checkfree.net.membership import (
+from checkfree.net.heartbeats import (
     announce,
     dht_maddrs,
     heartbeat,

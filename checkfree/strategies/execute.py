@@ -95,7 +95,7 @@ class SimExecutor:
         """reft: every stage's serialized state, and the parity blocks of every group."""
         self.blobs = {s: state_to_bytes(self.ctx.capture(s, item.step)) for s in range(self.ctx.num_stages)}
         moved, slowest = 0, 0.0
-        for g in item.groups:
+        for g in item.parity_groups:
             for block in raim5_encode([self.blobs[s] for s in g]):
                 self.blocks[g[block.holder]] = block
             for s in g:  # s sends one chunk of ~L/(n-1) to each other member

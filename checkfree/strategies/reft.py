@@ -32,15 +32,15 @@ class ReftStrategy(InMemoryStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.groups = parity_groups(cfg.num_stages, cfg.strategy.reft_group)
-        if any(len(g) < 2 for g in self.groups):
-            raise ValueError(f"reft needs at least 2 stages per parity group, got groups {self.groups}")
+        self.parity_groups = parity_groups(cfg.num_stages, cfg.strategy.reft_group)
+        if any(len(g) < 2 for g in self.parity_groups):
+            raise ValueError(f"reft needs at least 2 stages per parity group, got groups {self.parity_groups}")
 
     def group_of(self, stage: int) -> list[int]:
-        return next(g for g in self.groups if stage in g)
+        return next(g for g in self.parity_groups if stage in g)
 
     def snapshot(self, step: int) -> ParitySnapshot:
-        return ParitySnapshot(step, tuple(tuple(g) for g in self.groups))
+        return ParitySnapshot(step, tuple(tuple(g) for g in self.parity_groups))
 
     def protection_due(self, step: int) -> list[Protect]:
         due: list[Protect] = [self.snapshot(step + 1)] if (step + 1) % self.every == 0 else []
@@ -56,7 +56,7 @@ class ReftStrategy(InMemoryStrategy):
         step = failure.copies.step
         copy_of = {s: Parity(tuple(self.group_of(s)), step) for s in self.decodable(failure.failed, failure.copies)}
         lost = sorted(set(failure.failed) - set(copy_of))
-        reason = f"stages {lost} failed together with another stage of their parity group (groups {self.groups})"
+        reason = f"stages {lost} failed together with another stage of their parity group (groups {self.parity_groups})"
         return self.rollback(failure, copy_of, {s: reason for s in lost})
 
     def refill(self, step: int, from_storage: bool) -> tuple[Protect, ...]:
@@ -65,4 +65,4 @@ class ReftStrategy(InMemoryStrategy):
 
     def refill_bytes(self, plan: RecoveryPlan, sizes: dict[int, int]) -> int:
         """After a rollback from storage: every snapshot and its parity chunks anew."""
-        return sum(-(-sizes[s] // (len(g) - 1)) * (len(g) - 1) for g in self.groups for s in g)
+        return sum(-(-sizes[s] // (len(g) - 1)) * (len(g) - 1) for g in self.parity_groups for s in g)

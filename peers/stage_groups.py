@@ -25,7 +25,8 @@ import time
 
 import torch.distributed as dist
 
-from checkfree.protocol import RPC, Kind, ProtocolError, StepFailed
+from checkfree.messages import GetPass, Ok, Reduce, Reduced, Reroute, Rerouted
+from checkfree.protocol import Kind, ProtocolError, StepFailed
 from checkfree.wirecodec import encode
 from peers.checks import check_activation, check_hop
 from peers.compute import ComputeQueue
@@ -52,18 +53,18 @@ class StageGroup:
         self._prefix: str | None = None  # the store and group membership `_pg` was formed for
 
     # ---- a lost replica's microbatches ------------------------------------------------------
-    async def on_reroute(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_reroute(self, reroute: Reroute, tensors: list, peer) -> tuple[Rerouted, list]:
         """Move the lost replica's (`dead`) hops of `mbs` to `to`; if that is this peer, redo them and answer
         once they are done (their losses, for a head stage)."""
-        run = await self.steps.current(header["step"], header["attempt"])
+        run = await self.steps.current(reroute.step, reroute.attempt)
         if not run.grouped:
             raise ProtocolError("REROUTE of a step without stage groups")
-        dead, to, mbs = header["dead"], header["to"], header["mbs"]
-        if not all(isinstance(mb, int) and 0 <= mb < len(run.hops) for mb in mbs):
+        dead, to, mbs = reroute.dead, reroute.to, reroute.mbs
+        if not all(0 <= mb < len(run.hops) for mb in mbs):
             raise ProtocolError(f"REROUTE names microbatches outside the step: {mbs!r:.200}")
         new = run.reroute(dead, to, mbs, self.net.me)
         if to != self.net.me:
-            return {"ok": True}, []
+            return Rerouted(), []
         t0 = time.perf_counter()
         for mb in new:
             idx = [h.stage for h in run.routes[mb]].index(self.hosted.index)
@@ -74,8 +75,8 @@ class StageGroup:
             run.fail(f"the redo of microbatches {new} did not finish within step_timeout")
         if run.error is not None:
             raise StepFailed(run.error, run.kind)
-        return {"losses": {str(mb): run.losses[mb] for mb in new if mb in run.losses}, "redone": len(new),
-                "redo_s": round(time.perf_counter() - t0, 6), "bytes_sent": run.bytes_sent}, []
+        return Rerouted(losses={mb: run.losses[mb] for mb in new if mb in run.losses}, redone=len(new),
+                        redo_s=round(time.perf_counter() - t0, 6), bytes_sent=run.bytes_sent), []
 
     async def _redo(self, run: StepRun, mb: int, idx: int) -> None:
         """Compute microbatch `mb` at this stage for a lost sibling: its input from the previous hop's peer."""
@@ -83,9 +84,8 @@ class StageGroup:
         if idx > 0:
             prev = run.peer(mb, idx - 1)
             try:
-                _, ts = await self.net.call(prev, RPC.GET_PASS, self.t.rpc_timeout,
-                                            link=(self.hosted.index, run.routes[mb][idx - 1].stage), step=run.step,
-                                            attempt=run.attempt, mb=mb, hop=idx - 1)
+                _, ts = await self.net.call(prev, GetPass(step=run.step, attempt=run.attempt, mb=mb, hop=idx - 1),
+                                            self.t.rpc_timeout, link=(self.hosted.index, run.routes[mb][idx - 1].stage))
                 x = check_activation(ts, "activation", self.hosted.cfg)
             except Exception as e:  # noqa: BLE001 - the attempt fails; the coordinator sees why
                 run.fail(f"redo of microbatch {mb}: its input from {prev} could not be had: {e}")
@@ -94,30 +94,30 @@ class StageGroup:
             return
         await self.passes._forward_task(run, mb, idx, x)
 
-    async def on_get_pass(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_get_pass(self, get: GetPass, tensors: list, peer) -> tuple[Ok, list]:
         """The activation this peer sent on for microbatch `mb` (waiting until it has computed it)."""
-        run = await self.steps.current(header["step"], header["attempt"])
+        run = await self.steps.current(get.step, get.attempt)
         if not run.grouped:
             raise ProtocolError("GET_PASS of a step without stage groups")
-        mb, idx = check_hop(run, header, self.hosted.index, self.net.me)
+        mb, idx = check_hop(run, get, self.hosted.index, self.net.me)
         try:
             await asyncio.wait_for(run.event("sent", mb).wait(), self.t.rpc_timeout)
         except TimeoutError:
             raise ProtocolError(f"microbatch {mb} has no activation here within rpc_timeout") from None
         out = encode(run.sent[mb], self.hosted.cfg.train.wire_dtype)
         run.count_sent(sum(t.numel() * t.element_size() for t in out))
-        return {"ok": True}, out
+        return Ok(), out
 
     # ---- the gradient all-reduce -----------------------------------------------------------
-    async def on_reduce(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_reduce(self, reduce: Reduce, tensors: list, peer) -> tuple[Reduced, list]:
         """Sum this step's gradients over the stage's group (rank `rank` of `size`); then, under CheckFree+,
         exchange the component gradients with the partner stage."""
-        run = await self.steps.current(header["step"], header["attempt"])
+        run = await self.steps.current(reduce.step, reduce.attempt)
         if not run.ready() or not run.grouped:
             raise ProtocolError(f"step {run.step} is not ready to reduce ({run.error or 'still running'})")
         run.reduced.clear()
         t0 = time.perf_counter()
-        nbytes = await self.compute.run(self._reduce, run, header)
+        nbytes = await self.compute.run(self._reduce, run, reduce)
         reduce_s = time.perf_counter() - t0
         worker = self.hosted.worker
         if self.hosted.plus:  # the group's sums, which the partner stage's COMPONENT_GRAD waits for
@@ -127,9 +127,9 @@ class StageGroup:
             await self.passes._sync_components(run)
             if run.error is not None:
                 raise StepFailed(run.error, run.kind)
-        return {"reduce_s": round(reduce_s, 6), "reduce_bytes": nbytes}, []
+        return Reduced(reduce_s=round(reduce_s, 6), reduce_bytes=nbytes), []
 
-    def _reduce(self, run: StepRun, header: dict) -> int:
+    def _reduce(self, run: StepRun, reduce: Reduce) -> int:
         """On the compute thread: restore the gradients of a failed earlier reduce, keep them, all-reduce them in
         buckets, and set the sums; on any failure the kept gradients are restored and StepFailed raised."""
         worker = self.hosted.worker
@@ -137,16 +137,14 @@ class StageGroup:
             worker.set_flat_grad(run.pre_reduce)
         flat = worker.flat_grad()
         run.keep_pre_reduce(flat.clone())
-        size = header["size"]
-        if size == 1:
+        if reduce.size == 1:
             return 0
-        buckets = header.get("buckets", 1)
-        if not isinstance(buckets, int) or buckets < 1:
-            raise ProtocolError(f"REDUCE 'buckets' must be a positive integer, got {buckets!r}")
+        if reduce.buckets < 1:
+            raise ProtocolError(f"REDUCE 'buckets' must be a positive integer, got {reduce.buckets!r}")
         try:
-            pg = self._group(header)
-            for i, part in enumerate(flat.chunk(buckets)):
-                if i == 1 and header.get("chaos_die_in_reduce") is True:
+            pg = self._group(reduce)
+            for i, part in enumerate(flat.chunk(reduce.buckets)):
+                if i == 1 and reduce.chaos_die_in_reduce:
                     pg.abort()
                     self._pg = None
                     self.debug.die(f"replica half-way through the gradient all-reduce of step {run.step}")
@@ -160,20 +158,19 @@ class StageGroup:
         worker.set_flat_grad(flat)
         return flat.numel() * flat.element_size()
 
-    def _group(self, header: dict) -> dist.ProcessGroupGloo:
+    def _group(self, reduce: Reduce) -> dist.ProcessGroupGloo:
         """The gloo group of this membership (`prefix`), formed on first use: every member connects through the
         coordinator's TCPStore (`store`: host:port)."""
-        key = f"{header['store']}/{header['prefix']}"  # (a new coordinator's store numbers its groups afresh)
+        key = f"{reduce.store}/{reduce.prefix}"  # (a new coordinator's store numbers its groups afresh)
         if self._pg is not None and self._prefix == key:
             return self._pg
         if self._pg is not None:
             self._pg.abort()
         self._pg = None
-        host, _, port = header["store"].rpartition(":")
+        host, _, port = reduce.store.rpartition(":")
         timeout = datetime.timedelta(seconds=self.t.rpc_timeout)
         store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(header["prefix"], store), header["rank"], header["size"],
-                                         timeout)
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(reduce.prefix, store), reduce.rank, reduce.size, timeout)
         self._prefix = key
         return self._pg
 

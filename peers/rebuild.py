@@ -20,7 +20,9 @@ import torch
 
 from checkfree.costmodel import stage_params
 from checkfree.pipeline import COMPONENTS
-from checkfree.protocol import RPC, ProtocolError, plan_from_wire, require
+from checkfree.messages import (AssignHandover, AssignPromote, AssignRecover, AssignReplica, AssignRestore, GetReplica,
+                                GetState, GetWeights, State, Weights)
+from checkfree.protocol import ProtocolError
 from checkfree.recovery import Neighbours, rebuild_stage, recovered_optimizer_state
 from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies.state import optim_from_wire, optim_to_wire, state_nbytes
@@ -30,12 +32,12 @@ from peers.debug import DebugHooks
 from peers.membership import Membership
 from peers.stage import HostedStage
 
-__all__ = ["Recovery"]
+__all__ = ["Rebuild"]
 
 log = logging.getLogger(__name__)
 
 
-class Recovery:
+class Rebuild:
     """Both ends of a weight transfer for this peer's stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue,
@@ -43,10 +45,10 @@ class Recovery:
         self.net, self.hosted, self.compute, self.debug = membership, hosted, compute, debug
 
     # ---- serving -------------------------------------------------------------------------
-    async def on_get_weights(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_get_weights(self, get: GetWeights, tensors: list, peer) -> tuple[Weights, list]:
         """This stage's weights of `part`, its omega, and for a replicated component its Adam state."""
         worker = self.hosted.serving()
-        part = header["part"]
+        part = get.part
         if part not in ("blocks", "embed", "head", "all"):
             raise ProtocolError(f"unknown weights part {part!r}")
         state = await self.compute.run(worker.state_dict)
@@ -55,63 +57,59 @@ class Recovery:
         stage, omega = self.hosted.index, self.hosted.omega
         if not items:
             raise ProtocolError(f"stage {stage} holds no {part!r} weights")
-        if isinstance(header.get("step"), int):
-            self.debug.dump(f"served-step{header['step']}-stage{stage}-{part}", dict(items), {"omega": omega})
-        reply = {"keys": [k for k, _ in items], "omega": omega, "stage": stage}
+        if get.step is not None:
+            self.debug.dump(f"served-step{get.step}-stage{stage}-{part}", dict(items), {"omega": omega})
         tensors = [v for _, v in items]
+        optim_keys: list = []
         if part in COMPONENTS:  # a replica is recovered exactly: its Adam state comes with it
-            reply["optim"], optim = optim_to_wire(await self.compute.run(self.hosted.worker.optimizer_state,
-                                                                         part + "."))
+            optim_keys, optim = optim_to_wire(await self.compute.run(self.hosted.worker.optimizer_state, part + "."))
             tensors += optim
-        return reply, tensors
+        return Weights(keys=[k for k, _ in items], omega=omega, stage=stage, optim=optim_keys), tensors
 
-    async def on_get_state(self, header: dict, tensors: list, peer) -> tuple[dict, list]:
+    async def on_get_state(self, get: GetState, tensors: list, peer) -> tuple[State, list]:
         """This stage's full state now (weights, Adam, LR scale, omega): a lossless handover."""
         self.hosted.serving()
-        blob = await self.compute.run(self.hosted.capture_bytes, header["step"])
-        return {"stage": self.hosted.index, "next_step": self.hosted.next_step}, [blob_tensor(blob)]
+        blob = await self.compute.run(self.hosted.capture_bytes, get.step)
+        return State(stage=self.hosted.index, next_step=self.hosted.next_step), [blob_tensor(blob)]
 
     # ---- pulling -------------------------------------------------------------------------
-    async def take_handover(self, worker: StageWorker, header: dict, rpc: str = RPC.GET_STATE) -> dict:
-        """Load a leaving peer's (`source`) full state into `worker` (rpc GET_STATE), or the replica a predecessor
-        holds of a lost stage (GET_REPLICA): its omega and the bytes moved."""
-        require(header, source=str, step=int, stage=int)
-        stage = header["stage"]  # the leaving peer serves the same stage, in the same region
+    async def take_handover(self, worker: StageWorker, assign: AssignHandover | AssignPromote | AssignReplica) -> dict:
+        """Load a leaving peer's (`source`) full state into `worker` (GET_STATE), or the replica a predecessor
+        holds of a lost stage (promote: GET_REPLICA): its omega and the bytes moved."""
+        stage = assign.stage  # the leaving peer serves the same stage, in the same region
         timeout = self.net.t.step_timeout + self._allowance(stage, stage)
-        _, (blob,) = await self.net.call(header["source"], rpc, timeout, link=(stage, stage), step=header["step"])
+        ask = GetReplica(step=assign.step) if isinstance(assign, AssignPromote) else GetState(step=assign.step)
+        _, (blob,) = await self.net.call(assign.source, ask, timeout, link=(stage, stage))
         omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
         return {"omega": omega, "bytes": blob.numel()}
 
-    async def recover(self, stage: int, header: dict) -> tuple[StageWorker, dict]:
+    async def recover(self, stage: int, assign: AssignRecover) -> tuple[StageWorker, dict]:
         """Pull the sources' weights and norms while the compute thread builds the stage (without
         weights: the rebuild brings them), then apply the library's rebuild on the compute thread."""
-        require(header, plan=dict, sources=dict, step=int)
-        plan = plan_from_wire(header["plan"])
-        peers = {int(k): v for k, v in header["sources"].items()}
+        plan, peers, step = assign.plan, assign.sources, assign.step
+        if any(s not in peers for s in (*plan.sources, *plan.edge_sources.values())):
+            raise ProtocolError(f"assign 'sources' names no peer for some stage of the plan {plan.sources}")
         t0 = time.perf_counter()
         worker, (blocks, norms, edges, edge_optim, transfer_s) = await asyncio.gather(
-            self.compute.run(self.hosted.build, stage, False), self._pull(stage, plan, peers, header["step"]))
+            self.compute.run(self.hosted.build, stage, False), self._pull(stage, plan, peers, step))
         t1 = time.perf_counter()
-        coeffs = await self.compute.run(self._rebuild, worker, plan, blocks, norms, edges, edge_optim, header["step"])
+        coeffs = await self.compute.run(self._rebuild, worker, plan, blocks, norms, edges, edge_optim, step)
         t2 = time.perf_counter()
         log.info("recovery of stage %d: pulls %.3f s, stage ready %.3f s, rebuild %.3f s",
                  stage, transfer_s, t1 - t0, t2 - t1)
         reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
                  "norms": [norms[s] for s in plan.sources], "transfer_s": transfer_s, "rebuild_s": t2 - t1,
                  "bytes": state_nbytes([*blocks.values(), *edges.values(), *edge_optim.values()])}
-        await self.compute.run(self.debug.dump, f"rebuilt-step{header['step']}-stage{plan.stage}",
-                               worker.state_dict(), reply)
+        await self.compute.run(self.debug.dump, f"rebuilt-step{step}-stage{plan.stage}", worker.state_dict(), reply)
         return worker, reply
 
-    async def components(self, stage: int, header: dict) -> dict[str, tuple[dict, dict]]:
+    async def components(self, stage: int, assign: AssignRestore) -> dict[str, tuple[dict, dict]]:
         """The replicated components a restored `stage` takes from live co-holders (`edges`: component ->
         [stage, peer]): weights and Adam state of each, by name (empty without `edges`)."""
-        edges = header.get("edges") or {}
-        if not isinstance(edges, dict) or not all(
-                isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str)
-                and c in COMPONENTS for c, v in edges.items()):
-            raise ProtocolError(f"assign 'edges' must map embed/head to [stage, peer], got {edges!r:.200}")
-        step = header.get("serve_step", header.get("step", 0))
+        edges = assign.edges
+        if not all(c in COMPONENTS for c in edges):
+            raise ProtocolError(f"assign 'edges' must map embed/head to [stage, peer], got {list(edges)!r:.200}")
+        step = assign.step if assign.serve_step is None else assign.serve_step
         fetched = await asyncio.gather(*(self._fetch(stage, s, pid, comp, step) for comp, (s, pid) in edges.items()))
         return {comp: (w, o) for comp, (w, _, o) in zip(edges, fetched)}
 
@@ -134,15 +132,14 @@ class Recovery:
         Adam state."""
         t0 = time.perf_counter()
         timeout = self.net.t.rpc_timeout + self._allowance(source, stage)
-        h, ts = await self.net.call(peer_id, RPC.GET_WEIGHTS, timeout, link=(stage, source), part=part, step=step)
-        log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, h.get("stage"),
+        w, ts = await self.net.call(peer_id, GetWeights(part=part, step=step), timeout, link=(stage, source))
+        log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, w.stage,
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
-        self.debug.pulled(part, h.get("stage"))  # chaos: a death in the middle of a rebuild
-        keys, okeys = h["keys"], h.get("optim", [])
-        if not isinstance(okeys, list) or len(keys) + len(okeys) != len(ts):
-            raise ProtocolError(f"weights reply has {len(keys)} keys and {okeys!r:.40} optimizer keys "
+        self.debug.pulled(part, w.stage)  # the peer's fault hook: a death in the middle of a rebuild
+        if len(w.keys) + len(w.optim) != len(ts):
+            raise ProtocolError(f"weights reply has {len(w.keys)} keys and {len(w.optim)} optimizer keys "
                                 f"but {len(ts)} tensors")
-        return dict(zip(keys, ts)), float(h["omega"]), optim_from_wire(okeys, ts[len(keys):])
+        return dict(zip(w.keys, ts)), w.omega, optim_from_wire(w.optim, ts[len(w.keys):])
 
     def _allowance(self, source: int, stage: int) -> float:
         """Extra timeout for pulling stage `source`'s state to `stage` over the run's emulated link: at most its

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkfree.failures import FailureSchedule
-from checkfree.groups import hop_table, move, slowest, spread
+from checkfree.stage_groups import hop_table, move, slowest, spread
 from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
 from inprocess import run_swarm
@@ -108,7 +108,7 @@ def test_a_replica_lost_mid_step_is_rerouted_without_an_abort(tiny_cfg, tmp_path
     recovery)."""
     cfg = _cfg(tiny_cfg, strategy)
     swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages + 2, save_final=False,
-                      chaos=FailureSchedule([(2, stage)]), dump_dir=str(tmp_path / "dump"))
+                      kills=FailureSchedule([(2, stage)]), dump_dir=str(tmp_path / "dump"))
     _simulate(cfg, tmp_path / "sim")  # no failure at all: a lost replica must not change the run
     _same_losses(tmp_path / "swarm", tmp_path / "sim")
     out = tmp_path / "swarm"
@@ -135,7 +135,7 @@ def test_a_whole_group_lost_is_recovered_by_checkfree_from_the_neighbouring_grou
     neighbouring groups' norms, with the simulator's coefficients and losses."""
     cfg = _cfg(tiny_cfg)
     run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages + 1, save_final=False,
-              chaos=FailureSchedule([(2, 2)], {(2, 2)}))
+              kills=FailureSchedule([(2, 2)], {(2, 2)}))
     _simulate(cfg, tmp_path / "sim", "2,2,all\n")
     _same_losses(tmp_path / "swarm", tmp_path / "sim")
     (rec,) = _events(tmp_path / "swarm", "recovery")
@@ -190,7 +190,7 @@ def test_with_no_standby_left_a_replica_of_another_group_rebuilds_a_lost_stage(t
     rebuilds stage 2 (its group keeps one replica); the run goes on with the simulator's losses."""
     cfg = _cfg(tiny_cfg)
     swarm = run_swarm(cfg, tmp_path / "swarm", peers=2 * cfg.num_stages, save_final=False,
-                      chaos=FailureSchedule([(2, 2)], {(2, 2)}))
+                      kills=FailureSchedule([(2, 2)], {(2, 2)}))
     _simulate(cfg, tmp_path / "sim", "2,2,all\n")
     _same_losses(tmp_path / "swarm", tmp_path / "sim")
     (moved,) = _events(tmp_path / "swarm", "replica_moved")
