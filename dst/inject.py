@@ -1,11 +1,12 @@
 """A schedule's faults, acted out at protocol points: the injector of every `FaultyTransport` of a swarm.
 
-It watches the messages that cross the swarm's transports (`checkfree.net.faulty`) and keeps the protocol's
-clock from them alone: the iteration is the number of commit rounds the coordinator has started (a round: its
-COMMITs of one step attempt; a takeover's completion of a half-done commit is the same round), the stage table
-is the newest training RUN_STEP's. When a fault's point is reached it acts through the `Harness` (kill a peer or
-the coordinator, send a peer SIGTERM, start a peer) or on the message itself (drop, delay, a header field), and
-logs what it did as a `Fired` record: the victims, and the failures the simulator must see for it.
+It watches the messages that cross the swarm's transports (`checkfree.net.faulty`), each request read as its
+type (`checkfree.messages.check_request`, as its receiver reads it), and keeps the protocol's clock from them
+alone: the iteration is the number of commit rounds the coordinator has started (a round: its COMMITs of one step
+attempt; a takeover's completion of a half-done commit is the same round), the stage table is the newest training
+RUN_STEP's. When a fault's point is reached it acts through the `Harness` (kill a peer or the coordinator, send a
+peer SIGTERM, start a peer) or on the message itself (drop, delay, a header field), and logs what it did as a
+`Fired` record: the victims, and the failures the simulator must see for it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from checkfree.messages import (REQUESTS, AssignPromote, AssignRecover, AssignReplica, AssignRestore,
+                                Backward, Commit, Forward, Message, Reduce, RunStep, check_request)
 from checkfree.net.errors import TransportError
 from checkfree.net.faulty import Crossing, Point
 from checkfree.protocol import RPC
@@ -24,8 +27,13 @@ from dst.schedule import Fault, Kind, Schedule
 __all__ = ["Harness", "Fired", "Injector", "REBUILD_MODES", "PULLS"]
 
 COORDINATOR = (Kind.COORDINATOR_FAILOVER, Kind.COORDINATOR_RESTART)
-REBUILD_MODES = ("recover", "restore", "promote", "replica")  # ASSIGN modes that pull a stage's state
+REBUILD_MODES = (AssignRecover, AssignRestore, AssignPromote, AssignReplica)  # ASSIGNs that pull a stage's state
 PULLS = (RPC.GET_WEIGHTS, RPC.GET_STATE, RPC.GET_REPLICA, RPC.FETCH_SNAPSHOT, RPC.REFT_FETCH)
+
+
+def _request(c: Crossing) -> Message | None:
+    """The request `c` carries, as its type (None: not an RPC of the protocol's, e.g. a reft companion's)."""
+    return check_request(c.rpc, c.header) if c.rpc in REQUESTS else None
 
 
 class Harness(Protocol):
@@ -95,19 +103,17 @@ class Injector:
         """The iteration a swarm event written at time `t` belongs to."""
         return bisect.bisect_left(self.commit_times, t)
 
-    def _watch(self, c: Crossing) -> None:
+    def _watch(self, m: Message | None) -> None:
         """Keep the clock and the stage table from the coordinator's messages."""
-        if c.rpc == RPC.RUN_STEP and not c.header.get("evaluate"):
-            h = c.header
-            key = (h["step"], h["attempt"])
-            if key != (self.round.step, self.round.attempt):
-                groups = h.get("groups") or {s: [p] for s, p in h["peers"].items()}
-                self.round = _Round(h["step"], h["attempt"], {int(s): list(g) for s, g in groups.items()},
-                                    h.get("hops"), len(h["routes"]))
+        if isinstance(m, RunStep) and not m.evaluate:
+            if (m.step, m.attempt) != (self.round.step, self.round.attempt):
+                groups = m.groups or {s: [p] for s, p in m.peers.items()}
+                self.round = _Round(m.step, m.attempt, {s: list(g) for s, g in groups.items()}, m.hops,
+                                    len(m.routes or ()))
                 self._passes.clear()
             self._commit_key = None
-        elif c.rpc == RPC.COMMIT:
-            key = (c.header["step"], c.header["attempt"])
+        elif isinstance(m, Commit):
+            key = (m.step, m.attempt)
             if key != self._commit_key:
                 self._commit_key, self._commit_iteration, self._commits_sent = key, self.iteration, 0
                 self.iteration += 1
@@ -124,8 +130,9 @@ class Injector:
         self.trail.append(f"{time.time():.6f} it{self.iteration} {c.point.value:5} {c.rpc:18} {c.me}->{c.other} "
                           + " ".join(f"{k}={h[k]}" for k in ("step", "attempt", "mb", "hop", "mode", "stage")
                                      if k in h))
+        m = _request(c)
         if c.point is Point.SEND and c.me in self.coordinators:
-            self._watch(c)
+            self._watch(m)
         if c.point is Point.SEND:
             if c.me in self.cut or c.other in self.cut:
                 raise TransportError(f"{c.rpc} {c.me} -> {c.other}: partitioned")
@@ -133,14 +140,13 @@ class Injector:
             if slow is not None:
                 await asyncio.sleep(slow[1])
         changed = None
-        if c.point is Point.SEND and c.rpc == RPC.REDUCE and (
-                c.header.get("prefix"), c.header.get("step"), c.header.get("attempt")) in self._two_buckets:
+        if c.point is Point.SEND and isinstance(m, Reduce) and (m.prefix, m.step, m.attempt) in self._two_buckets:
             changed = {**c.header, "buckets": 2}  # every member of a round with a death in it cuts it alike
         for fault in list(self.pending):
-            acted = self._act(fault, c)
+            acted = self._act(fault, c, m)
             if acted is not None:
                 changed = acted if isinstance(acted, dict) else changed
-        self._track_rebuilds(c)
+        self._track_rebuilds(c, m)
         if c.me in self._killed_now:  # the crossing's own process died: its task ends here
             self._killed_now.discard(c.me)
             await asyncio.sleep(0)
@@ -167,18 +173,18 @@ class Injector:
         """Whether killing one replica of the fault's stage now loses the whole stage (a stage group's last)."""
         return self.setup.replicas > 1 and len(self.round.table.get(fault.stage, [])) <= 1
 
-    def _act(self, f: Fault, c: Crossing) -> dict | bool | None:
-        """Act on `c` if it is the point of fault `f`; True (or a replacement header) if it acted."""
+    def _act(self, f: Fault, c: Crossing, m: Message | None) -> dict | bool | None:
+        """Act on `c` (carrying `m`) if it is the point of fault `f`; True (or a replacement header) if it acted."""
         coordinator_send = c.point is Point.SEND and c.me in self.coordinators
-        training_run_step = coordinator_send and c.rpc == RPC.RUN_STEP and not c.header.get("evaluate")
+        training_run_step = coordinator_send and isinstance(m, RunStep) and not m.evaluate
         if f.kind is Kind.KILL_MID_REBUILD:
             return None  # armed by the clock, acted on in _track_rebuilds
         if f.kind is Kind.KILL_MID_REDUCE:
-            return self._reduce(f, c, coordinator_send)
+            return self._reduce(f, c, m, coordinator_send)
         if f.kind in (Kind.KILL_MID_FORWARD, Kind.KILL_MID_BACKWARD):
-            return self._mid_pass(f, c)
+            return self._mid_pass(f, c, m)
         if f.kind is Kind.KILL_MID_COMMIT or (f.kind in COORDINATOR and f.where == "commit"):
-            if coordinator_send and c.rpc == RPC.COMMIT and self._commit_iteration == f.iteration:
+            if coordinator_send and isinstance(m, Commit) and self._commit_iteration == f.iteration:
                 return self._at_commit(f, c)
             return None
         if not (training_run_step and self.iteration == f.iteration):
@@ -232,21 +238,21 @@ class Injector:
         self._kill(c.me, c)
         return True
 
-    def _mid_pass(self, f: Fault, c: Crossing) -> bool | None:
+    def _mid_pass(self, f: Fault, c: Crossing, m: Message | None) -> bool | None:
         """Mid-forward / mid-backward: the victim's (mb+1)-th pass of the step (modulo the passes it computes): a
         pass that reaches it (SERVE) or, at its first (forward) or last (backward) hop, one it sends on."""
         forward = f.kind is Kind.KILL_MID_FORWARD
-        rpc = RPC.FORWARD if forward else RPC.BACKWARD
-        if self.iteration != f.iteration or c.rpc != rpc or (c.header.get("step"), c.header.get("attempt")) != (
+        kind = Forward if forward else Backward
+        if self.iteration != f.iteration or not isinstance(m, kind) or (m.step, m.attempt) != (
                 self.round.step, self.round.attempt):
             return None
         victim = self._victim(f)
         edge_hop = 1 if forward else self.setup.stages - 2  # the hop a first (last) hop's pass goes to
         mine = (c.point is Point.SERVE and c.me == victim) or (
-            c.point is Point.SEND and c.me == victim and c.header.get("hop") == edge_hop)
+            c.point is Point.SEND and c.me == victim and m.hop == edge_hop)
         if not mine:
             return None
-        key = (victim, rpc)
+        key = (victim, kind.rpc)
         self._passes[key] = self._passes.get(key, 0) + 1
         hops = self.round.hops
         computed = sum(1 for row in hops if victim in row) if hops is not None else self.round.num_mb
@@ -256,27 +262,26 @@ class Injector:
         self._kill(victim, c)
         return True
 
-    def _reduce(self, f: Fault, c: Crossing, coordinator_send: bool) -> dict | None:
+    def _reduce(self, f: Fault, c: Crossing, m: Message | None, coordinator_send: bool) -> dict | None:
         """Mid-reduce: every member of the stage's REDUCE round reduces in two buckets; the victim dies after the
         first (the peer's own hook, `chaos_die_in_reduce`: the all-reduce runs in gloo, out of the transport's
         sight)."""
-        h = c.header
-        if not (coordinator_send and c.rpc == RPC.REDUCE and self.iteration == f.iteration
-                and f"/s{f.stage}/" in h.get("prefix", "") and h.get("size", 1) > 1):
+        if not (coordinator_send and isinstance(m, Reduce) and self.iteration == f.iteration
+                and f"/s{f.stage}/" in m.prefix and m.size > 1):
             return None
-        self._two_buckets.add((h["prefix"], h["step"], h["attempt"]))  # (the other members: see __call__)
-        if h["rank"] != f.replica % h["size"]:
-            return {**h, "buckets": 2}
+        self._two_buckets.add((m.prefix, m.step, m.attempt))  # (the other members: see __call__)
+        if m.rank != f.replica % m.size:
+            return {**c.header, "buckets": 2}
         self._fire(f, [c.other], [(f.iteration, f.stage, False)])
-        return {**h, "buckets": 2, "chaos_die_in_reduce": True}
+        return {**c.header, "buckets": 2, "chaos_die_in_reduce": True}
 
-    def _track_rebuilds(self, c: Crossing) -> None:
+    def _track_rebuilds(self, c: Crossing, m: Message | None) -> None:
         """Mid-rebuild: from the fault's iteration on, the first peer that pulls a stage's state for an ASSIGN dies
         after `pulls` pulls (the next standby must take over)."""
         armed = next((f for f in self.pending if f.kind is Kind.KILL_MID_REBUILD and self.iteration >= f.iteration),
                      None)
-        if c.point is Point.SERVE and c.rpc == RPC.ASSIGN and c.header.get("mode") in REBUILD_MODES and armed:
-            self._rebuilding[c.me] = (0, c.header["mode"])
+        if c.point is Point.SERVE and isinstance(m, REBUILD_MODES) and armed:
+            self._rebuilding[c.me] = (0, type(m).__struct_config__.tag)  # its mode
         elif c.point is Point.REPLY and c.rpc == RPC.ASSIGN and c.me in self.coordinators:
             self._rebuilding.pop(c.other, None)
         elif c.point is Point.REPLY and c.rpc in PULLS and c.me in self._rebuilding and armed:
