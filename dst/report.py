@@ -64,10 +64,11 @@ def render(results: Path = RESULTS) -> str:
     repeats = [json.loads(p.read_text()) for p in sorted(results.glob("repeat-*.json"))]
     if repeats:
         lines += ["**Determinism**: each schedule replayed N times (`checkfree chaos dst --replay FILE --repeat N`); "
-                  "the outcome is the run's signature (status, steps, losses, events, divergences):", ""]
-        lines += [f"- `{' / '.join(r['schedule'].splitlines())}` (commit {r['commit']}, load {r['load']}): the same "
-                  f"outcome in {r['same']} of {r['repeats']} runs, {r['distinct']} distinct, {r['diverged']} diverged"
-                  for r in repeats]
+                  "an outcome is the run's signature (status, losses, the failures recorded, the faults fired, any "
+                  "divergence):", ""]
+        lines += [f"- `{' / '.join(x.strip() for x in r['schedule'].splitlines())}` (commit {r['commit']}, load average "
+                  f"{r['load']} at the start, {r['wall_s'] / 60:.1f} min): the same outcome in {r['same']} of "
+                  f"{r['repeats']} runs, {r['distinct']} distinct, {r['diverged']} diverged" for r in repeats]
         lines.append("")
     soak = results / "soak-real.json"
     if soak.exists():
