@@ -54,8 +54,10 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
-# the only swarm run over --transport tcp (CI time): the other swarm tests run hivemind and libp2p
-@pytest.mark.parametrize("rpc_transport", ["hivemind", "libp2p", "tcp"], indirect=True)
+# tcp is slow (CI time): tests/test_benchmarks.py's vs-torch test trains tcp swarms (GPipe and 1F1B) whose losses must
+# equal torch's pipeline step by step, and tests/test_tcp_transport.py covers the transport itself
+@pytest.mark.parametrize("rpc_transport", ["hivemind", "libp2p", pytest.param("tcp", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport):
     """CLI smoke test of `checkfree local`, and the equivalence with the simulator. The libp2p run also
     uses the 1F1B schedule with M=16 (one swarm run covers both; the CI time budget is tight)."""
@@ -170,6 +172,10 @@ def test_sigkill_first_and_last_stage_under_checkfree_plus(tmp_path, cache):
 
 
 @pytest.mark.timeout(700)
+# slow (CI time): test_inprocess's rollback test runs gemini (snapshots in another peer's memory) and checkpoint (real
+# files) between real PeerDaemons and checks the simulator's rollback, the re-run steps and the losses; the golden
+# check compares the events
+@pytest.mark.slow
 def test_rollback_strategies_run_for_real_and_lose_nothing(tmp_path, cache):
     """gemini: snapshots really travel into other peers' memory; checkpoint: real files. A
     SIGKILL rolls every stage back and the lost steps are recomputed: the run ends with the
@@ -233,6 +239,9 @@ def test_omega_over_the_blocks_only_in_swarm_and_simulator(tmp_path, cache):
                                                                            rel=1e-3)
 
 
+# slow (CI time): test_inprocess's identity test runs the same adjacent losses (as the strategy and as the fallback)
+# between real PeerDaemons and checks the simulator's losses and events and the zeroed output projections
+@pytest.mark.slow
 def test_identity_for_real_rebuilds_adjacent_losses_as_pass_throughs(tmp_path, cache):
     """`checkfree local --strategy identity` with real SIGKILLs over hivemind, against `checkfree simulate`:
     stages 1 and 2, killed together at step 3, come back as pass-throughs (their blocks' residual output
