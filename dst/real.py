@@ -275,7 +275,7 @@ def soak_faults(steps: int, seed: int, stages: int, netns: bool) -> list[Fault]:
 
 
 def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | None = None, *,
-         stages: int = 4, replicas: int = 2) -> dict:
+         stages: int = 4, replicas: int = 2, netns: bool = True) -> dict:
     """One `checkfree local` run of CheckFree+ with stage groups for `steps` steps (stopped by SIGTERM after
     `minutes`) under `soak_faults`; returns its figures: faults, recoveries, lost steps, the memory of its process
     tree over time, what it left behind. Written to <workdir>/soak.json."""
@@ -283,7 +283,7 @@ def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | 
     from dst.schedule import Setup
 
     workdir.mkdir(parents=True, exist_ok=True)
-    netns = netns_available()
+    netns = netns and netns_available()
     schedule = Schedule(Setup(strategy="checkfree+", stages=stages, replicas=replicas, steps=steps, fallback="copy"),
                         tuple(soak_faults(steps, seed, stages, netns)))
     (workdir / "schedule.json").write_text(schedule.to_json() + "\n")
