@@ -207,8 +207,8 @@ class Failover:
         return to_commit, lagging
 
     async def _adopt_peers(self) -> dict[str, Adopted]:
-        """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat
-        TTLs pass with at least one stage served; bounded by join_timeout)."""
+        """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat TTLs pass with the
+        run's config known from some peer, served stages or none; bounded by join_timeout)."""
         start = time.monotonic()
         replies: dict[str, Adopted] = {}
         refused: dict[str, str] = {}
