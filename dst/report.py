@@ -9,6 +9,7 @@ test checks that the file is what the result files give.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -56,6 +57,12 @@ def _run(name: str, r: dict) -> list[str]:
     return out + ([""] if s["diverged"] else [])
 
 
+def _short(command: str) -> str:
+    """A soak's `checkfree local` command with its list of rebuild kills counted, not spelled out."""
+    return re.sub(r"--chaos-rebuild-kills ([0-9,]+)",
+                  lambda m: f"--chaos-rebuild-kills <{len(m.group(1).split(','))} steps>", command)
+
+
 def render(results: Path = RESULTS) -> str:
     """The page's results block from the result files present."""
     lines = ["## Measured", "", "Rendered from the result files in `dst/results/` by `python -m dst.report --write`.", ""]
@@ -74,7 +81,7 @@ def render(results: Path = RESULTS) -> str:
     if soak.exists():
         s = json.loads(soak.read_text())
         rss = [m for t, _, m in s["rss_mb"] if t >= s["rss_mb"][-1][0] * 0.2]
-        lines += [f"**Real-process soak** (commit {s['commit']}, load average {s['load']}): `{s['command']}`, stopped "
+        lines += [f"**Real-process soak** (commit {s['commit']}, load average {s['load']}): `{_short(s['command'])}`, stopped "
                   f"after {s['minutes']} min at step {s['steps']} ({s['status']}): {s['kills']} faults injected by the "
                   f"launcher, {s['failures']} stage failures, {s['replicas_lost']} replicas lost, {s['recoveries']} "
                   f"recoveries, {s['fallbacks']} fallbacks, {s['recovery_retries']} recovery retries, "
