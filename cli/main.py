@@ -15,7 +15,7 @@ import sys
 from checkfree.cli import config_from_args
 from checkfree.recovery import UnrecoverableFailure
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "MODES"]
 
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
 # does not pay for hivemind's import.
@@ -31,6 +31,9 @@ SUBCOMMANDS = {
     "status": "scheduler.status_cli:add_parser",
     "pretrained": "checkfree.pretrained:add_parser",
 }
+# command -> its modes: name -> "module:function" that adds the mode's subparser to the command's modes (e.g.
+# `checkfree chaos dst`, which runs coordinators and peers together, a layer above both)
+MODES = {"chaos": {"dst": "dst.cli:add_parser"}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,13 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for spec in SUBCOMMANDS.values():
+    for name, spec in SUBCOMMANDS.items():
         module, func = spec.split(":")
         try:
-            getattr(importlib.import_module(module), func)(sub)
+            modes = getattr(importlib.import_module(module), func)(sub)
         except ModuleNotFoundError as e:
             if not module.startswith(e.name or "\0"):
                 raise
+            continue
+        for mode_spec in MODES.get(name, {}).values():
+            mode_module, mode_func = mode_spec.split(":")
+            getattr(importlib.import_module(mode_module), mode_func)(modes)
     for command in sub.choices.values():
         command.formatter_class = DefaultsHelpFormatter
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,

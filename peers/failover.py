@@ -34,6 +34,7 @@ class Failover:
         new, old = str(peer), self.net.coordinator
         if old is not None and old != new:
             await self._refuse_if_alive(old, new)
+        await self.steps.settled()  # a commit the old coordinator sent, still being applied: after it
         run = self.steps.run
         if run is not None and not run.ready():
             await self.steps.drop("dropped: the coordinator changed")

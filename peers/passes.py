@@ -207,6 +207,8 @@ class Passes:
                     await self._send(run, mb, idx + 1, Forward, out)
                 self._mb_done(run)
                 return
+            if run.error is not None:  # ended (ABORT), though this task went on: an await can swallow a cancel
+                return  # (asyncio.wait_for in Python 3.11); nothing of an ended attempt may reach the stage
             out = await self._guarded_forward(key, x, hop, targets)
             if run.grouped:  # (a redo's backward may be waiting for it)
                 run.event("forward", mb).set()
@@ -249,6 +251,8 @@ class Passes:
             if run.grouped and not run.event("forward", mb).is_set():
                 # a redo: the next hop's replica sent its gradient before this peer recomputed the forward
                 await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
+            if run.error is not None:  # (see _forward_task: its gradient would outlive the ABORT that dropped them)
+                return
             grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
                                               (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
             if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost
@@ -313,6 +317,8 @@ class Passes:
             except (TransportError, RemoteError, ValueError) as e:
                 await self._report(run, partner, str(e))
                 return
+            if run.error is not None:  # aborted while we waited: its gradients are dropped, the next attempt's
+                return  # would start from ours (checked and queued with no await between: ABORT's drop comes after)
             mine = run.component_grads[comp]
             run.count_sent(other.numel() * other.element_size())  # counted once per transfer, at the receiver
             await self.compute.run(self.hosted.worker.set_component_grad, comp, mine + other.to(mine.device))

@@ -170,6 +170,13 @@ class StepTracker:
         self.run: StepRun | None = None
         self.finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
         self._changed = asyncio.Event()
+        self._committing = asyncio.Lock()  # held while a COMMIT is applied
+
+    async def settled(self) -> None:
+        """Until no COMMIT is being applied here: a new coordinator must see this peer before or after a commit the
+        old one sent, never half-way (it would commit the step again, and this peer refuse it as stale)."""
+        async with self._committing:
+            pass
 
     def start(self, run: StepRun) -> None:
         """Make `run` the active attempt (the previous one, if any, has ended)."""
@@ -226,6 +233,12 @@ class StepTracker:
         run = await self.current(commit.step, commit.attempt)
         if not run.ready():
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
+        async with self._committing:
+            if self.run is not run:  # a second COMMIT of the attempt (a takeover's) waited for the first
+                raise ProtocolError(f"step {run.step} attempt {run.attempt} is committed already")
+            return await self._commit(run)
+
+    async def _commit(self, run: StepRun) -> tuple[Committed, list]:
         hosted, replicas = self.hosted, self.replicas
         grads = await self.compute.run(replicas.gradients) if replicas is not None and replicas.active else None
         stats = await self.compute.run(hosted.worker.step, run.step)

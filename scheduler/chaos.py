@@ -30,7 +30,8 @@ from checkfree.rundir import read_jsonl
 __all__ = ["add_parser", "chaos_trace", "tally"]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """`checkfree chaos`; returns its modes (`checkfree chaos MODE ...`: the CLI adds them, e.g. `dst`)."""
     p = sub.add_parser("chaos", help="a long local swarm under seeded heavy churn, with a tally of what happened")
     p.add_argument("--preset", default="tiny", help="model/training preset")
     p.add_argument("--stages", type=int, default=6, help="pipeline stages")
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/chaos", help="run directory")
     add_transport_arguments(p, port=False)
     p.set_defaults(func=run_chaos)
+    return p.add_subparsers(dest="chaos_mode", metavar="MODE", title="other chaos modes")
 
 
 def chaos_trace(num_stages: int, num_steps: int, kills: int, seed: int) -> list[tuple[int, int]]:

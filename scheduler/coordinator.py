@@ -149,7 +149,7 @@ class Coordinator:
         for attempt in range(base, base + self.opts.max_attempts):
             found = await self.members.detect()
             if found.handed_over:  # the copies the leaving peers held left with them
-                self.protection.lost(found.handed_over)
+                await self.protection.handed_over(found.handed_over, step)
             if found.failed:
                 await self.recovery.recover(step, found.failed)
             if not evaluate:
@@ -222,7 +222,22 @@ class Coordinator:
             await self.failover.watch()
         cfg, replies = await self.failover.adopt()
         self._configure(cfg)
-        self.step = self.iteration = await self.failover.resume(cfg, replies, self.driver, self.protection)
+        found = await self.failover.resume(cfg, replies, self.driver, self.protection)
+        self.step = self.iteration = found.step
+        record = dict(found.record) if found.record is not None else None
+        if found.whole and found.step > 0:
+            # the old coordinator may have died between committing the step before and protecting it (a snapshot
+            # or checkpoint due then): taken now, as the simulator took it (taking it twice changes nothing)
+            await self.protection.protect(found.step - 1)
+            if record is not None and evaluates_after(found.step - 1, cfg.train.eval_every, cfg.train.num_steps):
+                try:  # the evaluation due after the step it records never ran either
+                    ev = await self._run_step(found.step - 1, evaluate=True)
+                    losses = [v for r in ev.values() for v in r.losses.values()]
+                    record["val_loss"] = sum(losses) / len(losses)
+                except Rollback as r:
+                    self.step = self.iteration = r.step
+        if record is not None:
+            self.out.writer.metric(record)
 
     def _open(self) -> dict[int, bytes] | None:
         """A new run's directory (--resume: the run goes on from its newest save: its states)."""

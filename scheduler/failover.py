@@ -7,7 +7,10 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import config_from_dict
@@ -24,9 +27,41 @@ from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
 from scheduler.steps import StepDriver
 
-__all__ = ["Failover"]
+__all__ = ["Failover", "Resumed"]
 
 log = logging.getLogger("scheduler.coordinator")
+
+LEAVING = "leaving"  # an ADOPT reply's `state` of a peer leaving gracefully (peers.stage.PeerState.LEAVING)
+
+
+def _progress(reply: Adopted) -> int:
+    """How far an ADOPT reply's stage has come: the step its weights are ready for, one more if it holds that step
+    finished and ready to commit."""
+    ready = reply.ready
+    return reply.next_step + (1 if ready is not None and ready.step == reply.next_step else 0)
+
+
+def _recorded(step: int, metrics: Path) -> bool:
+    """Whether the run's record holds the newest run of `step`: a line of it written after the newest rollback to it
+    or before it (a rollback runs the steps from its target again: an older line is of an earlier run)."""
+    events = metrics.parent / "events.jsonl"
+    since = max((e.get("time", 0.0) for e in read_jsonl(events) if e.get("rollback_to") is not None
+                 and e["rollback_to"] <= step), default=0.0) if events.exists() else 0.0
+    return any(m.get("step") == step and m.get("time", 0.0) > since for m in read_jsonl(metrics))
+
+
+def _next_recorded(metrics: Path) -> int:
+    """The step after the last one the run's record holds (0: none)."""
+    return max((m["step"] + 1 for m in read_jsonl(metrics)[-1:] if "step" in m), default=0)
+
+
+@dataclass
+class Resumed:
+    """Where a takeover found the run."""
+
+    step: int  # the step the run goes on from
+    whole: bool  # every stage served, none behind: the step before `step` is committed everywhere
+    record: dict | None  # that step's metrics line rebuilt from the peers (the old coordinator died before writing it)
 
 
 class Failover:
@@ -89,11 +124,11 @@ class Failover:
         return config_from_dict(json.loads(configs.pop())), replies
 
     async def resume(self, cfg: RunConfig, replies: dict[str, Adopted], driver: StepDriver,
-                     protection: Protection) -> int:
-        """Continue the run from the step its peers are at; returns that step. If the old coordinator died
-        half-way through a commit, the stages it did not reach commit now, so every stage is at the same step; an
-        unfinished step is dropped and run again. A stage nobody serves is recovered by the run's strategy like
-        any failure."""
+                     protection: Protection) -> Resumed:
+        """Continue the run from the step its peers are at. If the old coordinator died half-way through a commit,
+        the stages it did not reach (every replica of a stage group as far as the first) commit now, so every stage
+        is at the same step; an unfinished step is dropped and run again. A stage nobody serves is recovered by the
+        run's strategy like any failure."""
         t0 = time.perf_counter()
         metrics = Path(self.opts.out) / "metrics.jsonl"
         resume = metrics.exists()
@@ -103,65 +138,77 @@ class Failover:
             self.members.admit(pid, time.time() + i * 1e-6)
             if r.stage >= 0:
                 holders.setdefault(r.stage, []).append((pid, r))
-        step = max((r.next_step for hs in holders.values() for _, r in hs), default=0)
+        step = max((r.next_step for hs in holders.values() for _, r in hs), default=None)
+        if step is None:  # no peer serves a stage: the run's record says how far it came
+            step = _next_recorded(metrics) if resume else 0
         to_commit, lagging = self._serve(cfg, holders, step)
         commits = await asyncio.gather(*(self.rpc.call(pid, Commit(step=ready.step, attempt=ready.attempt),
-                                                       self.t.rpc_timeout) for pid, ready in to_commit.values()),
+                                                       self.t.rpc_timeout) for pid, (_, ready) in to_commit.items()),
                                        return_exceptions=True)
-        last_commits = {}
-        for (stage, (pid, ready)), c in zip(to_commit.items(), commits):
-            if isinstance(c, Exception):
+        last_commits: dict[str, LastCommit] = {}  # peer -> the commit completed now (its last_commit)
+        for (pid, (stage, ready)), c in zip(to_commit.items(), commits):
+            if isinstance(c, Exception) and pid == self.table.peer(stage):
                 lagging.append(stage)
+                self.members.drop(pid)
+            elif isinstance(c, Exception):  # a stage group's replica: the others go on without it
+                self.table.leave(stage, pid)
                 self.members.drop(pid)
             else:
                 figures = {k: v for k, v in as_record(ready).items() if k in STEP_FIGURES}
-                last_commits[stage] = LastCommit(step=step - 1, losses=ready.losses, lr=c[0].lr, post=c[0].post,
-                                                 **figures)
+                last_commits[pid] = LastCommit(step=step - 1, losses=ready.losses, lr=c[0].lr, post=c[0].post,
+                                               **figures)
         await driver.abort()  # drop finished-but-uncommitted work of `step`
         seen = [r.finished for r in replies.values() if r.finished is not None]  # (step, attempt)
         seen += [(r.ready.step, r.ready.attempt) for r in replies.values() if r.ready is not None]
         # the re-run of `step` must not reuse an attempt number its peers saw (they refuse stale attempts)
         driver.attempts_from(step, max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1)
-        self._protection(cfg, replies, protection, step)
-        recorded = self._record_missing_step(cfg, step - 1, replies, last_commits, metrics if resume else None)
+        self._protection(replies, protection, step)
+        record = self._missing_step(cfg, step - 1, replies, last_commits, metrics if resume else None)
+        committed = sorted({stage for stage, _ in to_commit.values()})
         self.out.event("coordinator_takeover", step=step, peers=len(replies), stages=len(self.table.served()),
-                       committed_stages=sorted(to_commit), lagging_stages=sorted(lagging),
+                       committed_stages=committed, lagging_stages=sorted(lagging),
                        missing_stages=sorted(set(range(cfg.num_stages)) - set(self.table.served())),
-                       recorded_step=recorded, takeover_s=round(time.perf_counter() - t0, 6))
+                       recorded_step=record is not None, takeover_s=round(time.perf_counter() - t0, 6))
         print(f"status: took over run {self.run_id!r} at step {step}: {len(self.table.served())}/{cfg.num_stages} "
-              f"stages served, {len(self.members.standbys())} standby, {len(to_commit)} commits completed, "
+              f"stages served, {len(self.members.standbys())} standby, {len(committed)} commits completed, "
               f"{len(lagging)} lagging stage(s)", flush=True)
-        return step
+        whole = not lagging and len(self.table.served()) == cfg.num_stages
+        return Resumed(step, whole, record)
 
     def _serve(self, cfg: RunConfig, holders: dict[int, list[tuple[str, Adopted]]],
-               step: int) -> tuple[dict[int, tuple[str, Ready]], list[int]]:
+               step: int) -> tuple[dict[str, tuple[int, Ready]], list[int]]:
         """The stage table from the peers' reports: the newest peer of each stage serves it (a stage group's
-        replicas at the run's step beside it); the stages whose peer finished the last step but did not commit it,
-        and the stages whose weights lag behind (failed)."""
-        to_commit: dict[int, tuple[str, Ready]] = {}
+        replicas as far as it beside it); the peers that finished the last step but did not commit it (peer ->
+        (stage, the step it holds ready)), and the stages whose weights lag behind (failed).
+
+        Two peers claim one stage when a handover was cut short, when one was done as the old coordinator died
+        (the peer that handed its stage over is leaving), or when a partitioned peer is back after it was
+        replaced: the newest is kept (a step finished and ready to commit counts), a peer not leaving first."""
+        to_commit: dict[str, tuple[int, Ready]] = {}
         lagging = []
         for stage, hs in sorted(holders.items()):
-            hs.sort(key=lambda x: -x[1].next_step)
+            hs.sort(key=lambda x: (-_progress(x[1]), x[1].state == LEAVING))
             pid, r = hs[0]
             self.table.assign(stage, pid)
-            for other, o in hs[1:]:  # two peers claim one stage (a handover was cut short): keep the newest
-                if cfg.train.stage_groups and o.next_step == step == r.next_step:  # a stage group's replica
-                    self.table.add_replica(stage, other)
+            if r.state == LEAVING:  # its leave (SIGTERM) is under way: handed over if a standby is free
+                self.members.leaving_gracefully(pid)
+            for other, o in hs[1:]:
+                if cfg.train.stage_groups and _progress(o) == _progress(r) and o.state != LEAVING:
+                    self.table.add_replica(stage, other)  # a stage group's replica
                 else:
                     self.members.drop(other)
-            ready = r.ready
-            if r.next_step == step:
-                continue
-            if r.next_step == step - 1 and ready is not None and ready.step == step - 1:
-                to_commit[stage] = (pid, ready)
-            else:  # its weights are behind the others: a failed stage
+            if r.next_step < step - 1 or _progress(r) < step:  # its weights are behind the others: a failed stage
                 lagging.append(stage)
                 self.members.drop(pid)
+                continue
+            for p, o in hs:  # those a step behind with it finished (the old coordinator died mid-commit)
+                if p in self.table.group(stage) and o.next_step == step - 1 and o.ready is not None:
+                    to_commit[p] = (stage, o.ready)
         return to_commit, lagging
 
     async def _adopt_peers(self) -> dict[str, Adopted]:
-        """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat
-        TTLs pass with at least one stage served; bounded by join_timeout)."""
+        """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat TTLs pass with the
+        run's config known from some peer, served stages or none; bounded by join_timeout)."""
         start = time.monotonic()
         replies: dict[str, Adopted] = {}
         refused: dict[str, str] = {}
@@ -193,41 +240,45 @@ class Failover:
             cfg = next((r.config for r in replies.values() if r.config), None)
             stages = json.loads(cfg)["num_stages"] if cfg else None
             waited = time.monotonic() - start
-            if stages is not None and (len(served) >= stages or (served and waited > 2 * self.t.heartbeat_ttl)):
+            # (none served after two TTLs: every stage's peers died while no coordinator was there to see it, a
+            # failure of every stage that the strategy plans for like any other)
+            if stages is not None and (len(served) >= stages or waited > 2 * self.t.heartbeat_ttl):
                 return replies
             if waited > self.t.join_timeout:
                 raise TransportError(f"no peer of run {self.run_id!r} answered within join_timeout="
                                      f"{self.t.join_timeout:g} s: nothing to take over")
             await asyncio.sleep(0.2)
 
-    def _protection(self, cfg: RunConfig, replies: dict[str, Adopted], protection: Protection, step: int) -> None:
-        """Rollback strategies after a takeover: the newest snapshot every stage has a live holder of (in peers'
-        memory) and the newest complete checkpoint in storage."""
+    def _protection(self, replies: dict[str, Adopted], protection: Protection, step: int) -> None:
+        """Rollback strategies after a takeover: the newest in-memory copies the live peers hold (the copies the
+        dead peers held are gone, as they are from the simulator's ledger: with every holder of a stage dead, that
+        stage has none), and the newest complete checkpoint in storage."""
         by_step: dict[int, dict[int, set[int]]] = {}  # step -> stage -> holder stages
         for r in replies.values():
             if r.stage < 0:
                 continue  # a standby holds no snapshot
             for stage, st in r.snapshots.items():
                 by_step.setdefault(st, {}).setdefault(stage, set()).add(r.stage)
-        full = [st for st, hs in by_step.items() if len(hs) == cfg.num_stages]
-        protection.adopted(max(full, default=0), by_step.get(max(full, default=0), {}), step)
+        newest = max(by_step, default=0)
+        protection.adopted(newest, by_step.get(newest, {}), step)
 
-    def _record_missing_step(self, cfg: RunConfig, step: int, replies: dict[str, Adopted],
-                             commits: dict[int, LastCommit],
-                             metrics: Path | None) -> bool:
-        """The step the old coordinator committed but did not record (it died in between): its record is rebuilt
-        from the peers' last commits (and those completed now) when every stage has one."""
-        if step < 0 or (metrics is not None and any(m.get("step") == step for m in read_jsonl(metrics))):
-            return False
-        last = {r.stage: r.last_commit for r in replies.values()
-                if r.stage >= 0 and r.last_commit is not None and r.last_commit.step == step}
-        last.update(commits)
+    def _missing_step(self, cfg: RunConfig, step: int, replies: dict[str, Adopted], commits: dict[str, LastCommit],
+                      metrics: Path | None) -> dict | None:
+        """The record of the step the old coordinator committed but did not record (it died in between), rebuilt
+        from the peers' last commits (and those completed now) when every stage has one, the losses of every
+        replica of a stage group merged; None if there is none to rebuild."""
+        if step < 0 or (metrics is not None and _recorded(step, metrics)):
+            return None
+        last: dict[int, LastCommit] = {}  # stage -> its last commit (its first replica's), every replica's losses
+        for pid, r in replies.items():
+            c = commits.get(pid) or r.last_commit
+            if c is not None and pid in self.table.group(r.stage) and c.step == step:
+                prev = last.get(r.stage)
+                last[r.stage] = c if prev is None else msgspec.structs.replace(prev, losses={**prev.losses, **c.losses})
         if len(last) != cfg.num_stages:
-            return False
-        self.out.writer.metric({"step": step, "loss": sum(v for c in last.values() for v in c.losses.values()),
-                                "lr": next(iter(last.values())).lr, "attempts": None,
-                                "grad_norms": [last[s].post for s in range(cfg.num_stages)],
-                                "block_grad_norms": [last[s].block_post for s in range(cfg.num_stages)],
-                                "live_peers": len(self.table.served()), "recorded_by": "takeover",
-                                **step_figures(last, cfg.num_stages)})
-        return True
+            return None
+        return {"step": step, "loss": sum(v for c in last.values() for v in c.losses.values()),
+                "lr": next(iter(last.values())).lr, "attempts": None,
+                "grad_norms": [last[s].post for s in range(cfg.num_stages)],
+                "block_grad_norms": [last[s].block_post for s in range(cfg.num_stages)],
+                "live_peers": len(self.table.served()), "recorded_by": "takeover", **step_figures(last, cfg.num_stages)}

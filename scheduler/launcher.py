@@ -12,8 +12,10 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,11 +76,14 @@ class LocalSwarm:
         self.lab = NetLab() if opts.netns else None
         self.kill_coordinator_at = opts.kill_coordinator_at  # (None once it was killed)
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
+        # the processes' temporary directory, removed at teardown: what a SIGKILLed process cannot remove itself
+        # (multiprocessing's pymp-* listener directories, torch's shared-memory manager socket) goes with it
+        self.tmp = Path(tempfile.mkdtemp(prefix="checkfree-swarm-"))
         self._n = 0
 
     def _spawn(self, name: str, args: list[str], stdin=subprocess.DEVNULL) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
-               SECRET_ENV: self.secret}
+               SECRET_ENV: self.secret, "TMPDIR": str(self.tmp)}
         link, prefix = 0, []
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
             link, prefix, addr = self.lab.add()
@@ -248,6 +253,7 @@ class LocalSwarm:
         from checkfree.net.lifeline import sweep_stale_sockets
 
         sweep_stale_sockets(min_age_s=1.0)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     @staticmethod
     def _stop(procs: list[Proc], wait_s: float, group: bool = True) -> None:

@@ -156,6 +156,11 @@ class Membership:
         """`pid` leaves the run: failed, lost, a straggler, broken weights, soft errors (retired if it still runs)."""
         self.members[pid].leaving = True
 
+    def leaving_gracefully(self, pid: str) -> None:
+        """`pid`'s leave (a SIGTERM) was under way when a takeover found it: handed over if a standby is free."""
+        m = self.members[pid]
+        m.leaving = m.left = m.handover = True
+
     def leaving(self, pid: str) -> bool:
         return self.members[pid].leaving
 
@@ -251,8 +256,11 @@ class Membership:
         are gone it is a failed stage, recovered by the strategy)."""
         for stage in [s for s in self.table.served() if len(self.table.group(s)) > 1]:
             gone = [pid for pid in self.table.group(stage) if await self._gone(pid, live)]
-            if len(gone) == len(self.table.group(stage)):
-                continue
+            rest = [p for p in self.table.group(stage) if p not in gone]
+            if gone and not [p for p in rest if await self.rpc.alive(p)]:  # (a group lost at once: not one by one)
+                for p in rest:
+                    self.suspect(p)
+                continue  # the whole group: a failed stage (`detect`), recovered by the strategy
             for pid in gone:
                 m = self.members[pid]
                 self.lose_replica(stage, pid, "left" if m.left else "retired" if m.leaving else "gone")

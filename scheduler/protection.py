@@ -57,6 +57,14 @@ class Protection:
         self.copies.lose(failed)
         return dataclasses.replace(self.copies)
 
+    async def handed_over(self, stages: set[int], step: int) -> None:
+        """The peers of `stages` handed their state over and left, with the copies they held: the ledger forgets
+        those, and the new peers take what the strategy says they must (redundant computation: the replica the
+        leaving peer held)."""
+        self.lost(stages)
+        for item in self.strategy.protection_after_handover(tuple(sorted(stages))):
+            await self.protect_item(item, step)
+
     def companion(self, stage: int) -> str | None:
         """reft: where the lost `stage`'s peer's snapshot companion listened (it may have survived its crash)."""
         return self._companions.get(stage)

@@ -178,10 +178,14 @@ class GroupSteps:
         stage = next(s for s, g in groups.items() if dead in g)
         self.members.suspect(dead)
         siblings = [p for p in groups[stage] if p != dead]
-        if not siblings:
-            return False
-        load = {p: sum(1 for row in hops if p in row) / max(self.speeds.get(p, 1.0), 1e-9) for p in siblings}
-        to = min(siblings, key=lambda p: (load[p], siblings.index(p)))
+        gone = [p for p in siblings if not await self.rpc.alive(p)]  # (each found in its turn, as `dead` is)
+        for p in gone:
+            self.members.suspect(p)
+        if len(gone) == len(siblings):  # the whole group is lost: a stage failure (recovered by the strategy), not
+            return False  # replicas lost one by one with their work moved to dead siblings
+        live = [p for p in siblings if p not in gone]
+        load = {p: sum(1 for row in hops if p in row) / max(self.speeds.get(p, 1.0), 1e-9) for p in live}
+        to = min(live, key=lambda p: (load[p], live.index(p)))
         moved = move(hops, dead, to)
         self.members.lose_replica(stage, dead, "lost mid-step")
         groups[stage] = siblings

@@ -5,11 +5,14 @@ summary on every exit path. Real processes, real signals; nothing may be left be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -280,3 +283,41 @@ def test_a_process_gone_mid_fd_handoff_is_a_debug_line_not_a_traceback(monkeypat
     finally:
         os.close(r)
         os.close(w)
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_process_leaves_a_pymp_directory_that_the_next_start_removes(tmp_path, cache):
+    """What left 75 `pymp-*` directories in the temporary directory after a test round: every process with a
+    hivemind DHT hands file descriptors through multiprocessing's resource sharer, whose listener socket lives in
+    a `pymp-*` directory only an exit handler removes, so each SIGKILLed peer, coordinator or DHT process left
+    one. The sweep (run by every start_transport, and by `checkfree local`'s teardown through its own temporary
+    directory) removes a dead process's directory and leaves a live one's alone."""
+    from checkfree.net.lifeline import sweep_stale_mp_dirs
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**_env(cache), "TMPDIR": str(tmp)}
+    script = ("import asyncio, time\nfrom checkfree.net.transport import start_transport\n"
+              "async def main():\n    await start_transport(transport='hivemind')\n    print('READY', flush=True)\n"
+              "    time.sleep(600)\nasyncio.run(main())\n")
+    procs = []
+    try:
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+            procs.append(p)
+            assert p.stdout.readline().strip() == "READY"
+        dirs = {d.name for d in tmp.glob("pymp-*")}
+        assert len(dirs) == 2, sorted(os.listdir(tmp))
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(timeout=30)
+        _wait_gone(process_tree(procs[0].pid), 30)
+        assert {d.name for d in tmp.glob("pymp-*")} == dirs  # nothing removed it
+        assert sweep_stale_mp_dirs(str(tmp), min_age_s=0) == 1
+        left = {d.name for d in tmp.glob("pymp-*")}
+        assert len(left) == 1 and left < dirs  # the live process keeps its own
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)

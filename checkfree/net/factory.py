@@ -24,6 +24,7 @@ from checkfree.net.lifeline import (
     TiedDHT,
     quiet_fd_handoffs,
     socket_files,
+    sweep_stale_mp_dirs,
     sweep_stale_sockets,
 )
 from checkfree.net.streams import quiet_disconnects
@@ -117,10 +118,11 @@ async def start_transport(
         from checkfree.net.memory import MEMORY, MemoryDHT, MemoryTransport
 
         t = MemoryTransport(MEMORY)
-        return MemoryDHT(MEMORY, t.peer_id), t
+        return MemoryDHT(MEMORY, t.peer_id), MEMORY.attach(t)
     check_transport(transport)
     peers = _check_initial_peers(initial_peers)
     sweep_stale_sockets()
+    sweep_stale_mp_dirs()
     before = socket_files()
     quiet_disconnects(asyncio.get_running_loop())
     quiet_fd_handoffs()

@@ -10,6 +10,10 @@ when the thread that created it dies:
   SIGTERM as its parent-death signal (p2pd then closes, and removes, its own socket).
 * `sweep_stale_sockets()`: at start-up, remove hivemind socket files in /tmp that nothing
   listens on any more (the client sockets of processes that were SIGKILLed).
+* `sweep_stale_mp_dirs()`: the same for multiprocessing's `pymp-*` directories. Those futures' file
+  descriptors travel through multiprocessing's resource sharer, whose listener socket lives in a `pymp-*`
+  directory of the temporary directory that only an exit handler removes: every SIGKILLed peer, coordinator
+  or DHT process left one (75 after one test round). Removed when every socket in it refuses connections.
 * `quiet_fd_handoffs()`: hivemind hands the DHT process shared-memory futures, whose file
   descriptors travel through multiprocessing's resource sharer; a DHT child killed in the middle
   of that handshake (the whole group signalled) made the sharer thread print a traceback.
@@ -29,16 +33,19 @@ import errno
 import glob
 import logging
 import os
+import shutil
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
 import traceback
 
 from hivemind import DHT
 
 __all__ = ["TiedDHT", "held_socket_files", "living", "process_tree", "quiet_fd_handoffs", "socket_files",
-           "sweep_stale_sockets", "tie_to_parent"]
+           "sweep_stale_mp_dirs", "sweep_stale_sockets", "tie_to_parent"]
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -169,6 +176,41 @@ def sweep_stale_sockets(pattern: str = SOCKET_GLOB, min_age_s: float = 10.0, amo
             log.debug("could not probe %s: %r", path, e)
     if removed:
         log.info("removed %d stale hivemind socket file(s) from /tmp", removed)
+    return removed
+
+
+def _refuses(path: str) -> bool:
+    """Whether the unix socket at `path` refuses connections (nothing listens on it any more)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
+
+
+def sweep_stale_mp_dirs(tmp: str | None = None, min_age_s: float = 10.0) -> int:
+    """Remove this user's `pymp-*` directories under `tmp` (default: the temporary directory) whose process is gone:
+    each holds sockets only (multiprocessing's listeners), and every one refuses connections. Directories younger
+    than `min_age_s`, or holding anything else, are left alone. Returns how many were removed."""
+    removed, now = 0, time.time()
+    for path in glob.glob(os.path.join(tmp or tempfile.gettempdir(), "pymp-*")):
+        try:
+            st = os.stat(path)
+            entries = [os.path.join(path, e) for e in os.listdir(path)]
+            sockets = [e for e in entries if stat.S_ISSOCK(os.lstat(e).st_mode)]
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or now - st.st_mtime < min_age_s or not entries or len(sockets) < len(entries):
+            continue
+        if all(_refuses(e) for e in sockets):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += not os.path.exists(path)
+    if removed:
+        log.info("removed %d stale multiprocessing director(ies) (pymp-*) from %s", removed, tmp or tempfile.gettempdir())
     return removed
 
 

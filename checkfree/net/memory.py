@@ -8,6 +8,14 @@ real transport delivers (fresh tensors, JSON headers) and a handler's failure co
 cancelled, calls to it and from it fail as unreachable, and its DHT records stay until they expire (as a
 dead process's heartbeat does). `start_transport(..., transport="memory")` joins `MEMORY`, the process's
 network; nothing outside one Python process can reach it, so the command line does not offer it.
+
+Processes: a harness that runs each peer's (or coordinator's) main task in a `SimProcess` of its own
+(`SimProcess.start`) and calls `MemoryNetwork.track(loop)` gets a whole-process SIGKILL from `kill`: every task
+that process created (the handlers it serves, the tasks they spawn, its timers) is cancelled, not only its
+transport. A request's handler runs in the serving process (its tasks are the server's, as in a real swarm).
+
+Faults: `MemoryNetwork.wrap`, when set, wraps every transport joining the network (e.g. in a
+`checkfree.net.faulty.FaultyTransport`): the one place a harness injects faults at protocol points.
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +35,59 @@ from checkfree.net.errors import TransportError, TransportTimeout, failed_reques
 from checkfree.net.streams import dispatch
 from checkfree.net.wire import WireError, decode_message, encode_message
 
-__all__ = ["MemoryNetwork", "MemoryTransport", "MemoryDHT", "MEMORY"]
+__all__ = ["MemoryNetwork", "MemoryTransport", "MemoryDHT", "MEMORY", "SimProcess"]
+
+
+class SimProcess:
+    """One in-process 'process' (a peer daemon or a coordinator): the tasks it created, so that a kill ends
+    them all. Code runs in a process when its task was started by `start` or by a task of that process."""
+
+    current: contextvars.ContextVar[SimProcess | None] = contextvars.ContextVar("memory_process", default=None)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+        self.killed = False
+
+    def context(self) -> contextvars.Context:
+        ctx = contextvars.copy_context()
+        ctx.run(SimProcess.current.set, self)
+        return ctx
+
+    def start(self, coro: Coroutine) -> asyncio.Task:
+        """Run `coro` as this process's main task; when it returns the process exits: its other tasks are cancelled
+        (as `asyncio.run` does at the end of a real process)."""
+
+        async def main() -> Any:
+            try:
+                return await coro
+            finally:
+                me = asyncio.current_task()
+                for t in self.live_tasks():
+                    if t is not me:
+                        t.cancel()
+
+        return asyncio.get_running_loop().create_task(main(), context=self.context())
+
+    def live_tasks(self) -> list[asyncio.Task]:
+        return [t for t in list(self.tasks) if not t.done()]
+
+    def cancel_all(self) -> None:
+        self.killed = True
+        for t in self.live_tasks():
+            t.cancel()
+
+
+def _tracking_factory(loop: asyncio.AbstractEventLoop, coro: Coroutine,
+                      context: contextvars.Context | None = None) -> asyncio.Task:
+    """A task factory recording every task in the `SimProcess` it was created in (its context's)."""
+    task = asyncio.Task(coro, loop=loop, context=context)
+    proc = SimProcess.current.get() if context is None else context.get(SimProcess.current)
+    if proc is not None:
+        proc.tasks.add(task)
+        if proc.killed:  # created by a dying process's finally: it dies too
+            task.cancel()
+    return task
 
 
 @dataclass
@@ -51,21 +112,35 @@ class MemoryNetwork:
     records: dict[str, dict[Any, _Record]] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
     _ids: Any = field(default_factory=itertools.count)
+    # wraps every transport that joins (a fault injector: checkfree.net.faulty); None: none
+    wrap: Callable[[MemoryTransport], Any] | None = None
 
     def new_id(self) -> str:
         return f"mem-{next(self._ids)}"
 
+    def attach(self, transport: MemoryTransport) -> Any:
+        """The transport a process joining the network uses: `transport`, wrapped if the network says so."""
+        return transport if self.wrap is None else self.wrap(transport)
+
+    def track(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Record every task of `loop` in its `SimProcess`, so that `kill` ends a whole process."""
+        loop.set_task_factory(_tracking_factory)
+
     def kill(self, peer_id: str) -> None:
-        """The in-process SIGKILL of ``peer_id``: unreachable from now on, its running handlers cancelled."""
+        """The in-process SIGKILL of ``peer_id``: unreachable from now on, its running handlers cancelled, and
+        (with `track`) every task of its process."""
         self.dead.add(str(peer_id))
         t = self.transports.pop(str(peer_id), None)
         if t is not None:
             t.cancel_handlers()
+            if t.process is not None:
+                t.process.cancel_all()
 
     def reset(self) -> None:
         self.transports.clear()
         self.records.clear()
         self.dead.clear()
+        self.wrap = None
 
 
 MEMORY = MemoryNetwork()
@@ -82,6 +157,7 @@ class MemoryTransport:
         self.extra_header: dict = {}
         self._handlers: dict[str, Handler] = {}
         self._running: set[asyncio.Task] = set()
+        self.process = SimProcess.current.get()  # whose handlers these are (None: no process tracking)
         self._context = contextvars.copy_context()  # its owner's: requests are handled as in the owner's process
         network.transports[self._peer_id] = self
 
@@ -121,6 +197,7 @@ class MemoryTransport:
         if target is None:
             raise TransportError(f"peer {peer_id} is unreachable (not in this process's memory network)")
         frames = encode_message({**self.extra_header, **header}, tensors)
+        # the handler runs in the serving process (its owner's context): a kill of the caller does not cancel it
         task = asyncio.create_task(target._serve(name, frames, me), context=target._context.copy())
         target._running.add(task)
         task.add_done_callback(target._running.discard)

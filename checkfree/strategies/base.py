@@ -140,6 +140,11 @@ class Strategy:
         every = self.checkpoint_every
         return [Checkpoint(step + 1)] if every is not None and (step + 1) % every == 0 else []
 
+    def protection_after_handover(self, stages: tuple[int, ...]) -> list[Protect]:
+        """The peers of `stages` handed their exact state over to new peers and left: the protection those must take
+        (the copies the leaving peers held for others left with them)."""
+        return []
+
     def in_step(self, step: int) -> BackupPart | None:
         """Protection that travels inside step `step` itself (BAFT: a part of the backup, in the bubbles)."""
         return None

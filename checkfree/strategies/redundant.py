@@ -35,6 +35,10 @@ class RedundantStrategy(InMemoryStrategy):
         """After every step the replicas take it (the swarm: in the COMMIT itself)."""
         return [RefreshReplicas(), *super().protection_due(step)]
 
+    def protection_after_handover(self, stages: tuple[int, ...]) -> list[Protect]:
+        """The leaving peer held its successor's replica: the new peer takes it."""
+        return [TakeReplicas(stages)]
+
     def recovery_plan(self, failure: Failure) -> RecoveryPlan:
         step, failed, n = failure.step, failure.failed, self.cfg.num_stages
         promoted = {s: Replica(self.holder(s)) for s in failed if self.holder(s) not in failed}
