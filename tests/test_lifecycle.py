@@ -19,7 +19,7 @@ import pytest
 from swarmrun import await_line, kill_group, simulate, spawn, trace
 
 from checkfree.config import preset
-from checkfree.net.lifeline import held_socket_files, living, process_tree
+from checkfree.net.lifeline import held_socket_files, outliving, process_tree
 from checkfree.protocol import (
     EXIT_COORDINATOR_GONE,
     READY_COORDINATOR,
@@ -43,9 +43,8 @@ def _env(cache: str) -> dict:
 def _wait_gone(pids: set[int], timeout: float) -> float:
     """Seconds until every one of `pids` is gone (fails after `timeout`)."""
     t0 = time.monotonic()
-    while living(pids):
-        assert time.monotonic() - t0 < timeout, f"still alive after {timeout:g} s: {sorted(living(pids))}"
-        time.sleep(0.1)
+    left = outliving(pids, timeout)
+    assert not left, f"still alive after {timeout:g} s: {sorted(left)}"
     return time.monotonic() - t0
 
 
