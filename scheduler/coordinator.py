@@ -315,6 +315,13 @@ class Coordinator:
             await self.out.saved()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        if self.opts.shutdown_peers and self.cfg is not None:
+            # failed peers that came back since (a healed partition), told before the run directory closes: their
+            # `retired` events belong in it
+            try:
+                await self.members.retire()
+            except Exception as e:  # the summary is written whatever happens here
+                log.warning("telling failed peers to shut down failed: %r", e)
         summary = None
         if self.out.writer is not None:
             soft = {k: sum(int(c.get(k, 0)) for c in self.driver.soft_counts.values())
@@ -327,7 +334,6 @@ class Coordinator:
             if task is not None:
                 task.cancel()
         if self.opts.shutdown_peers and self.cfg is not None:
-            await self.members.retire()  # failed peers that came back since (a healed partition)
             await self.members.shutdown_peers(f"run {status}")
         await self.rpc.stop()
         return summary
