@@ -91,10 +91,13 @@ def _namespaces() -> set[str]:
 def test_partitioned_peer_is_replaced_and_cannot_disturb_the_run_once_healed(tmp_path, cache):
     """Stage 2's peer loses its link at step 3 (alive, unreachable: its heartbeat expires, its
     calls stall); the link comes back at step 4, after the stage was rebuilt elsewhere. Its TCP
-    connections then recover within a few seconds (retransmission backoff): the run goes on for
-    ten more steps, long enough to see what the healed peer does."""
+    connections then recover after the next retransmission (backoff: up to about 13 s after a
+    partition this long): the run goes on for ten more steps, paced to about 2.5 s each by a slow
+    stage 0 (a step at full speed takes 0.1 s: CI once ended the run before the healed peer could
+    be reached), long enough to see what the healed peer does."""
     spaces = _namespaces()
     proc, out = local(tmp_path, "swarm", "--steps", "14", "--eval-every", "0", *TIMEOUTS, "--step-timeout", "15",
+                      "--chaos-slow", "0:0.3@4",
                       "--netns", "--partition-trace", trace(tmp_path, [(3, 2)]), cache=cache)
     assert not {n for n in _namespaces() - spaces if n.startswith("cf")}, "the launcher left namespaces behind"
     summary = _completed(proc, out)
