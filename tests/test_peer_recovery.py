@@ -20,7 +20,6 @@ from checkfree.pipeline import Hop
 from checkfree.messages import AssignRecover, request
 from checkfree.protocol import RPC
 from checkfree.recovery import checkfree_average, plan_recovery, rebuild_stage
-from checkfree.strategies import build_strategy, worker_config
 from checkfree.worker import StageWorker
 from peers import rebuild as rebuild_mod
 from peers.daemon import PeerDaemon, PeerOptions
@@ -72,8 +71,7 @@ class MemoryTransport:
 
 def _daemon(net: MemoryNet, me: str, cfg) -> PeerDaemon:
     d = PeerDaemon(PeerOptions(run_id=RUN))
-    strategy = build_strategy(cfg)
-    d.hosted.cfg, d.hosted.plus, d.hosted.worker_cfg = cfg, strategy.plus, worker_config(cfg, strategy)
+    d.hosted.configure(cfg, None)  # as a JOIN reply does (an ASSIGN waits for it, up to the join timeout)
     d.membership.coordinator, d.membership.transport = "coordinator", net.transport(me)
     net.daemons[me] = d
     return d
