@@ -146,6 +146,8 @@ class Passes:
         """CheckFree+: this holder's embedding or head gradient of a finished step, for its partner."""
         run = await self.steps.current(request.step, request.attempt)
         await asyncio.wait_for((run.reduced if run.grouped else run.done).wait(), self.t.step_timeout)
+        if run.grouped and run.reduce_error is not None:
+            raise StepFailed(run.reduce_error)
         if run.error is not None or request.comp not in run.component_grads:
             raise ProtocolError(f"no {request.comp!r} gradient for step {run.step}: {run.error or 'not a holder'}")
         return Ok(), [run.component_grads[request.comp].cpu()]
@@ -314,7 +316,13 @@ class Passes:
                 _, (other,) = await self.net.call(self._partner(run, partner),
                                                   ComponentGrad(step=run.step, attempt=run.attempt, comp=comp),
                                                   self.t.rpc_timeout, link=(self.hosted.index, partner))
-            except (TransportError, RemoteError, ValueError) as e:
+            except RemoteError as e:
+                if e.kind != Kind.STEP_FAILED:  # (a failed reduce there: the partner is alive, nothing to report)
+                    await self._report(run, partner, str(e))
+                else:
+                    run.fail(f"no {comp} gradient from stage {partner}: {e.remote_message}")
+                return
+            except (TransportError, ValueError) as e:
                 await self._report(run, partner, str(e))
                 return
             if run.error is not None:  # aborted while we waited: its gradients are dropped, the next attempt's

@@ -61,7 +61,8 @@ class StepRun:
     sent_grad: dict[int, torch.Tensor | None] = field(default_factory=dict)  # mb -> the gradient it sent back
     events: dict[tuple[str, int], asyncio.Event] = field(default_factory=dict)  # ("forward"|"sent", mb)
     pre_reduce: torch.Tensor | None = None  # the gradients before the last REDUCE (restored if the group failed)
-    reduced: asyncio.Event = field(default_factory=asyncio.Event)
+    reduced: asyncio.Event = field(default_factory=asyncio.Event)  # set when a REDUCE ended, summed or failed
+    reduce_error: str | None = None  # why this peer's last REDUCE failed (a retry of the REDUCE may still sum)
     computing_s: float = 0.0  # the compute thread's busy seconds during this attempt (the replica's speed)
 
     @property

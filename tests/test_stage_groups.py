@@ -231,3 +231,46 @@ def test_a_replica_with_uncorrectable_soft_errors_leaves_its_group_without_a_rec
     (lost,) = _events(out, "replica_lost")
     assert lost["stage"] == 1 and lost["reason"] == "retired"
     assert read_jsonl(out / "metrics.jsonl")[0]["attempts"] == 3 and swarm.summary["stage_recoveries"] == 0
+
+
+def test_a_failed_reduce_answers_the_partner_stages_component_gradient_request_at_once(tiny_cfg):
+    """Found timing the quick tier (dst's mid-reduce+partition schedule, step 1 took 20 s): under CheckFree+ a
+    replica whose REDUCE failed (a sibling died in it) left the partner stage's COMPONENT_GRAD waiting for sums
+    that never came, until the caller's RPC timeout; the coordinator's retry waited behind it. The request is
+    refused as soon as the REDUCE failed, as a failed step (the partner is alive: nothing to report)."""
+    import asyncio
+
+    from checkfree.messages import ComponentGrad, Reduce
+    from checkfree.pipeline import route
+    from checkfree.protocol import StepFailed
+    from peers.daemon import PeerDaemon, PeerOptions
+    from peers.step import StepRun
+
+    cfg = _cfg(tiny_cfg, strategy="checkfree+")
+    daemon = PeerDaemon(PeerOptions(transport="memory"))
+    daemon.hosted.configure(cfg, None)
+    daemon.hosted.worker = daemon.hosted.build(1)
+    assert daemon.passes.t.step_timeout > 30  # the bound below: a wait for the sums would trip it
+    m = cfg.train.num_microbatches
+    routes = [route(cfg.num_stages, True, 0, mb, m) for mb in range(m)]
+    run = StepRun(0, 0, False, {s: f"p{s}" for s in range(cfg.num_stages)}, routes, remaining=0,
+                  hops=[["x"] * len(r) for r in routes], groups={s: [f"p{s}"] for s in range(cfg.num_stages)})
+    run.done.set()
+
+    def dies(*_):
+        raise StepFailed("the gradient all-reduce of stage 1 failed: a member died")
+
+    daemon.group._reduce = dies
+
+    async def main():
+        daemon.steps.start(run)
+        with pytest.raises(StepFailed):
+            await daemon.group.on_reduce(Reduce(step=0, attempt=0, prefix="g", rank=0, size=2, store=""), [], "c")
+        with pytest.raises(StepFailed, match="gradient reduce of stage 1 failed here"):
+            await asyncio.wait_for(daemon.passes.on_component_grad(ComponentGrad(step=0, attempt=0, comp="embed"),
+                                                                   [], "p0"), 30)
+
+    try:
+        asyncio.run(main())
+    finally:
+        daemon.compute.shutdown(wait=True)
