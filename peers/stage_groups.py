@@ -115,16 +115,14 @@ class StageGroup:
         run = await self.steps.current(reduce.step, reduce.attempt)
         if not run.ready() or not run.grouped:
             raise ProtocolError(f"step {run.step} is not ready to reduce ({run.error or 'still running'})")
-        run.reduced.clear()
-        run.reduce_error = None
+        run.reducing()
         t0 = time.perf_counter()
         try:
             nbytes = await self.compute.run(self._reduce, run, reduce)
         except BaseException as e:
             # the partner stage's COMPONENT_GRAD waiting for these sums hears now that there are none (it waited
             # out its RPC timeout, 20 s, holding the coordinator's retry of the REDUCE back)
-            run.reduce_error = f"the gradient reduce of stage {self.hosted.index} failed here: {e}"[:500]
-            run.reduced.set()
+            run.reduce_failed(f"the gradient reduce of stage {self.hosted.index} failed here: {e}")
             raise
         reduce_s = time.perf_counter() - t0
         worker = self.hosted.worker

@@ -101,6 +101,16 @@ class StepRun:
     def count_sent(self, nbytes: int) -> None:
         self.bytes_sent += nbytes
 
+    def reducing(self) -> None:
+        """A REDUCE of this attempt starts (again): a COMPONENT_GRAD waits for its end."""
+        self.reduced.clear()
+        self.reduce_error = None
+
+    def reduce_failed(self, message: str) -> None:
+        """This peer's REDUCE failed: a COMPONENT_GRAD waiting for its sums is refused now (a retry may sum)."""
+        self.reduce_error = message[:500]
+        self.reduced.set()
+
     def keep_pre_reduce(self, flat: torch.Tensor | None) -> None:
         """The gradients before a REDUCE (None: restored, nothing kept)."""
         self.pre_reduce = flat
