@@ -12,6 +12,7 @@ the peer keeps serving, and a neighbour that cannot be reached is reported to th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -115,7 +116,7 @@ class Passes:
         arrived = time.time()
         x = check_activation(tensors, "activation", self.hosted.cfg)
         run = await self.steps.current(request.step, request.attempt)
-        mb, idx = check_hop(run, request, self.hosted.index, self.net.me)
+        mb, idx = await self._hop(run, request)
         if idx > 0:
             check_sender(run, peer, mb, idx - 1)
             self._arrived(run, request, run.routes[mb][idx - 1].stage, arrived)
@@ -126,12 +127,32 @@ class Passes:
         self._spawn(run, self._forward_task(run, mb, idx, x))
         return Ok(), []
 
+    async def _hop(self, run: StepRun, request: Forward | Backward) -> tuple[int, int]:
+        """The (microbatch, hop) of a pass for this peer (peers.checks.check_hop). In a stage group, a pass for a hop
+        the table gives a sibling may be one moved here by a REROUTE not yet arrived: the coordinator tells the
+        other peers before the sibling that takes a lost replica's microbatches (they must stop sending to the dead
+        one), so their passes can overtake it. Such a pass waits for the REROUTE, up to rpc_timeout."""
+        deadline = time.monotonic() + self.t.rpc_timeout
+        while True:
+            moved = run.moved  # (taken before the check: a REROUTE applied after it sets this one)
+            try:
+                return check_hop(run, request, self.hosted.index, self.net.me)
+            except ProtocolError:
+                mb, idx = request.mb, request.hop
+                sibling = (run.grouped and 0 <= mb < len(run.routes) and 0 <= idx < len(run.routes[mb])
+                           and run.routes[mb][idx].stage == self.hosted.index)
+                left = deadline - time.monotonic()
+                if not sibling or run.error is not None or left <= 0:
+                    raise
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(moved.wait(), left)
+
     async def on_backward(self, request: Backward, tensors: list, peer) -> tuple[Ok, list]:
         """A gradient from the next hop (checked before waiting for its step)."""
         arrived = time.time()
         g = check_activation(tensors, "gradient", self.hosted.cfg)
         run = await self.steps.current(request.step, request.attempt)
-        mb, idx = check_hop(run, request, self.hosted.index, self.net.me)
+        mb, idx = await self._hop(run, request)
         if run.evaluate:
             raise ProtocolError("an evaluation has no backward pass")
         if idx + 1 < len(run.routes[mb]):

@@ -56,6 +56,7 @@ class StepRun:
     groups: dict[int, list[str]] = field(default_factory=dict)  # stage -> its live replicas
     mine: set[int] = field(default_factory=set)  # the microbatches this peer computes
     started: set[int] = field(default_factory=set)  # ...whose forward has started here
+    moved: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) by each REROUTE applied here
     backwarded: set[int] = field(default_factory=set)  # ...whose backward has started here
     sent: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> the activation this peer sent on
     sent_grad: dict[int, torch.Tensor | None] = field(default_factory=dict)  # mb -> the gradient it sent back
@@ -127,6 +128,8 @@ class StepRun:
         self.remaining += len(new)
         if new:
             self.done.clear()
+        self.moved.set()  # passes that waited for this table (Passes._hop) look again
+        self.moved = asyncio.Event()
         return new
 
     def fail(self, message: str, kind: str = Kind.STEP_FAILED) -> None:

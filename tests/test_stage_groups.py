@@ -6,6 +6,7 @@ tests/test_swarm.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,51 @@ def test_a_failed_reduce_answers_the_partner_stages_component_gradient_request_a
         with pytest.raises(StepFailed, match="gradient reduce of stage 1 failed here"):
             await asyncio.wait_for(daemon.passes.on_component_grad(ComponentGrad(step=0, attempt=0, comp="embed"),
                                                                    [], "p0"), 30)
+
+    try:
+        asyncio.run(main())
+    finally:
+        daemon.compute.shutdown(wait=True)
+
+
+def test_a_pass_that_overtakes_the_reroute_moving_its_hop_here_waits_for_it(tiny_cfg):
+    """Seen in the quick tier (CheckFree+, a replica lost mid-step, 1 run in ~10): the coordinator tells every
+    other peer of a REROUTE before the sibling taking the lost replica's microbatches, so a neighbour's FORWARD for
+    a moved hop reached that sibling first and was refused ('computed by replica <dead>, not by this peer'): the
+    step was aborted. Such a pass now waits for the REROUTE; one for a hop that stays a sibling's is still refused
+    (after the wait, bounded by rpc_timeout)."""
+    import asyncio
+
+    from types import SimpleNamespace
+
+    from checkfree.messages import Forward
+    from checkfree.pipeline import route
+    from checkfree.protocol import ProtocolError
+    from peers.daemon import PeerDaemon, PeerOptions
+    from peers.step import StepRun
+
+    cfg = _cfg(tiny_cfg)
+    daemon = PeerDaemon(PeerOptions(transport="memory"))
+    daemon.hosted.configure(cfg, None)
+    daemon.hosted.worker = daemon.hosted.build(1)
+    daemon.membership.transport = SimpleNamespace(peer_id="me")  # (no transport started: only its id is read)
+    me = daemon.membership.me
+    m = cfg.train.num_microbatches
+    routes = [route(cfg.num_stages, False, 0, mb, m) for mb in range(m)]
+    hops = [[f"s{h.stage}" if h.stage != 1 else ("dead" if mb == 0 else "other") for h in r]
+            for mb, r in enumerate(routes)]
+    run = StepRun(0, 0, False, {s: f"s{s}" for s in range(cfg.num_stages)}, routes, remaining=0, hops=hops,
+                  groups={0: ["s0"], 1: [me, "dead", "other"], 2: ["s2"], 3: ["s3"]})
+    daemon.passes.t = dataclasses.replace(daemon.passes.t, rpc_timeout=2.0, heartbeat_ttl=1.0)
+
+    async def main():
+        moved = asyncio.create_task(daemon.passes._hop(run, Forward(step=0, attempt=0, mb=0, hop=1)))
+        await asyncio.sleep(0)
+        assert not moved.done()  # waiting for the REROUTE, not refused
+        run.reroute("dead", me, [0], me)
+        assert await asyncio.wait_for(moved, 5) == (0, 1)
+        with pytest.raises(ProtocolError, match="computed by replica other"):
+            await daemon.passes._hop(run, Forward(step=0, attempt=0, mb=1, hop=1))
 
     try:
         asyncio.run(main())
