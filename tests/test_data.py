@@ -74,6 +74,7 @@ def test_tokenizer_json_path(tmp_path):
         _data(tmp_path, tmp_path / "a.txt", tokenizer=str(tmp_path / "nope.json"))
 
 
+@pytest.mark.processes  # HF datasets starts OS processes here (the quick tier's process check saw them)
 def test_hf_datasets_path_with_local_file(tmp_path):
     pytest.importorskip("datasets", reason="the hf extra is part of the dev install")
     rows = [{"text": f"row {i}: all the world's a stage, and all the men and women merely players. "}

@@ -58,6 +58,7 @@ def _is_png(path: Path) -> bool:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.processes  # the experiments' runs go to a process pool
 def test_quick_all_experiments_produce_complete_results_and_resume(tmp_path, cache, capsys):
     out = tmp_path / "results"
     assert main(["experiment", "all", "--quick", "--out", str(out), "--no-progress", "--jobs", "2"]) == 0

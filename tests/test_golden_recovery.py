@@ -71,7 +71,9 @@ def decided(out: Path) -> list[dict]:
         for e in events]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# ReFT runs its companion processes for real (peers/companion.py: start_companion): the real-process tier
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.processes) if n.startswith("reft") else n
+                                  for n in CASES])
 def test_the_simulator_and_the_swarm_decide_every_recovery_alike(tiny_cfg, tmp_path, name):
     trace, changes = CASES[name]
     cfg = _cfg(tiny_cfg, name, changes)

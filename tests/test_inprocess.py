@@ -297,6 +297,7 @@ def test_baft_sends_backups_in_the_bubbles_and_rolls_back_like_the_simulator(tin
     assert sum(n or 0 for m in metrics for n in m.get("backup_bytes", [])) > 0
 
 
+@pytest.mark.processes  # ReFT's companion processes are real ones
 def test_reft_decodes_a_lost_member_from_its_groups_parity_and_rolls_back_like_the_simulator(tiny_cfg, tmp_path):
     """REFT in the swarm: every 2 steps each stage keeps its snapshot and sends one chunk to every other member of
     its parity group, which XORs them into its parity block. Three kills, one at a time: each lost member's snapshot

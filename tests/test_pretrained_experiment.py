@@ -104,6 +104,7 @@ def test_omega_variants_and_coincident_inits():
         sig["uniform"]
 
 
+@pytest.mark.processes  # the study's runs go to a process pool
 def test_tiny_study_end_to_end_resumes_and_renders(corpus, tmp_path):
     study = make_study("tiny", seeds=[0, 1], curve_stages=[1], inits=["uniform", "checkfree post/stage", "copy",
                                                                       "random"])
