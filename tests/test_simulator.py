@@ -89,9 +89,9 @@ def test_recovered_stage_gets_scaled_lr(tiny_cfg, tmp_path):
     assert lrs[1] == pytest.approx(tiny_cfg.train.lr * 1.1) and lrs[0] == pytest.approx(tiny_cfg.train.lr)
 
 
-@pytest.mark.parametrize("strategy,rate", [("checkfree", 0.0), ("checkfree+", 0.01)])
+@pytest.mark.parametrize("strategy,rate", [("checkfree", 0.0), ("checkfree+", 0.02)])
 def test_loss_falls_on_tiny(tiny_cfg, tmp_path, strategy, rate):
-    tiny_cfg.train.num_steps, tiny_cfg.train.eval_every = 150, 75
+    tiny_cfg.train.num_steps, tiny_cfg.train.eval_every = 75, 37  # (at 75 steps: last ten 4.31, val 4.15-4.20)
     tiny_cfg.recovery.strategy, tiny_cfg.recovery.fallback = strategy, "copy"
     tiny_cfg.failures.rate = rate
     _, summary = _run(tiny_cfg, tmp_path / "r")
