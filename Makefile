@@ -1,7 +1,8 @@
 # Two commands on a fresh machine: `make run` (set up on first use, then the main demo) and
-# `make test` (set up on first use, then the quick test tier). `make test-all` is the full suite (CI runs it),
-# `make docs` builds the documentation site (--strict: a broken link or a missing page fails). All create and
-# reuse .venv; the plain pip commands in the README are for those who manage their own environment.
+# `make test` (set up on first use, then the quick test tier on two pytest-xdist workers, one per core here).
+# `make test-all` is the full suite, run serially (CI runs it); `make docs` builds the documentation site
+# (--strict: a broken link or a missing page fails). All create and reuse .venv; the plain pip commands in the
+# README are for those who manage their own environment.
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
@@ -27,7 +28,7 @@ run: setup
 	$(BIN)/checkfree local --preset tiny --strategy checkfree+ $(ARGS)
 
 test: setup
-	$(call PYTEST,--quick)
+	$(call PYTEST,--quick -n 2 --dist worksteal)
 
 test-all: setup
 	$(call PYTEST,)

@@ -177,7 +177,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     dropped = [i for i in items if i not in keep]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    # the smoke run (the tier's longest test) first: on two workers (make test) it then runs beside the others
+    # rather than alone at the end
+    items[:] = sorted(keep, key=lambda i: i.get_closest_marker("smoke") is None)
     whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("keyword")
     if whole_suite and not any(i.get_closest_marker("smoke") for i in items):
         raise pytest.UsageError("--quick: no test marked `smoke` was collected: the quick tier would have no "
@@ -220,6 +222,18 @@ def _process_tier_check(request, no_leftover_p2pd):
     # nor is the CPU time it brings when it is reaped during this test: count ticks only when none such ended.
     if now - children or (_child_ticks() > ticks and not children - now):
         _UNDECLARED.append(request.node.nodeid)
+
+
+def pytest_sessionfinish(session) -> None:
+    """An xdist worker (make test runs the quick tier in two) hands its notes to the controller, which prints them."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["undeclared"] = list(_UNDECLARED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _UNDECLARED.extend(getattr(node, "workeroutput", {}).get("undeclared", []))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
