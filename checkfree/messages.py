@@ -157,10 +157,12 @@ class AssignRestore(Assign, tag="restore", kw_only=True):
 
 
 class AssignHandover(Assign, tag="handover", kw_only=True):
-    """A leaving peer's (`source`) exact state."""
+    """A leaving peer's (`source`) exact state, and the in-memory snapshots it holds (`held`: owner stage -> step,
+    fetched from it with FETCH_SNAPSHOT): the new peer holds them in its place."""
 
     source: str
     step: int
+    held: dict[int, int] = {}
 
 
 class AssignPromote(Assign, tag="promote", kw_only=True):

@@ -100,6 +100,18 @@ class Snapshots:
         self.steps.reset()
         return Ok(), []
 
+    async def take_held(self, source: str, held: dict[int, int]) -> int:
+        """A handover: hold the snapshots the leaving peer `source` holds (`held`: owner stage -> step) in its
+        place; the bytes moved. A snapshot it cannot give fails the handover (the coordinator then recovers)."""
+        if self.hosted.cfg is None or not all(0 <= o < self.hosted.cfg.num_stages for o in held):
+            raise ProtocolError(f"assign 'held' names stages out of range: {sorted(held)!r:.200}")
+        moved = 0
+        for owner, step in sorted(held.items()):
+            _, tensors = await self.net.call(source, FetchSnapshot(owner=owner, step=step), self.net.t.step_timeout)
+            self.keep(owner, step, check_blob(tensors, "a handed-over snapshot"))
+            moved += len(self.held[owner][1])
+        return moved
+
     def keep(self, stage: int, step: int, blob: bytes) -> None:
         """Hold `stage`'s snapshot (or backup) of `step` (at most one per stage)."""
         self.held[stage] = (step, blob)

@@ -74,7 +74,8 @@ class Coordinator:
         self.rpc = Rpc(opts)
         self.table = StageTable()
         self.out = Outputs(opts, self.rpc, self.table)
-        self.members = Membership(self.rpc, self.table, self.out, lambda: self.step)
+        self.members = Membership(self.rpc, self.table, self.out, lambda: self.step,
+                                  lambda stage: self.protection.held_by(stage) if self.cfg is not None else {})
         self.failover = Failover(opts, self.rpc, self.members, self.table, self.out)
         self.hook = hook or _no_hook
         self.cfg: RunConfig | None = None

@@ -40,8 +40,10 @@ class Detection:
 class Membership:
     """The peers of the run, the suspects among them, and the retired ones."""
 
-    def __init__(self, rpc: Rpc, table: StageTable, outputs: Outputs, step: Callable[[], int]) -> None:
+    def __init__(self, rpc: Rpc, table: StageTable, outputs: Outputs, step: Callable[[], int],
+                 held: Callable[[int], dict[int, int]] = lambda stage: {}) -> None:
         self.rpc, self.table, self.out, self.step = rpc, table, outputs, step
+        self.held = held  # the snapshots a stage's peer holds (owner stage -> step): a handover takes them along
         self.t, self.run_id, self.secret = rpc.t, rpc.run_id, rpc.secret
         self.cfg: RunConfig | None = None  # the run's, once known (a takeover adopts it from the peers)
         self.members: dict[str, Member] = {}
@@ -300,7 +302,8 @@ class Membership:
         new = standbys[0]
         t0 = time.perf_counter()
         try:
-            reply, _ = await self.rpc.call(new, AssignHandover(stage=stage, source=pid, step=self.step()),
+            reply, _ = await self.rpc.call(new, AssignHandover(stage=stage, source=pid, step=self.step(),
+                                                                   held=self.held(stage)),
                                            timeout=self.t.step_timeout)
         except CALL_ERRORS as e:
             log.warning("handover of stage %d from %s to %s failed: %s", stage, pid, new, e)

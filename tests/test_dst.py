@@ -365,14 +365,12 @@ def test_a_takeover_that_finds_no_stage_served_lets_the_strategy_decide(tmp_path
     _holds(schedule, tmp_path, cache)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="not fixed: a handover does not carry the copies the leaving peer held "
-                                       "(docs/dst.md, 'Found and not fixed yet')")
 def test_a_handover_keeps_the_snapshots_the_leaving_peer_held(tmp_path, cache):
     """Found by dst (the 200-schedule run of seed 21, schedule #121, shrunk): gemini, stage 0 killed at step 0
     (rolled back to the initial state), then at step 1 stage 0 killed again as stage 1's peer is SIGTERMed. The
     SIGTERM hands stage 1 over to a standby, without the snapshot of stage 0 that stage 1's peer held: stage 0 has
-    no holder left and the swarm aborts, where the simulator restores it from stage 1's copy."""
+    no holder left and the swarm aborts, where the simulator restores it from stage 1's copy. Fixed: the handover
+    carries the snapshots the leaving peer held (AssignHandover.held, fetched from it), except under ReFT."""
     schedule = Schedule(Setup(strategy="gemini", stages=2, steps=4, every=1),
                         (Fault(Kind.KILL_BEFORE_STEP, 0, stage=0), Fault(Kind.KILL_BEFORE_STEP, 1, stage=0),
                          Fault(Kind.SIGTERM, 1, stage=1)))
