@@ -33,3 +33,13 @@ def test_ci_runs_the_full_suite_as_the_readme_writes_it():
 def test_every_relative_link_of_the_readme_exists():
     targets = [t for t in re.findall(r"\]\(([^)#\s]+)", README) if not re.match(r"[a-z]+:", t)]
     assert targets and not [t for t in targets if not (ROOT / t).exists()]
+
+
+def test_the_benchmark_tables_quoted_in_benchmarks_readme_are_copies_of_their_result_files():
+    """A table under `<!-- from FILE -->` in benchmarks/README.md is FILE's, line for line (never retyped)."""
+    text = (ROOT / "benchmarks/README.md").read_text()
+    quoted = re.findall(r"<!-- from (\S+) -->\n((?:\|.*\n)+)", text)
+    assert len(quoted) >= 2
+    for path, table in quoted:
+        lines = set((ROOT / path).read_text().splitlines())
+        assert not [row for row in table.splitlines() if row not in lines], path
