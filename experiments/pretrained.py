@@ -311,8 +311,16 @@ def _execute(study: Study, work: Path, runs: list[Run], commit: str):
     if study.jobs == 1:
         yield from (run_branch(*a) for a in args)
         return
+    from experiments.runner import stop_pool
+
     with ProcessPoolExecutor(max_workers=study.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as ex:
-        yield from (f.result() for f in [ex.submit(run_branch, *a) for a in args])
+        futures = [ex.submit(run_branch, *a) for a in args]
+        try:
+            for f in futures:
+                yield f.result()
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): the runs in flight are redone when restarted
+            stop_pool(ex)
+            raise
 
 
 def _commit() -> str:
@@ -441,6 +449,9 @@ def main(args) -> int:
                        threads=args.threads)
     if study.recover_steps < 1 or study.jobs < 1 or study.threads < 1 or not study.seeds:
         raise ValueError("--recover-steps, --jobs and --threads must be >= 1 and --seeds name at least one seed")
+    from checkfree.cli import interrupt_on_signals
+
+    interrupt_on_signals()  # SIGTERM/SIGHUP end the study like Ctrl-C: its pool's workers with it
     argv = [a for a in sys.argv[1:] if a != "--report-only"]
     command = "checkfree " + " ".join(shlex.quote(a) for a in argv) if "pretrained" in argv else ""
     out = run_study(study, Path(args.work) / study.name, Path(args.results), command=command,

@@ -111,6 +111,15 @@ def _run_local(spec: dict, out: Path, directory: Path) -> dict[str, Any]:
     return json.loads(summary.read_text())
 
 
+def stop_pool(ex: ProcessPoolExecutor) -> None:
+    """An interrupted pool: drop its queue and end the runs in flight (a worker left alone runs to its end,
+    orphaned)."""
+    workers = list(getattr(ex, "_processes", {}).values())
+    ex.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        proc.terminate()
+
+
 def provenance(spec: dict, out: Path) -> dict[str, Any]:
     """What `provenance.json` records for a run about to start."""
     cost = fingerprint(_config(spec, out))
@@ -207,11 +216,7 @@ def run_specs(specs: list[RunSpec], out: Path, *, jobs: int, threads: int = 1, p
                         bar.set_description(f"experiment runs ({len(futures)} left in queue/running, "
                                             f"{time.time() - t0:.0f}s)")
                 except BaseException:
-                    # interrupted: drop the queue and end the runs in flight (they are redone on resume)
-                    workers = list(getattr(ex, "_processes", {}).values())
-                    ex.shutdown(wait=False, cancel_futures=True)
-                    for proc in workers:
-                        proc.terminate()
+                    stop_pool(ex)  # interrupted: the runs in flight are redone on resume
                     raise
         for s in locals_:
             bar.set_description(f"experiment runs (swarm {s.name[:30]})")

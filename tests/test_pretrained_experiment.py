@@ -146,3 +146,63 @@ def test_docs_results_are_rendered_from_the_result_files():
     block = docs.split(SECTION_BEGIN, 1)[1].split(SECTION_END, 1)[0]
     expected = render_section(root / "experiments" / "results" / "pretrained", "../experiments/results/pretrained/")
     assert expected and block == f"\n\n{expected}\n"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every living process below `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_sigterm_ends_the_study_with_its_pool_workers(tmp_path):
+    """SIGTERM (what `timeout`, systemd and CI send) to `checkfree experiment pretrained --jobs 2` ends the study
+    and the pool's worker processes with it: they were left running, orphaned, until their run ended (seconds here,
+    hours for SmolLM2's). Ended with the study, they are gone within 2 s of its exit; left alone, they were not."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from checkfree.net.lifeline import outliving
+
+    env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "checkfree", "experiment", "pretrained", "--study", "tiny",
+                             "--jobs", "2", "--work", str(tmp_path / "work"), "--results", str(tmp_path / "results")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, seen = time.monotonic() + 240, set()
+        while len(seen) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            seen = {p for p in _descendants(proc.pid) if b"spawn_main" in _cmdline(p)}
+            time.sleep(0.2)  # polling for the pool's workers (a condition, bounded), not a wait for readiness
+        assert len(seen) >= 2, f"no pool workers seen; the study printed:\n{proc.stdout.read() if proc.poll() is not None else ''}"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert not outliving(seen, timeout=2.0), "the pool's workers outlived the study"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        for p in seen:  # (only if the test failed: nothing is left to end otherwise)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
