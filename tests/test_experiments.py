@@ -364,10 +364,13 @@ def test_the_report_prices_the_step_term_anew_and_marks_what_it_cannot(tmp_path,
     """A run's clock: the step term re-priced by the current cost model, the strategy's terms kept and marked
     † when the cost model's figures they were priced with have changed."""
     from checkfree.costmodel import CostModel
+    from experiments import runner
     from experiments.analysis import derive
     from experiments.runner import provenance
     from experiments.tables import cell
 
+    # the code version (a `git` process, which the quick tier's process check would list) is not what this checks
+    monkeypatch.setattr(runner, "code_version", lambda: {"commit": None, "dirty": None})
     s = Settings(preset="tiny", steps=4, rates=[16.0], eval_every=2)
     traces = write_traces(s, tmp_path, s.rates)
     spec = make_spec(s, tmp_path, traces, "gemini", 16.0, 0)
