@@ -9,13 +9,15 @@ a live stage rolls back to its own. Files: `checkfree.strategies.storage` (the s
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from checkfree.messages import (AssignRestore, FetchSnapshot, InitialState, KeepHolders, KeepParity, KeepStorage, Ok,
                                 Origin, OwnCopy, ParityCopy, PeerCopy, Restore, Snapshot, Snapshotted, StorageCopy,
                                 Stored, StoreSnapshot)
-from checkfree.protocol import ProtocolError
+from checkfree.net.errors import RemoteError
+from checkfree.protocol import Kind, ProtocolError
 from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies import storage
 from checkfree.strategies.state import state_nbytes
@@ -28,6 +30,8 @@ from peers.stage import HostedStage
 from peers.step import StepTracker
 
 __all__ = ["Snapshots"]
+
+log = logging.getLogger(__name__)
 
 
 class Snapshots:
@@ -102,12 +106,22 @@ class Snapshots:
 
     async def take_held(self, source: str, held: dict[int, int]) -> int:
         """A handover: hold the snapshots the leaving peer `source` holds (`held`: owner stage -> step) in its
-        place; the bytes moved. A snapshot it cannot give fails the handover (the coordinator then recovers)."""
+        place; the bytes moved. One it does not have (a snapshot round left incomplete replaced it) is skipped
+        with a warning: it was lost before the handover. A source that cannot be reached fails the handover (the
+        coordinator then recovers the stage)."""
         if self.hosted.cfg is None or not all(0 <= o < self.hosted.cfg.num_stages for o in held):
             raise ProtocolError(f"assign 'held' names stages out of range: {sorted(held)!r:.200}")
         moved = 0
         for owner, step in sorted(held.items()):
-            _, tensors = await self.net.call(source, FetchSnapshot(owner=owner, step=step), self.net.t.step_timeout)
+            try:
+                _, tensors = await self.net.call(source, FetchSnapshot(owner=owner, step=step),
+                                                 self.net.t.step_timeout)
+            except RemoteError as e:
+                if e.kind != Kind.BAD_REQUEST:
+                    raise
+                log.warning("handover from %s: no snapshot of stage %d at step %d there (%s)", source, owner, step,
+                            e.remote_message)
+                continue
             self.keep(owner, step, check_blob(tensors, "a handed-over snapshot"))
             moved += len(self.held[owner][1])
         return moved

@@ -498,3 +498,30 @@ def test_the_command_runs_generated_schedules_and_replays_one(tmp_path, cache):
     assert done.stdout.strip().splitlines()[-1] == "dst: 2 schedules, 0 divergences, 2 faults injected"
     rows = [json.loads(line) for line in (tmp_path / "out" / "report.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == ["replay0", "replay1"] and rows[0]["signature"] == rows[1]["signature"]
+
+
+def test_a_handover_skips_a_snapshot_the_leaving_peer_no_longer_has(tiny_cfg):
+    """The handover's snapshots (AssignHandover.held, from the coordinator's ledger) are fetched from the leaving
+    peer one by one: one it no longer has at that step (an incomplete snapshot round replaced it) is skipped, not
+    a failed handover (which would turn a lossless leave into a recovery)."""
+    from peers.daemon import PeerDaemon, PeerOptions
+
+    net = MemoryNetwork()
+    source, new = (PeerDaemon(PeerOptions(run_id="r", transport="memory")) for _ in range(2))
+    for d in (source, new):
+        d.membership.transport = MemoryTransport(net)
+        d.hosted.configure(tiny_cfg, None)
+
+    async def main():
+        await source._register()
+        source.snapshots.keep(0, 3, b"stage 0 at step 3")
+        source.snapshots.keep(1, 4, b"stage 1 at step 4")  # the ledger says step 3: replaced since
+        moved = await new.snapshots.take_held(source.membership.me, {0: 3, 1: 3})
+        assert moved == len(b"stage 0 at step 3")
+        assert new.snapshots.steps_held() == {0: 3} and bytes(new.snapshots.held[0][1]) == b"stage 0 at step 3"
+
+    try:
+        asyncio.run(main())
+    finally:
+        for d in (source, new):
+            d.compute.shutdown(wait=True)
