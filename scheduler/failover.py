@@ -117,7 +117,8 @@ class Failover:
                     raise
                 print(f"standby: {e}; standing by again", flush=True)
                 await self.watch()
-        configs = {r.config for r in replies.values() if r.config}
+        configs = {r.config for r in replies.values() if r.config} or ({recorded} if (recorded := self._recorded())
+                                                                        else set())
         if len(configs) != 1:
             raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
                                f"{'no' if not configs else 'different'} run configs")
@@ -208,7 +209,8 @@ class Failover:
 
     async def _adopt_peers(self) -> dict[str, Adopted]:
         """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat TTLs pass with the
-        run's config known from some peer, served stages or none; bounded by join_timeout)."""
+        run's config known, from some peer or else from the run directory; served stages or none; bounded by
+        join_timeout)."""
         start = time.monotonic()
         replies: dict[str, Adopted] = {}
         refused: dict[str, str] = {}
@@ -237,9 +239,11 @@ class Failover:
             if refused and not replies:
                 raise CoordinatorAlive(next(iter(refused.values())))
             served = {r.stage for r in replies.values() if r.stage >= 0}
-            cfg = next((r.config for r in replies.values() if r.config), None)
-            stages = json.loads(cfg)["num_stages"] if cfg else None
             waited = time.monotonic() - start
+            cfg = next((r.config for r in replies.values() if r.config), None)
+            if cfg is None and waited > 2 * self.t.heartbeat_ttl:
+                cfg = self._recorded()  # no peer that knows it is left: the run directory's, if it is shared
+            stages = json.loads(cfg)["num_stages"] if cfg else None
             # (none served after two TTLs: every stage's peers died while no coordinator was there to see it, a
             # failure of every stage that the strategy plans for like any other)
             if stages is not None and (len(served) >= stages or waited > 2 * self.t.heartbeat_ttl):
@@ -248,6 +252,16 @@ class Failover:
                 raise TransportError(f"no peer of run {self.run_id!r} answered within join_timeout="
                                      f"{self.t.join_timeout:g} s: nothing to take over")
             await asyncio.sleep(0.2)
+
+    def _recorded(self) -> str | None:
+        """The run's config as its coordinator wrote it into the run directory (a standby sharing the directory,
+        as `checkfree local`'s does), for a takeover that finds no peer which knows it: every peer that had joined
+        died with the coordinator, the spares never joined. None without one."""
+        path = Path(self.opts.out) / "config.json"
+        try:
+            return path.read_text() if path.is_file() else None
+        except OSError:
+            return None
 
     def _protection(self, replies: dict[str, Adopted], protection: Protection, step: int) -> None:
         """Rollback strategies after a takeover: the newest in-memory copies the live peers hold (the copies the
