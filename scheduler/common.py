@@ -94,6 +94,7 @@ class Member:
     handover: bool = False  # leaving gracefully, waiting to hand its exact state to a standby
     left: bool = False  # it announced its leave (LEAVE), rather than being retired or lost
     observer: bool = False  # joined to read (export), never assigned a stage
+    configured: bool = True  # it has the run's config (False: adopted by a takeover before its JOIN was answered)
 
 
 class CoordinatorAlive(RuntimeError):

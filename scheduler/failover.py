@@ -136,7 +136,7 @@ class Failover:
         self.out.open(cfg, resume=resume)  # the same run directory: keep counting where the old one stopped
         holders: dict[int, list[tuple[str, Adopted]]] = {}
         for i, (pid, r) in enumerate(replies.items()):
-            self.members.admit(pid, time.time() + i * 1e-6)
+            self.members.admit(pid, time.time() + i * 1e-6, configured=r.config is not None)
             if r.stage >= 0:
                 holders.setdefault(r.stage, []).append((pid, r))
         step = max((r.next_step for hs in holders.values() for _, r in hs), default=None)

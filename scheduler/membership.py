@@ -94,17 +94,21 @@ class Membership:
             self.out.event("join_refused", peer_id=pid, reason="bad or missing token")
             raise ProtocolError(f"peer {pid} is not authorized: missing or wrong run token (start it with the run's "
                                 "secret: --secret-file or $CHECKFREE_SECRET)", Kind.UNAUTHORIZED)
-        if pid in self.members:
+        member = self.members.get(pid)
+        if member is not None and (member.configured or member.leaving):
             raise ProtocolError(f"peer {pid} has already joined run {self.run_id!r} (duplicate join refused)")
         observer = join.role == "observer"
-        self.admit(pid, time.time(), observer=observer)
+        if member is not None:  # adopted by this coordinator's takeover while its JOIN to the old one was under way
+            member.configured = True  # (a member already: its JOIN is answered, with the config it lacks)
+        else:
+            self.admit(pid, time.time(), observer=observer)
         self.out.event("join", peer_id=pid, observer=observer)
         proof = coordinator_proof(self.secret, self.run_id, self.rpc.me, pid) if self.secret is not None else None
         return Joined(config=self.cfg.to_json(), status="standby", proof=proof)
 
-    def admit(self, pid: str, joined: float, *, observer: bool = False) -> None:
-        """`pid` is a member now (a JOIN, or a peer a takeover adopted)."""
-        self.members[pid] = Member(pid, joined, observer=observer)
+    def admit(self, pid: str, joined: float, *, observer: bool = False, configured: bool = True) -> None:
+        """`pid` is a member now (a JOIN, or a peer a takeover adopted; `configured`: it has the run's config)."""
+        self.members[pid] = Member(pid, joined, observer=observer, configured=configured)
         self.joined.set()
 
     async def on_report(self, report: Report, env: Envelope, peer) -> Ok:

@@ -93,6 +93,27 @@ def test_the_stage_table_is_the_one_record_of_who_serves_which_stage():
     assert table.lose(1) == ["c"] and table.served() == [0] and table.stage_of("c") == -1
 
 
+def test_a_peer_adopted_before_its_join_was_answered_gets_the_config_when_it_joins(tiny_cfg, tmp_path):
+    """Found by dst (seed 41, 2 replays in 3): a spare whose JOIN to the old coordinator was under way when it died
+    was adopted by the standby's takeover (a member, without the run's config); its JOIN to the new coordinator was
+    then refused as a duplicate, it never learnt the config, and every ASSIGN to it failed: "no standby peer joined".
+    Such a JOIN is answered with the config; a second one, or one from a member that had it, is still refused."""
+    cfg = _cfg(tiny_cfg)
+
+    async def main():
+        _, rpc, table, out, members = await _parts(tmp_path, cfg)
+        env = Envelope(run="parts")
+        members.admit("spare", 0.0, configured=False)  # what a takeover does with an ADOPT reply without config
+        members.admit("joined", 0.0)
+        reply = await members.on_join(Join(peer_id="spare"), env, "spare")
+        assert reply.config == cfg.to_json() and members.standbys() == ["spare", "joined"]
+        for pid in ("spare", "joined"):
+            with pytest.raises(ProtocolError, match="duplicate join"):
+                await members.on_join(Join(peer_id=pid), env, pid)
+        await rpc.stop()
+    asyncio.run(main())
+
+
 def test_membership_admits_suspects_and_detects_alone(tiny_cfg, tmp_path):
     """JOIN, a duplicate JOIN refused, a REPORT making a suspect, detection: a suspect that answers a ping is
     cleared, one that does not is a failed stage, a stage nobody serves is failed too; LEAVE asks for a handover
