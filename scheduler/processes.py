@@ -4,6 +4,7 @@ queue by a thread, ready lines awaited with a deadline, whole groups killed and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -102,7 +103,12 @@ def await_line(proc: Proc, prefix: str, timeout: float) -> str:
 
 
 def kill_group(proc: Proc, gone_within: float = 10.0) -> None:
-    """SIGKILL the process group (the process, its DHT child and its p2pd) and wait until it is gone."""
+    """SIGKILL the process group (the process, its DHT child and its p2pd) and wait until it is gone; then remove
+    the hivemind socket files it held, which a SIGKILLed p2pd and client cannot remove themselves (4 were left in
+    /tmp by each module of tests/test_hostile_input.py)."""
+    from checkfree.net.lifeline import held_socket_files, process_tree
+
+    sockets = held_socket_files(process_tree(proc.popen.pid)) if proc.popen.poll() is None else set()
     try:
         os.killpg(proc.popen.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -113,5 +119,8 @@ def kill_group(proc: Proc, gone_within: float = 10.0) -> None:
         try:
             os.killpg(proc.popen.pid, 0)
         except (ProcessLookupError, PermissionError):
-            return
+            break
         time.sleep(0.05)
+    for path in sockets:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
