@@ -299,13 +299,15 @@ def test_a_sigkilled_process_leaves_a_pymp_directory_that_the_next_start_removes
     script = ("import asyncio, time\nfrom checkfree.net.transport import start_transport\n"
               "async def main():\n    await start_transport(transport='hivemind')\n    print('READY', flush=True)\n"
               "    time.sleep(600)\nasyncio.run(main())\n")
-    procs = []
+    procs, sockets = [], set()
     try:
         for _ in range(2):
             p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True,
                                  start_new_session=True)
             procs.append(p)
             assert p.stdout.readline().strip() == "READY"
+        # hivemind's socket files (in /tmp whatever TMPDIR says), which the SIGKILLs below leave: removed at the end
+        sockets = held_socket_files({q for p in procs for q in process_tree(p.pid)})
         dirs = {d.name for d in tmp.glob("pymp-*")}
         assert len(dirs) == 2, sorted(os.listdir(tmp))
         os.killpg(procs[0].pid, signal.SIGKILL)
@@ -320,3 +322,6 @@ def test_a_sigkilled_process_leaves_a_pymp_directory_that_the_next_start_removes
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
+        for path in sockets:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
