@@ -155,21 +155,6 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every living process below `pid` (from /proc)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_sigterm_ends_the_study_with_its_pool_workers(tmp_path):
@@ -183,7 +168,7 @@ def test_sigterm_ends_the_study_with_its_pool_workers(tmp_path):
     import sys
     import time
 
-    from checkfree.net.lifeline import outliving
+    from checkfree.net.lifeline import outliving, process_tree
 
     env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "-m", "checkfree", "experiment", "pretrained", "--study", "tiny",
@@ -192,7 +177,7 @@ def test_sigterm_ends_the_study_with_its_pool_workers(tmp_path):
     try:
         deadline, seen = time.monotonic() + 240, set()
         while len(seen) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            seen = {p for p in _descendants(proc.pid) if b"spawn_main" in _cmdline(p)}
+            seen = {p for p in process_tree(proc.pid) if b"spawn_main" in _cmdline(p)}
             time.sleep(0.2)  # polling for the pool's workers (a condition, bounded), not a wait for readiness
         assert len(seen) >= 2, f"no pool workers seen; the study printed:\n{proc.stdout.read() if proc.poll() is not None else ''}"
         proc.send_signal(signal.SIGTERM)
