@@ -117,8 +117,9 @@ class Failover:
                     raise
                 print(f"standby: {e}; standing by again", flush=True)
                 await self.watch()
-        configs = {r.config for r in replies.values() if r.config} or ({recorded} if (recorded := self._recorded())
-                                                                        else set())
+        configs = {r.config for r in replies.values() if r.config}
+        if not configs and (recorded := self._recorded()) is not None:
+            configs = {recorded}
         if len(configs) != 1:
             raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
                                f"{'no' if not configs else 'different'} run configs")
