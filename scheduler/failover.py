@@ -118,7 +118,7 @@ class Failover:
                 print(f"standby: {e}; standing by again", flush=True)
                 await self.watch()
         configs = {r.config for r in replies.values() if r.config}
-        if not configs and (recorded := self._recorded()) is not None:
+        if not configs and (recorded := self._recorded()):
             configs = {recorded}
         if len(configs) != 1:
             raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
