@@ -67,6 +67,7 @@ class Membership:
         self.transport: Transport | None = None
         self.dht = None
         self.coordinator: str | None = None
+        self.adopter: str | None = None  # the coordinator that last ADOPTed this peer (failover), if any
         self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
         self.run_finished = False  # the coordinator said the run ended
         self.wan: WanEmulator | None = None  # the run's emulated network (train.wan), once joined
@@ -90,8 +91,9 @@ class Membership:
         self.run_finished = True
 
     def adopted_by(self, coordinator: str) -> None:
-        """A new coordinator took this peer over (a sign of its life too)."""
-        self.coordinator = coordinator
+        """A new coordinator took this peer over (a sign of its life too). A peer still joining joins it
+        rather than the coordinator the DHT names, whose record can outlive it."""
+        self.coordinator = self.adopter = coordinator
         self.heard_from_coordinator()
 
     @property
@@ -159,11 +161,13 @@ class Membership:
         join = Join(peer_id=me)  # (with a run secret its token travels in every request's envelope: `start`)
         deadline = time.monotonic() + self.t.join_timeout
         while True:
-            self.coordinator = await self._find_coordinator()
-            if self.coordinator is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
+            found = self.adopter or await self._find_coordinator()
+            if found is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
                 return None
+            # a new coordinator that ADOPTed this peer while it looked is the one it answers to
+            target = self.coordinator = self.adopter or found
             try:
-                joined, _ = await self.call(self.coordinator, join, self.t.rpc_timeout)
+                joined, _ = await self.call(target, join, self.t.rpc_timeout)
                 break
             except (TimeoutError, TransportError, OSError, RemoteError) as e:
                 # the DHT may still name a coordinator that died (its record outlives it by up to
@@ -171,13 +175,13 @@ class Membership:
                 retry = not isinstance(e, RemoteError) or e.kind == Kind.TAKING_OVER
                 if not retry or time.monotonic() > deadline:
                     raise
-                log.info("joining coordinator %s failed (%s); looking for the coordinator again", self.coordinator, e)
-                self.coordinator = None
+                log.info("joining coordinator %s failed (%s); looking for the coordinator again", target, e)
+                self.coordinator = self.adopter  # None, unless a new coordinator ADOPTed this peer meanwhile
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), 1.0)
         if self.secret is not None and not verify(
-                coordinator_proof(self.secret, self.run_id, self.coordinator, me), joined.proof):
-            raise TransportError(f"the coordinator {self.coordinator} found in the DHT failed authentication: "
+                coordinator_proof(self.secret, self.run_id, target, me), joined.proof):
+            raise TransportError(f"the coordinator {target} found in the DHT failed authentication: "
                                  "it does not hold this run's secret")
         return config_from_dict(json.loads(joined.config))
 
@@ -187,6 +191,8 @@ class Membership:
         start = time.monotonic()
         deadline, note = start + self.t.join_timeout, start + 30.0
         while time.monotonic() < deadline and not self.stop.is_set():
+            if self.adopter is not None:  # a new coordinator ADOPTed this peer while it looked
+                return self.adopter
             if time.monotonic() > note:  # waiting is visible, never silent
                 print(f"peer: still looking for the coordinator of run {self.run_id!r} "
                       f"({time.monotonic() - start:.0f} s of --join-timeout {self.t.join_timeout:g})", flush=True)

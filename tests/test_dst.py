@@ -375,6 +375,51 @@ def test_a_handover_keeps_the_snapshots_the_leaving_peer_held(tmp_path, cache):
     _holds(schedule, tmp_path, cache)
 
 
+def test_a_peer_adopted_while_it_joins_joins_the_new_coordinator_not_the_dead_one_the_dht_names(tiny_cfg):
+    """Found by dst (the seed-41 soak, schedule #200: gemini, the coordinator restarted at step 0; 3 replays in 4
+    diverged with "no standby peer joined"): spares looking for the coordinator found the dead one's DHT record
+    (it outlives it by up to 3 heartbeat TTLs). The restarted coordinator ADOPTed them meanwhile, but their JOIN
+    loop, failing to reach the dead one, forgot the new one and looked again: every ASSIGN of the new coordinator
+    was refused ("only the run's coordinator may assign a stage"). A peer ADOPTed while it joins now joins the
+    coordinator that adopted it (6 replays in 6; the schedule: dst/results/gemini-restart-no-standby-joined.json)."""
+    import time
+
+    from checkfree.messages import Joined, to_wire
+    from checkfree.net.memory import MemoryDHT
+    from checkfree.protocol import Timeouts, coordinator_key, coordinator_record
+    from peers.membership import Membership
+    from peers.stage import HostedStage
+
+    async def main():
+        network = MemoryNetwork()
+        new = MemoryTransport(network)
+
+        async def on_join(header, tensors, peer):
+            return to_wire(Joined(config=tiny_cfg.to_json(), status="standby")), []
+
+        await new.register(RPC.JOIN, on_join)
+        net = Membership("dst", Timeouts(heartbeat_ttl=0.5, rpc_timeout=1.0, step_timeout=2.0, join_timeout=4.0),
+                         None, HostedStage(), asyncio.Event())
+
+        class AdoptedMidJoin(MemoryTransport):
+            """The new coordinator's ADOPT arrives while this peer's JOIN to the dead one is under way."""
+            async def call(self, peer_id, name, header, tensors=(), *, timeout):
+                if name == RPC.JOIN and peer_id == "dead":
+                    net.adopted_by(new.peer_id)
+                return await super().call(peer_id, name, header, tensors, timeout=timeout)
+
+        net.transport = AdoptedMidJoin(network)
+        net.dht = MemoryDHT(network, net.transport.peer_id)
+        # the dead coordinator's record, still live in the DHT
+        net.dht.store(coordinator_key("dst"), coordinator_record(None, "dst", "dead", "memory"),
+                      expiration_time=time.time() + 60, subkey="main")
+        cfg = await net.join()
+        assert cfg is not None and cfg.to_json() == tiny_cfg.to_json()
+        assert net.coordinator == new.peer_id
+
+    asyncio.run(main())
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
