@@ -253,10 +253,14 @@ def run_real(schedule: Schedule, workdir: Path, cache_dir: str | None = None, *,
     return outcome
 
 
+FAILOVER_BY = 150  # the soak's coordinator failover: a third of the way in, or at this step if sooner
+
+
 def soak_faults(steps: int, seed: int, stages: int, netns: bool) -> list[Fault]:
     """The long leg's faults: one every 3 to 8 steps from step 2 on, of kinds in turn (a replica killed mid-step,
     a whole group, a replica mid-reduce, a replacement mid-rebuild, a SIGTERM, a partition with --netns), each at a
-    seeded stage; and one coordinator failover a third of the way in."""
+    seeded stage; and one coordinator failover a third of the way in, by step FAILOVER_BY at the latest: a soak is
+    stopped by its deadline, usually long before its last step, and the failover must happen in it."""
     import random
 
     rng = random.Random(seed)
@@ -270,7 +274,7 @@ def soak_faults(steps: int, seed: int, stages: int, netns: bool) -> list[Fault]:
         faults.append(Fault(kind, step, stage=0 if kind is Kind.KILL_MID_REBUILD else stage))
         step += rng.randint(3, 8)
         i += 1
-    faults.append(Fault(Kind.COORDINATOR_FAILOVER, max(1, steps // 3), where="step"))
+    faults.append(Fault(Kind.COORDINATOR_FAILOVER, max(1, min(steps // 3, FAILOVER_BY)), where="step"))
     return faults
 
 

@@ -91,6 +91,20 @@ def _stage_of(swarm, pid: str) -> int:
     return d.hosted.index if d is not None else -1
 
 
+def test_the_real_process_soak_fails_over_its_coordinator_early_enough_for_its_deadline_to_reach_it():
+    """A soak is stopped by its deadline, long before its last step: with --soak-steps 20000 its failover a third
+    of the way in (step 6666) never happened in an hour. It is at step FAILOVER_BY at the latest."""
+    from dst.real import FAILOVER_BY, soak_faults
+
+    for steps, at in ((240, 80), (20000, FAILOVER_BY)):
+        faults = soak_faults(steps, seed=1, stages=4, netns=False)
+        failovers = [f for f in faults if f.kind is Kind.COORDINATOR_FAILOVER]
+        assert [f.iteration for f in failovers] == [at]
+        steps_with_faults = sorted({f.iteration for f in faults if f.kind is not Kind.COORDINATOR_FAILOVER})
+        assert steps_with_faults[0] == 2 and all(3 <= b - a <= 8 for a, b in zip(steps_with_faults, steps_with_faults[1:]))
+        assert all(f.kind is not Kind.PARTITION for f in faults)
+
+
 def test_a_checkfree_plus_gradient_arriving_after_an_abort_is_not_applied(tmp_path, cache):
     """Found by dst (CheckFree+, stage 0 killed mid-backward; 1 run in 10 diverged from step 2 on). The race, made
     certain here: stage 2's COMPONENT_GRAD reply (stage 3's head gradient) is held at stage 2 until the coordinator
