@@ -106,9 +106,11 @@ def kill_group(proc: Proc, gone_within: float = 10.0) -> None:
     """SIGKILL the process group (the process, its DHT child and its p2pd) and wait until it is gone; then remove
     the hivemind socket files it held, which a SIGKILLed p2pd and client cannot remove themselves (4 were left in
     /tmp by each module of tests/test_hostile_input.py)."""
-    from checkfree.net.lifeline import held_socket_files, process_tree
+    from checkfree.net.lifeline import held_socket_files, process_group, process_tree
 
-    sockets = held_socket_files(process_tree(proc.popen.pid)) if proc.popen.poll() is None else set()
+    # the group's processes, also when its leader has exited already (a SIGTERMed peer whose p2pd lives on)
+    family = process_group(proc.popen.pid) | (process_tree(proc.popen.pid) if proc.popen.poll() is None else set())
+    sockets = held_socket_files(family)
     try:
         os.killpg(proc.popen.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -143,6 +143,38 @@ def test_kill_9_of_a_standalone_peer_takes_its_dht_process_and_p2pd_along(cache)
         kill_group(peer)
 
 
+def test_kill_group_removes_the_socket_files_of_a_group_whose_leader_has_exited():
+    """A teardown SIGTERMs a peer's group, and the peer may exit before its p2pd; kill_group then SIGKILLs what is
+    left of the group, and the socket files the rest held must go with it. It looked for them only under a live
+    leader, whose process tree no longer holds its reparented children (a p2pd socket file left by each
+    `checkfree chaos` test run)."""
+    import uuid
+
+    from checkfree.net.lifeline import process_group
+    from scheduler.processes import Proc
+
+    path = f"/tmp/hivemind-p2pd-test-{uuid.uuid4().hex[:12]}.sock"
+    child = ("import socket, sys, threading; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+             "print('listening', flush=True); threading.Event().wait()")
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+         "sys.argv[2]], stdout=subprocess.PIPE, text=True); print(c.stdout.readline(), end='', flush=True)",
+         child, path], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert leader.stdout.readline() == "listening\n"
+        leader.wait(timeout=30)
+        orphans = process_group(leader.pid) - {leader.pid}
+        assert orphans and not orphans & process_tree(leader.pid), "the child lives on, outside its leader's tree"
+        kill_group(Proc(leader), gone_within=10)
+        assert not os.path.exists(path) and not process_group(leader.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        leader.stdout.close()
+
+
 def test_simulate_stop_and_resume_is_bitwise_equal(tmp_path):
     """The simulator's --save-every/--resume: a run stopped after a save and resumed has the losses
     of the uninterrupted run, bit for bit (batches are a pure function of the step)."""

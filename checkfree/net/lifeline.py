@@ -44,7 +44,7 @@ import traceback
 
 from hivemind import DHT
 
-__all__ = ["TiedDHT", "held_socket_files", "living", "process_tree", "quiet_fd_handoffs", "socket_files",
+__all__ = ["TiedDHT", "held_socket_files", "living", "process_group", "process_tree", "quiet_fd_handoffs", "socket_files",
            "sweep_stale_mp_dirs", "sweep_stale_sockets", "tie_to_parent"]
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,21 @@ def process_tree(pid: int) -> set[int]:
         p = todo.pop()
         out.add(p)
         todo.extend(children.get(p, []))
+    return out
+
+
+def process_group(pgid: int) -> set[int]:
+    """The processes of process group `pgid` now (from /proc; Linux): also those whose leader has exited, which
+    `process_tree` of the leader no longer finds (they were reparented)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) == pgid:
+                        out.add(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
     return out
 
 
