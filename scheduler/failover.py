@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,8 +281,10 @@ class Failover:
     def _missing_step(self, cfg: RunConfig, step: int, replies: dict[str, Adopted], commits: dict[str, LastCommit],
                       metrics: Path | None) -> dict | None:
         """The record of the step the old coordinator committed but did not record (it died in between), rebuilt
-        from the peers' last commits (and those completed now) when every stage has one, the losses of every
-        replica of a stage group merged; None if there is none to rebuild."""
+        from the peers' last commits (and those completed now), the losses of every replica of a stage group
+        merged, when they hold the loss of every microbatch: a stage whose peer died as well (killed mid-commit)
+        has no figures in it (NaN, as in a record of the old coordinator's), and is recovered at the next step.
+        None if there is none to rebuild."""
         if step < 0 or (metrics is not None and _recorded(step, metrics)):
             return None
         last: dict[int, LastCommit] = {}  # stage -> its last commit (its first replica's), every replica's losses
@@ -290,10 +293,11 @@ class Failover:
             if c is not None and pid in self.table.group(r.stage) and c.step == step:
                 prev = last.get(r.stage)
                 last[r.stage] = c if prev is None else msgspec.structs.replace(prev, losses={**prev.losses, **c.losses})
-        if len(last) != cfg.num_stages:
+        if not last or set().union(*(c.losses for c in last.values())) != set(range(cfg.train.num_microbatches)):
             return None
+        nan = LastCommit(step=step, post=math.nan, block_post=math.nan)
         return {"step": step, "loss": sum(v for c in last.values() for v in c.losses.values()),
                 "lr": next(iter(last.values())).lr, "attempts": None,
-                "grad_norms": [last[s].post for s in range(cfg.num_stages)],
-                "block_grad_norms": [last[s].block_post for s in range(cfg.num_stages)],
+                "grad_norms": [last.get(s, nan).post for s in range(cfg.num_stages)],
+                "block_grad_norms": [last.get(s, nan).block_post for s in range(cfg.num_stages)],
                 "live_peers": len(self.table.served()), "recorded_by": "takeover", **step_figures(last, cfg.num_stages)}
