@@ -4,7 +4,8 @@ Each check returns the divergences it found, one line each (empty: it holds):
 
 * `same_end`: the same final status and, for an aborted run, the same reason;
 * `same_losses`: the same steps (re-runs after a rollback included) with the same losses, to 1e-5;
-* `same_recoveries`: the same recovery and fallback events: stage, method, sources, coefficients (1e-5),
+* `same_recoveries`: the same recovery and fallback events: stage, method, sources, coefficients (1e-5; 1e-3
+  relative over a 16- or 8-bit wire: `NARROW_WIRE_COEFFICIENTS_REL`),
   restored step, lost steps, fallback and its reason;
 * `same_failures`: the same stage failures and lost replicas, by step and stage;
 * `accounted`: every failure the swarm recorded stands for a fault that was injected there (none missing, none
@@ -17,6 +18,7 @@ Leaks (tasks, threads, file descriptors, temporary files) are the harness's (`ds
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -31,6 +33,13 @@ __all__ = ["same_end", "same_losses", "same_recoveries", "same_failures", "recor
            "identical_replicas", "events"]
 
 REL = ABS = 1e-5
+# A wire of fewer bits than float32 rounds every activation and gradient that crosses a stage. A peer's backward
+# passes accumulate into its gradients in the order they arrive, and float addition is not associative: a last-bit
+# difference that flips one rounding on the wire is a step of the wire's precision in that element. Two runs of one
+# schedule then differ in their gradient norms, hence in their recovery coefficients, by ~1e-4 relative (the
+# seed-12 soak's schedule #236, bfloat16: 0.483955 to 0.484018 in 5 replays, the simulator 0.484004), while their
+# losses, sums over every token of a step, stay within 1e-5. Their coefficients are compared to this tolerance.
+NARROW_WIRE_COEFFICIENTS_REL = 1e-3
 RECOVERY_KEYS = ("event", "step", "stage", "method", "sources", "source", "fallback", "reason", "rollback_to",
                  "snapshot_step", "lost_steps", "edge_sources")
 
@@ -91,13 +100,19 @@ def same_recoveries(swarm_out: Path, sim_out: Path) -> list[str]:
     if ka != kb:
         show = lambda ks: "; ".join(", ".join(f"{f}={v}" for f, v in zip(RECOVERY_KEYS, k) if v is not None) for k in ks)
         return [f"recovery events: swarm [{show(ka)}], simulator [{show(kb)}]"]
-    out = []
+    out, rel = [], REL if _wire_dtype(swarm_out) == "float32" else NARROW_WIRE_COEFFICIENTS_REL
     for x, y in zip(a, b):
         ca, cb = x.get("coefficients") or [], y.get("coefficients") or []
-        if len(ca) != len(cb) or not all(_close(p, q) for p, q in zip(ca, cb)):
+        if len(ca) != len(cb) or not all(math.isclose(p, q, rel_tol=rel, abs_tol=ABS) for p, q in zip(ca, cb)):
             out.append(f"coefficients of the recovery of stage {x['stage']} at step {x['step']}: swarm {ca}, "
                        f"simulator {cb}")
     return out
+
+
+def _wire_dtype(out: Path) -> str:
+    """The run's wire dtype (from its config.json; float32 if it has none)."""
+    path = out / "config.json"
+    return json.loads(path.read_text())["train"].get("wire_dtype", "float32") if path.exists() else "float32"
 
 
 def same_failures(swarm_out: Path, sim_out: Path) -> list[str]:
