@@ -434,6 +434,41 @@ def test_a_peer_adopted_while_it_joins_joins_the_new_coordinator_not_the_dead_on
     asyncio.run(main())
 
 
+def test_a_takeover_records_the_step_committed_as_a_stage_died_mid_commit(tmp_path, cache):
+    """Found by dst (the seed-12 soak, schedule #236, 3 replays in 3): the coordinator restarted half-way through
+    committing step 4 as stage 3's peer died mid-commit. The new coordinator completed the commit but did not record
+    step 4: it rebuilt a missing record only when every stage's peer reported its last commit. It now does whenever
+    the peers' commits hold the loss of every microbatch (the dead stage's figures NaN, as in a record of the old
+    coordinator's); the dead stage is recovered at step 5 in both runtimes."""
+    schedule = Schedule(Setup(strategy="checkfree+", stages=6, steps=6),
+                        (Fault(Kind.KILL_BEFORE_STEP, 0, stage=2), Fault(Kind.JOIN, 3),
+                         Fault(Kind.KILL_MID_COMMIT, 4, stage=3), Fault(Kind.COORDINATOR_RESTART, 4, where="commit")))
+    _holds(schedule, tmp_path, cache)
+
+
+def test_recovery_coefficients_are_compared_to_the_wires_precision(tmp_path):
+    """Over a 16- or 8-bit wire the arrival order of a step's backward passes moves the gradient norms by ~1e-4
+    relative from run to run (dst.check.NARROW_WIRE_COEFFICIENTS_REL): such coefficients are compared to 1e-3;
+    float32 ones to 1e-5. Swapped coefficients are a divergence over any wire."""
+    import json
+
+    from dst.check import same_recoveries
+
+    def run(name: str, wire: str, coefficients: list[float]):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"train": {"wire_dtype": wire}}))
+        (out / "events.jsonl").write_text(json.dumps({"event": "recovery", "step": 5, "stage": 3, "method": "average",
+                                                      "sources": [2, 4], "coefficients": coefficients}) + "\n")
+        return out
+
+    sim = run("sim", "float32", [0.4840038, 0.5159962])
+    noisy = [0.4839553, 0.5160447]  # a replay of seed-12 #236 over bfloat16
+    assert same_recoveries(run("bf16", "bfloat16", noisy), sim) == []
+    assert same_recoveries(run("f32", "float32", noisy), sim) != []
+    assert same_recoveries(run("bf16-swapped", "bfloat16", [0.5159962, 0.4840038]), sim) != []
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
