@@ -161,7 +161,7 @@ class Membership:
         join = Join(peer_id=me)  # (with a run secret its token travels in every request's envelope: `start`)
         deadline = time.monotonic() + self.t.join_timeout
         while True:
-            found = self.adopter or await self._find_coordinator()
+            found = None if self.stop.is_set() else self.adopter or await self._find_coordinator()
             if found is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
                 return None
             # a new coordinator that ADOPTed this peer while it looked is the one it answers to

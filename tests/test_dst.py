@@ -430,6 +430,10 @@ def test_a_peer_adopted_while_it_joins_joins_the_new_coordinator_not_the_dead_on
         cfg = await net.join()
         assert cfg is not None and cfg.to_json() == tiny_cfg.to_json()
         assert net.coordinator == new.peer_id
+        # told to stop (SIGTERM) while it joins the coordinator that adopted it: it stops, it does not retry it
+        network.kill(new.peer_id)
+        net.stop.set()
+        assert await asyncio.wait_for(net.join(), 5) is None
 
     asyncio.run(main())
 
