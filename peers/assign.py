@@ -84,7 +84,7 @@ class Assignment:
         elif isinstance(assign, (AssignHandover, AssignPromote, AssignReplica)):
             figures = await self.rebuild.take_handover(worker, assign)
             if isinstance(assign, AssignHandover) and assign.held:  # the snapshots the leaving peer held
-                figures["bytes"] += await self.snapshots.take_held(assign.source, assign.held)
+                figures["bytes"] += await self.snapshots.take_held(assign.source, assign.held, stage)
         self.debug.arm_delay(assign)
         self.hosted.serve(worker, figures.pop("omega", 0.0), step)
         log.info("serving stage %d (%s)", stage, type(assign).__struct_config__.tag)

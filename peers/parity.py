@@ -140,6 +140,17 @@ class Parity:
                 [torch.frombuffer(bytearray(own[1]), dtype=torch.uint8),
                  torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)])
 
+    async def take_over(self, source: str, stage: int, step: int) -> int:
+        """A handover of `stage`: the leaving peer's (`source`) snapshot of `step` and its parity block, kept here in its place
+        (this peer's companion gets them at the next snapshot, as a replacement's does); the bytes moved."""
+        meta, ts = await self.net.call(source, ReftFetch(step=step), self.net.t.step_timeout)
+        if len(ts) != 2:
+            raise ProtocolError(f"REFT_FETCH reply of the leaving peer carries {len(ts)} tensors, not 2")
+        blob, parity = check_blob(ts[:1], "a snapshot"), check_blob(ts[1:], "a parity block")
+        self.held[stage] = (step, blob)
+        self.blocks = {step: Raim5Block(meta.holder, meta.n, parity, tuple(meta.lengths))}
+        return len(blob) + len(parity)
+
     async def decode(self, step: int, spec: ParityCopy) -> tuple[bytes, str, int]:
         """A replacement: the lost member's snapshot of `step` from its companion if that survived, else decoded
         from the survivors (`spec`: the group's peers in order and the lost one's index), and this peer's parity

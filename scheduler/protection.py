@@ -59,22 +59,18 @@ class Protection:
 
     def held_by(self, stage: int) -> dict[int, int]:
         """The in-memory snapshots `stage`'s peer holds (owner stage -> step), which a handover of `stage` takes
-        along (`held_travels`); none otherwise."""
-        if not (self.held_travels() and self.copies.step):
+        along (AssignHandover.held; under ReFT its own snapshot, with its parity block)."""
+        if not self.copies.step:
             return {}
         return {owner: self.copies.step for owner, holders in sorted(self.copies.held.items()) if stage in holders}
 
-    def held_travels(self) -> bool:
-        """Whether a handover carries the snapshots the leaving peer held (AssignHandover.held). Not under ReFT,
-        whose copies are parity blocks and a companion process's memory besides the snapshot."""
-        return self.strategy.peer_service != "companion"
-
     async def handed_over(self, stages: set[int], step: int) -> None:
         """The peers of `stages` handed their state over and left. The snapshots they held went to the new peers
-        with their state (the ledger keeps them), except under ReFT (the ledger forgets them); the new peers take
-        what the strategy says they must (redundant computation: the replica the leaving peer held)."""
-        if not self.held_travels():
-            self.lost(stages)
+        with their state (the ledger keeps them; under ReFT the new peer's companion gets its copy at the next
+        snapshot, and the old one's left with it); the new peers take what the strategy says they must (redundant
+        computation: the replica the leaving peer held)."""
+        for stage in stages:
+            self.replaced(stage)
         for item in self.strategy.protection_after_handover(tuple(sorted(stages))):
             await self.protect_item(item, step)
 

@@ -596,6 +596,48 @@ def test_the_command_runs_generated_schedules_and_replays_one(tmp_path, cache):
     assert [r["index"] for r in rows] == ["replay0", "replay1"] and rows[0]["signature"] == rows[1]["signature"]
 
 
+def test_a_reft_handover_keeps_the_leaving_peers_snapshot_and_parity_block(tmp_path, cache):
+    """Found by dst (the seed-12 soak, schedule #103, 3 replays in 3): ReFT, stage 1's peer SIGTERMed at step 1
+    hands its stage over; at step 2 stage 5 dies, and the restore of the group's snapshot of step 2 fails: "no own
+    snapshot of stage 1 at step 2". A ReFT handover dropped the leaving peer's copies (its snapshot, its parity
+    block, its companion). The new peer now takes its snapshot and parity block (REFT_FETCH) and the ledger keeps
+    them, as the simulator, where a leave loses nothing."""
+    schedule = Schedule(Setup(strategy="reft", stages=6, steps=5, every=1),
+                        (Fault(Kind.SIGTERM, 1, stage=1), Fault(Kind.KILL_BEFORE_STEP, 2, stage=5)))
+    _holds(schedule, tmp_path, cache)
+
+
+def test_a_reft_handover_takes_the_snapshot_and_parity_block_from_the_leaving_peer(tiny_cfg):
+    """The peer's side of a ReFT handover: its own snapshot and parity block come from the leaving peer
+    (REFT_FETCH), kept as its own; another stage's entry of `held` is a snapshot fetched as under other strategies."""
+    from checkfree.baselines import Raim5Block
+    from peers.daemon import PeerDaemon, PeerOptions
+
+    net = MemoryNetwork()
+    source, new = (PeerDaemon(PeerOptions(run_id="r", transport="memory")) for _ in range(2))
+    for d in (source, new):
+        d.membership.transport = MemoryTransport(net)
+        d.hosted.configure(tiny_cfg, None)
+        d.hosted.companion = True
+
+    async def main():
+        await source._register()
+        source.hosted.serve(source.hosted.build(1), 0.0, 3)  # the leaving peer serves stage 1 until it has left
+        source.snapshots.keep(1, 3, b"stage 1 at step 3")
+        source.snapshots.parity.blocks = {3: Raim5Block(1, 3, b"parity of 1", (17, 17, 17))}
+        moved = await new.snapshots.take_held(source.membership.me, {1: 3}, stage=1)
+        assert moved == len(b"stage 1 at step 3") + len(b"parity of 1")
+        assert new.snapshots.steps_held() == {1: 3} and bytes(new.snapshots.held[1][1]) == b"stage 1 at step 3"
+        block = new.snapshots.parity.blocks[3]
+        assert (block.holder, block.n, bytes(block.parity), block.state_lengths) == (1, 3, b"parity of 1", (17, 17, 17))
+
+    try:
+        asyncio.run(main())
+    finally:
+        for d in (source, new):
+            d.compute.shutdown(wait=True)
+
+
 def test_a_handover_skips_a_snapshot_the_leaving_peer_no_longer_has(tiny_cfg):
     """The handover's snapshots (AssignHandover.held, from the coordinator's ledger) are fetched from the leaving
     peer one by one: one it no longer has at that step (an incomplete snapshot round replaced it) is skipped, not
@@ -612,7 +654,7 @@ def test_a_handover_skips_a_snapshot_the_leaving_peer_no_longer_has(tiny_cfg):
         await source._register()
         source.snapshots.keep(0, 3, b"stage 0 at step 3")
         source.snapshots.keep(1, 4, b"stage 1 at step 4")  # the ledger says step 3: replaced since
-        moved = await new.snapshots.take_held(source.membership.me, {0: 3, 1: 3})
+        moved = await new.snapshots.take_held(source.membership.me, {0: 3, 1: 3}, stage=1)
         assert moved == len(b"stage 0 at step 3")
         assert new.snapshots.steps_held() == {0: 3} and bytes(new.snapshots.held[0][1]) == b"stage 0 at step 3"
 
