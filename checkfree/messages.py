@@ -158,7 +158,8 @@ class AssignRestore(Assign, tag="restore", kw_only=True):
 
 class AssignHandover(Assign, tag="handover", kw_only=True):
     """A leaving peer's (`source`) exact state, and the in-memory snapshots it holds (`held`: owner stage -> step,
-    fetched from it with FETCH_SNAPSHOT): the new peer holds them in its place."""
+    fetched from it with FETCH_SNAPSHOT; under ReFT its own, with its parity block, with REFT_FETCH): the new peer
+    holds them in its place."""
 
     source: str
     step: int
