@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import socket
 import time
 
 import torch.distributed as dist
@@ -176,7 +177,12 @@ class StageGroup:
         host, _, port = reduce.store.rpartition(":")
         timeout = datetime.timedelta(seconds=self.t.rpc_timeout)
         store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(reduce.prefix, store), reduce.rank, reduce.size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # gloo's default device is the address this machine's hostname resolves to, the loopback in a network
+        # namespace, which the other members cannot reach: listen where the route to the store leaves from
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_ip(host, int(port)))]
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(reduce.prefix, store), reduce.rank, reduce.size, options)
         self._prefix = key
         return self._pg
 
@@ -184,3 +190,12 @@ class StageGroup:
         if self._pg is not None:
             self._pg.abort()
             self._pg = None
+
+
+def route_ip(host: str, port: int) -> str:
+    """This machine's address on the route to `host`:`port`: the one the other members of a gloo group reach it at
+    when they reach the store there (no packet is sent)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(addr)
+        return s.getsockname()[0]

@@ -123,6 +123,28 @@ def test_partitioned_peer_is_replaced_and_cannot_disturb_the_run_once_healed(tmp
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.skipif(NetLab.unavailable() is not None, reason=f"no network namespaces: {NetLab.unavailable()}")
+def test_stage_groups_reduce_across_network_namespaces_and_lose_a_partitioned_replica(tmp_path, cache):
+    """Two replicas per stage, each peer in a network namespace of its own. Their gloo devices listen where the
+    route to the coordinator's store leaves the namespace: they listened on the namespace's loopback, which no
+    other member reaches, and every reduce failed (the run trained no step). A replica of stage 1 cut off at
+    step 2 is a lost replica (its microbatches rerouted to its sibling), not a failed stage; the losses are those
+    of a run without failures; once healed it is told to shut down (the run paced from step 3 for that)."""
+    proc, out = local(tmp_path, "swarm", "--stages", "2", "--replicas", "2", "--steps", "12", "--eval-every", "0",
+                      *TIMEOUTS, "--step-timeout", "15", "--chaos-slow", "0:0.3@3",
+                      "--netns", "--partition-trace", trace(tmp_path, [(2, 1)]), cache=cache)
+    summary = _completed(proc, out)
+    ref = simulate(tmp_path, "sim", "--stages", "2", "--steps", "12", "--eval-every", "0", cache=cache)
+    metrics = _same_losses(out, ref)
+    assert all(len(m["reduce_s"]) == 2 and all(x > 0 for x in m["reduce_s"]) for m in metrics)
+    (cut,) = events(out, "chaos_partition")
+    (lost,) = events(out, "replica_lost")
+    assert (lost["step"], lost["stage"], lost["peer_id"]) == (2, 1, cut["peer_id"])
+    assert summary["failures"] == 0 and not events(out, "aborted_step", "recovery")
+    assert [r["peer_id"] for r in events(out, "retired")] == [cut["peer_id"]]
+
+
+@pytest.mark.timeout(420)
 def test_two_non_adjacent_stages_fail_in_one_step_and_a_replacement_dies_recovering(tmp_path, cache):
     """S=6, plain CheckFree: stages 1 and 3 are SIGKILLed at step 4; both are rebuilt in that step
     by averaging their live neighbours, and the first replacement chosen (for stage 1) is SIGKILLed
