@@ -141,11 +141,14 @@ async def dispatch(handlers: dict, name: str, header: dict, tensors: list[torch.
 def quiet_disconnects(loop: asyncio.AbstractEventLoop) -> None:
     """A stream the other side closed before its first byte (hivemind's p2pd client handler meets
     this whenever a peer dies or a connection is dropped) is expected under churn: a debug line, not
-    asyncio's `Unhandled exception in client_connected_cb` traceback."""
+    asyncio's `Unhandled exception in client_connected_cb` traceback. So is a stream handler cancelled
+    as its process shuts down (a RUN_STEP waiting for its step when the peer is told to go): asyncio's
+    stream callback asks the cancelled task for its exception and logs `Exception in callback`."""
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         exc = context.get("exception")
-        if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
+        cancelled = isinstance(exc, asyncio.CancelledError) and "StreamReaderProtocol" in str(context.get("message"))
+        if cancelled or isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
             logger.debug("%s: %r", context.get("message"), exc)
         else:
             loop.default_exception_handler(context)
