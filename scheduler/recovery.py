@@ -35,6 +35,14 @@ __all__ = ["Recovery"]
 log = logging.getLogger("scheduler.coordinator")
 
 
+class LostInRecovery(Exception):
+    """Stages whose peers died while a recovery restored them (`stages`): failed too."""
+
+    def __init__(self, stages: set[int]) -> None:
+        super().__init__(f"stage(s) {sorted(stages)} failed during the recovery")
+        self.stages = stages
+
+
 class Recovery:
     """Carries out the strategy's recovery plans on the peers."""
 
@@ -55,17 +63,26 @@ class Recovery:
     async def _recover(self, step: int, failed: set[int]) -> None:
         strategy = self.cfg.recovery.strategy
         detected = time.time()
-        for s in sorted(failed):
-            gone = self.table.lose(s)  # (a stage group is lost when every replica is)
-            for p in gone:
-                self.members.drop(p)
-            self.out.event("failure", step=step, stage=s, strategy=strategy, peer_id=gone[0] if gone else None)
-        await self.members.retire()
-        self.strategy.interrupted()
-        copies = self.protection.lost(failed)
-        plan = self.strategy.recovery_plan(Failure(step, frozenset(failed), copies))
-        abort_if_unrecoverable(plan, strategy, self.out.event)
-        measured = await self._carry_out(plan, detected)
+        failed, new = set(failed), set(failed)
+        while True:
+            for s in sorted(new):
+                gone = self.table.lose(s)  # (a stage group is lost when every replica is)
+                for p in gone:
+                    self.members.drop(p)
+                self.out.event("failure", step=step, stage=s, strategy=strategy, peer_id=gone[0] if gone else None)
+            await self.members.retire()
+            self.strategy.interrupted()
+            copies = self.protection.lost(failed)
+            plan = self.strategy.recovery_plan(Failure(step, frozenset(failed), copies))
+            abort_if_unrecoverable(plan, strategy, self.out.event)
+            try:
+                measured = await self._carry_out(plan, detected)
+                break
+            except LostInRecovery as e:  # a stage the plan restores died too (lost with the others): plan again
+                log.warning("stage(s) %s failed during the recovery of %s: planning again", sorted(e.stages),
+                            sorted(failed))
+                new = e.stages - failed
+                failed |= new
         coefficients = {s: dict(zip(src.sources, measured[s].pop("coefficients", [])))
                         for s, src in plan.rebuilt.items()}
         for name, fields in plan_events(plan, strategy, self.cfg.recovery.omega_scope, coefficients):
@@ -81,9 +98,17 @@ class Recovery:
         the rebuilds. What each failed stage's peer measured, by stage."""
         if plan.rollback_to is not None:
             live = {s: src for s, src in plan.copied.items() if s not in plan.failed}
-            await asyncio.gather(*(self.rpc.call(self.table.peer(s), Restore(step=step, origin=origin),
-                                                 self.t.step_timeout)
-                                   for s, src in live.items() for step, origin, _ in [self._copy(plan, s, src)]))
+            done = await asyncio.gather(*(self.rpc.call(self.table.peer(s), Restore(step=step, origin=origin),
+                                                        self.t.step_timeout)
+                                          for s, src in live.items() for step, origin, _ in [self._copy(plan, s, src)]),
+                                        return_exceptions=True)
+            lost = {s for s, r in zip(live, done) if isinstance(r, CALL_ERRORS) and not await self.rpc.alive(
+                self.table.peer(s))}
+            if lost:
+                raise LostInRecovery(lost)
+            for r in done:
+                if isinstance(r, BaseException):
+                    raise r
         measured = {}
         for s, src in plan.copied.items():
             if s in plan.failed:

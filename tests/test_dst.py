@@ -473,6 +473,16 @@ def test_recovery_coefficients_are_compared_to_the_wires_precision(tmp_path):
     assert same_recoveries(run("bf16-swapped", "bfloat16", [0.5159962, 0.4840038]), sim) != []
 
 
+def test_a_stage_whose_peer_dies_as_a_recovery_restores_it_is_a_failure_too(tmp_path, cache):
+    """Found by dst (the seed-41 soak at 70873ba, schedule #215, 4 replays in 4): baft, stages 0 and 1 killed at
+    once. The swarm saw stage 0's failure first, and its rollback's RESTORE to stage 1's dead peer failed the run
+    with a TransportError, where the simulator aborts (baft cannot recover stage 0 without stage 1's backup). A
+    stage whose peer dies while a recovery restores it is now a failure too, and the strategy plans again."""
+    schedule = Schedule(Setup(strategy="baft", stages=3, steps=4, schedule="1f1b", soft_errors=2),
+                        (Fault(Kind.SLOW, 2, stage=1, span=2, delay_ms=23), Fault(Kind.KILL_ADJACENT, 3, stage=0)))
+    _holds(schedule, tmp_path, cache)
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
