@@ -68,7 +68,8 @@ class LocalSwarm:
         self.old_coordinators: list[Proc] = []
         self.peers: list[Proc] = []
         self.crashed: list[Proc] = []  # peers whose training process alone was SIGKILLed (their group lives on)
-        self.addr = ""
+        self.addr = ""  # the running coordinator's address (empty: not known, a restarted one)
+        self.standby_addr = ""
         self.secret = os.environ.get(SECRET_ENV) or secrets.token_hex(16)  # every local swarm is authenticated
         self.kills = 0
         self.preempted = 0
@@ -97,11 +98,21 @@ class LocalSwarm:
     def start_peer(self) -> Proc:
         """Start a peer process; it becomes a standby once it has joined (no waiting here)."""
         self._n += 1
-        proc = self._spawn(f"peer{self._n}", ["peer", "--run-id", self.opts.run_id, "--initial-peers", self.addr,
+        proc = self._spawn(f"peer{self._n}", ["peer", "--run-id", self.opts.run_id, "--initial-peers", *self._bootstrap(),
                                               "--threads", str(self.opts.threads_per_peer), *self.opts.shared_flags,
                                               *self.opts.peer_flags])
         self.peers.append(proc)
         return proc
+
+    def _bootstrap(self) -> list[str]:
+        """Where a new peer enters the swarm: the coordinator (while the one it was started with, or the standby
+        that took over, runs) and two live peers. One address was not enough: after a failover the peer chosen
+        then could die next, and every peer started after it failed to start ("could not reach any initial
+        peer"), so no replacement ever joined."""
+        coordinator = [self.addr] if self.coordinator is not None and self.coordinator.popen.poll() is None and \
+            self.addr else []
+        live = [p.addrs for p in reversed(self.peers) if p.addrs and p.popen.poll() is None]
+        return list(dict.fromkeys([*coordinator, *live[:2]]))
 
     def kill_peer(self, peer_id: str, group: bool = True) -> None:
         """SIGKILL the peer's whole process group (its DHT process and p2pd too; group=False: its training process
@@ -172,7 +183,7 @@ class LocalSwarm:
         self._show_dashboard(self.coordinator)
         if o.kill_coordinator_at is not None and o.failover == "standby":
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
-            self._await_ready(self.standby, READY_STANDBY)
+            self.standby_addr = re.search(r"addrs=([^,\s]+)", self._await_ready(self.standby, READY_STANDBY)).group(1)
         cfg = json.loads(self.config_path.read_text())
         first = [self.start_peer() for _ in range(cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares)]
         for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
@@ -227,10 +238,10 @@ class LocalSwarm:
         self.old_coordinators.append(old)
         self.kill_coordinator_at = None
         live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]
-        self.addr = live[0]  # later peers bootstrap from a live peer
+        self.addr = ""  # later peers bootstrap from live peers (`_bootstrap`), and from the standby that takes over
         print(f"swarm: coordinator SIGKILLed; {self.opts.failover} coordinator takes over", flush=True)
         if self.standby is not None:
-            self.coordinator, self.standby = self.standby, None
+            self.coordinator, self.standby, self.addr = self.standby, None, self.standby_addr
             self._show_dashboard(self.coordinator)
         else:
             self.coordinator = self._spawn_coordinator("coordinator-takeover", "--takeover", "--initial-peers",

@@ -73,3 +73,37 @@ def test_takeover_needs_an_address():
     proc = subprocess.run([sys.executable, "-m", "checkfree", "scheduler", "--takeover"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "--initial-peers" in proc.stderr
+
+
+def test_new_peers_bootstrap_from_the_running_coordinator_and_live_peers(tmp_path):
+    """Found by the one-hour real-process soak: after the failover the launcher gave every new peer one live
+    peer's address; that peer was killed next, and every peer started after it failed ("could not reach any
+    initial peer"): no replacement ever joined, and the run failed after join_timeout. New peers now get the
+    running coordinator's address (the standby's, once it took over) and the two newest live peers'."""
+    import shutil
+
+    from scheduler.launcher import LocalSwarm, SwarmOptions
+    from scheduler.processes import Proc
+
+    def sleeper() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+    swarm = LocalSwarm(tmp_path / "config.json", tmp_path / "chaos.json", SwarmOptions(out=tmp_path / "out", run_id="r"))
+    procs = [sleeper() for _ in range(5)]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    dead.wait()
+    try:
+        swarm.coordinator, swarm.addr = Proc(procs[0]), "/coordinator"
+        swarm.standby, swarm.standby_addr = Proc(procs[1]), "/standby"
+        swarm.peers = [Proc(procs[2], addrs="/a"), Proc(dead, addrs="/dead"), Proc(procs[3], addrs="/b"),
+                       Proc(procs[4], addrs="/c")]
+        assert swarm._bootstrap() == ["/coordinator", "/c", "/b"]
+        swarm.kill_coordinator()  # the standby takes over
+        assert procs[0].poll() is not None and swarm._bootstrap() == ["/standby", "/c", "/b"]
+        swarm.coordinator = Proc(dead)  # gone too: live peers only
+        assert swarm._bootstrap() == ["/c", "/b"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        shutil.rmtree(swarm.tmp, ignore_errors=True)
