@@ -483,6 +483,27 @@ def test_a_stage_whose_peer_dies_as_a_recovery_restores_it_is_a_failure_too(tmp_
     _holds(schedule, tmp_path, cache)
 
 
+def test_an_abort_accounts_for_the_failures_it_ended_the_run_at(tmp_path):
+    """Found by dst (the seed-41 soak at 70873ba, schedule #453: redundant, S=2, both stages killed at once): both
+    runtimes abort alike ("all 2 stages failed at once; nothing to recover from"), before any plan, so without a
+    fallback event; the invariant took the failures for unaccounted. The abort accounts for the failures of the
+    step it ended the run at; a completed run's failures still need a recovery or a fallback."""
+    import json
+
+    from dst.check import accounted
+
+    out = tmp_path / "swarm"
+    out.mkdir()
+    (out / "events.jsonl").write_text("".join(json.dumps({"event": "failure", "step": 2, "stage": s}) + "\n"
+                                              for s in (0, 1)))
+    expected = [(2, 0, False), (2, 1, False)]
+    recorded = [(2, 0, False, "a"), (2, 1, False, "b")]
+    for status, unaccounted in (("aborted", 0), ("completed", 2)):
+        (out / "summary.json").write_text(json.dumps({"status": status}))
+        problems = accounted(out, [], recorded, expected)
+        assert len([p for p in problems if "has no recovery or fallback" in p]) == unaccounted, problems
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
