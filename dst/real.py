@@ -291,7 +291,9 @@ def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | 
     schedule = Schedule(Setup(strategy="checkfree+", stages=stages, replicas=replicas, steps=steps, fallback="copy"),
                         tuple(soak_faults(steps, seed, stages, netns)))
     (workdir / "schedule.json").write_text(schedule.to_json() + "\n")
-    mark, tmp = uuid.uuid4().hex, workdir / "tmp"
+    # the run's own temporary directory, checked for leftovers: not `checkfree chaos dst`'s (<out>/tmp), where the
+    # soak's own process puts what it makes (torch's compile cache directory: reported as the run's leftover)
+    mark, tmp = uuid.uuid4().hex, workdir / "swarm-tmp"
     tmp.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "checkfree", "local", *local_args(schedule, workdir, netns), "--spares", "2"]
     env = {**os.environ, MARK: mark, "TMPDIR": str(tmp), **({"CHECKFREE_CACHE": cache_dir} if cache_dir else {})}
