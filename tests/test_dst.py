@@ -504,6 +504,25 @@ def test_an_abort_accounts_for_the_failures_it_ended_the_run_at(tmp_path):
         assert len([p for p in problems if "has no recovery or fallback" in p]) == unaccounted, problems
 
 
+def test_a_sigterm_reaches_a_peer_the_harness_has_not_registered_yet(tiny_cfg, tmp_path):
+    """Found by dst (the seed-41 soak at 70873ba, schedule #503, under load): over the memory network a new peer
+    joined, was assigned stage 3 and sent a step within the 10 ms the harness polls for its transport; the
+    SIGTERM fired then failed with a KeyError (reported by the coordinator as the step's failure) and never
+    reached the peer, which served on. The harness finds a started peer by its transport until it registers it."""
+    from dst.swarm import SimSwarm
+    from peers.daemon import PeerDaemon, PeerOptions
+
+    swarm = SimSwarm(tiny_cfg, tmp_path / "swarm", Schedule(Setup(strategy="checkfree", stages=2, steps=3), ()))
+    d = PeerDaemon(PeerOptions(run_id="dst", transport="memory"))
+    d.membership.transport = MemoryTransport(MemoryNetwork())
+    swarm._peers_started.append(d)  # started, its transport made, not in `daemons` yet
+    try:
+        swarm.terminate(str(d.membership.transport.peer_id))
+        assert d.stop.is_set()
+    finally:
+        d.compute.shutdown(wait=True)
+
+
 def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_untouched(tiny_cfg):
     """Found by dst (CheckFree+, stage groups, a replica killed mid-reduce: 3 runs in 5 diverged). ABORT cancels an
     attempt's tasks, but Python 3.11's asyncio.wait_for returns a result that lands together with a cancellation
