@@ -39,6 +39,8 @@ from peers.step import StepRun, StepTracker
 
 __all__ = ["StageGroup"]
 
+_GlooOptions = dist.ProcessGroupGloo._Options  # a group's options: its devices (where it listens), its timeout
+
 log = logging.getLogger(__name__)
 
 
@@ -177,7 +179,7 @@ class StageGroup:
         host, _, port = reduce.store.rpartition(":")
         timeout = datetime.timedelta(seconds=self.t.rpc_timeout)
         store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
-        options = dist.ProcessGroupGloo._Options()
+        options = _GlooOptions()
         options._timeout = timeout
         # gloo's default device is the address this machine's hostname resolves to, the loopback in a network
         # namespace, which the other members cannot reach: listen where the route to the store leaves from
