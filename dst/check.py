@@ -3,7 +3,8 @@
 Each check returns the divergences it found, one line each (empty: it holds):
 
 * `same_end`: the same final status and, for an aborted run, the same reason;
-* `same_losses`: the same steps (re-runs after a rollback included) with the same losses, to 1e-5;
+* `same_losses`: the same steps (re-runs after a rollback included) with the same losses, to 1e-5 (1e-4 relative
+  over a 16- or 8-bit wire: `NARROW_WIRE_LOSS_REL`);
 * `same_recoveries`: the same recovery and fallback events: stage, method, sources, coefficients (1e-5; 1e-3
   relative over a 16- or 8-bit wire: `NARROW_WIRE_COEFFICIENTS_REL`),
   restored step, lost steps, fallback and its reason;
@@ -40,6 +41,10 @@ REL = ABS = 1e-5
 # seed-12 soak's schedule #236, bfloat16: 0.483955 to 0.484018 in 5 replays, the simulator 0.484004), while their
 # losses, sums over every token of a step, stay within 1e-5. Their coefficients are compared to this tolerance.
 NARROW_WIRE_COEFFICIENTS_REL = 1e-3
+# The same noise reaches the losses, less (a loss sums every token of a step): in 20 replays of #236 over bfloat16
+# they moved in the sixth digit, and once in the seed-41 soak (#974, int8, stage groups) a loss was 1.2e-5 off the
+# simulator's (5 replays of it: none diverged, 3 distinct outcomes). Over a narrow wire losses compare to 1e-4.
+NARROW_WIRE_LOSS_REL = 1e-4
 RECOVERY_KEYS = ("event", "step", "stage", "method", "sources", "source", "fallback", "reason", "rollback_to",
                  "snapshot_step", "lost_steps", "edge_sources")
 
@@ -49,11 +54,11 @@ def events(out: Path, *kinds: str) -> list[dict]:
     return [e for e in read_jsonl(path) if e["event"] in kinds] if path.exists() else []
 
 
-def _close(a: object, b: object) -> bool:
+def _close(a: object, b: object, rel: float = REL) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
             return True
-        return math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
+        return math.isclose(a, b, rel_tol=rel, abs_tol=ABS)
     return a == b
 
 
@@ -74,10 +79,10 @@ def same_losses(swarm_out: Path, sim_out: Path) -> list[str]:
     steps_a, steps_b = [m["step"] for m in a], [m["step"] for m in b]
     if steps_a != steps_b:
         return [f"steps recorded: swarm {steps_a}, simulator {steps_b}"]
-    out = []
+    out, rel = [], REL if _wire_dtype(swarm_out) == "float32" else NARROW_WIRE_LOSS_REL
     for i, (x, y) in enumerate(zip(a, b)):
         for key in ("loss", "val_loss"):
-            if key in y and not _close(_num(x.get(key)), _num(y[key])):
+            if key in y and not _close(_num(x.get(key)), _num(y[key]), rel):
                 out.append(f"{key} of step {x['step']} (line {i}): swarm {x.get(key)}, simulator {y[key]}")
     return out
 

@@ -483,6 +483,26 @@ def test_a_stage_whose_peer_dies_as_a_recovery_restores_it_is_a_failure_too(tmp_
     _holds(schedule, tmp_path, cache)
 
 
+def test_losses_are_compared_to_the_wires_precision(tmp_path):
+    """Over a narrow wire the losses of two runs of one schedule move in the sixth digit (dst.check.NARROW_WIRE_LOSS_REL;
+    the seed-41 soak's #974 over int8: 1.2e-5 relative once): they compare to 1e-4 there, to 1e-5 over float32."""
+    import json
+
+    from dst.check import same_losses
+
+    def run(name: str, wire: str, loss: float):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"train": {"wire_dtype": wire}}))
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": loss}) + "\n")
+        return out
+
+    sim = run("sim", "float32", 6.004783272743225)
+    assert same_losses(run("int8", "int8", 6.00471305847168), sim) == []  # #974's
+    assert same_losses(run("f32", "float32", 6.00471305847168), sim) != []
+    assert same_losses(run("int8-off", "int8", 6.006), sim) != []  # 2e-4 relative off: still a divergence
+
+
 def test_an_abort_accounts_for_the_failures_it_ended_the_run_at(tmp_path):
     """Found by dst (the seed-41 soak at 70873ba, schedule #453: redundant, S=2, both stages killed at once): both
     runtimes abort alike ("all 2 stages failed at once; nothing to recover from"), before any plan, so without a
