@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 
 import pytest
 import torch
@@ -89,6 +90,18 @@ def cache(tiny_cfg, tmp_path, monkeypatch):
 def _stage_of(swarm, pid: str) -> int:
     d = swarm.daemons.get(pid)
     return d.hosted.index if d is not None else -1
+
+
+def test_the_soaks_leftover_check_takes_torchs_compile_cache_for_torchs(tmp_path):
+    """The one-hour soak reported torch's compile cache directory (made by the launcher's own imports, kept by torch
+    by design) as a leftover; anything else in the run's temporary directory still is one."""
+    from dst.real import Watch, leftovers
+
+    (tmp_path / "torchinductor_root").mkdir()
+    watch = Watch(os.getpid())
+    assert leftovers("no-such-mark", watch, tmp_path) == []
+    (tmp_path / "pymp-x").mkdir()
+    assert leftovers("no-such-mark", watch, tmp_path) == ["temporary files left: ['pymp-x']"]
 
 
 def test_the_real_process_soak_fails_over_its_coordinator_early_enough_for_its_deadline_to_reach_it():
