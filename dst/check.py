@@ -108,7 +108,7 @@ def same_recoveries(swarm_out: Path, sim_out: Path) -> list[str]:
     out, rel = [], REL if _wire_dtype(swarm_out) == "float32" else NARROW_WIRE_COEFFICIENTS_REL
     for x, y in zip(a, b):
         ca, cb = x.get("coefficients") or [], y.get("coefficients") or []
-        if len(ca) != len(cb) or not all(math.isclose(p, q, rel_tol=rel, abs_tol=ABS) for p, q in zip(ca, cb)):
+        if len(ca) != len(cb) or not all(_close(p, q, rel) for p, q in zip(ca, cb)):
             out.append(f"coefficients of the recovery of stage {x['stage']} at step {x['step']}: swarm {ca}, "
                        f"simulator {cb}")
     return out
