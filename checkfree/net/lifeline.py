@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 
 from hivemind import DHT
 
@@ -88,14 +89,8 @@ def socket_files(pattern: str = SOCKET_GLOB) -> set[str]:
 def process_tree(pid: int) -> set[int]:
     """`pid` and all its descendants now (from /proc; Linux)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+    for p, ppid, _ in _stats():
+        children.setdefault(ppid, []).append(p)
     out, todo = set(), [pid]
     while todo:
         p = todo.pop()
@@ -107,16 +102,19 @@ def process_tree(pid: int) -> set[int]:
 def process_group(pgid: int) -> set[int]:
     """The processes of process group `pgid` now (from /proc; Linux): also those whose leader has exited, which
     `process_tree` of the leader no longer finds (they were reparented)."""
-    out = set()
+    return {p for p, _, group in _stats() if group == pgid}
+
+
+def _stats() -> Iterator[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every process now (from /proc; Linux)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) == pgid:
-                        out.add(int(entry))
+                    fields = f.read().rsplit(")", 1)[1].split()
+                yield int(entry), int(fields[1]), int(fields[2])
             except (OSError, IndexError, ValueError):
                 continue
-    return out
 
 
 def living(pids: set[int]) -> set[int]:
