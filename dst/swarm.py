@@ -80,7 +80,7 @@ class SimSwarm:
     _loop: asyncio.AbstractEventLoop | None = None
     _children: set[int] = field(default_factory=set)  # this process's children before the swarm started
     _joining: list[asyncio.Task] = field(default_factory=list)
-    _peers_started: list[PeerDaemon] = field(default_factory=list)  # every peer started, registered in `daemons` or not yet
+    _peers_started: list[PeerDaemon] = field(default_factory=list)  # every peer started, in `daemons` or not yet
 
     def __post_init__(self) -> None:
         self.injector = Injector(self.schedule, self)

@@ -141,8 +141,9 @@ class Parity:
                  torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)])
 
     async def take_over(self, source: str, stage: int, step: int) -> int:
-        """A handover of `stage`: the leaving peer's (`source`) snapshot of `step` and its parity block, kept here in its place
-        (this peer's companion gets them at the next snapshot, as a replacement's does); the bytes moved."""
+        """A handover of `stage`: the leaving peer's (`source`) snapshot of `step` and its parity block, kept here
+        in its place (this peer's companion gets them at the next snapshot, as a replacement's does); the bytes
+        moved."""
         meta, ts = await self.net.call(source, ReftFetch(step=step), self.net.t.step_timeout)
         if len(ts) != 2:
             raise ProtocolError(f"REFT_FETCH reply of the leaving peer carries {len(ts)} tensors, not 2")
