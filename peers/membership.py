@@ -234,9 +234,11 @@ class Membership:
 
     # ---- staying a member ----------------------------------------------------------------
     async def heartbeat(self) -> None:
-        """Refresh this peer's membership entry every ttl / HEARTBEATS_PER_TTL (jittered) until cancelled."""
+        """Refresh this peer's membership entry every ttl / HEARTBEATS_PER_TTL (jittered), and at once when its stage
+        or state changes (a new coordinator taking over reads a stage from it), until cancelled."""
         key, me = members_key(self.run_id), self.me
         while True:
+            self.hosted.changed.clear()
             try:
                 value = {"stage": self.hosted.index, "state": self.hosted.state.value}
                 await announce(self.dht, key, me, sign_record(self.secret, self.run_id, "member", me, value,
@@ -244,7 +246,9 @@ class Membership:
                                self.t.heartbeat_ttl)
             except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
-            await asyncio.sleep(self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.hosted.changed.wait(),
+                                       self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
 
     async def watch_coordinator(self, limit: float) -> bool:
         """Return True once no coordinator has been heard from for `limit` seconds (False once the

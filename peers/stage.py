@@ -53,6 +53,7 @@ class HostedStage:
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
         self.last_commit: LastCommit | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
         self._configured = asyncio.Event()  # set once the run's config is known
+        self.changed = asyncio.Event()  # set when the stage or state changes (the heartbeat announces it at once)
 
     @property
     def index(self) -> int:
@@ -74,6 +75,7 @@ class HostedStage:
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
         self._configured.set()
+        self.changed.set()
 
     def joined(self) -> RunConfig:
         """The run's config; refuses a request that needs it before this peer has joined."""
@@ -99,6 +101,7 @@ class HostedStage:
         """Serve `worker`'s stage from now on, its weights ready for `next_step`."""
         self.worker, self.omega, self.next_step = worker, omega, next_step
         self.state = PeerState.SERVING
+        self.changed.set()
 
     def rolled_back(self, omega: float, next_step: int, worker: StageWorker | None = None) -> None:
         """The stage's weights are a copy's now (or, `worker`, its initial state), ready for `next_step`."""
@@ -117,9 +120,11 @@ class HostedStage:
         """Let the stage go and stand by again (a stage group's replica moved elsewhere)."""
         self.worker, self.omega, self.next_step = None, 0.0, 0
         self.state = PeerState.STANDBY
+        self.changed.set()
 
     def leave(self) -> None:
         self.state = PeerState.LEAVING
+        self.changed.set()
 
     # ---- on the compute thread --------------------------------------------------------
     def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:
