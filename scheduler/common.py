@@ -97,6 +97,12 @@ class Member:
     configured: bool = True  # it has the run's config (False: adopted by a takeover before its JOIN was answered)
 
 
+def heartbeat_stage(heartbeat: object) -> int:
+    """The stage a peer's DHT heartbeat says it serves (-1: none, or not a peer's heartbeat)."""
+    stage = heartbeat.get("stage") if isinstance(heartbeat, dict) else None
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else -1
+
+
 class CoordinatorAlive(RuntimeError):
     """A takeover was refused: the run's coordinator still answers its peers."""
 

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import msgspec
 
-from checkfree.auth import coordinator_proof, join_token, verify
+from checkfree.auth import join_token, verify
 from checkfree.config import config_from_dict
 from checkfree.net.transport import RemoteError, TransportError, live_members_async
-from checkfree.messages import Adopt, Adopted, Commit, LastCommit, Ready, Status, as_record
+from checkfree.messages import Adopted, Commit, LastCommit, Ready, Status, as_record
 from checkfree.protocol import Kind, coordinator_from_records, coordinator_key
 from checkfree.config import RunConfig
 from checkfree.rundir import read_jsonl
-from scheduler.common import CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, CoordinatorAlive, CoordinatorOptions, step_figures
+from scheduler.common import (CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, CoordinatorAlive, CoordinatorOptions,
+                              heartbeat_stage, step_figures)
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.protection import Protection
@@ -72,6 +73,7 @@ class Failover:
                  outputs: Outputs) -> None:
         self.opts, self.rpc, self.members, self.table, self.out = opts, rpc, membership, table, outputs
         self.t, self.run_id, self.secret = rpc.t, rpc.run_id, rpc.secret
+        self.cut_off: dict[str, int] = {}  # peer -> stage its heartbeat named, which never answered the ADOPT
 
     async def watch(self) -> None:
         """Standby: poll the run's coordinator (found in the DHT) every heartbeat_ttl/2;
@@ -167,6 +169,7 @@ class Failover:
         driver.attempts_from(step, max((a for st, a in seen if st == step and a < EVAL_ATTEMPT), default=-1) + 1)
         self._protection(replies, protection, step)
         record = self._missing_step(cfg, step - 1, replies, last_commits, metrics if resume else None)
+        self._strays(cfg, step, metrics.parent / "events.jsonl" if resume else None)
         committed = sorted({stage for stage, _ in to_commit.values()})
         self.out.event("coordinator_takeover", step=step, peers=len(replies), stages=len(self.table.served()),
                        committed_stages=committed, lagging_stages=sorted(lagging),
@@ -177,6 +180,20 @@ class Failover:
               f"{len(lagging)} lagging stage(s)", flush=True)
         whole = not lagging and len(self.table.served()) == cfg.num_stages
         return Resumed(step, whole, record)
+
+    def _strays(self, cfg: RunConfig, step: int, events: Path | None) -> None:
+        """The peers whose heartbeat named a stage but which never answered the ADOPT (cut off as the coordinator
+        changed) are failed peers, retired once they answer. One of a stage group that goes on without it is a lost
+        replica, recorded here unless the old coordinator recorded it (`events`: its record, when shared)."""
+        named = {e.get("peer_id") for e in read_jsonl(events) if e.get("event") in ("failure", "replica_lost", "leave",
+                                                                                  "retired")} \
+            if events is not None and events.exists() else set()
+        for pid, stage in sorted(self.cut_off.items()):
+            self.members.stray(pid)
+            log.warning("peer %s of stage %d did not answer the takeover: it is out of the run", pid, stage)
+            if cfg.train.stage_groups and stage in self.table.served() and pid not in named:
+                self.out.event("replica_lost", step=step, stage=stage, peer_id=pid, reason="cut off at the takeover",
+                               replicas=len(self.table.group(stage)))
 
     def _serve(self, cfg: RunConfig, holders: dict[int, list[tuple[str, Adopted]]],
                step: int) -> tuple[dict[str, tuple[int, Ready]], list[int]]:
@@ -216,6 +233,7 @@ class Failover:
         start = time.monotonic()
         replies: dict[str, Adopted] = {}
         refused: dict[str, str] = {}
+        self.cut_off = {}
         me = self.rpc.me
         while True:
             try:
@@ -224,18 +242,17 @@ class Failover:
                 log.warning("reading heartbeats failed: %r", e)
                 live = {}
             new = [p for p in live if p not in replies and p != me]
-
-            async def adopt(p: str):
-                proof = coordinator_proof(self.secret, self.run_id, me, p) if self.secret is not None else None
-                return await self.rpc.call(p, Adopt(proof=proof), timeout=self.t.rpc_timeout)
-
-            for p, r in zip(new, await asyncio.gather(*(adopt(p) for p in new), return_exceptions=True)):
+            adopted = await asyncio.gather(*(self.rpc.adopt(p, self.t.rpc_timeout) for p in new),
+                                           return_exceptions=True)
+            for p, r in zip(new, adopted):
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)
-                elif isinstance(r, Exception):
+                elif isinstance(r, Exception):  # (a stage's peer that never answers: `cut_off`)
+                    if heartbeat_stage(live[p]) >= 0:
+                        self.cut_off[p] = heartbeat_stage(live[p])
                     continue
-                elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r[0].token):
-                    replies[p] = r[0]
+                elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r.token):
+                    replies[p] = r
                 else:  # a stranger answering for a forged heartbeat must not hand us a stage
                     self.out.event("join_refused", peer_id=p, reason="ADOPT reply without a valid run token")
             if refused and not replies:
@@ -249,6 +266,7 @@ class Failover:
             # (none served after two TTLs: every stage's peers died while no coordinator was there to see it, a
             # failure of every stage that the strategy plans for like any other)
             if stages is not None and (len(served) >= stages or waited > 2 * self.t.heartbeat_ttl):
+                self.cut_off = {p: stage for p, stage in self.cut_off.items() if p not in replies}
                 return replies
             if waited > self.t.join_timeout:
                 raise TransportError(f"no peer of run {self.run_id!r} answered within join_timeout="

@@ -16,10 +16,10 @@ from typing import Any
 from checkfree.auth import coordinator_proof, join_token, verify
 from checkfree.config import RunConfig
 from checkfree.net.transport import Handler, announce
-from checkfree.messages import (REQUESTS, AssignHandover, Envelope, Join, Joined, Leave, Left, Message, Ok, Report,
-                                RunStatus, Shutdown, Status, check_request, envelope, to_wire)
+from checkfree.messages import (REQUESTS, AssignHandover, Envelope, Join, Joined, Leave, Left, Message, Ok,
+                                Report, RunStatus, Shutdown, Status, check_request, envelope, to_wire)
 from checkfree.protocol import RUN_OVER, Kind, ProtocolError, coordinator_key, coordinator_record
-from scheduler.common import CALL_ERRORS, Member
+from scheduler.common import CALL_ERRORS, Member, heartbeat_stage
 from scheduler.outputs import Outputs
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
@@ -49,6 +49,9 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.reported: set[str] = set()  # suspects: reported unreachable or failing, not yet confirmed
         self._retired: set[str] = set()  # failed peers already told to shut down
+        # peers that serve a stage but answer to a coordinator that is gone (cut off while this one took over the
+        # run, or back after it): retiring one ADOPTs it first, or it would refuse this coordinator's SHUTDOWN
+        self._strays: set[str] = set()
         self._retire_task: asyncio.Task | None = None
         self.joined = asyncio.Event()  # set when a peer joins
         self.reports = asyncio.Event()  # set when a peer reports another unreachable
@@ -167,6 +170,13 @@ class Membership:
         m = self.members[pid]
         m.leaving = m.left = m.handover = True
 
+    def stray(self, pid: str) -> None:
+        """`pid` serves a stage of this run but was never this coordinator's (a takeover could not ADOPT it): a
+        failed peer, retired once it answers."""
+        self.admit(pid, time.time())
+        self.drop(pid)
+        self._strays.add(pid)
+
     def leaving(self, pid: str) -> bool:
         return self.members[pid].leaving
 
@@ -206,6 +216,11 @@ class Membership:
             log.warning("reading heartbeats failed: %r", e)
             live = None
         await self._prune(live)
+        for pid, value in (live or {}).items():
+            if pid not in self.members and pid != self.rpc.me and heartbeat_stage(value) >= 0:
+                log.warning("peer %s serves stage %d but is not in run %r (cut off while its coordinator was "
+                            "replaced): retiring it", pid, heartbeat_stage(value), self.run_id)
+                self.stray(pid)
         failed, handed = set(), set()
         for stage, pid in self.table.primaries().items():
             m = self.members[pid]
@@ -289,12 +304,26 @@ class Membership:
         """Tell failed peers to shut down: a failed peer may still be running (broken weights, soft
         errors, a straggler, a partition). One that cannot be reached now is told again when its
         heartbeat reappears (a healed partition: see `detect`) and when the run ends."""
-        pids = self._unretired()
+        pids = await self._adopt_strays(self._unretired())
         results = await self.rpc.gather(pids, Shutdown(), 2.0)
         for pid, r in zip(pids, results):
             if not isinstance(r, Exception) and pid not in self._retired:
                 self._retired.add(pid)
                 self.out.event("retired", step=self.step(), peer_id=pid)
+
+    async def _adopt_strays(self, pids: list[str]) -> list[str]:
+        """`pids` with the strays among them ADOPTed first (left out while they do not answer: next time)."""
+        strays = [p for p in pids if p in self._strays]
+        if not strays:
+            return pids
+        results = await asyncio.gather(*(self.rpc.adopt(p, min(10.0, self.t.rpc_timeout)) for p in strays),
+                                       return_exceptions=True)
+        for pid, r in zip(strays, results):
+            if isinstance(r, Exception):
+                log.info("stray peer %s could not be adopted to retire it: %s", pid, r)
+            else:
+                self._strays.discard(pid)
+        return [p for p in pids if p not in self._strays]
 
     async def _handover(self, stage: int, pid: str) -> bool:
         """A peer leaving gracefully hands its exact state (weights and optimizer) to a standby:

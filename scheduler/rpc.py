@@ -7,9 +7,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkfree.auth import join_token, load_secret, record_ok
+from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok
 from checkfree.net.transport import live_members_async, sign_requests, start_transport, stop_transport
-from checkfree.messages import Ping, Request, reply_of, request
+from checkfree.messages import Adopt, Adopted, Ping, Request, reply_of, request
 from checkfree.protocol import members_key
 from scheduler.common import CALL_ERRORS, CoordinatorOptions
 
@@ -61,6 +61,13 @@ class Rpc:
         reply, out = await self.transport.call(pid, message.rpc, request(self.run_id, message), tensors,
                                                timeout=timeout)
         return reply_of(message.rpc, reply), out
+
+    async def adopt(self, pid: str, timeout: float) -> Adopted:
+        """ADOPT peer `pid`: this coordinator takes it over from one that is gone (with the proof of the run secret,
+        if the run has one)."""
+        proof = coordinator_proof(self.secret, self.run_id, self.me, pid) if self.secret is not None else None
+        reply, _ = await self.call(pid, Adopt(proof=proof), timeout)
+        return reply
 
     async def gather(self, pids: Sequence[str], message: Request, timeout: float) -> list:
         """`message` to every one of `pids` at once: each (reply, tensors), or the exception its call raised."""

@@ -44,7 +44,7 @@ class Peers:
             t = MemoryTransport(MEMORY)
             self.ids.append(t.peer_id)
             for name in (RPC.PING, RPC.ASSIGN, RPC.RESTORE, RPC.SNAPSHOT, RPC.RUN_STEP, RPC.COMMIT, RPC.ABORT,
-                         RPC.SHUTDOWN, RPC.TAKE_REPLICA):
+                         RPC.SHUTDOWN, RPC.TAKE_REPLICA, RPC.ADOPT):
                 asyncio.get_running_loop().create_task(t.register(name, self._handler(t.peer_id, name)))
 
     def _handler(self, pid: str, name: str):
@@ -141,6 +141,51 @@ def test_membership_admits_suspects_and_detects_alone(tiny_cfg, tmp_path):
         assert members.reported == {peers.ids[1]}  # the false report about peer 0 is cleared
         reply = await members.on_leave(Leave(), env, peers.ids[0])
         assert reply == Left(handover=True) and members.leaving(peers.ids[0])
+        await rpc.stop()
+    asyncio.run(main())
+
+
+def test_a_peer_serving_a_stage_it_was_never_given_is_adopted_then_retired(tiny_cfg, tmp_path):
+    """A peer whose heartbeat names a stage but which is not a member (cut off while a new coordinator took the run
+    over, back after it): it answers to a coordinator that is gone and would refuse this one's SHUTDOWN, so it is
+    ADOPTed, then retired; while it does not answer it is tried again. A peer still joining (no stage) is left be."""
+    import time
+
+    from checkfree.messages import Adopted, to_wire
+    from checkfree.net.heartbeats import announce
+    from checkfree.protocol import members_key
+    from checkfree.rundir import read_jsonl
+
+    cfg = _cfg(tiny_cfg)
+
+    async def main():
+        _, rpc, table, out, members = await _parts(tmp_path, cfg)
+        down = set()
+
+        def answer(pid, name, header):
+            if pid in down:
+                raise ConnectionError(f"{pid} is cut off")
+            return to_wire(Adopted(stage=1, state="serving", next_step=3, omega=1.0)) if name == RPC.ADOPT \
+                else {"ok": True}
+
+        peers = Peers(3, answer)
+        member, stray, joining = peers.ids
+        await members.on_join(Join(peer_id=member), Envelope(run="parts"), member)
+        table.assign(0, member)
+        for pid, stage in ((member, 0), (stray, 1), (joining, -1)):
+            await announce(rpc.dht, members_key("parts"), pid, {"stage": stage, "state": "serving"}, 60)
+        down.add(stray)
+        await members.detect()
+        await members._retire_task
+        assert stray in members.members and members.leaving(stray) and joining not in members.members
+        assert not peers.sent(RPC.SHUTDOWN) and [p for p, _ in peers.sent(RPC.ADOPT)] == [stray]
+        down.clear()  # back: adopted, then told to shut down
+        members._live_seen = (time.monotonic() - 1.0, members._live_seen[1])  # (the next read is a new one)
+        await members.detect()
+        await members._retire_task
+        assert [p for p, _ in peers.sent(RPC.ADOPT)] == [stray, stray]
+        assert [p for p, _ in peers.sent(RPC.SHUTDOWN)] == [stray]
+        assert [e["peer_id"] for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "retired"] == [stray]
         await rpc.stop()
     asyncio.run(main())
 

@@ -463,6 +463,33 @@ def test_a_takeover_records_the_step_committed_as_a_stage_died_mid_commit(tmp_pa
     _holds(schedule, tmp_path, cache)
 
 
+CUT_OFF_AT_TAKEOVER = {
+    # a stage group's replica: a lost replica, recorded by the new coordinator at the step it takes over at
+    "replica": Schedule(Setup(stages=3, replicas=2, steps=5, schedule="1f1b", fallback="copy", every=3),
+                        (Fault(Kind.PARTITION, 2, stage=0), Fault(Kind.COORDINATOR_RESTART, 2))),
+    # ... that the old coordinator had recorded lost already: not recorded twice
+    "replica-recorded": Schedule(Setup(stages=3, replicas=2, steps=5, schedule="1f1b", fallback="copy", every=3),
+                                 (Fault(Kind.PARTITION, 2, stage=0, span=2), Fault(Kind.COORDINATOR_RESTART, 3))),
+    # a stage's only peer: the stage is unserved after the takeover, a failure the strategy recovers
+    "stage": Schedule(Setup(stages=3, steps=5, schedule="1f1b", fallback="copy", every=3),
+                      (Fault(Kind.PARTITION, 2, stage=0), Fault(Kind.COORDINATOR_RESTART, 2))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT_OFF_AT_TAKEOVER))
+def test_a_peer_cut_off_as_the_coordinator_is_replaced_is_out_of_the_run_and_retired(name, tmp_path, cache):
+    """Found by dst (the seed-41 soak, schedule #600: copy, 3 replicas per stage, stage 0's peer partitioned as the
+    coordinator restarted; dst/results/copy-groups-partition-at-coordinator-restart.json). The new coordinator could
+    not ADOPT the cut-off peer; when it healed, nobody told it to stop, and a replica's loss went unrecorded. Besides,
+    a peer's heartbeat named its stage up to half a TTL late, so the takeover read "joining" for a peer serving a
+    stage. The heartbeat now changes with the stage; a peer whose heartbeat names a stage but which did not answer
+    the ADOPT is out of the run (a lost replica if its group goes on, unless the old coordinator's record names it),
+    and is ADOPTed, then retired, once it answers; so is one that comes back later (its heartbeat names a stage, it is
+    not a member). Before, "replica" and "stage" diverged ("never retired"; a replica_lost missing); "replica-recorded"
+    keeps the fix from recording a loss twice (without the old coordinator's record it did)."""
+    _holds(CUT_OFF_AT_TAKEOVER[name], tmp_path, cache)
+
+
 def test_recovery_coefficients_are_compared_to_the_wires_precision(tmp_path):
     """Over a 16- or 8-bit wire the arrival order of a step's backward passes moves the gradient norms by ~1e-4
     relative from run to run (dst.check.NARROW_WIRE_COEFFICIENTS_REL): such coefficients are compared to 1e-3;
