@@ -44,9 +44,8 @@ def add_parser(modes: argparse._SubParsersAction) -> None:
     s.add_argument("--soak-minutes", type=float, help="one `checkfree local` run of CheckFree+ with stage groups "
                    "under generated faults and a coordinator failover, stopped after this many minutes")
     s.add_argument("--soak-steps", type=int, default=20000, help="its steps (it stops at whichever comes first)")
-    s.add_argument("--no-netns", action="store_true", help="no partitions (network namespaces, where root allows): "
-                   "a stage group's gloo reduce does not connect across namespaces (peers' gloo devices bind to the "
-                   "loopback of their own namespace), so with --netns every reduce fails")
+    s.add_argument("--no-netns", action="store_true", help="no partitions: without it, the soak runs every process in a "
+                   "network namespace of its own and partitions peers (where root allows)")
     p.set_defaults(func=run_dst)
 
 
