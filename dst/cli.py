@@ -66,7 +66,6 @@ def _record(path: Path, i: int | str, o) -> None:
 
 
 def _result(out: Path, started: float, load: str, commit: str, **fields) -> None:
-
     """<out>/result.json: how this run was made (command, commit, load average at the start, wall time) and what it
     found; dst/report.py renders the copies kept in dst/results/ into docs/dst.md."""
     (out / "result.json").write_text(json.dumps({

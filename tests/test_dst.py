@@ -543,6 +543,23 @@ def test_losses_are_compared_to_the_wires_precision(tmp_path):
     assert same_losses(run("int8-off", "int8", 6.006), sim) != []  # 2e-4 relative off: still a divergence
 
 
+def test_a_failure_a_fault_expects_is_not_also_counted_for_a_sigterm_of_the_same_peer():
+    """A SIGTERMed peer that a kill takes before it has left fails once: the kill's failure, not the leave's as well
+    (the simulator would otherwise be given the failure twice, and the invariant count one the swarm never had)."""
+    from dst.inject import Fired
+    from dst.run import by_record_only
+
+    recorded = [(1, 2, False, "peer-a")]
+    sigterm = Fired(Fault(Kind.SIGTERM, 1, stage=2), 1, 1, ["peer-a"], None)
+    kill = Fired(Fault(Kind.KILL_BEFORE_STEP, 1, stage=2), 1, 1, ["peer-a"], [(1, 2, False)])
+    slow = Fired(Fault(Kind.SLOW, 0, stage=2), 0, 0, ["peer-a"], [])
+    assert by_record_only(recorded, [sigterm, kill]) == []
+    assert by_record_only(recorded, [sigterm]) == by_record_only(recorded, [slow, sigterm]) == [(1, 2, False)]
+    # a stage a new coordinator finds unserved (no peer in the record): the leaving peer's, then or an iteration later
+    assert by_record_only([(2, 2, False, "")], [sigterm]) == [(2, 2, False)]
+    assert by_record_only([(3, 2, False, "")], [sigterm]) == []
+
+
 def test_an_abort_accounts_for_the_failures_it_ended_the_run_at(tmp_path):
     """Found by dst (the seed-41 soak at 70873ba, schedule #453: redundant, S=2, both stages killed at once): both
     runtimes abort alike ("all 2 stages failed at once; nothing to recover from"), before any plan, so without a
