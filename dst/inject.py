@@ -97,6 +97,7 @@ class Injector:
         self._two_buckets: set[tuple] = set()  # REDUCE rounds (prefix, step, attempt) cut in two buckets
         self._killed_now: set[str] = set()  # processes killed by the crossing running in them
         self.trail: list[str] = []  # every crossing, one line each (written out when a schedule diverges)
+        self.errors: list[str] = []  # the injector's own failures (a harness bug: the schedule's run says nothing)
 
     # ---- the clock -------------------------------------------------------------------------------
     def iteration_at(self, t: float) -> int:
@@ -126,6 +127,15 @@ class Injector:
 
     # ---- the injector ------------------------------------------------------------------------------
     async def __call__(self, c: Crossing) -> dict | None:
+        try:
+            return await self._cross(c)
+        except (TransportError, asyncio.CancelledError):
+            raise  # a drop, a partition, a death: what the injector does
+        except Exception as e:  # noqa: BLE001 - recorded: a fault the harness failed to inject must not pass unseen
+            self.errors.append(f"{c.point.value} {c.rpc} {c.me}->{c.other}: {e!r}")
+            raise
+
+    async def _cross(self, c: Crossing) -> dict | None:
         h = c.header
         self.trail.append(f"{time.time():.6f} it{self.iteration} {c.point.value:5} {c.rpc:18} {c.me}->{c.other} "
                           + " ".join(f"{k}={h[k]}" for k in ("step", "attempt", "mb", "hop", "mode", "stage")

@@ -242,6 +242,7 @@ def run_schedule(schedule: Schedule, workdir: Path, cache_dir: str | None = None
     if swarm.error and not (workdir / "swarm" / "summary.json").exists():
         problems.append(f"swarm failed without a summary: {swarm.error}")
     problems += swarm.leaks
+    problems += [f"the fault injector failed (a harness bug): {e}" for e in swarm.injector.errors]
     out = workdir / "swarm"
     gone = {e.get("peer_id") for e in check.events(workdir / "swarm", "replica_lost", "leave", "retired")}
     live = {p for g in swarm.injector.round.table.values() for p in g} - swarm.killed - gone  # the last step's

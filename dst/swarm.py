@@ -95,7 +95,9 @@ class SimSwarm:
         if d is not None and d.snapshots.parity.companion is not None:  # reft's snapshot companion: same machine
             with contextlib.suppress(ProcessLookupError):
                 d.snapshots.parity.companion.kill()
-        c = next((c for c in self.coordinators if str(c.coordinator.rpc.transport.peer_id) == pid), None)
+        # (a coordinator started this moment, the successor of one killed in the same crossing, has no transport yet)
+        c = next((c for c in self.coordinators
+                  if c.coordinator.rpc.transport is not None and str(c.coordinator.rpc.transport.peer_id) == pid), None)
         if c is not None:
             c.killed = True
             if self.schedule.needs(Kind.COORDINATOR_RESTART):

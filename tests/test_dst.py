@@ -560,6 +560,17 @@ def test_a_failure_a_fault_expects_is_not_also_counted_for_a_sigterm_of_the_same
     assert by_record_only([(3, 2, False, "")], [sigterm]) == []
 
 
+def test_peers_killed_in_the_crossing_that_restarts_the_coordinator_die(tmp_path, cache):
+    """Found by dst (the seed-61 acceptance run, #56: checkpoint, the coordinator restarted and stages 3 and 4 killed
+    at the same RUN_STEP): the harness's kill looked for a coordinator by its transport, and the successor started
+    by that crossing had none yet: an AttributeError after the first victim, so stage 4's peer lived on and the swarm
+    recorded one failure where the simulator had two. The injector's own failures are divergences now ("the fault
+    injector failed"), not swallowed by the crossing they happened in."""
+    schedule = Schedule(Setup(strategy="checkpoint", stages=5, steps=4, every=2),
+                        (Fault(Kind.COORDINATOR_RESTART, 2), Fault(Kind.KILL_ADJACENT, 2, stage=3)))
+    _holds(schedule, tmp_path, cache)
+
+
 def test_an_abort_accounts_for_the_failures_it_ended_the_run_at(tmp_path):
     """Found by dst (the seed-41 soak at 70873ba, schedule #453: redundant, S=2, both stages killed at once): both
     runtimes abort alike ("all 2 stages failed at once; nothing to recover from"), before any plan, so without a
