@@ -77,13 +77,13 @@ def render(results: Path = RESULTS) -> str:
                   f"{r['load']} at the start, {r['wall_s'] / 60:.1f} min): the same outcome in {r['same']} of "
                   f"{r['repeats']} runs, {r['distinct']} distinct, {r['diverged']} diverged" for r in repeats]
         lines.append("")
-    soak = results / "soak-real.json"
-    if soak.exists():
+    for soak in sorted(results.glob("soak-real*.json")):
         s = json.loads(soak.read_text())
         rss = [m for t, _, m in s["rss_mb"] if t >= s["rss_mb"][-1][0] * 0.2]
+        partitions = f", {s['partitions']} partitions" if s.get("netns") else " (no partitions: --no-netns)"
         lines += [f"**Real-process soak** (commit {s['commit']}, load average {s['load']}): `{_short(s['command'])}`, stopped "
                   f"after {s['minutes']} min at step {s['steps']} ({s['status']}): {s['kills']} faults injected by the "
-                  f"launcher, {s['failures']} stage failures, {s['replicas_lost']} replicas lost, {s['recoveries']} "
+                  f"launcher{partitions}, {s['failures']} stage failures, {s['replicas_lost']} replicas lost, {s['recoveries']} "
                   f"recoveries, {s['fallbacks']} fallbacks, {s['recovery_retries']} recovery retries, "
                   f"{s['handovers']} handovers, {s['takeovers']} coordinator takeovers; lost steps "
                   f"{s['lost_steps']}; resident memory of the swarm's processes {rss[0]:.0f} MB at 20% of the run, "
