@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,46 @@ def test_the_soaks_leftover_check_takes_torchs_compile_cache_for_torchs(tmp_path
     assert leftovers("no-such-mark", watch, tmp_path) == []
     (tmp_path / "pymp-x").mkdir()
     assert leftovers("no-such-mark", watch, tmp_path) == ["temporary files left: ['pymp-x']"]
+
+
+def test_the_real_process_tier_hands_each_fault_kind_to_checkfree_local(tmp_path):
+    """The real-process tier (`--tier real`) turns a schedule into `checkfree local`'s chaos flags, which its parser
+    takes, and the simulator's failures into the lines it expects; a partition only where network namespaces are
+    used. (Running one such schedule, real processes and all, is the slow test below.)"""
+    from cli.main import build_parser
+    from dst.real import expected_lines, local_args
+
+    schedule = Schedule(Setup(strategy="checkfree+", stages=4, replicas=2, steps=6, fallback="copy"),
+                        (Fault(Kind.KILL_BEFORE_STEP, 1, stage=1), Fault(Kind.KILL_GROUP, 2, stage=2),
+                         Fault(Kind.KILL_MID_REDUCE, 3, stage=0), Fault(Kind.SIGTERM, 3, stage=3),
+                         Fault(Kind.PARTITION, 4, stage=1), Fault(Kind.KILL_MID_REBUILD, 2),
+                         Fault(Kind.SLOW, 1, stage=0, delay_ms=20), Fault(Kind.COORDINATOR_RESTART, 4, where="commit")))
+    for netns in (True, False):
+        args = local_args(schedule, tmp_path, netns)
+        parsed = build_parser().parse_args(["local", *args])
+        assert parsed.steps == 6 and parsed.replicas == 2 and parsed.strategy == "checkfree+"
+        flag = lambda name: args[args.index(name) + 1]  # noqa: E731
+        assert Path(flag("--trace")).read_text().split() == ["step,stage", "1,1", "2,2,all"]
+        assert flag("--chaos-rebuild-kills") == "2" and flag("--chaos-slow") == "0:0.02@1"
+        assert (flag("--kill-coordinator-at"), flag("--kill-coordinator-in"), flag("--coordinator-failover")) == (
+            "4", "commit", "restart")
+        assert {"--reduce-kill-trace", "--preempt-trace"} <= set(args)
+        assert ("--netns" in args) is netns and ("--partition-trace" in args) is netns
+        assert expected_lines(schedule, netns) == sorted(
+            [(1, 1, False), (2, 2, True), (3, 0, False)] + ([(4, 1, False)] if netns else []))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_generated_schedule_holds_in_real_processes(tmp_path, cache):
+    """One schedule through `checkfree local` (real processes, SIGKILLs of whole process groups): the same end,
+    losses and recoveries as the simulator's, the replicas identical, nothing left behind."""
+    from dst.real import run_real
+
+    schedule = Schedule(Setup(strategy="checkfree+", stages=3, replicas=2, steps=5, fallback="copy"),
+                        (Fault(Kind.KILL_BEFORE_STEP, 1, stage=1), Fault(Kind.KILL_GROUP, 3, stage=2)))
+    outcome = run_real(schedule, tmp_path / "run", cache, timeout=600)
+    assert outcome.fired and not outcome.divergences, "\n".join(outcome.divergences)
 
 
 def test_the_real_process_soak_fails_over_its_coordinator_early_enough_for_its_deadline_to_reach_it():
