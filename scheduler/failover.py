@@ -34,6 +34,7 @@ __all__ = ["Failover", "Resumed"]
 log = logging.getLogger("scheduler.coordinator")
 
 LEAVING = "leaving"  # an ADOPT reply's `state` of a peer leaving gracefully (peers.stage.PeerState.LEAVING)
+OUT_OF_THE_RUN = ("failure", "replica_lost", "leave", "retired")  # events that take a peer out of the run
 
 
 def _progress(reply: Adopted) -> int:
@@ -185,9 +186,9 @@ class Failover:
         """The peers whose heartbeat named a stage but which never answered the ADOPT (cut off as the coordinator
         changed) are failed peers, retired once they answer. One of a stage group that goes on without it is a lost
         replica, recorded here unless the old coordinator recorded it (`events`: its record, when shared)."""
-        named = {e.get("peer_id") for e in read_jsonl(events) if e.get("event") in ("failure", "replica_lost", "leave",
-                                                                                  "retired")} \
-            if events is not None and events.exists() else set()
+        named = set()  # the peers the old coordinator's record already has out of the run
+        if events is not None and events.exists():
+            named = {e.get("peer_id") for e in read_jsonl(events) if e.get("event") in OUT_OF_THE_RUN}
         for pid, stage in sorted(self.cut_off.items()):
             self.members.stray(pid)
             log.warning("peer %s of stage %d did not answer the takeover: it is out of the run", pid, stage)
