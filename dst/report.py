@@ -57,6 +57,12 @@ def _run(name: str, r: dict) -> list[str]:
     return out + ([""] if s["diverged"] else [])
 
 
+def _quarters(samples: list[float]) -> list[float]:
+    """The means of `samples` over its four quarters (whether memory stays flat)."""
+    q = max(len(samples) // 4, 1)
+    return [sum(part) / len(part) for i in range(4) if (part := samples[i * q:(i + 1) * q if i < 3 else None])]
+
+
 def _short(command: str) -> str:
     """A soak's `checkfree local` command with its list of rebuild kills counted, not spelled out."""
     return re.sub(r"--chaos-rebuild-kills ([0-9,]+)",
@@ -80,13 +86,14 @@ def render(results: Path = RESULTS) -> str:
     for soak in sorted(results.glob("soak-real*.json")):
         s = json.loads(soak.read_text())
         rss = [m for t, _, m in s["rss_mb"] if t >= s["rss_mb"][-1][0] * 0.2]
-        partitions = f", {s['partitions']} partitions" if s.get("netns") else " (no partitions: --no-netns)"
+        partitions = f" ({s['partitions']} of them partitions)" if s.get("netns") else " (no partitions: --no-netns)"
         lines += [f"**Real-process soak** (commit {s['commit']}, load average {s['load']}): `{_short(s['command'])}`, stopped "
                   f"after {s['minutes']} min at step {s['steps']} ({s['status']}): {s['kills']} faults injected by the "
                   f"launcher{partitions}, {s['failures']} stage failures, {s['replicas_lost']} replicas lost, {s['recoveries']} "
                   f"recoveries, {s['fallbacks']} fallbacks, {s['recovery_retries']} recovery retries, "
                   f"{s['handovers']} handovers, {s['takeovers']} coordinator takeovers; lost steps "
                   f"{s['lost_steps']}; resident memory of the swarm's processes {rss[0]:.0f} MB at 20% of the run, "
+                  f"{' / '.join(f'{m:.0f}' for m in _quarters(rss))} MB on average over each quarter after that, "
                   f"{max(rss):.0f} MB at most after that, {rss[-1]:.0f} MB at the end; left behind: "
                   f"{'; '.join(s['leftovers']) or 'nothing'}.", ""]
     return "\n".join(lines).rstrip() + "\n"
