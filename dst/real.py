@@ -248,7 +248,7 @@ def run_real(schedule: Schedule, workdir: Path, cache_dir: str | None = None, *,
     problems += leftovers(mark, watch, tmp)
     steps_done = (outcome.swarm or {}).get("steps", 0)
     outcome.fired = [Fired(f, f.iteration, f.iteration, [], None) for f in schedule.faults  # (as scheduled)
-                     if f.iteration < steps_done and (f.kind is not Kind.PARTITION or netns)]
+                     if f.iteration <= steps_done and (f.kind is not Kind.PARTITION or netns)]
     outcome.seconds = time.perf_counter() - t0
     outcome.rss_mb = max((r for _, _, r in watch.rss), default=0) / 2**20
     (workdir / "rss.json").write_text(json.dumps(watch.rss))
