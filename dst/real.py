@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -40,6 +42,7 @@ REAL_KINDS = (Kind.KILL_BEFORE_STEP, Kind.KILL_GROUP, Kind.KILL_ADJACENT, Kind.K
               Kind.COORDINATOR_FAILOVER, Kind.COORDINATOR_RESTART, Kind.SIGTERM, Kind.SLOW, Kind.PARTITION)
 TIMEOUTS = ["--heartbeat-ttl", "2", "--rpc-timeout", "10", "--step-timeout", "60", "--join-timeout", "180"]
 MARK = "CHECKFREE_DST_RUN"  # in the environment of every process of one real run (and nobody else's)
+SHORT_TMP = "/tmp" if os.path.isdir("/tmp") else None  # where a real run's temporary directory goes (see run_real)
 
 
 def netns_available() -> bool:
@@ -210,8 +213,10 @@ def run_real(schedule: Schedule, workdir: Path, cache_dir: str | None = None, *,
     mark = uuid.uuid4().hex
     spares = 2 + sum(1 for f in schedule.faults if f.kind is not Kind.SLOW)
     cmd = [sys.executable, "-m", "checkfree", "local", *local_args(schedule, workdir, netns), "--spares", str(spares)]
-    tmp = workdir / "tmp"
-    tmp.mkdir(exist_ok=True)
+    # the run's own temporary directory, short: its processes' unix sockets (torch's shared-memory manager, p2pd,
+    # multiprocessing) live there, and a socket's path has at most 107 bytes (under a test's temporary directory the
+    # coordinator failed at start: torch_shm_manager "Invalid argument")
+    tmp = Path(tempfile.mkdtemp(prefix="dst-real-", dir=SHORT_TMP))
     env = {**os.environ, MARK: mark, "TMPDIR": str(tmp), **({"CHECKFREE_CACHE": cache_dir} if cache_dir else {})}
     outcome = Outcome(schedule)
     with open(workdir / "log.txt", "w") as log:
@@ -246,6 +251,7 @@ def run_real(schedule: Schedule, workdir: Path, cache_dir: str | None = None, *,
     if schedule.setup.replicas > 1:
         problems += identical_dumped_replicas(workdir / "dump")
     problems += leftovers(mark, watch, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     steps_done = (outcome.swarm or {}).get("steps", 0)
     outcome.fired = [Fired(f, f.iteration, f.iteration, [], None) for f in schedule.faults  # (as scheduled)
                      if f.iteration <= steps_done and (f.kind is not Kind.PARTITION or netns)]
