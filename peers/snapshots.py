@@ -107,8 +107,8 @@ class Snapshots:
     async def take_held(self, source: str, held: dict[int, int], stage: int) -> int:
         """A handover of `stage`: hold the snapshots the leaving peer `source` holds (`held`: owner stage -> step)
         in its place (under ReFT its own, with its parity block); the bytes moved. One it does not have (a
-        snapshot round left incomplete replaced it) is skipped with a warning: it was lost before the handover. A source that cannot be reached fails the handover (the
-        coordinator then recovers the stage)."""
+        snapshot round left incomplete replaced it) is skipped with a warning: it was lost before the handover. A
+        source that cannot be reached fails the handover (the coordinator then recovers the stage)."""
         if self.hosted.cfg is None or not all(0 <= o < self.hosted.cfg.num_stages for o in held):
             raise ProtocolError(f"assign 'held' names stages out of range: {sorted(held)!r:.200}")
         moved = 0

@@ -41,6 +41,7 @@ class HostedStage:
     """The run config and the stage of one peer."""
 
     def __init__(self) -> None:
+        self.changed = asyncio.Event()  # set when the stage or state changes (the heartbeat announces it at once)
         self.state = PeerState.JOINING
         self.cfg: RunConfig | None = None
         self.worker_cfg: RunConfig | None = None  # the config with the strategy's routes and replicas
@@ -53,7 +54,16 @@ class HostedStage:
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
         self.last_commit: LastCommit | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
         self._configured = asyncio.Event()  # set once the run's config is known
-        self.changed = asyncio.Event()  # set when the stage or state changes (the heartbeat announces it at once)
+
+    @property
+    def state(self) -> PeerState:
+        return self._state
+
+    @state.setter
+    def state(self, state: PeerState) -> None:
+        """Every change of state (a stage served, let go, left) is announced by the heartbeat at once (`changed`)."""
+        self._state = state
+        self.changed.set()
 
     @property
     def index(self) -> int:
@@ -75,7 +85,6 @@ class HostedStage:
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
         self._configured.set()
-        self.changed.set()
 
     def joined(self) -> RunConfig:
         """The run's config; refuses a request that needs it before this peer has joined."""
@@ -101,7 +110,6 @@ class HostedStage:
         """Serve `worker`'s stage from now on, its weights ready for `next_step`."""
         self.worker, self.omega, self.next_step = worker, omega, next_step
         self.state = PeerState.SERVING
-        self.changed.set()
 
     def rolled_back(self, omega: float, next_step: int, worker: StageWorker | None = None) -> None:
         """The stage's weights are a copy's now (or, `worker`, its initial state), ready for `next_step`."""
@@ -120,11 +128,9 @@ class HostedStage:
         """Let the stage go and stand by again (a stage group's replica moved elsewhere)."""
         self.worker, self.omega, self.next_step = None, 0.0, 0
         self.state = PeerState.STANDBY
-        self.changed.set()
 
     def leave(self) -> None:
         self.state = PeerState.LEAVING
-        self.changed.set()
 
     # ---- on the compute thread --------------------------------------------------------
     def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:
