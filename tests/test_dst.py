@@ -775,6 +775,7 @@ def test_the_command_runs_generated_schedules_and_replays_one(tmp_path, cache):
     assert [r["index"] for r in rows] == ["replay0", "replay1"] and rows[0]["signature"] == rows[1]["signature"]
 
 
+@pytest.mark.processes
 def test_a_reft_handover_keeps_the_leaving_peers_snapshot_and_parity_block(tmp_path, cache):
     """Found by dst (the seed-12 soak, schedule #103, 3 replays in 3): ReFT, stage 1's peer SIGTERMed at step 1
     hands its stage over; at step 2 stage 5 dies, and the restore of the group's snapshot of step 2 fails: "no own
