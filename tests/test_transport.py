@@ -332,6 +332,14 @@ def test_transport_errors_timeouts_and_dead_peer() -> None:
             with pytest.raises(WireError):  # encoding errors are raised locally, before anything is sent
                 await client.call(server.peer_id, "echo", {}, [torch.zeros(1, dtype=torch.complex64)], timeout=30)
 
+            async def eof(*_):  # this process's own daemon closing its control stream as a stream opens
+                raise asyncio.IncompleteReadError(b"", 1)
+
+            real, client.p2p.call_binary_stream_handler = client.p2p.call_binary_stream_handler, eof
+            with pytest.raises(TransportError, match="cannot open stream 'never-called'"):  # (no pooled stream)
+                await client.call(server.peer_id, "never-called", {}, timeout=10)
+            client.p2p.call_binary_stream_handler = real
+
             await server.shutdown()  # unregisters and stops the server daemon
             start = time.monotonic()
             with pytest.raises(TransportError):

@@ -194,7 +194,7 @@ class HivemindTransport:
         if stream is None:
             try:
                 _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
-            except (P2PDaemonError, ConnectionError, OSError) as e:
+            except (P2PDaemonError, ConnectionError, OSError, EOFError) as e:  # EOF: the daemon closed its stream
                 raise TransportError(f"cannot open stream '{name}' to peer {peer}: {e}") from e
             self.streams_opened += 1
             stream = adopt(reader, writer), writer
