@@ -541,6 +541,9 @@ class Adopted(Message, kw_only=True):
     finished: tuple[int, int] | None = None  # the newest (step, attempt) that ended here
     last_commit: LastCommit | None = None
     snapshots: dict[int, int] = {}  # stage -> the step of its snapshot held here
+    # the peers of the newest step this peer took part in (peer -> stage): a takeover ADOPTs them even if it has not
+    # read their DHT heartbeats (a refresh stalls while the DHT still routes to the dead coordinator's node)
+    members: dict[str, int] = {}
 
 
 class Join(Request, kw_only=True):

@@ -116,6 +116,12 @@ class StepRun:
         """The gradients before a REDUCE (None: restored, nothing kept)."""
         self.pre_reduce = flat
 
+    def members(self) -> dict[str, int]:
+        """The peers of this step: peer -> the stage it serves."""
+        if self.groups:
+            return {p: stage for stage, peers in self.groups.items() for p in peers}
+        return {p: stage for stage, p in self.peers.items()}
+
     def reroute(self, dead: str, to: str, mbs: list[int], me: str) -> list[int]:
         """A lost replica's (`dead`) hops of `mbs` go to `to`; the microbatches this peer takes on (if it is `to`)."""
         for mb in mbs:
@@ -183,6 +189,7 @@ class StepTracker:
         self.t, self.hosted, self.compute, self.replicas = timeouts, hosted, compute, replicas
         self.run: StepRun | None = None
         self.finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
+        self.members: dict[str, int] = {}  # the peers of the newest attempt started here (peer -> stage)
         self._changed = asyncio.Event()
         self._committing = asyncio.Lock()  # held while a COMMIT is applied
 
@@ -195,6 +202,7 @@ class StepTracker:
     def start(self, run: StepRun) -> None:
         """Make `run` the active attempt (the previous one, if any, has ended)."""
         self._set(run)
+        self.members = run.members()
 
     def _set(self, run: StepRun | None) -> None:
         if self.run is not None:

@@ -15,6 +15,7 @@ import msgspec
 
 from checkfree.auth import join_token, verify
 from checkfree.config import config_from_dict
+from checkfree.net.heartbeats import heartbeat_stall
 from checkfree.net.transport import RemoteError, TransportError, live_members_async
 from checkfree.messages import Adopted, Commit, LastCommit, Ready, Status, as_record
 from checkfree.protocol import Kind, coordinator_from_records, coordinator_key
@@ -228,28 +229,35 @@ class Failover:
         return to_commit, lagging
 
     async def _adopt_peers(self) -> dict[str, Adopted]:
-        """ADOPT every peer with a live heartbeat until every stage is served (or two heartbeat TTLs pass with the
-        run's config known, from some peer or else from the run directory; served stages or none; bounded by
-        join_timeout)."""
+        """ADOPT every peer with a live heartbeat, and every peer an adopted one names as a member of the newest
+        step it took part in (`Adopted.members`), until every stage is served and every named peer answered or
+        failed to; bounded by join_timeout. The heartbeats alone are not enough: while the DHT still routes to the
+        dead coordinator's node, a peer's refresh stalls (`heartbeat_stall`) and its entry expires. With no stage
+        served, the takeover waits two heartbeat TTLs and that stall (the run's config known, from some peer or
+        else from the run directory) before it takes every stage for lost."""
         start = time.monotonic()
         replies: dict[str, Adopted] = {}
         refused: dict[str, str] = {}
+        asked: set[str] = set()  # named peers ADOPTed once (those with a heartbeat are asked again while it lives)
         self.cut_off = {}
         me = self.rpc.me
+        patience = 2 * self.t.heartbeat_ttl + heartbeat_stall(self.rpc.dht)
         while True:
             try:
                 live = await self.rpc.heartbeats()
             except Exception as e:
                 log.warning("reading heartbeats failed: %r", e)
                 live = {}
-            new = [p for p in live if p not in replies and p != me]
+            named = [p for p in self._named(replies) if p not in live and p not in asked]
+            asked.update(named)
+            new = [p for p in live if p not in replies and p != me] + named
             adopted = await asyncio.gather(*(self.rpc.adopt(p, self.t.rpc_timeout) for p in new),
                                            return_exceptions=True)
             for p, r in zip(new, adopted):
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)
                 elif isinstance(r, Exception):  # (a stage's peer that never answers: `cut_off`)
-                    if heartbeat_stage(live[p]) >= 0:
+                    if heartbeat_stage(live.get(p)) >= 0:
                         self.cut_off[p] = heartbeat_stage(live[p])
                     continue
                 elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r.token):
@@ -264,15 +272,21 @@ class Failover:
             if cfg is None and waited > 2 * self.t.heartbeat_ttl:
                 cfg = self._recorded()  # no peer that knows it is left: the run directory's, if it is shared
             stages = json.loads(cfg)["num_stages"] if cfg else None
-            # (none served after two TTLs: every stage's peers died while no coordinator was there to see it, a
+            unasked = [p for p in self._named(replies) if p not in live and p not in asked]
+            # (none served in that time: every stage's peers died while no coordinator was there to see it, a
             # failure of every stage that the strategy plans for like any other)
-            if stages is not None and (len(served) >= stages or waited > 2 * self.t.heartbeat_ttl):
+            if stages is not None and not unasked and (len(served) >= stages or waited > patience):
                 self.cut_off = {p: stage for p, stage in self.cut_off.items() if p not in replies}
                 return replies
             if waited > self.t.join_timeout:
                 raise TransportError(f"no peer of run {self.run_id!r} answered within join_timeout="
                                      f"{self.t.join_timeout:g} s: nothing to take over")
             await asyncio.sleep(0.2)
+
+    def _named(self, replies: dict[str, Adopted]) -> list[str]:
+        """The peers the adopted ones name as members of their newest step, not adopted (yet), this one aside."""
+        named = dict.fromkeys(p for r in replies.values() for p in r.members)
+        return [p for p in named if p not in replies and p != self.rpc.me]
 
     def _recorded(self) -> str | None:
         """The run's config as its coordinator wrote it into the run directory (a standby sharing the directory,

@@ -190,6 +190,59 @@ def test_a_peer_serving_a_stage_it_was_never_given_is_adopted_then_retired(tiny_
     asyncio.run(main())
 
 
+def test_a_takeover_adopts_the_peers_whose_heartbeats_it_does_not_read(tiny_cfg, tmp_path):
+    """A peer's DHT heartbeat can be missing when a coordinator takes over: its refresh stalls while the DHT still
+    routes to the dead coordinator's node (measured 9 s on a vanished machine), and its entry expires. The takeover
+    ADOPTs the peers an adopted peer names as members of its newest step (a replica it has no heartbeat of too);
+    and, with no stage served yet, waits out two heartbeat TTLs and that stall before it takes every stage for
+    lost."""
+    import time
+
+    from checkfree.messages import Adopted, to_wire
+    from checkfree.net.heartbeats import announce
+    from checkfree.protocol import members_key
+    from scheduler.failover import Failover
+
+    cfg = _cfg(tiny_cfg)
+    stages = cfg.num_stages
+
+    async def main():
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
+        failover = Failover(opts, rpc, members, table, out)
+        peers = Peers(stages + 2, lambda pid, name, header: to_wire(Adopted(
+            stage=serving.get(pid, -1), state="serving" if pid in serving else "standby", next_step=3, omega=1.0,
+            config=cfg.to_json(), members=serving if pid in serving else {})))
+        standby, replica, *primaries = peers.ids
+        serving = {p: stage for stage, p in enumerate(primaries)} | {replica: 1}
+
+        async def beat(pids):
+            for pid in pids:
+                await announce(rpc.dht, members_key("parts"), pid, {"stage": serving.get(pid, -1)}, 60)
+
+        await beat([standby, *primaries])  # the replica's heartbeat is missing
+        replies = await failover._adopt_peers()
+        assert set(replies) == set(peers.ids) and replies[replica].stage == 1
+        assert [p for p, _ in peers.sent(RPC.ADOPT)].count(replica) == 1
+
+        MEMORY.reset()  # the same run taken over again: only the standby's heartbeat is read at first
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
+        failover = Failover(opts, rpc, members, table, out)
+        rpc.dht.heartbeat_stall = stall = 3 * TIMEOUTS.heartbeat_ttl
+        peers = Peers(stages + 2, peers.answer)
+        standby, replica, *primaries = peers.ids
+        serving = {p: stage for stage, p in enumerate(primaries)} | {replica: 1}
+        await beat([standby])
+        start = time.monotonic()
+        late = asyncio.get_running_loop().call_later(2 * TIMEOUTS.heartbeat_ttl + stall / 2,
+                                                     lambda: asyncio.ensure_future(beat(primaries[:1])))
+        replies = await failover._adopt_peers()
+        late.cancel()
+        assert set(replies) == set(peers.ids), "the takeover gave up before the stalled heartbeats came back"
+        assert time.monotonic() - start < 2 * TIMEOUTS.heartbeat_ttl + stall
+        await rpc.stop()
+    asyncio.run(main())
+
+
 def test_placement_fills_every_stage_and_passes_over_a_peer_that_refuses(tiny_cfg, tmp_path):
     cfg = _cfg(tiny_cfg)
 

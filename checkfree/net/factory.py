@@ -19,6 +19,7 @@ from checkfree.net import TRANSPORTS
 from checkfree.net.addresses import listen_ips, publish_rpc_addrs
 from checkfree.net.base import Transport
 from checkfree.net.errors import TransportError
+from checkfree.net.heartbeats import DHT_RPC_TIMEOUT
 from checkfree.net.hivemind_transport import HivemindTransport
 from checkfree.net.lifeline import (
     TiedDHT,
@@ -133,7 +134,7 @@ async def start_transport(
         announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
         identity_path=identity_path,
         startup_timeout=startup_timeout,
-        **dht_kwargs,
+        **{"wait_timeout": DHT_RPC_TIMEOUT, **dht_kwargs},
     )
     dht.run_in_background(await_ready=False)
     deadline = startup_timeout + 30.0  # p2pd start + DHT bootstrap pings (hivemind's own wait_timeout)

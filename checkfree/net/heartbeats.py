@@ -10,9 +10,21 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
-__all__ = ["announce", "heartbeat", "live_members", "live_members_async", "dht_maddrs"]
+__all__ = ["announce", "heartbeat", "live_members", "live_members_async", "dht_maddrs", "DHT_RPC_TIMEOUT",
+           "heartbeat_stall"]
 
 logger = logging.getLogger("checkfree.net.transport")
+
+DHT_RPC_TIMEOUT = 3.0  # a DHT node's wait for one Kademlia RPC (hivemind's default, set by checkfree.net.factory)
+# A store (a heartbeat) stalls while the DHT still routes to a node that died: its searches and the store each wait
+# out the dead node's RPC once. Measured here: 9 s, with the dead node's packets dropped (its network namespace
+# deleted, as a vanished machine's are). Meanwhile the peer's entry expires, and a reader does not see the peer.
+HEARTBEAT_STALL = 3 * DHT_RPC_TIMEOUT
+
+
+def heartbeat_stall(dht: Any) -> float:
+    """How long the heartbeats in `dht` may be missing after a DHT node died (0 for a DHT with no routing)."""
+    return getattr(dht, "heartbeat_stall", HEARTBEAT_STALL)
 
 
 async def dht_maddrs(dht: DHT) -> list[str]:

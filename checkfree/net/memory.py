@@ -224,6 +224,8 @@ class MemoryDHT:
     """The DHT calls `checkfree.net.heartbeats` makes, over the network's record table (no expiry clock
     other than ``time.time``, which is what hivemind's ``get_dht_time`` returns)."""
 
+    heartbeat_stall = 0.0  # no routing through other nodes: a store never waits for a dead one
+
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
         self.network, self.peer_id = network, peer_id
 
