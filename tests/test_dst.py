@@ -145,6 +145,23 @@ def test_a_generated_schedule_holds_in_real_processes(tmp_path, cache):
     assert outcome.fired and not outcome.divergences, "\n".join(outcome.divergences)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_takeover_after_a_healed_partition_adopts_every_replica_in_real_processes(tmp_path, cache):
+    """Found by the real-process tier (seed 9, #15; copy, S = 2, R = 2, in network namespaces): a replica partitioned
+    and healed, then the coordinator SIGKILLed and restarted. Every peer's heartbeat stalled 9 s on the dead
+    coordinator's DHT node and expired, and the takeover adopted only some peers (none of a stage, or one replica
+    of each); the run aborted where the simulator completes (3 replays in 3). The quick cover:
+    `test_a_takeover_adopts_the_peers_whose_heartbeats_it_does_not_read`."""
+    from dst.real import netns_available, run_real
+
+    if not netns_available():
+        pytest.skip("network namespaces are not available here (the partition needs them)")
+    path = Path(__file__).parents[1] / "dst" / "results" / "copy-groups-restart-after-partition-netns-real.json"
+    outcome = run_real(Schedule.from_json(path.read_text()), tmp_path / "run", cache, timeout=600)
+    assert outcome.fired and not outcome.divergences, "\n".join(outcome.divergences)
+
+
 def test_the_real_process_soak_fails_over_its_coordinator_early_enough_for_its_deadline_to_reach_it():
     """A soak is stopped by its deadline, long before its last step: with --soak-steps 20000 its failover a third
     of the way in (step 6666) never happened in an hour. It is at step FAILOVER_BY at the latest."""
