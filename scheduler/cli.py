@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the peer rebuilding a failed stage SIGKILLs itself after its first weight pull (mid-rebuild)")
     c.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group after it has committed half of the stages of step STEP (failover test)")
+    c.add_argument("--chaos-die-at", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
+                   "process group as the iteration that runs step STEP starts, before that iteration's faults fire "
+                   "(failover test)")
     c.add_argument("--chaos-reduce-trace", help="(local swarm, stage groups) at these `step,stage` lines one replica "
                    "of the stage SIGKILLs itself half-way through the step's gradient all-reduce")
     c.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
@@ -149,5 +152,6 @@ def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule |
         reduce_kills=trace(args.chaos_reduce_trace),
         recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
         rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
-        slow=parse_slow(args.chaos_slow, num_stages), die_in_commit=args.chaos_die_in_commit)
+        slow=parse_slow(args.chaos_slow, num_stages), die_in_commit=args.chaos_die_in_commit,
+        die_at=args.chaos_die_at)
     return None if schedule == FaultSchedule() else schedule

@@ -7,8 +7,9 @@ The injector acts in two places, both outside the coordinator's logic:
 * at the coordinator's hook, `injector(point, coordinator)`: "started" (its transport is up: the injector wraps it
   in a `checkfree.net.faulty.FaultyTransport`), "iteration" (an iteration starts: the scheduled SIGKILLs, SIGTERMs
   and partitions are asked of the launcher, one `CHAOS ...` line each, acknowledged on stdin, or in the in-process
-  tier of `FaultSchedule.handler`, and awaited), "commit" (--chaos-die-in-commit: half the stages commit, then
-  the launcher SIGKILLs the coordinator's process group);
+  tier of `FaultSchedule.handler`, and awaited; with --chaos-die-at, the launcher SIGKILLs the coordinator's process
+  group first, and the coordinator that takes over fires the iteration's faults), "commit" (--chaos-die-in-commit:
+  half the stages commit, then the launcher SIGKILLs the coordinator's process group);
 * at the SEND point of the coordinator's transport (`crossing`): a request leaves with the fields a peer acts on
   (its one hook, peers/debug.py): a replica dies after its first forward of a step (RUN_STEP) or half-way through
   the gradient all-reduce (REDUCE; every member of its group then reduces in two buckets); the replacement chosen
@@ -73,6 +74,9 @@ class FaultSchedule:
     partition: FailureSchedule | None = None  # (--netns) cut these (step, stage) peers off the network
     slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
     die_in_commit: int | None = None  # SIGKILL the coordinator's process group half-way through this step's commit
+    # ...or as the iteration that runs this step starts (a partition of the last iteration healed, nothing of this
+    # one fired: the coordinator that takes over fires it, so each fault fires once)
+    die_at: int | None = None
     # the in-process tier: requests (action, fields) go to this coroutine instead of to the launcher
     handler: Callable[[str, dict], Awaitable[None]] | None = None
 
@@ -116,6 +120,9 @@ class Injector:
             await self._ask("heal", step=iteration, peer=pid)
             out.event("chaos_heal", step=iteration, peer_id=pid)
         self._partitioned.clear()
+        if s.die_at is not None and self.c.step == s.die_at:
+            await self._ask("coordinator-dies", step=self.c.step)
+            await asyncio.Event().wait()  # until the SIGKILL
         for stage, pid in self._scheduled(s.partition, iteration):
             out.event("chaos_partition", step=iteration, stage=stage, peer_id=pid)
             await self._ask("partition", ack=True, step=iteration, stage=stage, peer=pid)  # detection: timeouts

@@ -175,8 +175,9 @@ class LocalSwarm:
     def run(self) -> int:
         o = self.opts
         extra = []
-        if o.kill_coordinator_at is not None and o.kill_coordinator_in == "commit":
-            extra = ["--chaos-die-in-commit", str(o.kill_coordinator_at)]
+        if o.kill_coordinator_at is not None:  # it asks for its SIGKILL (a CHAOS line) where it is to die
+            where = "--chaos-die-in-commit" if o.kill_coordinator_in == "commit" else "--chaos-die-at"
+            extra = [where, str(o.kill_coordinator_at)]
         self.coordinator = self._spawn_coordinator("coordinator", *extra)
         line = self._await_ready(self.coordinator, READY_COORDINATOR)
         self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
@@ -197,9 +198,6 @@ class LocalSwarm:
             while True:
                 if (line := self.coordinator.lines.get()) is None:
                     break
-                if (self.opts.kill_coordinator_in == "step" and (m := STEP_LINE.match(line)) is not None
-                        and int(m.group(1)) + 1 == self.kill_coordinator_at):
-                    self.kill_coordinator()
                 if (chaos := parse_chaos_line(line)) is not None:
                     action, fields = chaos
                     if action in ("kill", "crash"):
@@ -211,7 +209,7 @@ class LocalSwarm:
                         self.preempt_peer(fields["peer"])
                     elif action in ("partition", "heal"):
                         self.partition_peer(fields["peer"], heal=action == "heal")
-                    elif action == "coordinator-dies":  # half-way through a commit, as asked (--kill-coordinator-in)
+                    elif action == "coordinator-dies":  # where it was to die, as asked (--kill-coordinator-at/-in)
                         self.kill_coordinator()
                 elif (m := STEP_LINE.match(line)) is not None:
                     bar.update(int(m.group(1)) + 1, loss=m.group(2), live=m.group(4), spare=m.group(5),

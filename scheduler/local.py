@@ -74,7 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--dump-recovery", metavar="DIR",
                    help="peers save the weights served and rebuilt in recoveries, and their final state")
     c.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
-                   help="SIGKILL the coordinator once it has finished step STEP-1 (coordinator failover test)")
+                   help="SIGKILL the coordinator once it has finished step STEP-1, before anything of step STEP "
+                        "(coordinator failover test)")
     c.add_argument("--coordinator-failover", choices=("standby", "restart"), default="standby",
                    help="after --kill-coordinator-at: a hot standby coordinator started with the run takes over "
                         "(default), or a new coordinator is started with --takeover")

@@ -132,6 +132,47 @@ def test_the_real_process_tier_hands_each_fault_kind_to_checkfree_local(tmp_path
             [(1, 1, False), (2, 2, True), (3, 0, False)] + ([(4, 1, False)] if netns else []))
 
 
+def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire():
+    """Found by the real-process tier (seed 9, #18: checkfree, S = 3, R = 2, the coordinator killed at step 1 with a
+    standby, one replica of stage 0 killed at step 1). The launcher SIGKILLed the coordinator when it printed step
+    0's line, a race with the coordinator's next iteration: it had armed step 1's replica kill when it died, and the
+    standby, whose injector had fired nothing, fired it again on the other replica. Stage 0 lost both replicas where
+    the schedule loses one. Now the coordinator asks for its SIGKILL as the iteration of step N starts: after the
+    last iteration's partition is healed, before anything of this one; the coordinator that takes over fires it."""
+    from types import SimpleNamespace
+
+    from checkfree.failures import FailureSchedule
+    from scheduler.injector import FaultSchedule, Injector
+    from scheduler.stage_table import StageTable
+
+    class Killed(Exception):
+        pass
+
+    asked = []
+
+    async def handler(action, fields):
+        asked.append((action, fields["step"]))
+        if action == "coordinator-dies":
+            raise Killed
+
+    table = StageTable()
+    for stage in range(3):
+        table.assign(stage, f"p{stage}")
+    schedule = FaultSchedule(kills=FailureSchedule([(1, 0)]), partition=FailureSchedule([(0, 1)]), die_at=1,
+                             handler=handler)
+    coordinator = SimpleNamespace(step=0, iteration=0, table=table, out=SimpleNamespace(event=lambda *a, **k: None))
+
+    async def main():
+        injector = Injector(schedule)
+        await injector("iteration", coordinator)
+        coordinator.step = coordinator.iteration = 1
+        with pytest.raises(Killed):
+            await injector("iteration", coordinator)
+        return asked
+
+    assert asyncio.run(main()) == [("partition", 0), ("heal", 1), ("coordinator-dies", 1)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_generated_schedule_holds_in_real_processes(tmp_path, cache):
