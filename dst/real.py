@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,31 @@ REAL_KINDS = (Kind.KILL_BEFORE_STEP, Kind.KILL_GROUP, Kind.KILL_ADJACENT, Kind.K
 TIMEOUTS = ["--heartbeat-ttl", "2", "--rpc-timeout", "10", "--step-timeout", "60", "--join-timeout", "180"]
 MARK = "CHECKFREE_DST_RUN"  # in the environment of every process of one real run (and nobody else's)
 SHORT_TMP = "/tmp" if os.path.isdir("/tmp") else None  # where a real run's temporary directory goes (see run_real)
+
+
+@contextlib.contextmanager
+def _swarm(cmd: list[str], log, env: dict):
+    """`checkfree local` in a session of its own (its SIGKILLs of process groups stay inside it). If this process is
+    interrupted (Ctrl-C, or SIGTERM, made an exit here) the swarm is stopped too, as `checkfree local` stops on
+    SIGTERM, rather than left running without its parent."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=120)
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def netns_available() -> bool:
@@ -219,8 +245,7 @@ def run_real(schedule: Schedule, workdir: Path, cache_dir: str | None = None, *,
     tmp = Path(tempfile.mkdtemp(prefix="dst-real-", dir=SHORT_TMP))
     env = {**os.environ, MARK: mark, "TMPDIR": str(tmp), **({"CHECKFREE_CACHE": cache_dir} if cache_dir else {})}
     outcome = Outcome(schedule)
-    with open(workdir / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(workdir / "log.txt", "w") as log, _swarm(cmd, log, env) as proc:
         watch = Watch(proc.pid).start()
         try:
             proc.wait(timeout=timeout)
@@ -306,8 +331,7 @@ def soak(steps: int, minutes: float, seed: int, workdir: Path, cache_dir: str | 
     cmd = [sys.executable, "-m", "checkfree", "local", *local_args(schedule, workdir, netns), "--spares", "2"]
     env = {**os.environ, MARK: mark, "TMPDIR": str(tmp), **({"CHECKFREE_CACHE": cache_dir} if cache_dir else {})}
     t0, load, code = time.monotonic(), " ".join(f"{x:.2f}" for x in os.getloadavg()), commit()
-    with open(workdir / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(workdir / "log.txt", "w") as log, _swarm(cmd, log, env) as proc:
         watch = Watch(proc.pid, every=5.0).start()
         try:
             proc.wait(timeout=minutes * 60)

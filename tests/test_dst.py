@@ -173,6 +173,25 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
     assert asyncio.run(main()) == [("partition", 0), ("heal", 1), ("coordinator-dies", 1)]
 
 
+@pytest.mark.processes
+def test_an_interrupted_real_tier_stops_its_swarm(tmp_path):
+    """`checkfree chaos dst --tier real` stopped by SIGTERM (or Ctrl-C) stops the `checkfree local` it started, in a
+    session of its own: it was left running without its parent."""
+    import signal
+    import subprocess
+    import sys
+
+    from dst.real import _swarm
+
+    before = signal.getsignal(signal.SIGTERM)
+    for interrupt in (lambda: os.kill(os.getpid(), signal.SIGTERM), lambda: (_ for _ in ()).throw(KeyboardInterrupt)):
+        with open(tmp_path / "log.txt", "w") as log, pytest.raises((SystemExit, KeyboardInterrupt)):
+            with _swarm([sys.executable, "-c", "import time; time.sleep(60)"], log, dict(os.environ)) as proc:
+                interrupt()
+        assert proc.poll() is not None
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_generated_schedule_holds_in_real_processes(tmp_path, cache):
