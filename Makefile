@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make run` (set up on first use, then the main demo) and
 # `make test` (set up on first use, then the quick test tier on two pytest-xdist workers, one per core here).
-# `make test-all` is the full suite, run serially (CI runs it); `make docs` builds the documentation site
+# `make test-all` is the full suite (CI runs it): the quick tier on two workers, then the real-process tier serially
+# (its swarms time heartbeats and calls; two at once on 2 cores would make those flaky); `make docs` builds the site
 # (--strict: a broken link or a missing page fails). All create and reuse .venv; the plain pip commands in the
 # README are for those who manage their own environment.
 PYTHON ?= python3
@@ -31,7 +32,8 @@ test: setup
 	$(call PYTEST,--quick -n 2 --dist worksteal)
 
 test-all: setup
-	$(call PYTEST,)
+	$(call PYTEST,--quick -n 2 --dist worksteal)
+	$(call PYTEST,--real)
 
 docs: $(VENV)/.docs-installed
 	$(BIN)/python -m mkdocs build --strict

@@ -1,7 +1,8 @@
 """Shared fixtures (a per-test temporary cache, a guard that no test leaves processes behind) and the test tiers.
 
 Tiers (README "Test"; docs/testing.md): `make test-all` (CI) runs every test but the `slow` ones; `make test` is
-`pytest --quick`, the same minus the real-process tier, except the `smoke` run. A test is in the real-process tier
+`pytest --quick`, the same minus the real-process tier, except the `smoke` run; `pytest --real` is the rest: the
+real-process tier but the smoke run (`make test-all` is `--quick` on two workers, then `--real` serially). A test is in the real-process tier
 (marker `processes`, added at collection) when it is marked so in its own file, or when its code, a fixture it
 uses or a helper of its own module it calls names something that starts OS processes (PROCESS_STARTERS). A
 `--quick` run lists any other test that started OS processes all the same, so the rule's misses show.
@@ -119,6 +120,8 @@ WATCHERS = {"no_leftover_p2pd", "_process_tier_check"}  # autouse fixtures that 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--quick", action="store_true",
                      help="the quick tier (make test): leave out the real-process tier except the smoke run")
+    parser.addoption("--real", action="store_true",
+                     help="the rest of the suite after --quick: the real-process tier but the smoke run")
 
 
 def _names(code: CodeType) -> set[str]:
@@ -171,6 +174,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _in_process_tier(item) and not item.get_closest_marker("processes"):
             item.add_marker("processes")
+    if config.getoption("--quick") and config.getoption("--real"):
+        raise pytest.UsageError("--quick and --real are the two halves of the suite: give one")
+    if config.getoption("--real"):
+        keep = [i for i in items if i.get_closest_marker("processes") and not i.get_closest_marker("smoke")]
+        if dropped := [i for i in items if i not in keep]:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+        return
     if not config.getoption("--quick"):
         return
     keep = [i for i in items if not i.get_closest_marker("processes") or i.get_closest_marker("smoke")]
