@@ -391,6 +391,7 @@ def test_the_report_prices_the_step_term_anew_and_marks_what_it_cannot(tmp_path,
     assert records[spec.name]["val"][0]["sim_time_s"] == val[0]["sim_time_s"]  # the records are not changed
 
 
+@pytest.mark.processes  # (the invocation log asks `git` for the commit: a process, unless cached already)
 def test_an_interrupted_invocation_is_logged_with_every_run_it_finished(tmp_path):
     from experiments.provenance import InvocationLog, logged_runs, read_log
 
