@@ -50,7 +50,7 @@ SHORT_TMP = "/tmp" if os.path.isdir("/tmp") else None  # where a real run's temp
 def _swarm(cmd: list[str], log, env: dict):
     """`checkfree local` in a session of its own (its SIGKILLs of process groups stay inside it). If this process is
     interrupted (Ctrl-C, or SIGTERM, made an exit here) the swarm is stopped too, as `checkfree local` stops on
-    SIGTERM, rather than left running without its parent."""
+    SIGTERM, rather than left running without its parent; and its temporary directory (`env["TMPDIR"]`) goes."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
@@ -61,6 +61,8 @@ def _swarm(cmd: list[str], log, env: dict):
             proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=120)
+        if env.get("TMPDIR"):
+            shutil.rmtree(env["TMPDIR"], ignore_errors=True)
         raise
     finally:
         if main:

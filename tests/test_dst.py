@@ -176,7 +176,7 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
 @pytest.mark.processes
 def test_an_interrupted_real_tier_stops_its_swarm(tmp_path):
     """`checkfree chaos dst --tier real` stopped by SIGTERM (or Ctrl-C) stops the `checkfree local` it started, in a
-    session of its own: it was left running without its parent."""
+    session of its own (it was left running without its parent), and removes its temporary directory."""
     import signal
     import subprocess
     import sys
@@ -185,10 +185,12 @@ def test_an_interrupted_real_tier_stops_its_swarm(tmp_path):
 
     before = signal.getsignal(signal.SIGTERM)
     for interrupt in (lambda: os.kill(os.getpid(), signal.SIGTERM), lambda: (_ for _ in ()).throw(KeyboardInterrupt)):
+        (tmp := tmp_path / "swarm-tmp").mkdir()
         with open(tmp_path / "log.txt", "w") as log, pytest.raises((SystemExit, KeyboardInterrupt)):
-            with _swarm([sys.executable, "-c", "import time; time.sleep(60)"], log, dict(os.environ)) as proc:
+            with _swarm([sys.executable, "-c", "import time; time.sleep(60)"], log,
+                        {**os.environ, "TMPDIR": str(tmp)}) as proc:
                 interrupt()
-        assert proc.poll() is not None
+        assert proc.poll() is not None and not tmp.exists()
     assert signal.getsignal(signal.SIGTERM) is before
 
 
