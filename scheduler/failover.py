@@ -248,7 +248,7 @@ class Failover:
             except Exception as e:
                 log.warning("reading heartbeats failed: %r", e)
                 live = {}
-            named = [p for p in self._named(replies) if p not in live and p not in asked]
+            named = self._unasked(replies, live, asked)
             asked.update(named)
             new = [p for p in live if p not in replies and p != me] + named
             adopted = await asyncio.gather(*(self.rpc.adopt(p, self.t.rpc_timeout) for p in new),
@@ -257,8 +257,8 @@ class Failover:
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)
                 elif isinstance(r, Exception):  # (a stage's peer that never answers: `cut_off`)
-                    if heartbeat_stage(live.get(p)) >= 0:
-                        self.cut_off[p] = heartbeat_stage(live[p])
+                    if (stage := heartbeat_stage(live.get(p))) >= 0:
+                        self.cut_off[p] = stage
                     continue
                 elif self.secret is None or verify(join_token(self.secret, self.run_id, p), r.token):
                     replies[p] = r
@@ -272,7 +272,7 @@ class Failover:
             if cfg is None and waited > 2 * self.t.heartbeat_ttl:
                 cfg = self._recorded()  # no peer that knows it is left: the run directory's, if it is shared
             stages = json.loads(cfg)["num_stages"] if cfg else None
-            unasked = [p for p in self._named(replies) if p not in live and p not in asked]
+            unasked = self._unasked(replies, live, asked)  # named by the replies of this round
             # (none served in that time: every stage's peers died while no coordinator was there to see it, a
             # failure of every stage that the strategy plans for like any other)
             if stages is not None and not unasked and (len(served) >= stages or waited > patience):
@@ -283,10 +283,11 @@ class Failover:
                                      f"{self.t.join_timeout:g} s: nothing to take over")
             await asyncio.sleep(0.2)
 
-    def _named(self, replies: dict[str, Adopted]) -> list[str]:
-        """The peers the adopted ones name as members of their newest step, not adopted (yet), this one aside."""
+    def _unasked(self, replies: dict[str, Adopted], live: dict, asked: set[str]) -> list[str]:
+        """The peers the adopted ones name as members of their newest step that no ADOPT has reached through a
+        heartbeat (`live`) or a name (`asked`), this one aside."""
         named = dict.fromkeys(p for r in replies.values() for p in r.members)
-        return [p for p in named if p not in replies and p != self.rpc.me]
+        return [p for p in named if p not in replies and p not in live and p not in asked and p != self.rpc.me]
 
     def _recorded(self) -> str | None:
         """The run's config as its coordinator wrote it into the run directory (a standby sharing the directory,

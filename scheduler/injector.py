@@ -121,8 +121,7 @@ class Injector:
             out.event("chaos_heal", step=iteration, peer_id=pid)
         self._partitioned.clear()
         if s.die_at is not None and self.c.step == s.die_at:
-            await self._ask("coordinator-dies", step=self.c.step)
-            await asyncio.Event().wait()  # until the SIGKILL
+            await self._die(step=self.c.step)
         for stage, pid in self._scheduled(s.partition, iteration):
             out.event("chaos_partition", step=iteration, stage=stage, peer_id=pid)
             await self._ask("partition", ack=True, step=iteration, stage=stage, peer=pid)  # detection: timeouts
@@ -174,7 +173,11 @@ class Injector:
         half = c.table.served()[: c.cfg.num_stages // 2]
         commit = Commit(step=step, attempt=c.driver.last_attempt)
         await asyncio.gather(*(c.rpc.call(c.table.peer(s), commit, c.rpc.t.rpc_timeout) for s in half))
-        await self._ask("coordinator-dies", step=step, committed=",".join(map(str, half)))
+        await self._die(step=step, committed=",".join(map(str, half)))
+
+    async def _die(self, **fields: object) -> None:
+        """Ask the launcher to SIGKILL this coordinator's process group, and wait for it."""
+        await self._ask("coordinator-dies", **fields)
         await asyncio.Event().wait()  # until the SIGKILL
 
     # ---- the coordinator's transport ---------------------------------------------------------

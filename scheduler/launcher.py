@@ -75,7 +75,6 @@ class LocalSwarm:
         self.preempted = 0
         self.partitioned = 0
         self.lab = NetLab() if opts.netns else None
-        self.kill_coordinator_at = opts.kill_coordinator_at  # (None once it was killed)
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         # the processes' temporary directory, removed at teardown: what a SIGKILLed process cannot remove itself
         # (multiprocessing's pymp-* listener directories, torch's shared-memory manager socket) goes with it
@@ -234,7 +233,6 @@ class LocalSwarm:
         old = self.coordinator
         kill_group(old, gone_within=0)
         self.old_coordinators.append(old)
-        self.kill_coordinator_at = None
         live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]
         self.addr = ""  # later peers bootstrap from live peers (`_bootstrap`), and from the standby that takes over
         print(f"swarm: coordinator SIGKILLed; {self.opts.failover} coordinator takes over", flush=True)
