@@ -122,7 +122,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Rewrite every `<!-- BEGIN rendered: NAME -->` region of the file from the result "
                                     "files (experiments/readme.py); --check only lists the regions that differ.")
     r.add_argument("--readme", nargs="?", const="experiments/README.md", required=True, metavar="PATH",
-                   help="the Markdown file (default experiments/README.md)")
+                   help="the Markdown file (default experiments/README.md), or all: every file of experiments.readme.DOCUMENTS")
     r.add_argument("--results", default="experiments/results", help="the results root the renderers read")
     r.add_argument("--check", action="store_true", help="change nothing; exit 1 if a region differs")
     r.set_defaults(func=run_report)
@@ -222,17 +222,21 @@ def run(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from experiments.readme import render_file
+    from experiments.readme import DOCUMENTS, render_file
 
-    path, results = Path(args.readme), Path(args.results)
-    if not path.is_file():
-        raise ValueError(f"--readme {path}: no such file")
+    paths, results = [Path(p) for p in (DOCUMENTS if args.readme == "all" else [args.readme])], Path(args.results)
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--readme {path}: no such file")
     if not results.is_dir():
         raise ValueError(f"--results {results}: no such directory")
-    changed = render_file(path, results, check=args.check)
-    if args.check:
-        print(f"{path}: {len(changed)} rendered region(s) differ from {results}" +
-              (": " + ", ".join(changed) if changed else ""))
-        return 1 if changed else 0
-    print(f"{path}: {len(changed)} region(s) rewritten" + (": " + ", ".join(changed) if changed else ""))
-    return 0
+    stale = 0
+    for path in paths:
+        changed = render_file(path, results, check=args.check)
+        stale += len(changed)
+        if args.check:
+            print(f"{path}: {len(changed)} rendered region(s) differ from {results}" +
+                  (": " + ", ".join(changed) if changed else ""))
+        else:
+            print(f"{path}: {len(changed)} region(s) rewritten" + (": " + ", ".join(changed) if changed else ""))
+    return 1 if args.check and stale else 0
