@@ -74,6 +74,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--omega-scope", choices=("stage", "blocks"),
                    help="CheckFree's omega over the whole stage (default, the authors' reading) or its transformer "
                         "blocks only; runs with blocks get their own names, so both can share a results directory")
+    g.add_argument("--lr-scale", type=float,
+                   help="LR multiplier of a rebuilt stage (default 1.1, the paper's; the paper-500m recipes: 1.2, the "
+                        "authors' 500M config)")
     g.add_argument("--storage-fallback", choices=("yes", "no"),
                    help="redundant/gemini/reft/baft checkpoint too and roll back when copies are lost (default yes)")
     g.add_argument("--max-iter-factor", type=float, help="iteration budget of rollback strategies, x steps (default 3)")
@@ -141,7 +144,7 @@ def settings_from_args(args: argparse.Namespace):
         "preset": args.preset, "steps": args.steps, "seeds": args.seeds, "rates": args.rates,
         "rate_scale": args.rate_scale, "strategies": args.strategies, "cost_profile": args.cost_profile,
         "target": args.target, "target_fraction": args.target_fraction, "fallback": args.fallback,
-        "omega_scope": args.omega_scope, "data": args.data,
+        "omega_scope": args.omega_scope, "data": args.data, "lr_scale": args.lr_scale,
         "max_iter_factor": args.max_iter_factor, "eval_every": args.eval_every,
         "checkpoint_every": args.checkpoint_every, "snapshot_every": args.snapshot_every,
         "init_rate": args.init_rate, "ckpt_rate": args.ckpt_rate, "ckpt_intervals": args.ckpt_intervals,
