@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import time
@@ -361,10 +362,23 @@ def _heldout_probe(study: Study, run: Run, cfg, d: Path):
     if not h:
         return None
     key = json.dumps([cfg.data.__dict__, cfg.model.__dict__, cfg.seq_len, h], sort_keys=True, default=str)
-    if key not in _HELDOUT:
+    if key not in _HELDOUT:  # built once per study (tokenizing the KJV takes seconds), kept beside its runs
+        import hashlib
+
+        import torch
+
+        from experiments.heldout import HeldOut
+
+        cache = d.parent.parent / f"heldout-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
         _HELDOUT.clear()
-        _HELDOUT[key] = build_heldout(cfg, h.get("corpora", CORPORA), h.get("tokens", DEFAULT_TOKENS),
-                                      kjv_path=h.get("kjv_path"))
+        if cache.is_file():
+            _HELDOUT[key] = HeldOut(torch.load(cache), cfg.seq_len)
+        else:
+            _HELDOUT[key] = build_heldout(cfg, h.get("corpora", CORPORA), h.get("tokens", DEFAULT_TOKENS),
+                                          kjv_path=h.get("kjv_path"))
+            tmp = cache.with_suffix(f".tmp{os.getpid()}")
+            torch.save(_HELDOUT[key].sequences, tmp)
+            os.replace(tmp, cache)
     held = _HELDOUT[key]
     curve_n = max(2, h.get("curve_tokens", h.get("tokens", DEFAULT_TOKENS)) // held.seq_len)
     path = d / "heldout.jsonl"
