@@ -78,6 +78,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _keyed(g, "--omega-scope", "recovery.omega_scope", choices=("stage", "blocks"),
            help="omega: norm of the stage's whole gradient (embedding/head included, as the authors' code) or of "
                 "its transformer blocks only (the parameters averaged)")
+    _keyed(g, "--omega-window", "recovery.omega_window", type=int,
+           help="omega: the mean over the stage's last N committed steps (default 1: the last step's, as the paper)")
     _keyed(g, "--norm-power", "recovery.norm_power", type=int, choices=(1, 2), help="omega: plain (1) or squared (2) norm")
     _keyed(g, "--steps", "train.num_steps", type=int, help="optimizer steps")
     _keyed(g, "--microbatches", "train.num_microbatches", type=int, help="microbatches per step (M)")

@@ -132,17 +132,25 @@ class RecoveryConfig:
 
     strategy: str = "checkfree"  # checkfree | checkfree+ | uniform | copy | random | identity | ...
     fallback: str = "abort"  # abort | random | copy | identity: what an unrecoverable failure does
-    lr_scale: float = 1.1  # LR multiplier for a recovered stage's fresh optimizer
+    lr_scale: float = 1.1  # LR multiplier for a recovered stage's optimizer (the paper: 1.1; the authors' 500M code: 1.2)
+    # fresh: a rebuilt stage starts Adam anew (the paper); own: it takes the lost stage's own Adam moments where a
+    # copy of them is at hand (a replica or a snapshot: SimExecutor.own_optimizer), else fresh
+    optimizer: str = "fresh"
     eps: float = 1e-4  # added to each neighbour's gradient norm
     norm_kind: str = "post-clip"  # post-clip | pre-clip gradient norm as omega
     norm_power: int = 1  # 1: plain L2 norm, 2: squared
     # stage: omega is the norm of the stage's whole gradient (embedding / head included), as the authors' code
     # takes it and the paper writes ||grad W_i||; blocks: only the transformer blocks, the parameters averaged
     omega_scope: str = "stage"
+    omega_window: int = 1  # omega = the mean of the stage's last N committed steps' norms (1: the last step's)
 
     def __post_init__(self) -> None:
         if self.omega_scope not in ("stage", "blocks"):
             raise ValueError(f"recovery.omega_scope must be 'stage' or 'blocks', got {self.omega_scope!r}")
+        if self.optimizer not in ("fresh", "own"):
+            raise ValueError(f"recovery.optimizer must be 'fresh' or 'own', got {self.optimizer!r}")
+        if self.omega_window < 1:
+            raise ValueError(f"recovery.omega_window must be >= 1, got {self.omega_window}")
 
 
 @dataclass(kw_only=True)

@@ -36,6 +36,7 @@ __all__ = [
     "random_init",
     "identity_init",
     "omega",
+    "OmegaWindow",
     "RecoveryRule",
     "RECOVERY_RULES",
     "get_rule",
@@ -106,6 +107,28 @@ def omega(pre_clip: float, post_clip: float, *, kind: str = "post-clip", power: 
         raise ValueError(f"norm power must be 1 (plain) or 2 (squared), got {power}")
     value = post_clip if kind == "post-clip" else pre_clip
     return value**power
+
+
+class OmegaWindow:
+    """A stage's omega as recovery reads it: the mean of its last `size` committed omegas (`recovery.omega_window`;
+    1, the paper's: the last step's alone). The simulator keeps one per stage and every peer one for its stage,
+    both through `add`, so the two runtimes weigh a rebuild alike. A stage restored from a copy (a resume, a
+    rollback, a handover) starts a new window at the omega it was restored with."""
+
+    def __init__(self, size: int = 1, start: float | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"recovery.omega_window must be >= 1, got {size}")
+        self.size = size
+        self._last: list[float] = [] if start is None else [float(start)]
+
+    def add(self, value: float) -> float:
+        """Record a committed step's omega; returns the window's mean (the omega a recovery now reads)."""
+        self._last = (self._last + [float(value)])[-self.size:]
+        return self.value
+
+    @property
+    def value(self) -> float:
+        return sum(self._last) / len(self._last) if self._last else 0.0
 
 
 @dataclass(frozen=True)
@@ -308,13 +331,19 @@ def _with_edges(plan: Neighbours, template: Mapping[str, Tensor], state: StateDi
     return state
 
 
-def recovered_optimizer_state(plan: Neighbours, edge_optim: Mapping[str, Mapping[str, Mapping[str, Tensor]]]
-                              ) -> dict[str, dict[str, Tensor]]:
+def recovered_optimizer_state(plan: Neighbours, edge_optim: Mapping[str, Mapping[str, Mapping[str, Tensor]]],
+                              own: Mapping[str, Mapping[str, Tensor]] | None = None) -> dict[str, dict[str, Tensor]]:
     """The optimizer state the rebuilt stage starts with, by parameter name: each component
     copied from a live replica takes that replica's Adam state exactly (moments and step
     count); everything else starts fresh (no entry). edge_optim: per component of
-    `plan.edge_sources`, the holder's state of that component's parameters."""
+    `plan.edge_sources`, the holder's state of that component's parameters. `own`: the lost stage's own Adam
+    state of its blocks, from a copy of it (`recovery.optimizer` own): the rebuilt blocks take it, so a rebuild's
+    new weights can be told apart from its fresh optimizer."""
     out: dict[str, dict[str, Tensor]] = {}
+    for name, st in (own or {}).items():
+        if not name.startswith("blocks."):
+            raise ValueError(f"the lost stage's own optimizer state names {name!r}, not a block parameter")
+        out[name] = {k: v.detach().clone() for k, v in st.items()}
     for comp in plan.edge_sources:
         for name, st in edge_optim[comp].items():
             if not name.startswith(comp + "."):

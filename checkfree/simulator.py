@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,7 +32,7 @@ from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.stage_groups import spread
 from checkfree.pipeline import Hop, edge_holders, evaluates_after, plain_route, route
-from checkfree.recovery import StateDict, UnrecoverableFailure
+from checkfree.recovery import OmegaWindow, StateDict, UnrecoverableFailure
 from checkfree.softerrors import UncorrectableSoftError, guard_counts, make_guard
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.export import save_export
@@ -143,7 +143,7 @@ class SimContext:
         if replace:
             self.sim.workers[stage] = self.sim.new_worker(stage)
         restore_worker(self.sim.workers[stage], state)
-        self.sim.norms[stage] = state["norm"]
+        self.sim.set_norm(stage, state["norm"])
 
     def weights(self, stage: int) -> StateDict:
         return self.sim.workers[stage].state_dict()
@@ -163,20 +163,24 @@ class SimContext:
         fresh = self._fresh.pop(stage, None) or self.sim.new_worker(stage)
         fresh.load_recovered(state, lr_scale, optim)
         self.sim.workers[stage] = fresh
-        self.sim.norms[stage] = 0.0
+        self.sim.set_norm(stage, 0.0)
 
     def reset(self, stage: int) -> None:
         self.sim.workers[stage] = self.sim.new_worker(stage)
-        self.sim.norms[stage] = 0.0
+        self.sim.set_norm(stage, 0.0)
 
 
 class Simulator:
     """Trains the configured pipeline in one process, writing the run directory."""
 
     def __init__(self, cfg: RunConfig, out: str | Path, *, progress: bool = True, save_every: int = 0,
-                 keep_saves: int = 2, resume: bool = False, tensorboard: bool = False) -> None:
+                 keep_saves: int = 2, resume: bool = False, tensorboard: bool = False,
+                 probe: Callable[[str, int, list[StageWorker]], None] | None = None) -> None:
         """`save_every` N > 0: save every stage's state every N steps into <out>/saves (and at a
-        graceful stop); `resume`: continue the run in `out` from its newest save."""
+        graceful stop); `resume`: continue the run in `out` from its newest save. `probe(kind, step, workers)`:
+        called with the stages as they are right after a resume ("start"), right after a rebuild evaluated with
+        `train.eval_after_recovery` ("recovered") and at every validation evaluation ("eval"): an experiment's own
+        evaluation beside the run's (experiments.heldout)."""
         if save_every < 0 or keep_saves < 1:
             raise ValueError(f"--save-every must be >= 0 and --keep-saves >= 1 (got {save_every}, {keep_saves})")
         self.cfg = cfg
@@ -195,7 +199,8 @@ class Simulator:
         self.resume_at: int | None = None  # a rollback requested from inside a step
         self.pending_failed: set[int] = set()  # stages found broken (non-finite weights) in the last step
         self.workers = [self.new_worker(s) for s in range(cfg.num_stages)]
-        self.norms = [0.0] * cfg.num_stages
+        self.norms = [0.0] * cfg.num_stages  # each stage's omega as a recovery reads it (its window's mean)
+        self.windows = [OmegaWindow(cfg.recovery.omega_window) for _ in range(cfg.num_stages)]
         self.save_every, self.keep_saves = save_every, keep_saves
         self.start_step = 0
         self.stop_signal: str | None = None  # a SIGINT/SIGTERM/SIGHUP arrived: stop at the next step boundary
@@ -209,11 +214,17 @@ class Simulator:
         self.ctx = SimContext(self)
         self.executor = SimExecutor(self.ctx, self.strategy)  # the strategy's plans and protection, carried out
         self.progress = progress
+        self.probe = probe
         self.group_counts = {"replicas_lost": 0, "rerouted_microbatches": 0}  # stage groups (train.replicas > 1)
         self.last_val = math.nan
         self.sim_time_s = 0.0
         self.totals = Figures()
         self.iterations = 0
+
+    def set_norm(self, stage: int, value: float) -> None:
+        """`stage`'s omega is `value` now (restored from a copy, or 0 for a new stage): a new window from it."""
+        self.norms[stage] = value
+        self.windows[stage] = OmegaWindow(self.cfg.recovery.omega_window, value or None)
 
     def new_worker(self, stage: int) -> StageWorker:
         """A new peer for `stage`, freshly initialised (with the stage's soft-error guard)."""
@@ -256,7 +267,8 @@ class Simulator:
         self.soft_rule.clear()
         sync_components(self.workers, self.plus)
         stats = [w.step(step) for w in self.workers]
-        commits = [StageUpdate(i, st.omega(self.cfg.recovery), st.skipped, st.weights_finite) for i, st in enumerate(stats)]
+        commits = [StageUpdate(i, self.norms[i] if st.skipped else self.windows[i].add(st.omega(self.cfg.recovery)),
+                               st.skipped, st.weights_finite) for i, st in enumerate(stats)]
         # a stage whose weights broke is treated as failed: recovered before the next step
         self.pending_failed |= apply_commits(commits, self.norms, functools.partial(self._event, step=step))
         return loss, stats
@@ -274,14 +286,19 @@ class Simulator:
         for i, w in enumerate(self.workers):
             state = state_from_bytes(blobs[i])
             restore_worker(w, state)
-            self.norms[i] = float(state["norm"])
+            self.set_norm(i, float(state["norm"]))
         self.iterations, self.sim_time_s = int(meta["iterations"]), float(meta["sim_time_s"])
         self.totals = Figures(**meta["totals"])
         self.writer.event("resume", step=meta["step"], path=str(self.resume_from))
         log.info("resuming at step %d from %s", meta["step"], self.resume_from)
         return int(meta["step"])
 
+    def _probe(self, kind: str, step: int) -> None:
+        if self.probe is not None:
+            self.probe(kind, step, self.workers)
+
     def _recovered_eval(self, step: int, stages: set[int]) -> float:
+        self._probe("recovered", step)
         val = evaluate(self.workers, self.val)
         self.writer.event("recovered_eval", step=step, stages=sorted(stages), val_loss=val)
         return val
@@ -331,6 +348,8 @@ class Simulator:
     def _run(self) -> dict:
         t = self.cfg.train
         step = self._resume() if self.resume_from is not None else 0
+        if self.resume_from is not None:
+            self._probe("start", step)
         self.executor.start(step)
         bar = Progress(t.num_steps, "train", enabled=self.progress)
         bar.n = step
@@ -411,6 +430,7 @@ class Simulator:
         record.update(iteration=self.iterations - 1, sim_time_s=round(self.sim_time_s, 6))
         if evaluates_after(step, t.eval_every, t.num_steps):
             record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
+            self._probe("eval", step)
         return record
 
     def _write_final_weights(self) -> None:

@@ -74,6 +74,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--omega-scope", choices=("stage", "blocks"),
                    help="CheckFree's omega over the whole stage (default, the authors' reading) or its transformer "
                         "blocks only; runs with blocks get their own names, so both can share a results directory")
+    g.add_argument("--lr-scale", type=float,
+                   help="LR multiplier of a rebuilt stage (default 1.1, the paper's; the paper-500m recipes: 1.2, the "
+                        "authors' 500M config)")
     g.add_argument("--storage-fallback", choices=("yes", "no"),
                    help="redundant/gemini/reft/baft checkpoint too and roll back when copies are lost (default yes)")
     g.add_argument("--max-iter-factor", type=float, help="iteration budget of rollback strategies, x steps (default 3)")
@@ -122,7 +125,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Rewrite every `<!-- BEGIN rendered: NAME -->` region of the file from the result "
                                     "files (experiments/readme.py); --check only lists the regions that differ.")
     r.add_argument("--readme", nargs="?", const="experiments/README.md", required=True, metavar="PATH",
-                   help="the Markdown file (default experiments/README.md)")
+                   help="the Markdown file (default experiments/README.md), or all: every file of experiments.readme.DOCUMENTS")
     r.add_argument("--results", default="experiments/results", help="the results root the renderers read")
     r.add_argument("--check", action="store_true", help="change nothing; exit 1 if a region differs")
     r.set_defaults(func=run_report)
@@ -141,7 +144,7 @@ def settings_from_args(args: argparse.Namespace):
         "preset": args.preset, "steps": args.steps, "seeds": args.seeds, "rates": args.rates,
         "rate_scale": args.rate_scale, "strategies": args.strategies, "cost_profile": args.cost_profile,
         "target": args.target, "target_fraction": args.target_fraction, "fallback": args.fallback,
-        "omega_scope": args.omega_scope, "data": args.data,
+        "omega_scope": args.omega_scope, "data": args.data, "lr_scale": args.lr_scale,
         "max_iter_factor": args.max_iter_factor, "eval_every": args.eval_every,
         "checkpoint_every": args.checkpoint_every, "snapshot_every": args.snapshot_every,
         "init_rate": args.init_rate, "ckpt_rate": args.ckpt_rate, "ckpt_intervals": args.ckpt_intervals,
@@ -222,17 +225,21 @@ def run(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from experiments.readme import render_file
+    from experiments.readme import DOCUMENTS, render_file
 
-    path, results = Path(args.readme), Path(args.results)
-    if not path.is_file():
-        raise ValueError(f"--readme {path}: no such file")
+    paths, results = [Path(p) for p in (DOCUMENTS if args.readme == "all" else [args.readme])], Path(args.results)
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--readme {path}: no such file")
     if not results.is_dir():
         raise ValueError(f"--results {results}: no such directory")
-    changed = render_file(path, results, check=args.check)
-    if args.check:
-        print(f"{path}: {len(changed)} rendered region(s) differ from {results}" +
-              (": " + ", ".join(changed) if changed else ""))
-        return 1 if changed else 0
-    print(f"{path}: {len(changed)} region(s) rewritten" + (": " + ", ".join(changed) if changed else ""))
-    return 0
+    stale = 0
+    for path in paths:
+        changed = render_file(path, results, check=args.check)
+        stale += len(changed)
+        if args.check:
+            print(f"{path}: {len(changed)} rendered region(s) differ from {results}" +
+                  (": " + ", ".join(changed) if changed else ""))
+        else:
+            print(f"{path}: {len(changed)} region(s) rewritten" + (": " + ", ".join(changed) if changed else ""))
+    return 1 if args.check and stale else 0

@@ -23,6 +23,16 @@ from typing import Any
 __all__ = ["collect", "analyse", "render_tables", "render_plots", "write_report", "load_results", "render_section",
            "update_docs", "SECTION_BEGIN", "SECTION_END"]
 
+
+
+def unranked(study: dict[str, Any]) -> str:
+    """Why a study without held-out evaluation ranks no init."""
+    t = study["base"]["train"]
+    tokens = t["eval_batches"] * t["microbatch_size"] * (t.get("seq_len") or study["base"]["model"]["context_length"])
+    return (f"\nNot ranked: each immediate damage above is one evaluation of {tokens:,} tokens of the run's own "
+            "validation split, with no paired interval, and sigma is the spread of failure-free training over data "
+            "orders, not the error of an evaluation; a study with `heldout` set ranks inits by paired intervals.\n")
+
 SECTION_BEGIN = "<!-- rendered by experiments.pretrained_report.render_section: do not edit -->"
 SECTION_END = "<!-- end of the rendered section -->"
 
@@ -48,7 +58,9 @@ def _run_data(d: Path) -> dict[str, Any]:
         commit = json.loads((d / "run.json").read_text()).get("commit")
     except (OSError, json.JSONDecodeError):
         commit = None  # a trunk, or a run of a version that did not record it
+    held = _read_jsonl(d / "heldout.jsonl")
     return {"status": summary.get("status"), "wall_s": summary.get("wall_s"), "val": val, "commit": commit,
+            **({"heldout": held} if held else {}),
             "recovered_val": damage[0] if damage else None, "recoveries": rec,
             "loss": [[m["step"], m["loss"]] for m in metrics],
             "step_time_s": [m["step_time_s"] for m in metrics if "step_time_s" in m]}
@@ -74,16 +86,35 @@ def collect(study, work: Path, runs, cells: list[dict[str, Any]], *, missing_ini
     import os
     import platform
 
+    from experiments.pretrained import Run as _Run, trunks as _seeds
+
     max_norm = study.base["train"]["max_grad_norm"]
-    trunks = {t: _trunk_data(work / "runs" / f"trunk-{t}", study.branch_at, max_norm)
-              for t in ("plain", "plus") if (work / "runs" / f"trunk-{t}").is_dir()}
+    trunks = {}
+    for t in ("plain", "plus"):
+        for ts in _seeds(study):
+            d = work / "runs" / _Run("", "trunk", t, trunk_seed=ts).name
+            if d.is_dir():
+                trunks[trunk_key(t, ts)] = _trunk_data(d, study.branch_at, max_norm)
+    run_data = {r.name: {"kind": r.kind, "trunk": r.trunk, "at": r.at, "seed": r.seed, "init": r.init,
+                         "stage": r.stage, "steps": r.steps,
+                         **({"trunk_seed": r.trunk_seed} if r.trunk_seed is not None else {}),
+                         **_run_data(work / "runs" / r.name)} for r in runs}
+    seq_len = study.base["train"].get("seq_len") or study.base["model"]["context_length"]
+    start = next((x for r in run_data.values() for x in r.get("heldout", []) if x["kind"] == "start"), None)
+    held = {c: {"sequences": len(v), "tokens": len(v) * seq_len} for c, v in (start or {}).items()
+            if c not in ("kind", "step")}
     return {"study": study.to_dict(), "commit": commit, "command": command, "missing_inits": missing_inits,
+            **({"heldout": held} if held else {}),
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "loadavg_at_report": list(os.getloadavg())},
             "wall_s_this_invocation": round(wall_s, 1), "trunks": trunks,
-            "runs": {r.name: {"kind": r.kind, "trunk": r.trunk, "at": r.at, "seed": r.seed, "init": r.init,
-                              "stage": r.stage, "steps": r.steps, **_run_data(work / "runs" / r.name)} for r in runs},
+            "runs": run_data,
             "cells": cells}
+
+
+def trunk_key(trunk: str, trunk_seed: int | None) -> str:
+    """A trunk's key in results.json: "plain" / "plus", or "plain/t1" in a study of several trunks."""
+    return trunk if trunk_seed is None else f"{trunk}/t{trunk_seed}"
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
@@ -149,7 +180,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
     for c in data["cells"]:
         run = runs.get(c["run"], {})
         trunk = run.get("trunk", "plain")
-        pt = points.get(f"{trunk}@{c['at']}", {})
+        pt = points.get(f"{trunk_key(trunk, c.get('trunk_seed'))}@{c['at']}", {})
         ok = run.get("status") == "completed"
         damage = run["recovered_val"] - pt["v0"] if ok and run.get("recovered_val") is not None and pt.get("v0") \
             is not None else None
@@ -161,6 +192,151 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                 row["back_within"] = _back_within(row["gaps"], pt["sigma"])
         out.append(row)
     return {"points": points, "cells": out, "recover_steps": study["recover_steps"]}
+
+
+# ---- paired held-out analysis (issue 39) ----------------------------------------------------------------------
+
+
+def is_paired(data: dict[str, Any]) -> bool:
+    """Whether the study evaluated its branches on the held-out sequences (experiments.heldout), per sequence."""
+    return any(r.get("heldout") for r in data["runs"].values())
+
+
+def _line(run: dict[str, Any], kind: str, step: int | None = None) -> dict[str, Any] | None:
+    return next((x for x in run.get("heldout", []) if x["kind"] == kind and (step is None or x["step"] == step)),
+                None)
+
+
+def paired_analysis(data: dict[str, Any]) -> dict[str, Any]:
+    """Per (branch point, stage, corpus): each init's immediate damage (loss right after the rebuild minus the saved
+    state's, per held-out sequence and trunk) and the paired difference of every two inits, with their 95 %
+    intervals; per curve: the gap to the failure-free branch of the same trunk at every evaluation (interval), the
+    steps until the gap is back inside the paired interval of zero (and stays), and the area under the gap."""
+    from experiments.heldout import curve_rows
+    from experiments.paired import auc, crossed_interval
+
+    runs = data["runs"]
+    cells = [c for c in data["cells"] if runs.get(c["run"], {}).get("status") == "completed"]
+    refs = {(r["at"], r.get("trunk_seed"), r["seed"]): r for r in runs.values()
+            if r["kind"] == "reference" and r["trunk"] == "plain" and r["status"] == "completed"}
+    out: dict[str, Any] = {"damage": {}, "diffs": {}, "curves": {}, "corpora": []}
+    for at in data["study"]["branch_at"]:
+        for k in sorted({c["stage"] for c in cells if c["at"] == at and c.get("trunk", "plain") != "plus"}):
+            cs = [c for c in cells if c["at"] == at and c["stage"] == k and runs[c["run"]]["trunk"] == "plain"]
+            inits = list(dict.fromkeys(c["init"] for c in cs))
+            units = sorted({(c.get("trunk_seed"), c["seed"]) for c in cs})
+            after: dict[str, dict[tuple, dict]] = {i: {} for i in inits}  # init -> unit -> recovered line
+            for c in cs:
+                line = _line(runs[c["run"]], "recovered")
+                if line is not None:
+                    after[c["init"]][(c.get("trunk_seed"), c["seed"])] = line
+            start = {u: _line(refs[(at, *u)], "start") for u in units if (at, *u) in refs}
+            corpora = [x for x in next(iter(start.values()), {}) if x not in ("kind", "step")] if start else []
+            out["corpora"] = corpora or out["corpora"]
+            full = [i for i in inits if set(after[i]) == set(units) and set(start) == set(units)]
+            for corpus in corpora:
+                mats = {i: [after[i][u][corpus] for u in units] for i in full}
+                v0 = [start[u][corpus] for u in units]
+                out["damage"][(at, k, corpus)] = {i: crossed_interval(_minus(m, v0)) for i, m in mats.items()}
+                out["diffs"][(at, k, corpus)] = {(i, j): crossed_interval(_minus(mats[i], mats[j]))
+                                                 for i in full for j in full if i != j}
+            for i in inits:  # the curves of this stage
+                curve = [c for c in cs if c["init"] == i and runs[c["run"]]["kind"] == "curve"]
+                if not curve or not all((at, c.get("trunk_seed"), c["seed"]) in refs for c in curve):
+                    continue
+                for corpus in corpora:
+                    series = []  # per evaluation: (steps after the failure, gaps per unit: trunks x sequences)
+                    ref0 = [start[(c.get("trunk_seed"), c["seed"])][corpus] for c in curve]
+                    evals = [x["step"] for x in runs[curve[0]["run"]].get("heldout", []) if x["kind"] == "eval"]
+                    n = len(_line(runs[curve[0]["run"]], "eval", evals[0])[corpus]) if evals else 0
+                    rows = curve_rows(len(ref0[0]), n) if n else []
+                    rec = [_line(runs[c["run"]], "recovered")[corpus] for c in curve]
+                    series.append((0, _minus([[v[r] for r in rows] for v in rec], [[v[r] for r in rows] for v in ref0])))
+                    for s in evals:
+                        own = [_line(runs[c["run"]], "eval", s) for c in curve]
+                        ref = [_line(refs[(at, c.get("trunk_seed"), c["seed"])], "eval", s) for c in curve]
+                        if any(x is None for x in own + ref):
+                            break
+                        series.append((s - at + 1, _minus([x[corpus] for x in own], [x[corpus] for x in ref])))
+                    if len(series) < 2:
+                        continue
+                    gaps = [(s, crossed_interval(g)) for s, g in series]
+                    back = None
+                    for s, iv in reversed(gaps):
+                        if iv.excludes_zero:
+                            break
+                        back = s
+                    steps = [s for s, _ in series]
+                    areas = [[auc(steps, [series[e][1][t][j] for e in range(len(series))])
+                              for j in range(len(series[0][1][0]))] for t in range(len(series[0][1]))]
+                    out["curves"][(at, k, i, corpus)] = {"gaps": gaps, "back": back, "last": steps[-1],
+                                                         "auc": crossed_interval(areas), "areas": areas}
+    return out
+
+
+def _minus(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    return [[x - y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
+
+
+def ordered(intervals: dict[str, Any], diffs: dict[tuple[str, str], Any]) -> str:
+    """The inits by mean, smallest first, joined by "<" where the paired interval of the two neighbours lies below 0
+    and by "≈" where it contains 0: no sentence ranks two inits whose interval contains 0."""
+    order = sorted(intervals, key=lambda i: intervals[i].mean)
+    text = order[0] if order else ""
+    for a, b in zip(order, order[1:]):
+        d = diffs.get((a, b))
+        text += (" < " if d is not None and d.below else " ≈ ") + b
+    return text
+
+
+def _paired_tables(p: dict[str, Any], at: int) -> str:
+    from experiments.paired import crossed_interval
+
+    parts = []
+    for corpus in p["corpora"]:
+        keys = [key for key in p["damage"] if key[0] == at and key[2] == corpus]
+        if not keys:
+            continue
+        stages = [key[1] for key in keys]
+        inits = list(dict.fromkeys(i for key in keys for i in p["damage"][key]))
+        n = next(iter(p["damage"][keys[0]].values())).how
+        parts.append(f"\nImmediate damage on held-out `{corpus}` (loss right after the rebuild minus the saved "
+                     f"state's, per held-out sequence and trunk; mean [95 % interval, {n}]):\n\n")
+        rows = [[i] + [p["damage"][key][i].text() if i in p["damage"][key] else "—" for key in keys] for i in inits]
+        parts.append(_table(["init"] + [f"stage {k}" for k in stages], rows))
+        parts.append("\nPaired difference to the smallest (the same sequences and trunks; an interval that contains 0 "
+                     "is no difference), and the order it licenses (`<`: the interval lies below 0; `≈`: it contains "
+                     "0):\n\n")
+        rows = []
+        for key in keys:
+            dam, diffs = p["damage"][key], p["diffs"][key]
+            best = min(dam, key=lambda i: dam[i].mean)
+            rows.append([f"stage {key[1]}", ordered(dam, diffs)] + [
+                "; ".join(f"{i} {diffs[(i, best)].text()}" for i in dam if i != best)])
+        parts.append(_table(["stage", "order", "each init minus the smallest"], rows))
+        curves = {key: v for key, v in p["curves"].items() if key[0] == at and key[3] == corpus}
+        if curves:
+            parts.append(f"\nRecovery on held-out `{corpus}`: steps until the gap to the failure-free branch is back "
+                         f"inside the paired interval of zero and stays there ('not within N': still outside at the "
+                         f"last evaluation, N steps on); area under the gap in nat-steps (mean [95 % interval]):\n\n")
+            cstages = sorted({key[1] for key in curves})
+            cinits = list(dict.fromkeys(key[2] for key in curves))
+            rows = []
+            for i in cinits:
+                row = [i]
+                for k in cstages:
+                    c = curves.get((at, k, i, corpus))
+                    row.append("—" if c is None else (f"{c['back']} steps" if c["back"] is not None
+                                                       else f"not within {c['last']}") + f"; area {c['auc'].text(2)}")
+                rows.append(row)
+            parts.append(_table(["init"] + [f"stage {k}" for k in cstages], rows))
+            for k in cstages:
+                cs = {key[2]: v for key, v in curves.items() if key[1] == k}
+                areas = {i: v["auc"] for i, v in cs.items()}
+                diffs = {(a, b): crossed_interval(_minus(cs[a]["areas"], cs[b]["areas"]))
+                         for a in cs for b in cs if a != b}
+                parts.append(f"\nStage {k}, by area under the gap: {ordered(areas, diffs)}.\n")
+    return "".join(parts)
 
 
 # ---- rendering -------------------------------------------------------------------------------------------------
@@ -210,30 +386,6 @@ def _recovery_table(a: dict[str, Any], at: int, trunk: str = "plain") -> str:
     return _init_by_stage(cells, _recovery_cell) if cells else "no finished recovery curve yet\n"
 
 
-def _ranking(cells: list[dict[str, Any]], value, what: str) -> str:
-    """One line per failed stage: the inits ordered by the mean of `value(cell)` over seeds, smallest first
-    (coinciding inits listed once, with the ones they equal)."""
-    lines = []
-    for k in sorted({c["stage"] for c in cells}):
-        means = {}
-        for init in _inits(cells):
-            cs = [c for c in cells if c["init"] == init and c["stage"] == k and c["coincides_with"] is None]
-            vals = [v for v in (value(c) for c in cs) if v is not None]
-            if vals:
-                means[init] = mean(vals)
-        same: dict[str, list[str]] = {}
-        for c in cells:
-            if c["stage"] == k and c["coincides_with"] in means:
-                same.setdefault(c["coincides_with"], [])
-                if c["init"] not in same[c["coincides_with"]]:
-                    same[c["coincides_with"]].append(c["init"])
-        order = sorted(means, key=means.get)
-        if order:
-            lines.append(f"- stage {k}, {what}, smallest first: " + " < ".join(
-                f"{i}{' (= ' + ', '.join(same[i]) + ')' if same.get(i) else ''} {means[i]:.3f}" for i in order) + "\n")
-    return "".join(lines)
-
-
 def _omega_table(data: dict[str, Any], at: int) -> str:
     p = data["trunks"]["plain"]["points"][str(at)]
     if p.get("grad_norms") is None:
@@ -277,7 +429,19 @@ def render_tables(data: dict[str, Any]) -> str:
         parts.append(f"Not in this build (not run): {', '.join(data['missing_inits'])}.\n")
     if st.get("note"):
         parts.append(st["note"] + "\n")
+    paired = is_paired(data)
+    pa = paired_analysis(data) if paired else {}
+    if paired:
+        held = data.get("heldout") or {}
+        parts.append(f"Trunks (seeds) {st.get('trunk_seeds')}, each branch trained on with its trunk's data order. "
+                     "Every branch evaluated on the same held-out sequences: "
+                     + ", ".join(f"`{c}` {v['tokens']:,} tokens ({v['sequences']} sequences)" for c, v in held.items())
+                     + f"; a curve's evaluations on {st['heldout'].get('curve_tokens', 'all')} tokens of each.\n")
     for at in st["branch_at"]:
+        if paired:
+            parts.append(f"\n#### Branch at step {at}\n")
+            parts.append(_paired_tables(pa, at))
+            continue
         pt = a["points"].get(f"plain@{at}", {})
         sigma = pt.get("sigma")
         parts.append(f"\n#### Branch at step {at}\n\nValidation loss of the saved state v0 = "
@@ -291,11 +455,7 @@ def render_tables(data: dict[str, Any]) -> str:
                      f"sigma (mean ± std over the seeds that got there [seeds within / seeds]); end gap: the gap "
                      f"after {st['recover_steps']} steps (mean ± std):\n\n")
         parts.append(_recovery_table(a, at))
-        cells = [c for c in a["cells"] if c["at"] == at and c["trunk"] == "plain"]
-        ranked = _ranking(cells, lambda c: c["damage"], "immediate damage") + _ranking(
-            [c for c in cells if c["gaps"]], lambda c: c["gaps"][-1][1], "gap at the end of the curve")
-        if ranked:
-            parts.append("\nOrdered (means over seeds, computed from the cells above):\n\n" + ranked)
+        parts.append(unranked(st))
     if st.get("plus_steps"):
         at = st["branch_at"][-1]
         pt = a["points"].get(f"plus@{at}", {})

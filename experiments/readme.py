@@ -28,11 +28,13 @@ import re
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["renderer", "RENDERERS", "SECTION_MODULES", "regions", "render", "stale_regions", "render_file"]
+__all__ = ["renderer", "RENDERERS", "SECTION_MODULES", "DOCUMENTS", "regions", "render", "stale_regions", "render_file"]
 
 Renderer = Callable[[Path], str]
 RENDERERS: dict[str, Renderer] = {}
 SECTION_MODULES = ["experiments.sections", "experiments.claims", "experiments.pretrained_section"]
+# every file with rendered regions (`checkfree experiment report --readme all` renders them all; a test holds them)
+DOCUMENTS = ["experiments/README.md", "README.md", "docs/pretrained.md", "docs/identity.md"]
 
 # A marker right after a backtick is text (documentation quoting one), not a marker.
 _REGION = re.compile(r"(?<!`)<!-- BEGIN rendered: (?P<name>[\w.+-]+) -->(?P<body>.*?)(?<!`)<!-- END rendered: (?P=name) -->",

@@ -128,6 +128,7 @@ class Settings:
     target_fraction: float = 0.5  # target = failure-free val loss after this fraction of the steps
     fallback: str = "copy"  # recovery.fallback for unrecoverable (adjacent) failures
     omega_scope: str = "stage"  # recovery.omega_scope: omega over the whole stage or its blocks only
+    lr_scale: float = 1.1  # recovery.lr_scale: the paper's 1.1; the authors' 500M config 1.2 (recipes paper-500m-*)
     data: str | None = None  # data.source (None: the preset's corpus)
     storage_fallback: bool = True  # redundant/gemini/reft/baft also checkpoint and roll back when copies are lost
     max_iter_factor: float = 3.0  # iteration budget (recomputations included) = factor * steps
@@ -234,6 +235,7 @@ def build_config(settings: Settings, strategy: str, seed: int, trace_path: str |
     cfg.recovery.strategy = strategy
     cfg.recovery.fallback = settings.fallback
     cfg.recovery.omega_scope = settings.omega_scope
+    cfg.recovery.lr_scale = settings.lr_scale
     if settings.data is not None:
         cfg.data.source = settings.data
     st = cfg.strategy
@@ -324,7 +326,9 @@ def make_spec(settings: Settings, out: Path, traces: dict, strategy: str, rate: 
     max_it = settings.max_iterations  # only strategies that roll back (incl. storage fallbacks) can need more than steps
     weighs = strategy in OMEGA_STRATEGIES and rel is not None and settings.omega_scope != "stage"
     digest = _digest(cfg, out, {"runtime": runtime, "max_iterations": max_it, "detection": settings.detection,
-                                **({"omega_scope": settings.omega_scope} if weighs else {})})
+                                **({"omega_scope": settings.omega_scope} if weighs else {}),
+                                # a run at the default LR scale keeps the name it had before the setting existed
+                                **({"lr_scale": settings.lr_scale} if settings.lr_scale != 1.1 else {})})
     label = strategy if checkpoint_every is None else f"{strategy}/{checkpoint_every}"
     if strategy == "checkfree" and rate == 0:
         label = "no failures"  # = every plain averaging strategy without failures

@@ -154,5 +154,7 @@ class Rebuild:
         rc = cfg.recovery
         state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
                                       seed=cfg.train.seed + step, std=cfg.model.init_std)
+        if rc.optimizer == "own":  # no peer keeps a copy of another stage's Adam state (yet: snapshots may)
+            log.warning("recovery.optimizer own: no copy of stage %d's Adam state here; it starts fresh", plan.stage)
         worker.load_recovered(state, rc.lr_scale, recovered_optimizer_state(plan, edge_optim))
         return coeffs

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from checkfree.recovery import OmegaWindow
 from checkfree.net.transport import TransportError
 from checkfree.pipeline import Hop
 from checkfree.messages import GetReplica, GetState, Ok, ReplicaGrad, ReplicaTaken, State, TakeReplica
@@ -44,7 +45,8 @@ class Replicas:
     def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue) -> None:
         self.net, self.hosted, self.compute = membership, hosted, compute
         self.replica: StageWorker | None = None
-        self.omega = 0.0
+        self.omega = 0.0  # the replica's omega, windowed as its stage's own (recovery.omega_window)
+        self._window = OmegaWindow()
         self.seconds = 0.0  # redundant forwards of the current step
         self.shipped = 0  # gradient bytes shipped to the predecessor by the last commit
 
@@ -68,6 +70,7 @@ class Replicas:
                                          link=(self.hosted.index, succ))
         worker = await self.compute.run(self.hosted.build, succ, True, False)
         self.omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
+        self._window = OmegaWindow(self.hosted.cfg.recovery.omega_window, self.omega or None)
         self.replica = worker
         log.info("holding a replica of stage %d (%.1f MB)", succ, blob.numel() / 1e6)
         return ReplicaTaken(stage=succ, bytes=blob.numel()), []
@@ -87,7 +90,7 @@ class Replicas:
                                     f"{params[n].dtype} {tuple(params[n].shape)}")
         stats = await self.compute.run(self._apply, replica, names, tensors, grad.step)
         if not stats.skipped:
-            self.omega = stats.omega(self.hosted.cfg.recovery)
+            self.omega = self._window.add(stats.omega(self.hosted.cfg.recovery))
         return Ok(), []
 
     async def on_get_replica(self, get: GetReplica, tensors: list, peer) -> tuple[State, list]:

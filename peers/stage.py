@@ -20,6 +20,7 @@ from checkfree.data import TokenData, build_data
 from checkfree.pipeline import edge_holders
 from checkfree.messages import LastCommit
 from checkfree.protocol import ProtocolError
+from checkfree.recovery import OmegaWindow
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.softerrors import make_guard
 from checkfree.strategies.state import capture_worker, restore_worker, with_components
@@ -49,7 +50,8 @@ class HostedStage:
         self.redundant = False  # redundant computation: this peer also holds its successor's replica
         self.companion = False  # reft: a companion process keeps this peer's snapshots (peers/companion.py)
         self.worker: StageWorker | None = None
-        self.omega = 0.0
+        self.omega = 0.0  # as a recovery reads it: the mean of the stage's last recovery.omega_window steps' norms
+        self._window = OmegaWindow()
         self.data: TokenData | None = None
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
         self.last_commit: LastCommit | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
@@ -108,21 +110,28 @@ class HostedStage:
     # ---- changes (every part changes the hosted stage through these) -----------------------
     def serve(self, worker: StageWorker, omega: float, next_step: int) -> None:
         """Serve `worker`'s stage from now on, its weights ready for `next_step`."""
-        self.worker, self.omega, self.next_step = worker, omega, next_step
+        self.worker, self.next_step = worker, next_step
+        self._restart_window(omega)
         self.state = PeerState.SERVING
 
     def rolled_back(self, omega: float, next_step: int, worker: StageWorker | None = None) -> None:
         """The stage's weights are a copy's now (or, `worker`, its initial state), ready for `next_step`."""
         if worker is not None:
             self.worker = worker
-        self.omega, self.next_step = omega, next_step
+        self.next_step = next_step
+        self._restart_window(omega)
 
     def committed(self, omega: float | None, next_step: int, figures: LastCommit) -> None:
         """A step was committed (`omega` None: its update was skipped, the norm stays); `figures` what a new
         coordinator may need of it."""
         if omega is not None:
-            self.omega = omega
+            self.omega = self._window.add(omega)
         self.next_step, self.last_commit = next_step, figures
+
+    def _restart_window(self, omega: float) -> None:
+        """The stage's omega is `omega` now (a copy's, or 0 for a new stage): its window starts again from it."""
+        self.omega = omega
+        self._window = OmegaWindow(self.cfg.recovery.omega_window if self.cfg else 1, omega or None)
 
     def release(self) -> None:
         """Let the stage go and stand by again (a stage group's replica moved elsewhere)."""

@@ -191,3 +191,143 @@ def test_sigterm_ends_the_study_with_its_pool_workers(tmp_path):
         for p in seen:  # (only if the test failed: nothing is left to end otherwise)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_paired_intervals():
+    """The crossed bootstrap draws trunks and sequences; a difference every unit shares is its own interval; the
+    t interval over seeds; an order is stated only where the interval lies below 0."""
+    import numpy as np
+
+    from experiments.paired import crossed_interval, seed_interval
+    from experiments.pretrained_report import ordered
+
+    rng = np.random.default_rng(0)
+    d = rng.normal(0.5, 0.1, (3, 200))
+    iv = crossed_interval(d)
+    assert iv.lo < 0.5 < iv.hi and iv.above and iv.n == 600 and crossed_interval(d) == iv  # seeded: reproducible
+    assert crossed_interval(np.full((2, 5), 0.25)).text() == "+0.250 [+0.250, +0.250]"
+    noise = crossed_interval(rng.normal(0.0, 1.0, (1, 50)))
+    assert not noise.excludes_zero and "50 sequences" in noise.how
+    with pytest.raises(ValueError, match="at least 2 sequences"):
+        crossed_interval([[1.0]])
+    assert seed_interval([1.0]) is None and seed_interval([0.1, 0.2, 0.3]).lo < 0.2
+    a, b, c = (crossed_interval(rng.normal(m, 0.05, (1, 100))) for m in (0.0, 1.0, 1.01))
+    diffs = {("a", "b"): crossed_interval(np.full((1, 3), -1.0)), ("b", "c"): crossed_interval([[-0.2, 0.1, 0.0]])}
+    assert ordered({"c": c, "a": a, "b": b}, diffs) == "a < b ≈ c"
+
+
+def test_omega_window_averages_the_last_steps():
+    from checkfree.recovery import OmegaWindow
+
+    w = OmegaWindow(3)
+    assert [w.add(x) for x in (1.0, 2.0, 6.0, 4.0)] == [1.0, 1.5, 3.0, 4.0]
+    assert OmegaWindow(2, start=2.0).add(4.0) == 3.0 and OmegaWindow().add(5.0) == 5.0
+    with pytest.raises(ValueError, match="omega_window"):
+        OmegaWindow(0)
+    line = {"grad_norms_pre": [2.0, 2.0], "grad_norms": [1.0, 1.0], "block_grad_norms_pre": [1.0, 1.0],
+            "block_grad_norms": [1.0, 1.0]}
+    other = {**line, "grad_norms": [0.5, 0.25]}
+    assert branch_norms([line, other], INITS[1]) == [0.75, 0.625]  # checkfree post/stage over a window of 2
+
+
+def test_omega_window_and_own_optimizer_in_the_simulator(corpus, tmp_path):
+    """--omega-window N: the recovery's coefficients are the window's means of the neighbours' omegas (as their
+    metrics lines recorded them); recovery.optimizer own: the rebuilt stage starts with the Adam moments the executor
+    holds for it, and warns when it holds none."""
+    (tmp_path / "trace.csv").write_text("4,1\n")
+    out = _sim(tmp_path, corpus, "--steps", "5", "--trace", str(tmp_path / "trace.csv"), "--omega-window", "3",
+               "--eval-every", "0")
+    lines = read_jsonl(out / "metrics.jsonl")
+    rec = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "recovery")
+    prev, nxt = (sum(m["grad_norms"][s] for m in lines[1:4]) / 3 for s in (0, 2))
+    a, b = nxt + 1e-4, prev + 1e-4
+    assert rec["coefficients"] == pytest.approx([b / (a + b), a / (a + b)], rel=1e-6)
+
+    from checkfree.config import preset
+    from checkfree.simulator import Simulator
+
+    cfg = preset("tiny")
+    cfg.data.source, cfg.train.num_steps, cfg.train.eval_every = corpus, 3, 0
+    cfg.recovery.strategy, cfg.recovery.optimizer = "random", "own"
+    cfg.failures.trace = str(tmp_path / "t2.csv")
+    (tmp_path / "t2.csv").write_text("2,1\n")
+    sim = Simulator(cfg, tmp_path / "own", progress=False)
+    sim.train_step(0)
+    kept = sim.workers[1].optimizer_state("blocks.")
+    sim.executor.own_optimizer[1] = kept
+    sim.recover(1, {1})
+    got = sim.workers[1].optimizer_state("blocks.")
+    assert set(got) == set(kept) and all(torch.equal(got[k]["exp_avg"], kept[k]["exp_avg"]) for k in kept)
+    assert not sim.workers[1].optimizer_state("embed.")  # nothing else kept
+    sim.executor.own_optimizer.clear()
+    sim.recover(2, {2})
+    assert not sim.workers[2].optimizer_state("blocks.")
+    sim.writer.close()
+    assert any(e["event"] == "warning" and e["stage"] == 2 for e in read_jsonl(tmp_path / "own" / "events.jsonl"))
+
+
+def _kjv_db(path: Path) -> Path:
+    """A KJV database of the package's schema, two short books (the real one is 15 MB)."""
+    import sqlite3
+
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE Bible(TestamentID INT, BookID INT, ChapterID INT, VerseID INT, Index_ TEXT, "
+                "IndexTypeID INT, NumParagraphs INT, Passage1 TEXT, Passage2 TEXT)")
+    for book in (1, 2):
+        for v in range(1, 120):
+            con.execute("INSERT INTO Bible VALUES (1, ?, 1, ?, ?, 0, 1, ?, '')",
+                        (book, v, f"1:{v}", f"1:{v} And the LORD spake unto Moses, saying, this is verse {v}."))
+    con.commit()
+    con.close()
+    return path
+
+
+def test_heldout_sets_are_the_same_tokens_every_time(corpus, tmp_path):
+    from checkfree.config import preset
+    from checkfree.data import DataError
+    from experiments.heldout import build_heldout, kjv_text
+
+    db = _kjv_db(tmp_path / "kjv.db")
+    assert kjv_text(db)[0].startswith("And the LORD spake unto Moses, saying, this is verse 1.\nAnd")  # no "1:1"
+    cfg = preset("tiny")
+    cfg.data.source = corpus
+    h = build_heldout(cfg, tokens=320, kjv_path=db)
+    again = build_heldout(cfg, tokens=320, kjv_path=db)
+    assert h.describe() == {"val": {"sequences": 10, "tokens": 320}, "kjv": {"sequences": 10, "tokens": 320}}
+    assert all(torch.equal(h.sequences[c], again.sequences[c]) for c in h.sequences)
+    with pytest.raises(DataError, match="does not exist"):
+        build_heldout(cfg, tokens=320, kjv_path=tmp_path / "missing.db")
+    with pytest.raises(ValueError, match="held-out corpora"):
+        build_heldout(cfg, ["wiki"])
+
+
+def test_tiny_paired_study_ranks_only_where_the_interval_excludes_zero(corpus, tmp_path):
+    """Two trunks, paired held-out evaluation on both corpora: every cell's damage with its interval, the paired
+    differences, the curves' steps back inside the interval of zero and their areas; the own-Adam init coincides
+    with random for the immediate damage (the optimizer only matters once it trains) and not on the curve."""
+    import re
+
+    from experiments.paired import Interval
+    from experiments.pretrained_report import ordered, paired_analysis
+
+    study = make_study("tiny-paired")
+    study.base["data"]["source"] = corpus
+    study.heldout["kjv_path"] = str(_kjv_db(tmp_path / "kjv.db"))
+    results = run_study(study, tmp_path / "work", tmp_path / "results", log=lambda *_: None)
+    data = load_results(results / "results.json")
+    assert all(r["status"] == "completed" for r in data["runs"].values())
+    assert data["heldout"] == {"val": {"sequences": 20, "tokens": 640}, "kjv": {"sequences": 20, "tokens": 640}}
+    p = paired_analysis(data)
+    assert set(p["damage"]) == {(10, k, c) for k in (1, 2) for c in ("val", "kjv")}
+    assert all(isinstance(iv, Interval) and iv.n == 40 for v in p["damage"].values() for iv in v.values())
+    assert {key[2] for key in p["curves"]} == set(study.inits) and all(c["gaps"][0][0] == 0 for c in p["curves"].values())
+    cells = {(c["init"], c["stage"], c["trunk_seed"]): c for c in data["cells"]}
+    assert cells[("random own-adam", 1, 0)]["coincides_with"] == "random"
+    assert cells[("random own-adam", 2, 0)]["coincides_with"] is None
+    text = (results / "table.md").read_text()
+    for key, v in p["damage"].items():  # every "<" of an order rests on a paired interval below 0, every "≈" on one with 0
+        line = ordered(v, p["diffs"][key])
+        names, ops = re.split(r" [<≈] ", line), re.findall(r" ([<≈]) ", line)
+        assert len(names) == len(v) and line in text
+        for a, op, b in zip(names, ops, names[1:]):
+            assert (op == "<") == p["diffs"][key][(a, b)].below

@@ -36,6 +36,9 @@ class SimExecutor:
         self.blocks: dict[int, Raim5Block] = {}  # reft: the parity block each stage's peer holds
         self.inflight: dict[int, StageState] = {}  # baft: the backup being sent
         self.replicas: dict[int, StageState] = {}  # redundant: each stage's replica, at its predecessor
+        # recovery.optimizer own: each stage's own Adam state of its blocks, by parameter name, where a copy of it is
+        # at hand when the stage is rebuilt (a study puts the lost stage's saved moments here; a snapshot could)
+        self.own_optimizer: dict[int, dict[str, dict]] = {}
 
     # ---- protection --------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -201,7 +204,11 @@ class SimExecutor:
             state, coefficients[s] = rebuild_stage(p, ctx.template(s), blocks, {h: ctx.norm(h) for h in p.sources},
                                                    edges, eps=rc.eps, seed=ctx.cfg.train.seed + plan.step,
                                                    std=ctx.cfg.model.init_std)
-            ctx.load_recovered(s, state, rc.lr_scale, recovered_optimizer_state(p, edge_optim))
+            own = self.own_optimizer.get(s) if rc.optimizer == "own" else None
+            if rc.optimizer == "own" and own is None:
+                ctx.event("warning", step=plan.step, stage=s,
+                          message="recovery.optimizer own: no copy of the lost stage's Adam state; it starts fresh")
+            ctx.load_recovered(s, state, rc.lr_scale, recovered_optimizer_state(p, edge_optim, own))
             sends = [(h, _nbytes(sd)) for h, sd in blocks.items()] + [
                 (p.edge_sources[c], _nbytes(sd) + state_nbytes(edge_optim[c])) for c, sd in edges.items()]
             moved += sum(b for _, b in sends)
