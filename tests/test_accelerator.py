@@ -248,3 +248,14 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     assert any(n.endswith("smollm2/results.json") for n in names) and any(n.endswith("table.md") for n in names)
     md = (out / "call1.md").read_text()
     assert "| fp32 checkfree+ | yes |" in md and "dry run" in md
+
+
+def test_benchmarks_readme_states_the_caps_the_script_has():
+    """The caps table of benchmarks/README.md ("On a GPU") is the script's CAPS_S."""
+    import re
+
+    from benchmarks.accelerator import CAPS_S
+
+    text = (REPO / "benchmarks/README.md").read_text()
+    rows = re.findall(r"^\| (\d) \| (\w+) \| (\d+) s \|", text, flags=re.M)
+    assert {(int(c), p): int(s) for c, p, s in rows} == {(c, p): s for c, caps in CAPS_S.items() for p, s in caps.items()}

@@ -472,13 +472,16 @@ def speed_setup(dry: bool) -> dict[str, Any]:
             "warmup": 3, "recovery": ("100M-per-stage", 3, 5)}
 
 
+RECOVERY = ("recovery", "recovery", "")  # the 100M-parameter stage's recovery: after the GPipe paths, before 1F1B
+
+
 def speed_paths(dry: bool, hivemind_ok: bool, transport: str) -> list[tuple[str, str, str]]:
     """(name, kind, schedule) in priority order: what is cut when time runs out comes last."""
     if dry:
         return [("simulator", "sim", "gpipe"), (f"swarm {transport} gpipe", f"swarm:{transport}", "gpipe"),
-                ("torch gpipe", "torch", "gpipe")]
+                ("torch gpipe", "torch", "gpipe"), RECOVERY]
     paths = [("simulator", "sim", "gpipe"), ("swarm tcp gpipe", "swarm:tcp", "gpipe"), ("torch gpipe", "torch", "gpipe"),
-             ("swarm tcp 1f1b", "swarm:tcp", "1f1b"), ("torch 1f1b", "torch", "1f1b")]
+             RECOVERY, ("swarm tcp 1f1b", "swarm:tcp", "1f1b"), ("torch 1f1b", "torch", "1f1b")]
     if hivemind_ok:
         paths.append(("swarm hivemind gpipe", "swarm:hivemind", "gpipe"))
     return paths
@@ -517,7 +520,10 @@ def phase_speed(ctx: Ctx) -> None:
     root.mkdir(parents=True, exist_ok=True)
     needed = 20.0 if ctx.dry else 25.0  # what a path takes at least (start-up included); updated as they run
     for name, kind, schedule in speed_paths(ctx.dry, hivemind_ok, transport):
-        if ctx.left() < needed + (0 if ctx.dry else 30):  # (keep the recovery's time when there is any)
+        if kind == "recovery":
+            ctx.save("recovery", _recovery(ctx, setup, transport))
+            continue
+        if ctx.left() < needed:
             results[name] = {"ok": False, "cut": f"{ctx.left():.0f} s left, a path needs ~{needed:.0f} s"}
             ctx.save("paths", results)
             continue
@@ -546,7 +552,6 @@ def phase_speed(ctx: Ctx) -> None:
             if r.get("losses") and base.get("losses"):
                 r["max_loss_diff_to_torch_gpipe"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
     ctx.save("paths", results)
-    ctx.save("recovery", _recovery(ctx, setup, transport))
 
 
 def _env_results(ctx: Ctx) -> dict[str, Any]:
