@@ -162,6 +162,7 @@ def phase_env(ctx: Ctx) -> None:
         info.update(name=p.name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,
                     memory_total=total, memory_free=free, tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
     ctx.save("device_info", info)
+    ctx.save("memory", _memory_check(ctx))
     if ctx.pack is not None and (ctx.pack / "manifest.json").is_file():
         manifest = json.loads((ctx.pack / "manifest.json").read_text())
         ctx.save("pack", {"code": manifest.get("code"), "plan": manifest.get("plan")})
@@ -191,6 +192,30 @@ def phase_env(ctx: Ctx) -> None:
                      if chosen is None else None)
     ctx.save("transport", probe)
     log(f"env: transport {probe['chosen']}, peak bf16 {ctx.results['peak'].get('bf16_tflops')} TFLOP/s")
+
+
+def _memory_check(ctx: Ctx) -> dict[str, Any]:
+    """checkfree.memory on this machine: the device's free memory and the host's, and the speed phase's swarm
+    checked as `checkfree local` checks it (its tensors against the device, its processes against the host)."""
+    import torch
+
+    from checkfree.memory import StageMemory, available_bytes, check_fits, swarm_memory
+
+    dev = torch.device(ctx.device)
+    setup = speed_setup(ctx.dry)
+    from checkfree.config import preset
+
+    cfg = preset(setup["preset"])
+    cfg.num_stages, cfg.train.microbatch_size = setup["stages"], setup["microbatch_size"]
+    total = sum((swarm_memory(cfg, s) for s in range(cfg.num_stages)), StageMemory())
+    res: dict[str, Any] = {"device_free": available_bytes(dev), "host_available": available_bytes(None),
+                           "speed_swarm_tensors": total.total - total.process, "speed_swarm_processes": total.process}
+    try:
+        check_fits(total, "the speed phase's swarm", dev)
+        res["check"] = "fits"
+    except ValueError as e:
+        res["check"] = str(e)
+    return res
 
 
 def _keep_gguf_part(ctx: Ctx) -> None:
@@ -303,9 +328,16 @@ def _swarm(ctx: Ctx, flags: list[str], out: Path, spares: int, transport: str) -
     shutil.rmtree(out, ignore_errors=True)
     churn = [] if "--trace" in flags else ["--no-churn"]
     t0 = time.time()
-    done = _checkfree(ctx, "local", "--out", str(out), "--no-progress", "--spares", str(spares), *churn,
-                      "--transport", transport, *flags)
+    argv = ["local", "--out", str(out), "--no-progress", "--spares", str(spares), *churn, "--transport", transport, *flags]
+    done = _checkfree(ctx, *argv)
+    refused = None
+    if done.returncode != 0 and "--skip-memory-check runs it anyway" in done.stderr + done.stdout:
+        # a host whose memory grows as it is used can read low at first: say so, and run it anyway
+        refused = (done.stderr + done.stdout).strip().splitlines()[-1][-500:]
+        shutil.rmtree(out, ignore_errors=True)
+        done = _checkfree(ctx, *argv, "--skip-memory-check")
     return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1), "transport": transport,
+            "memory_check_refused": refused,
             "error": None if done.returncode == 0 else (done.stdout[-1500:] + done.stderr[-1500:])}
 
 
@@ -513,8 +545,10 @@ def phase_speed(ctx: Ctx) -> None:
                microbatch_size=t.microbatch_size, progress=False)  # the tokenizer and tokens, once
     args = SimpleNamespace(preset=setup["preset"], stages=setup["stages"], microbatches=setup["microbatches"],
                            steps=setup["steps"], warmup=setup["warmup"], threads_per_peer=1)
-    extra = ["--device", ctx.device, "--microbatch-size", str(t.microbatch_size), "--data", ctx.data] + \
-        (["--bf16"] if setup["bf16"] else [])
+    # (--skip-memory-check: the env phase ran the check on this machine and recorded it; a host whose memory grows
+    # as it is used may read low, which must not cost a measurement)
+    extra = ["--device", ctx.device, "--microbatch-size", str(t.microbatch_size), "--data", ctx.data,
+             "--skip-memory-check"] + (["--bf16"] if setup["bf16"] else [])
     results: dict[str, Any] = {}
     root = ctx.work / "speed"
     root.mkdir(parents=True, exist_ok=True)
@@ -580,7 +614,7 @@ def _recovery(ctx: Ctx, setup: dict, transport: str) -> dict[str, Any]:
     if ctx.left() < (20 if ctx.dry else 45):
         return {"ok": False, "cut": f"{ctx.left():.0f} s left"}
     flags = (CONFIGS[name] if name in CONFIGS else ["--preset", name, "--stages", "4"]) + \
-        ["--device", ctx.device, "--transport", transport, "--data", ctx.data]
+        ["--device", ctx.device, "--transport", transport, "--data", ctx.data, "--skip-memory-check"]
     root = ctx.work / "speed" / "recovery"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
