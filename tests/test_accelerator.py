@@ -259,3 +259,30 @@ def test_benchmarks_readme_states_the_caps_the_script_has():
     text = (REPO / "benchmarks/README.md").read_text()
     rows = re.findall(r"^\| (\d) \| (\w+) \| (\d+) s \|", text, flags=re.M)
     assert {(int(c), p): int(s) for c, p, s in rows} == {(c, p): s for c, caps in CAPS_S.items() for p, s in caps.items()}
+
+
+def test_device_script_unpacks_the_site_and_runs_the_call(tmp_path):
+    """benchmarks/accelerator/device.sh, the device command of README's "On a GPU": the pack's site-packages
+    unpacked first on the path (executable bits kept), the call run into $OUT; a missing pack is named."""
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cf_site_probe.py").write_text("VALUE = 41\n")
+    (src / "tool").write_text("#!/bin/sh\n")
+    (src / "tool").chmod(0o755)
+    (tmp_path / "pack" / "call2").mkdir(parents=True)
+    with tarfile.open(tmp_path / "pack" / "call2" / "site.tar.xz", "w:xz") as tar:
+        for p in src.iterdir():
+            tar.add(p, arcname=p.name)
+    env = {**os.environ, "CF_PACK": str(tmp_path / "pack"), "CF_SITE": str(tmp_path / "site"),
+           "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = REPO / "benchmarks" / "accelerator" / "device.sh"
+    done = subprocess.run(["bash", str(script), "2", "--dry-run", "--phases", "env", "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "site" / "cf_site_probe.py").is_file() and os.access(tmp_path / "site" / "tool", os.X_OK)
+    rec = json.loads((tmp_path / "out" / "call2.json").read_text())
+    assert rec["phases"]["env"]["status"] == "ok" and rec["phases"]["env"]["results"]["warm"] is False
+    missing = subprocess.run(["bash", str(script), "1"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert missing.returncode == 2 and "call1/site.tar.xz is missing" in missing.stderr

@@ -28,8 +28,8 @@ __all__ = ["PHASES", "CALLS", "CAPS_S", "DRY_CAPS_S", "BF16_TOL", "FP32_TOL", "D
 
 PHASES = ("env", "correctness", "speed", "science")
 CALLS = {1: ("env", "correctness", "speed"), 2: ("env", "science")}
-# seconds each phase may run on the H200: call 1 = 4.5 min, call 2 = 3.5 min (8 min in all, starts not counted)
-CAPS_S = {1: {"env": 25, "correctness": 110, "speed": 135}, 2: {"env": 20, "science": 190}}
+# seconds each phase may run on the H200: call 1 = 4.3 min, call 2 = 3.75 min (8.1 min in all, starts not counted)
+CAPS_S = {1: {"env": 25, "correctness": 110, "speed": 125}, 2: {"env": 15, "science": 210}}
 DRY_CAPS_S = {1: {"env": 120, "correctness": 300, "speed": 300}, 2: {"env": 120, "science": 300}}
 FP32_TOL = 1e-5  # the swarm and the simulator compute the same float32 numbers (tests/test_swarm.py's tolerance)
 # bf16 keeps 8 significant bits: one rounding is off by up to 2^-9 relative. The swarm and the simulator run the

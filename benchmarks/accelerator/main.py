@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--call", default="all", choices=("1", "2", "all"),
                    help="1: env, correctness, speed; 2: env, science; all: both, one after the other (default)")
     p.add_argument("--dry-run", action="store_true", help="every phase on the CPU at toy sizes (a test runs this)")
+    p.add_argument("--full", action="store_true",
+                   help="with --dry-run: the GPU's whole list of cases, paths and inits, at toy sizes (slower)")
     p.add_argument("--out", type=Path, help="the output folder (default $OUT, where the device tool collects files)")
     p.add_argument("--work", type=Path, default=Path("/tmp/cf-accel"),
                    help="run directories and what call 1 leaves for call 2 (default /tmp/cf-accel)")
@@ -103,7 +105,7 @@ def _forward_args(args) -> list[str]:
     for flag, value in (("--from-pack", args.from_pack), ("--data", args.data), ("--jobs", args.jobs)):
         if value is not None:
             fwd += [flag, str(value)]
-    return fwd + (["--dry-run"] if args.dry_run else [])
+    return fwd + (["--dry-run"] if args.dry_run else []) + (["--full"] if args.full else [])
 
 
 def _tee(stream, log, prefix: str) -> None:

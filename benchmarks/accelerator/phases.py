@@ -44,7 +44,13 @@ class Ctx:
     jobs: int
     deadline: float  # time.time() at the phase's cap
     pack: Path | None = None
+    full: bool = False  # a dry run with the GPU's whole lists (of cases, paths, inits) at toy sizes
     results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def short(self) -> bool:
+        """The dry run's shorter lists (the test's): fewer cases, paths and inits."""
+        return self.dry and not self.full
 
     @property
     def path(self) -> Path:
@@ -90,7 +96,7 @@ def run_in_process(args) -> int:
     name = args.run_phase or args.run_item
     ctx = Ctx(name, int(args.call if args.call != "all" else 1), args.dry_run, work, dev, data, args.transport,
               [i.strip() for i in args.inits.split(",") if i.strip()], jobs, args.deadline or time.time() + 3600,
-              args.from_pack)
+              args.from_pack, args.full)
     if args.run_item:
         from benchmarks.accelerator.science import run_item
 
@@ -290,16 +296,16 @@ class Case:
     swarm: bool = True  # False: the simulator alone (the dry run's bf16 case: its comparisons, without a third swarm)
 
 
-def correctness_cases(dry: bool) -> tuple[list[Case], dict[str, Any]]:
+def correctness_cases(dry: bool, full: bool = False) -> tuple[list[Case], dict[str, Any]]:
     """The cases and the common flags: `small` for 12 steps on the GPU, `tiny` for 8 in the dry run (two cases:
-    CheckFree+ covers an averaged intermediate stage and an edge copy in one run)."""
-    if dry:
+    CheckFree+ covers an averaged intermediate stage and an edge copy in one run; `full`: the GPU's cases, tiny)."""
+    if dry and not full:
         common = {"preset": "tiny", "steps": 8, "eval_every": 4}
         plus: tuple[tuple[int, int], ...] = ((2, 2), (5, 0))
         cases = [Case("fp32 checkfree+", ("--strategy", "checkfree+"), plus, spares=2),
                  Case("bf16 checkfree+", ("--strategy", "checkfree+", "--bf16"), plus, bf16=True, swarm=False)]
         return cases, common
-    common = {"preset": "small", "steps": 12, "eval_every": 6}
+    common = {"preset": "tiny" if dry else "small", "steps": 12, "eval_every": 6}
     plus = ((3, 2), (6, 0), (9, 3))
     cases = [Case("fp32 checkfree", ("--strategy", "checkfree"), ((4, 2),), spares=1),
              # a rebuild drawn from a seed (on the CPU's own generator: the same on the peer and in the simulator)
@@ -375,7 +381,7 @@ def compare_runs(a: Path, b: Path, tol: float) -> dict[str, Any]:
 
 
 def phase_correctness(ctx: Ctx) -> None:
-    cases, common = correctness_cases(ctx.dry)
+    cases, common = correctness_cases(ctx.dry, ctx.full)
     transport = ctx.chosen_transport()
     root = ctx.work / "correctness"
     root.mkdir(parents=True, exist_ok=True)
@@ -395,13 +401,13 @@ def phase_correctness(ctx: Ctx) -> None:
     def sim_job(case: Case, suffix: str = "sim") -> dict[str, Any]:
         return _simulate(ctx, _case_flags(ctx, case, common, _trace_file(ctx, case)), root / f"{_slug(case.name)}-{suffix}")
 
-    workers = 2 if ctx.dry else 3 * len(cases) + 1
+    workers = 2 if ctx.short else (4 if ctx.dry else 3 * len(cases) + 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for case in cases:
             if case.swarm:
                 jobs[f"{case.name}/swarm"] = pool.submit(swarm_job, case)
             jobs[f"{case.name}/sim"] = pool.submit(sim_job, case)
-            if case.bf16:  # the floor: the same bf16 simulation twice
+            if case.bf16 or not ctx.short:  # the floor: the same simulation twice (run-to-run nondeterminism)
                 jobs[f"{case.name}/sim-again"] = pool.submit(sim_job, case, "sim-again")
         runs = {k: _result(f) for k, f in jobs.items()}
     ctx.save("runs", runs)
@@ -414,8 +420,10 @@ def phase_correctness(ctx: Ctx) -> None:
         if case.swarm and runs[f"{case.name}/swarm"].get("ok") and runs[f"{case.name}/sim"].get("ok"):
             checks[case.name] = compare_runs(root / f"{s}-swarm", root / f"{s}-sim", BF16_TOL if case.bf16 else FP32_TOL)
         if case.name in checks:
+            if runs.get(f"{case.name}/sim-again", {}).get("ok"):
+                tol = BF16_TOL if case.bf16 else FP32_TOL
+                checks[case.name]["floor"] = compare_runs(root / f"{s}-sim-again", root / f"{s}-sim", tol)
             if case.bf16:
-                checks[case.name]["floor"] = compare_runs(root / f"{s}-sim-again", root / f"{s}-sim", BF16_TOL)
                 fp32 = next((c for c in cases if not c.bf16 and c.trace == case.trace), None)
                 if fp32 is not None and runs[f"{fp32.name}/sim"].get("ok"):
                     checks[case.name]["vs_fp32"] = compare_runs(root / f"{s}-sim", root / f"{_slug(fp32.name)}-sim", 1.0)
@@ -480,11 +488,14 @@ def hf_in_and_out(ctx: Ctx, run: Path, common: dict, transport: str) -> dict[str
     res["in_weights"] = {"ok": equal, "tensors": keys}
     flags = ["--init-from", str(hf), "--steps", "4", "--eval-every", "0", "--seed", "5", "--device", ctx.device,
              "--data", ctx.data]
-    sim = _simulate(ctx, flags, ctx.work / "correctness" / "hf-in-sim")
-    if ctx.dry:  # the swarm's --init-from path is the same StageWorker._initialise as the simulator's
+    if ctx.short:  # the swarm's --init-from path is the same StageWorker._initialise as the simulator's
+        sim = _simulate(ctx, flags, ctx.work / "correctness" / "hf-in-sim")
         res["in_runs"] = {"ok": sim["ok"], "sim": sim, "swarm": "not run in the dry run"}
     else:
-        swarm = _swarm(ctx, flags, ctx.work / "correctness" / "hf-in-swarm", 0, transport)
+        with ThreadPoolExecutor(max_workers=2) as pool:  # both at once
+            sim_f = pool.submit(_simulate, ctx, flags, ctx.work / "correctness" / "hf-in-sim")
+            swarm_f = pool.submit(_swarm, ctx, flags, ctx.work / "correctness" / "hf-in-swarm", 0, transport)
+            sim, swarm = _result(sim_f), _result(swarm_f)
         cmp = compare_runs(ctx.work / "correctness" / "hf-in-swarm", ctx.work / "correctness" / "hf-in-sim", FP32_TOL) \
             if swarm["ok"] and sim["ok"] else {"ok": False}
         res["in_runs"] = {"ok": cmp["ok"], "sim": sim, "swarm": swarm, "compare": cmp}
@@ -553,7 +564,7 @@ def phase_speed(ctx: Ctx) -> None:
     root = ctx.work / "speed"
     root.mkdir(parents=True, exist_ok=True)
     needed = 20.0 if ctx.dry else 25.0  # what a path takes at least (start-up included); updated as they run
-    for name, kind, schedule in speed_paths(ctx.dry, hivemind_ok, transport):
+    for name, kind, schedule in speed_paths(ctx.short, hivemind_ok, transport):
         if kind == "recovery":
             ctx.save("recovery", _recovery(ctx, setup, transport))
             continue

@@ -62,7 +62,7 @@ def _correctness(res: dict) -> list[str]:
              f"preset, {setup.get('steps')} steps; tolerance: float32 {_f((setup.get('tolerances') or {}).get('fp32'))}, "
              f"bf16 {_f((setup.get('tolerances') or {}).get('bf16'))} (relative, per step).", "",
              "| case | equal | max loss difference | max val-loss difference | recoveries (step/stage/method) | same "
-             "recoveries | max coefficient difference | bf16 floor (simulator twice) | bf16 vs float32 |",
+             "recoveries | max coefficient difference | floor (the simulator twice) | bf16 vs float32 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, c in (res.get("checks") or {}).items():
         recs = ", ".join(f"{r['step']}/{r['stage']}/{r['method']}" for r in c.get("recoveries") or [])

@@ -46,7 +46,8 @@ def phase_science(ctx: Ctx) -> None:
         cmd = [sys.executable, "-m", "benchmarks.accelerator", "--run-item", item, "--call", str(ctx.call),
                "--deadline", str(time.time() + cap), "--work", str(ctx.work), "--device", ctx.device,
                "--data", ctx.data, "--inits", ",".join(ctx.inits), "--jobs", str(ctx.jobs)]
-        cmd += (["--from-pack", str(ctx.pack)] if ctx.pack else []) + (["--dry-run"] if ctx.dry else [])
+        cmd += (["--from-pack", str(ctx.pack)] if ctx.pack else []) + (["--dry-run"] if ctx.dry else []) + \
+            (["--full"] if ctx.full else [])
         proc = subprocess.Popen(cmd, start_new_session=True, env=ctx.env())
         try:
             proc.wait(timeout=cap)
@@ -179,9 +180,10 @@ def _study(ctx: Ctx, model: str | None):
     from experiments.pretrained import make_study
 
     if ctx.dry:
-        study = make_study("smollm2", init_from=model, branch_at=[2], recover_steps=2, curve_stages=[2], seeds=[0],
+        curves = [1, 2, 3, 4] if ctx.full else [2]
+        study = make_study("smollm2", init_from=model, branch_at=[2], recover_steps=2, curve_stages=curves, seeds=[0],
                            jobs=2, threads=1)
-        study.stages = [2]
+        study.stages = curves
         study.base["train"]["seq_len"] = 16
         study.eval_every = 1
     else:
@@ -189,7 +191,7 @@ def _study(ctx: Ctx, model: str | None):
                            seeds=[0], jobs=ctx.jobs, threads=1)
         study.stages = [1, 2, 3, 4]
         study.eval_every = 10
-    study.inits = list(ctx.inits)[:2] if ctx.dry else list(ctx.inits)  # (the dry run: the first two, for time)
+    study.inits = list(ctx.inits)[:2] if ctx.short else list(ctx.inits)  # (the dry run: the first two, for time)
     study.base["data"]["source"] = ctx.data
     study.base["train"]["device"] = ctx.device
     study.note = ("benchmarks.accelerator on " + ctx.device + ("" if not ctx.dry else " (dry run: a tiny model)"))
