@@ -84,7 +84,7 @@ def _torch_rank(rank: int, world: int, port: int, cfg_dict: dict, schedule: str,
 
     from checkfree.config import config_from_dict
     from checkfree.data import build_data
-    from checkfree.worker import StageWorker
+    from checkfree.worker import StageWorker, resolve_device
 
     torch.set_num_threads(threads)
     cfg = config_from_dict(cfg_dict)
@@ -92,21 +92,28 @@ def _torch_rank(rank: int, world: int, port: int, cfg_dict: dict, schedule: str,
     store = dist.TCPStore(HOST, port, world, False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     try:
-        worker = StageWorker(cfg, rank, torch.device("cpu"))  # the swarm's stage: same init, groups, clip, Adam
+        # the swarm's stage (same init, groups, clip, Adam) on the swarm's device: `--device` as the peers take it
+        device = resolve_device(cfg.train.device)
+        worker = StageWorker(cfg, rank, device)
         first, last = rank == 0, rank == world - 1
 
         class Stage(torch.nn.Module):
-            """The project's PipelineStage with its embed/head flags fixed (torch passes one tensor)."""
+            """The project's PipelineStage with its embed/head flags fixed (torch passes one tensor). On a GPU, gloo
+            carries host tensors (NCCL refuses two ranks on one GPU, gloo's send/recv takes CPU tensors): the stage
+            computes on the device and hands its output back in host memory, as a peer hands it to its transport;
+            the last stage's logits stay on the device for the loss, as on the swarm's last hop."""
 
             def __init__(self) -> None:
                 super().__init__()
                 self.inner = worker.module
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return self.inner(x, embed=first, head=last)
+                with worker._autocast():  # the swarm's --bf16 (logits in bf16 then: float32 as the metadata says)
+                    out = self.inner(x.to(device), embed=first, head=last).float()
+                return out if last else out.to("cpu")
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # StageWorker.forward's loss
-            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / m
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.to(logits.device).flatten()) / m
 
         # shapes given (static metadata): no shape inference over the wire at the first step
         b, t, c = cfg.train.microbatch_size, cfg.model.context_length, cfg.model.d_model
@@ -177,9 +184,10 @@ def run_torch(args, cfg, schedule: str) -> dict:
 
 # ---------------------------------------------------------------- the swarm (checkfree local)
 
-def run_swarm(args, out: Path, schedule: str, transport: str) -> dict:
-    """One failure-free `checkfree local` run, watched from /proc: wall time and CPU per step, losses."""
-    cmd = swarm_command(args, "checkfree", args.steps, out, ["--schedule", schedule, "--transport", transport])
+def run_swarm(args, out: Path, schedule: str, transport: str, extra: list[str] = ()) -> dict:
+    """One failure-free `checkfree local` run, watched from /proc: wall time and CPU per step, losses. `extra`:
+    more flags of `checkfree local` (benchmarks.accelerator: the device, --bf16, the microbatch size)."""
+    cmd = swarm_command(args, "checkfree", args.steps, out, ["--schedule", schedule, "--transport", transport, *extra])
     log_path = out.with_suffix(".log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

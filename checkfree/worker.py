@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from checkfree.config import RecoveryConfig, RunConfig
+from checkfree.hostcopy import to_device
 from checkfree.model import PipelineStage, StageSpec, init_stage, plan_stages
 from checkfree.net.wire import all_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders
@@ -216,7 +217,7 @@ class StageWorker:
         assert hop.stage == self.index, f"hop for stage {hop.stage} sent to stage {self.index}"
         if key in self._saved:
             raise ValueError(f"microbatch {key!r} is already in flight on stage {self.index}")
-        x = x.to(self.device)
+        x = to_device(x, self.device)  # a received activation: pinned, non_blocking, on the upload stream (hostcopy)
         inp = x if hop.embed else x.detach().requires_grad_(True)
         kind = (hop.embed, hop.head, tuple(x.shape), x.dtype, self.cfg.train.autocast_bf16, self.guard is not None)
         per_mb = self._mb_bytes.get(kind)
@@ -228,7 +229,7 @@ class StageWorker:
             if hop.head:
                 if targets is None:
                     raise ValueError("the last hop needs targets to compute the loss")
-                loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(self.device).flatten())
+                loss = F.cross_entropy(out.float().flatten(0, 1), to_device(targets, self.device).flatten())
                 out = loss / self.cfg.train.num_microbatches
         self._saved[key] = (inp, out)
         if per_mb is None:
@@ -263,7 +264,7 @@ class StageWorker:
         if grad_output is None:
             out.backward()
         else:
-            out.backward(grad_output.to(device=self.device, dtype=out.dtype))
+            out.backward(to_device(grad_output, self.device, out.dtype))
         return inp.grad if inp.is_floating_point() else None
 
     @torch.no_grad()
@@ -314,13 +315,22 @@ class StageWorker:
         lr = lr_at(self.cfg, step) * self.lr_scale
         for group in self.optimizer.param_groups:  # a replicated component keeps its partner's LR
             group["lr"] = lr if group["name"] == "main" else lr_at(self.cfg, step)
-        stats = {}
         block_grads = [p.grad for n, p in self.named_groups()["main"] if n.startswith("blocks.") and p.grad is not None]
-        block_pre = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in block_grads]))
-                          ) if block_grads else 0.0
+        # the norms stay on the device until all are computed (blocks' before the clip, then each group's, which
+        # clip_grad_norm_ returns without a host sync): one sync for all of them below
+        norms: dict[str, Tensor] = {}
+        if block_grads:
+            norms["blocks"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in block_grads]))
         for name, params in self.clip_groups().items():
-            grads = [p.grad for p in params if p.grad is not None]
-            pre = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)) if grads else 0.0
+            if any(p.grad is not None for p in params):
+                norms[name] = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
+        # the host sync a step needs: omega and the norms are reported to the coordinator, and a non-finite norm
+        # decides (on the host) that no update is applied
+        values = dict(zip(norms, torch.stack([v.float() for v in norms.values()]).tolist())) if norms else {}
+        block_pre = values.pop("blocks", 0.0)
+        stats = {}
+        for name in self.clip_groups():
+            pre = values.get(name, 0.0)
             # clip_grad_norm_ scales by max_norm / (norm + 1e-6) when that is below 1
             post = pre * min(1.0, self.cfg.train.max_grad_norm / (pre + 1e-6))
             stats[name] = (pre, post)
@@ -332,7 +342,8 @@ class StageWorker:
             return StepStats(pre, post, lr, skipped=True, **blocks)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        finite = all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
+        # one host sync (not one per parameter): a stage with non-finite weights is reported as failed
+        finite = bool(torch.stack([torch.isfinite(p).all() for p in self.module.parameters()]).all())
         return StepStats(pre, post, lr, weights_finite=finite, **blocks)
 
     def state_dict(self) -> dict[str, Tensor]:

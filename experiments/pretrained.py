@@ -306,10 +306,16 @@ def _check_memory(study: Study) -> None:
     from checkfree.config import config_from_dict
     from checkfree.memory import StageMemory, check_fits, simulator_memory
 
+    from checkfree.worker import resolve_device
+
     cfg = config_from_dict(trunk_config(study, "plain"))
-    check_fits(simulator_memory(cfg, save_every=math.gcd(*study.branch_at)), f"the {study.name} study's trunk")
-    branch = simulator_memory(cfg)
-    check_fits(sum([branch] * study.jobs, StageMemory()), f"{study.jobs} {study.name} branch processes")
+    device = resolve_device(cfg.train.device)  # on a GPU: its free memory for the tensors, the host's for the processes
+    trunk = simulator_memory(cfg, save_every=math.gcd(*study.branch_at))
+    branches = sum([simulator_memory(cfg)] * study.jobs, StageMemory())
+    for need, what in ((trunk, f"the {study.name} study's trunk"), (branches, f"{study.jobs} {study.name} branch processes")):
+        check_fits(need, what, device)
+        if device.type == "cuda":
+            check_fits(StageMemory(process=need.process), what)
 
 
 def _run_trunk(study: Study, work: Path, trunk: str, trunk_seed: int | None = None) -> None:

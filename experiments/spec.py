@@ -135,6 +135,9 @@ class Settings:
     eval_every: int = 5
     eval_batches: int | None = None
     microbatches: int | None = None  # override the preset's M (quick mode)
+    microbatch_size: int | None = None  # override the preset's sequences per microbatch (a paper preset cut to a GPU's minutes)
+    device: str = "cpu"  # train.device of every run (benchmarks.accelerator runs the recipes on cuda)
+    autocast_bf16: bool = False  # train.autocast_bf16 of every run
     checkpoint_every: int | None = None  # None: the paper model's checkpoint interval / k
     snapshot_every: int | None = None  # None: PAPER_SNAPSHOT_EVERY / k
     failure_seed: int = 1234  # failure draws use failure_seed + seed
@@ -227,9 +230,12 @@ def build_config(settings: Settings, strategy: str, seed: int, trace_path: str |
                  checkpoint_every: int | None = None) -> RunConfig:
     cfg = preset(settings.preset)
     t = cfg.train
-    t.num_steps, t.seed, t.eval_every, t.device = settings.steps, seed, settings.eval_every, "cpu"
+    t.num_steps, t.seed, t.eval_every, t.device = settings.steps, seed, settings.eval_every, settings.device
+    t.autocast_bf16 = settings.autocast_bf16
     if settings.microbatches:
         t.num_microbatches = settings.microbatches
+    if settings.microbatch_size:
+        t.microbatch_size = settings.microbatch_size
     if settings.eval_batches:
         t.eval_batches = settings.eval_batches
     cfg.recovery.strategy = strategy
@@ -308,6 +314,11 @@ def _digest(cfg: RunConfig, out: Path, extra: dict[str, Any]) -> str:
         "cost_profile": st.cost_profile,
         "trace": hashlib.sha256((out / cfg.failures.trace).read_bytes()).hexdigest() if cfg.failures.trace else None,
         **({"data": cfg.data.source} if cfg.data.source != "shakespeare" else {}),
+        # (named only when set: the runs of the CPU matrices keep their names)
+        **({"microbatch_size": t.microbatch_size} if t.microbatch_size != preset(cfg.preset).train.microbatch_size
+           else {}),
+        **({"device": t.device} if t.device != "cpu" else {}),
+        **({"bf16": True} if t.autocast_bf16 else {}),
         **extra,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from checkfree.hostcopy import to_device, to_host
 from checkfree.net.transport import RemoteError, TransportError
 from checkfree.pipeline import Hop, edge_holders, plain_route, route
 from checkfree.messages import Backward, ComponentGrad, Forward, Ok, Pass, Report, RunStep, StepDone
@@ -171,7 +172,7 @@ class Passes:
             raise StepFailed(run.reduce_error)
         if run.error is not None or request.comp not in run.component_grads:
             raise ProtocolError(f"no {request.comp!r} gradient for step {run.step}: {run.error or 'not a holder'}")
-        return Ok(), [run.component_grads[request.comp].cpu()]
+        return Ok(), await to_host([run.component_grads[request.comp]])
 
     def _arrived(self, run: StepRun, request: Forward | Backward, src: int, arrived: float) -> None:
         """On an emulated WAN: record the one-way delay of a pass from stage `src` (its `sent` time to its handler's
@@ -225,7 +226,8 @@ class Passes:
             if run.evaluate:
                 out = await self.compute.run(self.hosted.worker.infer, x, hop)
                 if hop.head:
-                    run.keep_loss(mb, float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())))
+                    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), to_device(targets, out.device).flatten())
+                    run.keep_loss(mb, await _host_float(loss))
                 else:
                     await self._send(run, mb, idx + 1, Forward, out)
                 self._mb_done(run)
@@ -243,7 +245,7 @@ class Passes:
                     run.keep_sent(mb, out)
                 await self._send(run, mb, idx + 1, Forward, out)
                 return
-            run.keep_loss(mb, float(out))  # this microbatch's share of the step loss (already / M)
+            run.keep_loss(mb, await _host_float(out))  # this microbatch's share of the step loss (already / M)
             if not math.isfinite(run.losses[mb]):
                 log.warning("non-finite loss at step %d microbatch %d", run.step, mb)
             await self._backward_task(run, mb, idx, None)
@@ -293,7 +295,9 @@ class Passes:
     async def _send(self, run: StepRun, mb: int, idx: int, kind: type[Pass], tensor: torch.Tensor) -> None:
         """Send microbatch `mb`'s activation (FORWARD) or gradient (BACKWARD) to the peer of its hop `idx`."""
         stage, target = run.routes[mb][idx].stage, run.peer(mb, idx)
-        tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
+        # checkfree.wirecodec: as computed, 16-bit or int8; from a GPU through pinned memory on a copy stream, awaited
+        # without blocking this loop or the compute thread (checkfree.hostcopy)
+        tensors = await to_host(encode(tensor, self.hosted.cfg.train.wire_dtype))
         run.count_sent(sum(t.numel() * t.element_size() for t in tensors))
         sent = time.time() if self.net.wan is not None else None  # the receiver measures the hop's one-way delay
         try:
@@ -350,4 +354,16 @@ class Passes:
                 return  # would start from ours (checked and queued with no await between: ABORT's drop comes after)
             mine = run.component_grads[comp]
             run.count_sent(other.numel() * other.element_size())  # counted once per transfer, at the receiver
-            await self.compute.run(self.hosted.worker.set_component_grad, comp, mine + other.to(mine.device))
+            await self.compute.run(_add_component_grad, self.hosted.worker, comp, mine, other)
+
+
+async def _host_float(t: torch.Tensor) -> float:
+    """A device scalar as a Python float: the copy is awaited off the event loop (a plain float() of a CUDA tensor
+    would block this loop until the device is done); on a CPU it is float(t)."""
+    return float((await to_host([t.detach().reshape(1)]))[0])
+
+
+def _add_component_grad(worker, comp: str, mine: torch.Tensor, other: torch.Tensor) -> None:
+    """CheckFree+: this holder's component gradient plus the partner's (received in host memory), on the compute
+    thread (the upload is the compute stream's work, not the event loop's)."""
+    worker.set_component_grad(comp, mine + to_device(other, mine.device))

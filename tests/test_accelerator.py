@@ -1,0 +1,288 @@
+"""benchmarks.accelerator: the GPU script's dry run on the CPU (every phase, toy sizes), the pack's planning against
+the 64 MiB a call may carry, the parts of the GGUF, the comparison of runs, the rendering of its result files, and
+the host/device copies of the wire (checkfree.hostcopy) on a CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.accelerator import CALLS
+from benchmarks.accelerator.pack import LIMIT_BYTES, MARGIN_BYTES, join_parts, plan_pack, split_file, tracked_bytes
+from benchmarks.accelerator.phases import compare_runs
+from benchmarks.accelerator.report import BEGIN, END, NO_RUN, render_docs, render_region, summary_markdown
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+# What `python -m benchmarks.accelerator --pack` wrote (benchmarks/results/accelerator/pack-sizes.json): the files
+# each call carries besides the repository, and the GGUF cut between them
+SIZES = json.loads((REPO / "benchmarks/results/accelerator/pack-sizes.json").read_text())
+
+
+def test_the_recorded_pack_fits_each_call_with_this_repository():
+    """The correctness phase's call (1) and the science call (2) each within 64 MiB with the repository's files as
+    they are now: a repository that grows past what the pack leaves free fails here, before the day."""
+    fixed = {int(c): files for c, files in SIZES["fixed"].items()}
+    plan = plan_pack(tracked_bytes(REPO), fixed, SIZES["gguf"])
+    assert plan.fits, plan.problems
+    for c in (1, 2):
+        assert plan.totals[c] <= LIMIT_BYTES - MARGIN_BYTES
+    assert fixed[1]["site.tar.xz"] > 10 * MiB  # hivemind's p2pd is in it: the pack's call 1 is the full set
+    assert {"site.tar.xz", "plays.tar.xz", "manifest.json"} <= set(fixed[1]) and "gguf" not in fixed[1]
+
+
+def test_plan_cuts_the_gguf_so_both_calls_keep_the_same_room():
+    fixed = {1: {"site": 16 * MiB, "plays": 2 * MiB}, 2: {"site": MiB, "plays": 2 * MiB}}
+    plan = plan_pack(6 * MiB, fixed, 90 * MiB)
+    assert plan.fits and 0 < plan.part1 < 90 * MiB
+    room = [LIMIT_BYTES - MARGIN_BYTES - plan.totals[c] for c in (1, 2)]
+    assert abs(room[0] - room[1]) <= 1 and min(room) > 0
+    assert plan.totals[1] + plan.totals[2] == 2 * 6 * MiB + 21 * MiB + 90 * MiB
+
+
+def test_plan_says_which_call_does_not_fit():
+    fixed = {1: {"site": 30 * MiB}, 2: {"site": MiB}}
+    plan = plan_pack(10 * MiB, fixed, 94 * MiB)  # 10 + 30 + 10 + 1 + 94 > 2 x 63.5
+    assert not plan.fits and any("call" in p for p in plan.problems)
+    assert not plan_pack(70 * MiB, {1: {}, 2: {}}, 0).fits  # a repository alone over the limit
+    assert plan_pack(6 * MiB, {1: {"a": MiB}, 2: {}}, 0).part1 == 0
+
+
+def test_gguf_parts_join_back_or_say_what_is_wrong(tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(os.urandom(100_000))
+    from benchmarks.accelerator.pack import sha256
+
+    digest = sha256(src)
+    split_file(src, 40_000, tmp_path / "p1", tmp_path / "p2")
+    assert (tmp_path / "p1").stat().st_size == 40_000 and (tmp_path / "p2").stat().st_size == 60_000
+    out = join_parts([tmp_path / "p1", tmp_path / "p2"], tmp_path / "joined.gguf", digest, 100_000)
+    assert out.read_bytes() == src.read_bytes()
+    with pytest.raises(ValueError, match="missing .*p3"):
+        join_parts([tmp_path / "p1", tmp_path / "p3"], tmp_path / "x.gguf", digest, 100_000)
+    with pytest.raises(ValueError, match="another SHA-256"):
+        join_parts([tmp_path / "p2", tmp_path / "p1"], tmp_path / "x.gguf", digest, 100_000)
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.joining").exists()
+
+
+def _run_dir(root: Path, losses: list[float], recoveries: list[dict]) -> Path:
+    root.mkdir()
+    (root / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": x}) + "\n" for i, x in enumerate(losses)))
+    (root / "events.jsonl").write_text("".join(json.dumps({"event": "recovery", **r}) + "\n" for r in recoveries))
+    return root
+
+
+def test_compare_runs_holds_losses_and_recoveries_to_the_tolerance(tmp_path):
+    rec = {"step": 4, "stage": 2, "method": "average", "sources": [1, 3], "coefficients": [0.4, 0.6]}
+    a = _run_dir(tmp_path / "a", [5.0, 4.0, 3.0], [rec])
+    close = compare_runs(a, _run_dir(tmp_path / "b", [5.0, 4.0 + 2e-5, 3.0], [rec]), 1e-5)  # relative 5e-6
+    assert close["ok"] and close["recoveries_same"] and close["max_coefficient_diff"] == 0
+    assert close["max_loss_diff"] == pytest.approx(2e-5 / 4.0, rel=1e-3)
+    over = compare_runs(a, _run_dir(tmp_path / "c", [5.0, 4.0 + 1e-4, 3.0], [rec]), 1e-5)  # relative 2.5e-5
+    assert not over["ok"]
+    far = compare_runs(a, _run_dir(tmp_path / "d", [5.0, 4.1, 3.0], [rec]), 1e-5)
+    assert not far["ok"] and far["max_loss_diff"] == pytest.approx(0.1 / 4.1)
+    other = compare_runs(a, _run_dir(tmp_path / "e", [5.0, 4.0, 3.0], [{**rec, "method": "copy"}]), 1e-5)
+    assert not other["ok"] and not other["recoveries_same"]
+    coeff = compare_runs(a, _run_dir(tmp_path / "f", [5.0, 4.0, 3.0], [{**rec, "coefficients": [0.41, 0.59]}]), 1e-5)
+    assert not coeff["ok"] and coeff["max_coefficient_diff"] == pytest.approx(0.01)
+    short = compare_runs(a, _run_dir(tmp_path / "g", [5.0, 4.0], [rec]), 1e-5)
+    assert not short["ok"] and not short["steps_same"]
+
+
+FIXTURE_CALL1 = {
+    "call": 1, "dry_run": False, "code": {"commit": "abc123", "dirty": False}, "started": "2026-12-01T10:00:00+0000",
+    "wall_s": 250.0, "caps_s": {"env": 25, "correctness": 110, "speed": 135},
+    "phases": {
+        "env": {"status": "ok", "cap_s": 25, "wall_s": 12.0, "results": {
+            "device_info": {"name": "NVIDIA H200", "capability": "9.0", "multiprocessors": 132, "memory_total": 150e9},
+            "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "transformers": "5.17.0", "python": "3.12.3"},
+            "peak": {"bf16_tflops": 771.5, "bf16_n": 8192, "fp32_tflops": 51.25, "fp32_n": 4096},
+            "transport": {"hivemind": {"ok": True}, "tcp": {"ok": True}, "chosen": "hivemind"}}},
+        "correctness": {"status": "ok", "cap_s": 110, "wall_s": 80.0, "results": {
+            "setup": {"preset": "small", "steps": 12, "transport": "hivemind", "tolerances": {"fp32": 1e-5, "bf16": 2 ** -8}},
+            "checks": {"fp32 checkfree+": {"ok": True, "max_loss_diff": 3.5e-7, "max_val_loss_diff": 0.0,
+                                           "recoveries": [{"step": 3, "stage": 2, "method": "average"}],
+                                           "recoveries_same": True, "max_coefficient_diff": 1.25e-8}},
+            "hf": {"ok": True, "out": {"max_logit_diff": 2.5e-6, "tol": 1e-4, "ok": True, "class": "LlamaForCausalLM"},
+                   "in_weights": {"ok": True, "tensors": 75}, "in_runs": {"ok": True}}}},
+        "speed": {"status": "stopped at its cap (135 s)", "cap_s": 135, "wall_s": 150.0, "results": {
+            "setup": {"preset": "paper-124m", "stages": 4, "microbatches": 8, "microbatch_size": 8, "bf16": True,
+                      "steps": 13, "warmup": 3, "tokens_per_step": 32768, "flops_per_step": 2.5e16,
+                      "peak_bf16_tflops": 771.5},
+            "paths": {"swarm tcp gpipe": {"ok": True, "period_s": 0.4125, "tokens_per_s": 79437.6, "mfu": 0.0786,
+                                          "torch_gpipe_over_path": 0.875},
+                      "torch 1f1b": {"ok": False, "cut": "20 s left, a path needs ~30 s"}}}}},
+}
+
+
+def test_render_shows_the_numbers_of_the_files(tmp_path):
+    results = tmp_path / "benchmarks/results/accelerator"
+    results.mkdir(parents=True)
+    assert render_region(results) == NO_RUN
+    (results / "call1.json").write_text(json.dumps(FIXTURE_CALL1))
+    text = render_region(results)
+    for expected in ("NVIDIA H200", "771.5 TFLOP/s", "**hivemind**", "| fp32 checkfree+ | yes | 3.50e-07 |",
+                     "3/2/average", "2.50e-06", "75 tensors", "| swarm tcp gpipe | 0.4125 | 79,438 | 7.86 % | 0.875 |",
+                     "| torch 1f1b | not measured: 20 s left", "stopped at its cap (135 s)", "abc123"):
+        assert expected in text, expected
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+    page.write_text(f"# Performance\n\nbefore\n\n{BEGIN}\nold\n{END}\n\nafter\n")
+    assert render_docs(tmp_path) and not render_docs(tmp_path)  # rewritten once, then unchanged
+    assert "771.5 TFLOP/s" in page.read_text() and "old" not in page.read_text() and page.read_text().endswith("after\n")
+    assert summary_markdown(FIXTURE_CALL1).startswith("# Accelerator run, call 1")
+
+
+def test_performance_page_renders_the_committed_accelerator_results():
+    text = (REPO / "docs" / "performance.md").read_text()
+    region = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert region == render_region(REPO / "benchmarks/results/accelerator"), \
+        "docs/performance.md is stale: python -m benchmarks.accelerator --render"
+
+
+def test_hostcopy_leaves_cpu_tensors_as_they_are():
+    from checkfree.hostcopy import start_to_host, to_device, to_host
+
+    x, y = torch.randn(3, 4), torch.arange(5)
+    host, event = start_to_host([x, y])
+    assert event is None and host[0] is x and host[1] is y
+    assert asyncio.run(to_host([x]))[0] is x
+    assert to_device(x, torch.device("cpu")) is x
+    z = to_device(x, torch.device("cpu"), torch.bfloat16)
+    assert z.dtype == torch.bfloat16 and torch.equal(z, x.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the accelerator run checks it too)")
+def test_hostcopy_round_trips_through_pinned_memory_on_a_gpu():  # pragma: no cover - CPU machines
+    from checkfree.hostcopy import to_device, to_host
+
+    dev = torch.device("cuda")
+    x = torch.randn(64, 1024)
+    on = to_device(x, dev)
+    y = (on * 2).contiguous()
+    (back,) = asyncio.run(to_host([y]))
+    assert back.is_pinned() and torch.equal(back, x * 2)
+
+
+def test_random_inits_draw_on_the_cpu_whatever_the_global_random_state():
+    """A rebuild from a seed gives the same weights in every process and on every device: drawn from its own CPU
+    generator, never from the global CPU or CUDA generators (which differ between a swarm's peers and the
+    simulator)."""
+    from checkfree.recovery import identity_init, random_init
+
+    template = {"blocks.0.attn.wq.weight": torch.zeros(8, 8), "blocks.0.norm.weight": torch.zeros(8)}
+    torch.manual_seed(1)
+    a = random_init(template, seed=7)
+    torch.manual_seed(2)
+    torch.randn(100)
+    b = random_init(template, seed=7)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(random_init(template, seed=8)["blocks.0.attn.wq.weight"], a["blocks.0.attn.wq.weight"])
+    assert torch.equal(identity_init(template, seed=7)["blocks.0.attn.wq.weight"], a["blocks.0.attn.wq.weight"])
+
+
+def test_experiment_settings_on_a_device_get_their_own_run_names(tmp_path):
+    from experiments.spec import Settings, make_spec, write_traces
+
+    def spec(**kw):
+        s = Settings(preset="tiny", steps=10, rates=[16.0], eval_every=2, **kw)
+        return make_spec(s, tmp_path, write_traces(s, tmp_path, [16.0]), "checkfree", 16.0, 0)
+
+    plain = spec()
+    assert plain.config["train"]["device"] == "cpu" and not plain.config["train"]["autocast_bf16"]
+    assert spec(microbatch_size=8).name == plain.name  # the tiny preset's own microbatch size: the same run
+    gpu = spec(device="cuda", autocast_bf16=True, microbatch_size=4)
+    assert gpu.name != plain.name and gpu.config["train"]["device"] == "cuda"
+    assert gpu.config["train"]["microbatch_size"] == 4 and gpu.config["train"]["autocast_bf16"]
+
+
+@pytest.mark.timeout(400)
+def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
+    """`python -m benchmarks.accelerator --dry-run`: both calls, every phase at toy size, everything ok, at most 8
+    files back, and the results render."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--dry-run", "--out", str(out), "--work",
+                           str(work)], capture_output=True, text=True, timeout=380,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    took = time.monotonic() - t0
+    print(f"dry run: {took:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["call1.json", "call1.log", "call1.md", "call2-science.tar.gz", "call2.json", "call2.log",
+                     "call2.md"] and len(files) <= 8
+    for call, phases in CALLS.items():
+        rec = json.loads((out / f"call{call}.json").read_text())
+        assert rec["dry_run"] and list(rec["phases"]) == list(phases)
+        for name, phase in rec["phases"].items():
+            assert phase["status"] == "ok", (name, phase)
+    c1 = json.loads((out / "call1.json").read_text())["phases"]
+    env = c1["env"]["results"]
+    assert env["peak"]["bf16_tflops"] > 0 and env["transport"]["chosen"] in ("hivemind", "tcp")
+    cor = c1["correctness"]["results"]
+    assert cor["ok"], cor
+    plus = cor["checks"]["fp32 checkfree+"]
+    assert [(r["stage"], r["method"]) for r in plus["recoveries"]] == [(2, "average"), (0, "copy")]
+    assert plus["max_loss_diff"] <= 1e-5 and cor["checks"]["bf16 checkfree+"]["ok"]
+    bf16 = cor["checks"]["bf16 checkfree+"]  # the dry run's bf16 case: the simulator twice, and against float32
+    assert "floor" in bf16 and 0 < bf16["vs_fp32"]["max_loss_diff"] < 0.1 and cor["hf"]["in_weights"]["ok"]
+    speed = c1["speed"]["results"]
+    assert all(r["ok"] and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in speed["paths"].values()), speed["paths"]
+    assert len(speed["paths"]) == 3 and speed["recovery"]["ok"] and speed["recovery"]["recovery_total_s"] > 0
+    sci = json.loads((out / "call2.json").read_text())["phases"]["science"]["results"]
+    for item in ("smollm2", "fig2-124m", "table2-500m"):
+        assert sci[item]["status"] == "ok" and sci[item]["table"], (item, sci[item])
+    import tarfile
+
+    with tarfile.open(out / "call2-science.tar.gz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("smollm2/results.json") for n in names) and any(n.endswith("table.md") for n in names)
+    md = (out / "call1.md").read_text()
+    assert "| fp32 checkfree+ | yes |" in md and "dry run" in md
+
+
+def test_benchmarks_readme_states_the_caps_the_script_has():
+    """The caps table of benchmarks/README.md ("On a GPU") is the script's CAPS_S."""
+    import re
+
+    from benchmarks.accelerator import CAPS_S
+
+    text = (REPO / "benchmarks/README.md").read_text()
+    rows = re.findall(r"^\| (\d) \| (\w+) \| (\d+) s \|", text, flags=re.M)
+    assert {(int(c), p): int(s) for c, p, s in rows} == {(c, p): s for c, caps in CAPS_S.items() for p, s in caps.items()}
+
+
+def test_device_script_unpacks_the_site_and_runs_the_call(tmp_path):
+    """benchmarks/accelerator/device.sh, the device command of README's "On a GPU": the pack's site-packages
+    unpacked first on the path (executable bits kept), the call run into $OUT; a missing pack is named."""
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cf_site_probe.py").write_text("VALUE = 41\n")
+    (src / "tool").write_text("#!/bin/sh\n")
+    (src / "tool").chmod(0o755)
+    (tmp_path / "pack" / "call2").mkdir(parents=True)
+    with tarfile.open(tmp_path / "pack" / "call2" / "site.tar.xz", "w:xz") as tar:
+        for p in src.iterdir():
+            tar.add(p, arcname=p.name)
+    env = {**os.environ, "CF_PACK": str(tmp_path / "pack"), "CF_SITE": str(tmp_path / "site"),
+           "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = REPO / "benchmarks" / "accelerator" / "device.sh"
+    done = subprocess.run(["bash", str(script), "2", "--dry-run", "--phases", "env", "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "site" / "cf_site_probe.py").is_file() and os.access(tmp_path / "site" / "tool", os.X_OK)
+    rec = json.loads((tmp_path / "out" / "call2.json").read_text())
+    assert rec["phases"]["env"]["status"] == "ok" and rec["phases"]["env"]["results"]["warm"] is False
+    missing = subprocess.run(["bash", str(script), "1"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert missing.returncode == 2 and "call1/site.tar.xz is missing" in missing.stderr
