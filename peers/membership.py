@@ -185,6 +185,8 @@ class Membership:
                     self.reach = await self.reachability(target)
                 joined, _ = await self.call(target, join, self.t.rpc_timeout)
                 break
+            except PeerUnreachable:  # nothing a retry changes
+                raise
             except (TimeoutError, TransportError, OSError, RemoteError) as e:
                 # the DHT may still name a coordinator that died (its record outlives it by up to
                 # 3 heartbeat TTLs), or a new one may still be taking over: look again

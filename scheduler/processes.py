@@ -56,6 +56,9 @@ class Proc:
                           flush=True)
                     if hit[1] == "serving":
                         self.announce = False
+                if self.name.startswith("peer") and line.startswith(("checkfree: error:", "checkfree: network error:")):
+                    print(f"swarm: {self.name} gave up {time.monotonic() - self.started:.1f} s after its start: "
+                          f"{line.strip()}", flush=True)  # (its one line; the rest is in its log)
                 if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
                     self.peer_id, self.addrs = m.group(1), m.group(2)
                     self.ready.set()
