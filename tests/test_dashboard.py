@@ -272,6 +272,7 @@ def test_the_overhead_benchmark_runs_and_prints_its_side_by_side_ratio(tmp_path,
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.processes  # (Chromium)
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"Chromium is not installed ({CHROMIUM}; Debian: "
                                                           "apt-get install chromium)")
 def test_a_long_run_is_drawn_to_the_steps_it_has_run_and_each_peer_shows_how_it_is_reached(tmp_path):
@@ -320,7 +321,7 @@ def test_a_long_run_is_drawn_to_the_steps_it_has_run_and_each_peer_shows_how_it_
                 page = browser.new_page()
                 page.goto(urls[0])
                 page.wait_for_function("Number(document.body.dataset.updates) >= 1", timeout=60_000)
-                assert page.inner_text("#loss-xmax") == "step 209 of 100000"
+                assert page.text_content("#loss-xmax") == "step 209 of 100000"
                 x = float(page.get_attribute("svg#loss line[data-failure-step='150']", "x1"))
                 assert 600 < x < 700, x  # 150 of 209 steps across the plot (56..888), not at its left edge (~56)
                 xs = [float(p.split(",")[0]) for p in page.get_attribute("#loss-line", "points").split()]

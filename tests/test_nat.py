@@ -75,6 +75,60 @@ def test_the_unreachable_line_names_nat_and_the_flag():
     assert "\n" not in line and "NAT" in line and "--no-relay" in line and "Network is unreachable" in line
 
 
+def test_a_relayed_call_reaches_the_peer_as_the_callers_and_nothing_else_gets_through():
+    """Three processes on the in-process network: B registers with relay R and publishes its route (signed with the
+    run secret); A's call to B goes through R, B's handler sees A as the caller, B's error comes back to A as it
+    was. A relayed request from anyone but B's relay is refused, R forwards only to peers registered with it, and
+    a route record not signed with the secret is ignored (A then calls B directly)."""
+    from checkfree.auth import sign_record
+    from checkfree.net.errors import RemoteError
+    from checkfree.net.memory import MemoryDHT, MemoryNetwork, MemoryTransport
+    from checkfree.net.relay import RELAY, RELAYED, RelayTransport, route_key
+
+    secret = b"0123456789abcdef-secret"
+
+    async def run() -> None:
+        net = MemoryNetwork()
+        a, r, b, c = [await RelayTransport(MemoryTransport(net), serve_relay=serve).start()
+                      for serve in (False, True, False, False)]
+        dht = MemoryDHT(net, b.peer_id)
+        for t in (a, r, b, c):
+            t.route(dht, "run", secret)
+
+        async def who(header, tensors, peer):
+            if header.get("fail"):
+                raise ValueError("bad input")
+            return {"caller": str(peer)}, [x * 2 for x in tensors]
+
+        await b.register("who", who)
+        await b.use_relay(r.peer_id, dht, "run", secret, timeout=5)
+        import torch
+
+        reply, out = await a.call(b.peer_id, "who", {}, [torch.ones(3)], timeout=5)
+        assert reply["caller"] == a.peer_id and out[0].tolist() == [2.0, 2.0, 2.0]
+        assert (a.relayed_calls, r.forwarded) == (1, 1)
+        reply, _ = await r.call(b.peer_id, "who", {}, timeout=5)  # the relay itself calls direct
+        assert reply["caller"] == r.peer_id and r.forwarded == 1
+        with pytest.raises(RemoteError) as e:
+            await a.call(b.peer_id, "who", {"fail": True}, timeout=5)
+        assert e.value.kind == "bad_request" and "bad input" in e.value.remote_message
+        with pytest.raises(RemoteError, match="not a relay this peer registered with"):  # A poses as a relay
+            await a.inner.call(b.peer_id, RELAYED, {"from": r.peer_id, "name": "who", "header": {}}, timeout=5)
+        with pytest.raises(RemoteError, match="not registered with this relay"):
+            await a.inner.call(r.peer_id, RELAY, {"to": c.peer_id, "name": "who", "header": {}, "timeout": 5},
+                               timeout=5)
+        # a route written without the secret (a stranger's) is not followed
+        await c.register("who", who)
+        dht.store(route_key("run"), sign_record(b"another-secret-0123456", "run", "route", c.peer_id,
+                                                {"via": r.peer_id}, 30), expiration_time=time.time() + 30,
+                  subkey=c.peer_id)
+        reply, _ = await a.call(c.peer_id, "who", {}, timeout=5)
+        assert reply["caller"] == a.peer_id and a.relayed_calls == 2  # the error's call was relayed; this one not
+        await b.shutdown()
+
+    asyncio.run(run())
+
+
 # --- real swarms on emulated hosts ---------------------------------------------------------------------------------
 
 class Run:
