@@ -40,6 +40,7 @@ from checkfree.net.transport import (
 from checkfree.protocol import (
     HEARTBEATS_PER_TTL,
     Kind,
+    ProtocolError,
     Timeouts,
     coordinator_from_records,
     coordinator_key,
@@ -90,11 +91,18 @@ class Membership:
             [*opts.initial_peers, *opts.relay_via], opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
             opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
             tcp_port=opts.tcp_port, secret=self.secret)
-        self.transport = await RelayTransport(transport, serve_relay=opts.serve_relay).start()
+        self.transport = await RelayTransport(transport, serve_relay=opts.serve_relay, admit=self._admit_relay).start()
         if self.transport.kind != "memory":
             self.transport.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:
             sign_requests(self.transport, {"token": self.token()})
+
+    def _admit_relay(self, header: dict, peer: str) -> None:
+        """A relay request (this peer started with --serve-relay) from a member of the run only, when it has a
+        secret."""
+        if self.secret is not None and not verify(join_token(self.secret, self.run_id, peer), header.get("token")):
+            raise ProtocolError(f"peer {peer} is not authorized: no membership token of run {self.run_id!r}",
+                                Kind.UNAUTHORIZED)
 
     def emulate(self, wan: WanEmulator) -> None:
         """The run's emulated network: calls between stages are held back as its links would."""

@@ -124,6 +124,14 @@ def test_a_relayed_call_reaches_the_peer_as_the_callers_and_nothing_else_gets_th
                   subkey=c.peer_id)
         reply, _ = await a.call(c.peer_id, "who", {}, timeout=5)
         assert reply["caller"] == a.peer_id and a.relayed_calls == 2  # the error's call was relayed; this one not
+        # a relay that admits members only refuses a stranger's registration
+        def members_only(header, peer):
+            if header.get("token") != "member":
+                raise ValueError(f"peer {peer} is not authorized")
+
+        r.admit = members_only
+        with pytest.raises(RemoteError, match="not authorized"):
+            await c.use_relay(r.peer_id, dht, "run", secret, timeout=5)
         await b.shutdown()
 
     asyncio.run(run())

@@ -128,9 +128,12 @@ class RelayTransport:
     so any caller reaches a relayed peer; `route(dht, run_id, secret)` turns route lookups on once the run is known.
     """
 
-    def __init__(self, inner: Any, *, serve_relay: bool = True, on_probe: Callable[[str, dict, dict], None] | None = None
-                 ) -> None:
+    def __init__(self, inner: Any, *, serve_relay: bool = True, on_probe: Callable[[str, dict, dict], None] | None = None,
+                 admit: Callable[[dict, str], None] | None = None) -> None:
         self.inner = inner
+        # raises for a PROBE, REGISTER or RELAY request from a stranger (e.g. without the run's membership token):
+        # a relay is neither a port scanner nor a free proxy for anyone who can reach it
+        self.admit = admit
         self.kind = inner.kind
         self.serve_relay = serve_relay
         self.on_probe = on_probe  # (caller, request header, result): a relay reports what it found
@@ -264,6 +267,8 @@ class RelayTransport:
 
     # --- handlers -------------------------------------------------------------------------------------------
     async def _on_probe(self, header: dict, tensors: list, peer: Any) -> tuple[dict, list]:
+        if self.admit is not None:
+            self.admit(header, str(peer))
         addrs = header.get("addrs")
         if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs) or len(addrs) > 32:
             raise ValueError("probe: 'addrs' must be a list of at most 32 multiaddr strings")
@@ -277,6 +282,8 @@ class RelayTransport:
         return {}, list(tensors)
 
     async def _on_register(self, header: dict, tensors: list, peer: Any) -> tuple[dict, list]:
+        if self.admit is not None:
+            self.admit(header, str(peer))
         self._clients.add(str(peer))
         return {"via": str(self.peer_id)}, []
 
@@ -285,6 +292,8 @@ class RelayTransport:
         if not (isinstance(to, str) and isinstance(name, str) and isinstance(inner, dict)
                 and isinstance(timeout, (int, float)) and 0 < timeout <= 3600):
             raise ValueError("relay: 'to', 'name', 'header' and 'timeout' (0-3600 s) are required")
+        if self.admit is not None:
+            self.admit(header, str(peer))
         if to not in self._clients:
             raise TransportError(f"relay: peer {to} is not registered with this relay")
         self.forwarded += 1
