@@ -199,7 +199,13 @@ class LocalSwarm:
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
             self.standby_addr = re.search(r"addrs=([^,\s]+)", self._await_ready(self.standby, READY_STANDBY)).group(1)
         cfg = json.loads(self.config_path.read_text())
-        first = [self.start_peer() for _ in range(cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares)]
+        count = cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares
+        first = [self.start_peer() for _ in range(min(o.nat_peers, count) if o.hosts else 0)]
+        for proc in first:  # the peers behind NAT join first, so that they serve stages (not only stand by)
+            deadline = time.monotonic() + o.ready_timeout
+            while not proc.joined.wait(0.2) and proc.popen.poll() is None and time.monotonic() < deadline:
+                pass
+        first += [self.start_peer() for _ in range(count - len(first))]
         for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
             if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and self.coordinator.popen.poll() is None:
                 raise RuntimeError(f"a peer did not start within {o.ready_timeout:g} s; see {proc.log}")

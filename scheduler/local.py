@@ -93,8 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "profile's slowest link. A SIGKILL of a peer is then the loss of its whole host: every "
                         "process on it at once. Needs root, iproute2 and iptables")
     p.add_argument("--nat-peers", type=int, default=0, metavar="N",
-                   help="with --hosts: the first N peers started sit behind NAT (reached through the coordinator's "
-                        "relay unless --no-relay)")
+                   help="with --hosts: N peers sit behind NAT (reached through the coordinator's relay unless "
+                        "--no-relay); they are started first and the others once they have joined, so that they "
+                        "serve stages; replacements are public")
     p.add_argument("--no-relay", action="store_true",
                    help="relays off for every process: a peer behind NAT cannot take part (it exits with one line "
                         "saying so)")
