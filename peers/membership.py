@@ -218,37 +218,14 @@ class Membership:
         return list(getattr(self.transport, "maddrs", []))
 
     async def reachability(self, coordinator: str) -> Reachability:
-        """Ask the coordinator to connect to this peer's addresses. Reached: direct. Not reached: through a relay
-        (the coordinator, or --relay-via), or, with relays off or a transport that cannot be relayed, a
-        `PeerUnreachable` whose one line names the cause and the flag that fixes it."""
-        if self.transport.kind == "memory":  # the in-process tier: one address space
-            return Reachability(True)
-        relays = [str(Multiaddr(m)["p2p"]) for m in self.opts.relay_via]
-        allowed = self.opts.relay and self.transport.kind == "hivemind"
-        addrs = await self.own_addresses()
-        probe = await self.transport.probe(coordinator, addrs, allowed, self.t.rpc_timeout,
-                                           via=relays[0] if relays and allowed else None)
-        if probe.get("reachable"):
-            return Reachability(True, probe=probe)
-        if not self.opts.relay:
-            raise PeerUnreachable(unreachable_message(probe.get("tried", addrs), probe.get("errors", {}), coordinator))
-        if self.transport.kind != "hivemind":
-            raise PeerUnreachable(
-                f"this peer cannot be reached: the coordinator {coordinator} could not connect to any of its "
-                f"--transport {self.transport.kind} addresses ({', '.join(probe.get('tried', addrs)) or 'none'}), so "
-                f"it is behind NAT or a firewall, and only --transport hivemind can be relayed. Use --transport "
-                f"hivemind, or forward the port and give --announce-maddrs")
-        via = relays[0] if relays else coordinator
-        if not relays and probe.get("relay") is False:
-            raise PeerUnreachable(
-                f"this peer cannot be reached: the coordinator {coordinator} could not connect to any of its "
-                f"addresses, so it is behind NAT or a firewall, and the coordinator relays for no peer (it was "
-                f"started with --no-relay). Give --relay-via with a public peer started with --serve-relay, or "
-                f"forward a port and give --announce-maddrs")
-        await self.transport.use_relay(via, self.dht, self.run_id, self.secret, self.t.rpc_timeout)
-        print(f"peer: the coordinator could not connect to this peer (behind NAT or a firewall): reached through the "
-              f"relay {via} (--no-relay to refuse)", flush=True)
-        return Reachability(False, via, probe)
+        """How the coordinator reaches this peer (`reachability_probe`); not directly: register with the relay (the
+        coordinator, or --relay-via) and publish the route there, so that every caller sends its requests through it."""
+        reach = await self.reachability_probe(coordinator)
+        if not reach.direct:
+            await self.transport.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout)
+            print(f"peer: the coordinator could not connect to this peer (behind NAT or a firewall): reached through "
+                  f"the relay {reach.via} (--no-relay to refuse)", flush=True)
+        return reach
 
     async def check(self, rounds: int = 3, nbytes: int = 4 << 20) -> int:
         """`checkfree peer --check`: find the coordinator, say how it reaches this peer, and the latency and
@@ -286,20 +263,30 @@ class Membership:
         return 0
 
     async def reachability_probe(self, coordinator: str) -> Reachability:
-        """`reachability` without registering with a relay (what --check reports)."""
-        if self.transport.kind == "memory":
+        """Ask the coordinator to connect to this peer's addresses. Reached: direct. Not reached: through a relay
+        (the coordinator, or --relay-via), or, with relays off or a transport that cannot be relayed, a
+        `PeerUnreachable` whose one line names the cause and the flag that fixes it."""
+        if self.transport.kind == "memory":  # the in-process tier: one address space
             return Reachability(True)
-        addrs = await self.own_addresses()
+        relays = [str(Multiaddr(m)["p2p"]) for m in self.opts.relay_via]
         allowed = self.opts.relay and self.transport.kind == "hivemind"
-        probe = await self.transport.probe(coordinator, addrs, allowed, self.t.rpc_timeout)
+        addrs = await self.own_addresses()
+        probe = await self.transport.probe(coordinator, addrs, allowed, self.t.rpc_timeout,
+                                           via=relays[0] if relays and allowed else None)
         if probe.get("reachable"):
             return Reachability(True, probe=probe)
-        if not allowed or probe.get("relay") is False and not self.opts.relay_via:
-            raise PeerUnreachable(unreachable_message(probe.get("tried", addrs), probe.get("errors", {}), coordinator)
-                                  if not self.opts.relay else
-                                  f"this peer cannot be reached: the coordinator {coordinator} could not connect to "
-                                  f"any of its addresses (behind NAT or a firewall), and no relay is available")
-        relays = [str(Multiaddr(m)["p2p"]) for m in self.opts.relay_via]
+        cause = (f"this peer cannot be reached: the coordinator {coordinator} could not connect to any of its "
+                 f"addresses ({', '.join(probe.get('tried', addrs)) or 'none'}), so it is behind NAT or a firewall")
+        if not self.opts.relay:
+            raise PeerUnreachable(unreachable_message(probe.get("tried", addrs), probe.get("errors", {}), coordinator))
+        if self.transport.kind != "hivemind":
+            raise PeerUnreachable(f"{cause}, and only --transport hivemind can be relayed (this peer uses "
+                                  f"--transport {self.transport.kind}). Use --transport hivemind, or forward the port "
+                                  f"and give --announce-maddrs")
+        if not relays and probe.get("relay") is False:
+            raise PeerUnreachable(f"{cause}, and the coordinator relays for no peer (it was started with --no-relay). "
+                                  f"Give --relay-via with a public peer started with --serve-relay, or forward a "
+                                  f"port and give --announce-maddrs")
         return Reachability(False, relays[0] if relays else coordinator, probe)
 
     async def _find_coordinator(self) -> str | None:
