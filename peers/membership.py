@@ -222,7 +222,8 @@ class Membership:
         coordinator, or --relay-via) and publish the route there, so that every caller sends its requests through it."""
         reach = await self.reachability_probe(coordinator)
         if not reach.direct:
-            await self.transport.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout)
+            follow = (lambda: self.coordinator) if not self.opts.relay_via else None  # (a new coordinator relays)
+            await self.transport.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout, follow)
             print(f"peer: the coordinator could not connect to this peer (behind NAT or a firewall): reached through "
                   f"the relay {reach.via} (--no-relay to refuse)", flush=True)
         return reach

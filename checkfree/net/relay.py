@@ -241,15 +241,18 @@ class RelayTransport:
                                          timeout=timeout)
         return reply
 
-    async def use_relay(self, relay: Any, dht: Any, run_id: str, secret: bytes | None, timeout: float) -> None:
-        """Register with `relay` and publish this peer's route (refreshed until shutdown): callers reach it there."""
+    async def use_relay(self, relay: Any, dht: Any, run_id: str, secret: bytes | None, timeout: float,
+                        follow: Callable[[], str | None] | None = None) -> None:
+        """Register with `relay` and publish this peer's route (refreshed until shutdown): callers reach it there.
+        `follow`: where the relay is now (the coordinator, after a failover); the route moves there with it."""
         await self.inner.call(relay, REGISTER, {}, timeout=timeout)
         self._relays.add(str(relay))
         me = str(self.peer_id)
         key = route_key(run_id)
+        current = [str(relay)]
 
         async def publish() -> bool:
-            value = sign_record(secret, run_id, "route", me, {"via": str(relay)}, ROUTE_TTL)
+            value = sign_record(secret, run_id, "route", me, {"via": current[0]}, ROUTE_TTL)
             return await announce(dht, key, me, value, ROUTE_TTL)
 
         if not await publish():
@@ -258,10 +261,17 @@ class RelayTransport:
         async def refresh() -> None:
             while True:
                 await asyncio.sleep(ROUTE_TTL / 3 * random.uniform(0.8, 1.0))
+                moved = follow() if follow is not None else None
+                with contextlib.suppress(Exception):
+                    target = moved if moved and moved != current[0] else current[0]
+                    await self.inner.call(target, REGISTER, {}, timeout=timeout)  # a restarted relay learns it again
+                    if target != current[0]:
+                        log.info("relay moved from %s to %s", current[0], target)
+                        self._relays.add(target)
+                        current[0] = target
                 with contextlib.suppress(Exception):
                     if not await publish():
                         log.warning("refreshing this peer's relay route failed; retrying")
-                    await self.inner.call(relay, REGISTER, {}, timeout=timeout)  # a restarted relay learns it again
 
         self._route_task = asyncio.create_task(refresh())
 
