@@ -278,7 +278,24 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=30.0,
                    help="seconds to wait for the p2p daemon (raise it if you see 'Daemon failed to start')")
     add_transport_arguments(g)
+    add_relay_arguments(g)
     add_timeout_arguments(p)
+
+
+def add_relay_arguments(g: argparse._ActionsContainer) -> None:
+    """Peers behind NAT (checkfree.net.relay): peer, scheduler and local."""
+    g.add_argument("--no-relay", action="store_true",
+                   help="relays off. A peer: never be reached through a relay; if the coordinator cannot connect to "
+                        "it (behind NAT or a firewall) it exits with one line saying so. The coordinator: relay for "
+                        "no peer. Default: the coordinator probes each joining peer and relays for those it cannot "
+                        "reach")
+    g.add_argument("--relay-via", nargs="*", default=[], metavar="MADDR",
+                   help="a peer behind NAT: be reached through this relay (the full multiaddr of a public peer "
+                        "started with --serve-relay) instead of the coordinator")
+
+
+def relay_options(args: argparse.Namespace) -> dict:
+    return dict(relay=not args.no_relay, relay_via=list(getattr(args, "relay_via", []) or []))
 
 
 TIMEOUT_FLAGS = ("heartbeat_ttl", "rpc_timeout", "step_timeout", "join_timeout")
@@ -334,7 +351,8 @@ def network_options(args: argparse.Namespace) -> dict:
     return dict(run_id=args.run_id, initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs),
                 announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
                 startup_timeout=args.startup_timeout, secret_file=args.secret_file, transport=args.transport,
-                libp2p_port=args.libp2p_port, tcp_port=args.tcp_port, timeouts=timeouts_from_args(args))
+                libp2p_port=args.libp2p_port, tcp_port=args.tcp_port, timeouts=timeouts_from_args(args),
+                **relay_options(args))
 
 
 def warn_if_overwriting(args: argparse.Namespace) -> None:

@@ -24,6 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stay", action="store_true",
                    help="keep running after the run has finished (default: print 'run finished' and exit, so an "
                         "unattended spot instance stops)")
+    p.add_argument("--serve-relay", action="store_true",
+                   help="relay requests for peers behind NAT that name this peer in --relay-via (a publicly "
+                        "reachable peer that opts in; the coordinator relays by default)")
+    p.add_argument("--check", action="store_true",
+                   help="before training: find the coordinator, say whether it can connect to this peer (directly, "
+                        "or only through a relay) and the latency and bandwidth between them; exit 0 if this peer "
+                        "can take part, 2 if not")
     p.add_argument("--dump-recovery", metavar="DIR",
                    help="save the weights served and rebuilt in recoveries, and the final state (debugging)")
     p.set_defaults(func=run_peer)
@@ -39,7 +46,8 @@ def run_peer(args: argparse.Namespace) -> int:
         resolve_device(args.device)
     opts = PeerOptions(**network_options(args), device=args.device, threads=args.threads,
                        dump_dir=args.dump_recovery, leave_deadline=args.leave_deadline,
-                       coordinator_timeout=args.coordinator_timeout, stay=args.stay)
+                       coordinator_timeout=args.coordinator_timeout, stay=args.stay,
+                       serve_relay=args.serve_relay, check=args.check)
     if opts.coordinator_timeout <= opts.timeouts.heartbeat_ttl:
         raise ValueError(f"--coordinator-timeout ({opts.coordinator_timeout:g} s) must exceed --heartbeat-ttl "
                          f"({opts.timeouts.heartbeat_ttl:g} s)")

@@ -94,6 +94,10 @@ class PeerOptions:
     coordinator_timeout: float = 60.0  # leave (exit 4) when no coordinator has answered for this long
     stay: bool = False  # keep running after the run has finished (default: exit, so a spot instance stops)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    relay: bool = True  # reached through a relay when the coordinator cannot connect to it (--no-relay: exit instead)
+    relay_via: list[str] = field(default_factory=list)  # relays to use instead of the coordinator (full multiaddrs)
+    serve_relay: bool = False  # relay for peers behind NAT (a public peer that opts in)
+    check: bool = False  # --check: report reachability, latency and bandwidth to the coordinator, then exit
 
 
 class PeerDaemon:
@@ -163,6 +167,8 @@ class PeerDaemon:
             loop.add_signal_handler(sig, self.stop.set)
         hb = None
         try:
+            if opts.check:
+                return await net.check()
             await self._register()
             addrs = ",".join(await dht_maddrs(net.dht))
             print(f"{READY_PEER} peer_id={net.transport.peer_id} run={opts.run_id} addrs={addrs}"

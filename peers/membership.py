@@ -17,6 +17,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from hivemind.utils.multiaddr import Multiaddr
+
 from checkfree.auth import (
     coordinator_proof,
     join_token,
@@ -38,23 +40,30 @@ from checkfree.net.transport import (
 from checkfree.protocol import (
     HEARTBEATS_PER_TTL,
     Kind,
+    ProtocolError,
     Timeouts,
     coordinator_from_records,
     coordinator_key,
     members_key,
 )
+from checkfree.net.relay import ECHO, Reachability, RelayTransport, unreachable_message
+from checkfree.net.transport import dht_maddrs
 from checkfree.messages import Join, Leave, Message, Request, Status, reply_of, request, to_wire
 from checkfree.strategies.state import state_nbytes
 from checkfree.wan import WanEmulator
 from peers.checks import admit
 from peers.stage import HostedStage
 
-__all__ = ["Handler", "Served", "Membership"]
+__all__ = ["Handler", "Served", "Membership", "PeerUnreachable"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]  # what the transport serves
 Served = Callable[[Any, list, Any], Awaitable[tuple[Message, list]]]  # a part's handler: typed request and reply
+
+
+class PeerUnreachable(TransportError):
+    """Nobody can reach this peer and it may not be relayed: one line, the cause and the flag that fixes it."""
 
 
 class Membership:
@@ -71,16 +80,29 @@ class Membership:
         self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
         self.run_finished = False  # the coordinator said the run ended
         self.wan: WanEmulator | None = None  # the run's emulated network (train.wan), once joined
+        self.opts = None  # the daemon's PeerOptions, once started
+        self.reach: Reachability | None = None  # how the coordinator reaches this peer (probed before joining)
 
     async def start(self, opts) -> None:
         """This peer's DHT and transport (`opts`: the daemon's PeerOptions); with a run secret every request it
         makes carries its membership token."""
-        self.dht, self.transport = await start_transport(
-            opts.initial_peers, opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
+        self.opts = opts
+        self.dht, transport = await start_transport(
+            [*opts.initial_peers, *opts.relay_via], opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
             opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
             tcp_port=opts.tcp_port, secret=self.secret)
+        self.transport = await RelayTransport(transport, serve_relay=opts.serve_relay, admit=self._admit_relay).start()
+        if self.transport.kind != "memory":
+            self.transport.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:
             sign_requests(self.transport, {"token": self.token()})
+
+    def _admit_relay(self, header: dict, peer: str) -> None:
+        """A relay request (this peer started with --serve-relay) from a member of the run only, when it has a
+        secret."""
+        if self.secret is not None and not verify(join_token(self.secret, self.run_id, peer), header.get("token")):
+            raise ProtocolError(f"peer {peer} is not authorized: no membership token of run {self.run_id!r}",
+                                Kind.UNAUTHORIZED)
 
     def emulate(self, wan: WanEmulator) -> None:
         """The run's emulated network: calls between stages are held back as its links would."""
@@ -167,8 +189,12 @@ class Membership:
             # a new coordinator that ADOPTed this peer while it looked is the one it answers to
             target = self.coordinator = self.adopter or found
             try:
+                if self.reach is None:
+                    self.reach = await self.reachability(target)
                 joined, _ = await self.call(target, join, self.t.rpc_timeout)
                 break
+            except PeerUnreachable:  # nothing a retry changes
+                raise
             except (TimeoutError, TransportError, OSError, RemoteError) as e:
                 # the DHT may still name a coordinator that died (its record outlives it by up to
                 # 3 heartbeat TTLs), or a new one may still be taking over: look again
@@ -184,6 +210,85 @@ class Membership:
             raise TransportError(f"the coordinator {target} found in the DHT failed authentication: "
                                  "it does not hold this run's secret")
         return config_from_dict(json.loads(joined.config))
+
+    async def own_addresses(self) -> list[str]:
+        """The addresses others would dial to reach this peer's RPC: the DHT's (hivemind), else the RPC listener's."""
+        if self.transport.kind == "hivemind":
+            return [a for a in await dht_maddrs(self.dht) if "p2p-circuit" not in a]
+        return list(getattr(self.transport, "maddrs", []))
+
+    async def reachability(self, coordinator: str) -> Reachability:
+        """How the coordinator reaches this peer (`reachability_probe`); not directly: register with the relay (the
+        coordinator, or --relay-via) and publish the route there, so that every caller sends its requests through it."""
+        reach = await self.reachability_probe(coordinator)
+        if not reach.direct:
+            follow = (lambda: self.coordinator) if not self.opts.relay_via else None  # (a new coordinator relays)
+            await self.transport.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout, follow)
+            print(f"peer: the coordinator could not connect to this peer (behind NAT or a firewall): reached through "
+                  f"the relay {reach.via} (--no-relay to refuse)", flush=True)
+        return reach
+
+    async def check(self, rounds: int = 3, nbytes: int = 4 << 20) -> int:
+        """`checkfree peer --check`: find the coordinator, say how it reaches this peer, and the latency and
+        bandwidth between them (echoes of a small and a `nbytes` message, best of `rounds`). 0: this peer can take
+        part; 2: it cannot (the line says why)."""
+        import torch
+
+        coordinator = await self._find_coordinator()
+        if coordinator is None:
+            return 130
+        try:
+            reach = await self.reachability_probe(coordinator)
+        except PeerUnreachable as e:
+            print(f"check: {e}", flush=True)
+            return 2
+        timeout = self.t.rpc_timeout
+        small, big = [], []
+        payload = torch.zeros(nbytes // 4, dtype=torch.float32)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            await self.transport.call(coordinator, ECHO, {}, [], timeout=timeout)
+            small.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await self.transport.call(coordinator, ECHO, {}, [payload], timeout=timeout)
+            big.append(time.perf_counter() - start)
+        rtt, bw = min(small), 2 * nbytes / max(min(big) - min(small), 1e-9) / 2**20
+        how = ("directly" if reach.direct else
+               f"only through a relay ({reach.via}): others reach this peer through it (behind NAT or a firewall)")
+        connect = min(reach.probe.get("rtt_ms", {}).values(), default=None)
+        print(f"check: coordinator {coordinator} reaches this peer {how}", flush=True)
+        print(f"check: latency {rtt * 1e3:.1f} ms round trip (a small request)"
+              + (f", {connect:.1f} ms for the coordinator's TCP connect to this peer" if connect is not None else ""),
+              flush=True)
+        print(f"check: bandwidth {bw:.1f} MiB/s ({nbytes / 2**20:g} MiB each way, best of {rounds})", flush=True)
+        return 0
+
+    async def reachability_probe(self, coordinator: str) -> Reachability:
+        """Ask the coordinator to connect to this peer's addresses. Reached: direct. Not reached: through a relay
+        (the coordinator, or --relay-via), or, with relays off or a transport that cannot be relayed, a
+        `PeerUnreachable` whose one line names the cause and the flag that fixes it."""
+        if self.transport.kind == "memory":  # the in-process tier: one address space
+            return Reachability(True)
+        relays = [str(Multiaddr(m)["p2p"]) for m in self.opts.relay_via]
+        allowed = self.opts.relay and self.transport.kind == "hivemind"
+        addrs = await self.own_addresses()
+        probe = await self.transport.probe(coordinator, addrs, allowed, self.t.rpc_timeout,
+                                           via=relays[0] if relays and allowed else None)
+        if probe.get("reachable"):
+            return Reachability(True, probe=probe)
+        cause = (f"this peer cannot be reached: the coordinator {coordinator} could not connect to any of its "
+                 f"addresses ({', '.join(probe.get('tried', addrs)) or 'none'}), so it is behind NAT or a firewall")
+        if not self.opts.relay:
+            raise PeerUnreachable(unreachable_message(probe.get("tried", addrs), probe.get("errors", {}), coordinator))
+        if self.transport.kind != "hivemind":
+            raise PeerUnreachable(f"{cause}, and only --transport hivemind can be relayed (this peer uses "
+                                  f"--transport {self.transport.kind}). Use --transport hivemind, or forward the port "
+                                  f"and give --announce-maddrs")
+        if not relays and probe.get("relay") is False:
+            raise PeerUnreachable(f"{cause}, and the coordinator relays for no peer (it was started with --no-relay). "
+                                  f"Give --relay-via with a public peer started with --serve-relay, or forward a "
+                                  f"port and give --announce-maddrs")
+        return Reachability(False, relays[0] if relays else coordinator, probe)
 
     async def _find_coordinator(self) -> str | None:
         """The coordinator's peer id; None if this peer is told to stop while it looks."""

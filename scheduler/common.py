@@ -72,6 +72,8 @@ class CoordinatorOptions:
     libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
     tcp_port: int = 0  # --transport tcp: port of the TCP RPC listener (0: any free port)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    relay: bool = True  # relay requests for joining peers it cannot reach (behind NAT); --no-relay: for none
+    relay_via: list[str] = field(default_factory=list)  # (a peer's flag; unused by the coordinator)
     shutdown_peers: bool = True  # tell peers the run ended (they exit unless started with --stay)
     max_attempts: int = 5  # attempts of one step before the run gives up
     save_final: bool = True  # gather every stage into final_weights.safetensors at the end

@@ -55,6 +55,12 @@ async def gather_live(opts: dict) -> tuple:
                                            opts["identity_path"], opts["startup_timeout"],
                                            transport=opts["transport"], libp2p_port=opts["libp2p_port"],
                                            tcp_port=opts["tcp_port"], secret=secret)
+    from checkfree.net.relay import RelayTransport
+
+    transport = await RelayTransport(transport, serve_relay=False).start()  # peers behind NAT: through their relay
+    if transport.kind != "memory":
+        transport.route(dht, opts["run_id"], secret)
+
     async def call(pid: str, message: Request, timeout: float) -> tuple:
         reply, tensors = await transport.call(pid, message.rpc, request(opts["run_id"], message), timeout=timeout)
         return reply_of(message.rpc, reply), tensors

@@ -49,6 +49,9 @@ class SwarmOptions:
     failover: str = "standby"  # standby | restart
     kill_coordinator_in: str = "step"  # step | commit
     netns: bool = False  # every process in its own network namespace (NetLab)
+    hosts: bool = False  # every process on an emulated host of its own (NetLab; implies netns)
+    nat_peers: int = 0  # with hosts: the first N peers started sit behind a NAT router each
+    host_rate_Bps: float | None = None  # with hosts: every host's link shaped to this rate (tc tbf), both ways
     progress_lines: bool = True  # print each peer's start-up milestones
 
 
@@ -74,7 +77,7 @@ class LocalSwarm:
         self.kills = 0
         self.preempted = 0
         self.partitioned = 0
-        self.lab = NetLab() if opts.netns else None
+        self.lab = NetLab(opts.host_rate_Bps if opts.hosts else None) if opts.netns or opts.hosts else None
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         # the processes' temporary directory, removed at teardown: what a SIGKILLed process cannot remove itself
         # (multiprocessing's pymp-* listener directories, torch's shared-memory manager socket) goes with it
@@ -86,8 +89,14 @@ class LocalSwarm:
                SECRET_ENV: self.secret, "TMPDIR": str(self.tmp)}
         link, prefix = 0, []
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
-            link, prefix, addr = self.lab.add()
+            behind_nat = self.opts.hosts and name.startswith("peer") and self._n <= self.opts.nat_peers
+            link, prefix, addr = self.lab.add_nat() if behind_nat else self.lab.add()
             args = [*args, "--host-maddrs", f"/ip4/{addr}/tcp/0"]
+            if self.opts.hosts:
+                host = self.lab.hosts[link]
+                where = (f"behind NAT (private {addr}, router {host['public']})" if behind_nat
+                         else f"public {addr}")
+                print(f"swarm: {name} on emulated host {host['ns']}, {where}", flush=True)
         return spawn(args, env, log=self.opts.out / "logs" / f"{name}.log", prefix=prefix, stdin=stdin, name=name,
                      link=link, announce=name.startswith("peer") and self.opts.progress_lines)
 
@@ -121,7 +130,12 @@ class LocalSwarm:
         if proc is None:
             print(f"swarm: asked to kill unknown peer {peer_id}", flush=True)
             return
-        if group:
+        if group and self.opts.hosts and proc.link:  # the whole machine: every process on its host at once
+            pids = self.lab.kill_host(proc.link)
+            print(f"swarm: host {self.lab.hosts[proc.link]['ns']} of {proc.name} lost: {len(pids)} processes "
+                  f"SIGKILLed at once", flush=True)
+            kill_group(proc, gone_within=0)
+        elif group:
             kill_group(proc, gone_within=0)
         else:
             with contextlib.suppress(ProcessLookupError):
@@ -185,7 +199,13 @@ class LocalSwarm:
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
             self.standby_addr = re.search(r"addrs=([^,\s]+)", self._await_ready(self.standby, READY_STANDBY)).group(1)
         cfg = json.loads(self.config_path.read_text())
-        first = [self.start_peer() for _ in range(cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares)]
+        count = cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares
+        first = [self.start_peer() for _ in range(min(o.nat_peers, count) if o.hosts else 0)]
+        for proc in first:  # the peers behind NAT join first, so that they serve stages (not only stand by)
+            deadline = time.monotonic() + o.ready_timeout
+            while not proc.joined.wait(0.2) and proc.popen.poll() is None and time.monotonic() < deadline:
+                pass
+        first += [self.start_peer() for _ in range(count - len(first))]
         for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
             if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and self.coordinator.popen.poll() is None:
                 raise RuntimeError(f"a peer did not start within {o.ready_timeout:g} s; see {proc.log}")

@@ -32,6 +32,7 @@ class Proc:
     peer_id: str = ""  # from a peer's ready line
     addrs: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
+    joined: threading.Event = field(default_factory=threading.Event)  # a peer's "joined run" line
     link: int = 0  # NetLab link number (0: no lab)
     name: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -56,6 +57,11 @@ class Proc:
                           flush=True)
                     if hit[1] == "serving":
                         self.announce = False
+                if self.name.startswith("peer") and line.startswith(("checkfree: error:", "checkfree: network error:")):
+                    print(f"swarm: {self.name} gave up {time.monotonic() - self.started:.1f} s after its start: "
+                          f"{line.strip()}", flush=True)  # (its one line; the rest is in its log)
+                if "joined run" in line:
+                    self.joined.set()
                 if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
                     self.peer_id, self.addrs = m.group(1), m.group(2)
                     self.ready.set()

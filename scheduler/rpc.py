@@ -7,10 +7,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok
+from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok, verify
+from checkfree.net.relay import RelayTransport
 from checkfree.net.transport import live_members_async, sign_requests, start_transport, stop_transport
 from checkfree.messages import Adopt, Adopted, Ping, Request, reply_of, request
-from checkfree.protocol import members_key
+from checkfree.protocol import Kind, ProtocolError, members_key
 from scheduler.common import CALL_ERRORS, CoordinatorOptions
 
 __all__ = ["Rpc"]
@@ -25,6 +26,7 @@ class Rpc:
         self.secret = load_secret(opts.secret_file)  # None: an open swarm
         self.dht = None
         self.transport = None
+        self.reach: dict[str, dict] = {}  # peer -> what the probe at its join found (direct / relayed, rtt)
 
     async def start(self) -> str:
         """Start the DHT and the transport; this coordinator's peer id."""
@@ -32,9 +34,41 @@ class Rpc:
         self.dht, self.transport = await start_transport(
             o.initial_peers, o.host_maddrs, o.announce_maddrs, o.identity_path, o.startup_timeout,
             transport=o.transport, libp2p_port=o.libp2p_port, tcp_port=o.tcp_port, secret=self.secret)
+        self.transport = await RelayTransport(self.transport, serve_relay=o.relay, on_probe=self._on_probe,
+                                              admit=self._admit_relay).start()
+        if self.transport.kind != "memory":
+            self.transport.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:  # lets a standby read the coordinator's STATUS
             sign_requests(self.transport, {"token": join_token(self.secret, self.run_id, self.me)})
         return self.me
+
+    def _admit_relay(self, header: dict, peer: str) -> None:
+        """A probe, relay registration or relayed request: from a member of this run only (its token), when the run
+        has a secret."""
+        if self.secret is not None and not verify(join_token(self.secret, self.run_id, peer), header.get("token")):
+            raise ProtocolError(f"peer {peer} is not authorized: no membership token of run {self.run_id!r}",
+                                Kind.UNAUTHORIZED)
+
+    def _on_probe(self, peer: str, request: dict, result: dict) -> None:
+        """A joining peer's reachability: recorded (the dashboard shows it); one line when it is unreachable."""
+        rtt = min(result["rtt_ms"].values(), default=None)
+        relayed = not result["reachable"]
+        self.reach[peer] = {"mode": "relayed" if relayed else "direct", "rtt_ms": rtt}
+        if not relayed:
+            return
+        errors = "; ".join(f"{a}: {e}" for a, e in list(result["errors"].items())[:2]) or "no address to try"
+        cause = f"peer {peer} is behind NAT or a firewall (could not connect to {errors})"
+        if request.get("relay") is False:
+            print(f"status: {cause} and it has relays off (--no-relay): it cannot take part", flush=True)
+            self.reach[peer]["mode"] = "unreachable"
+        elif not self.opts.relay:
+            print(f"status: {cause} and this coordinator relays for no peer (--no-relay): it cannot take part",
+                  flush=True)
+            self.reach[peer]["mode"] = "unreachable"
+        else:
+            via = request.get("via")
+            where = f"relay {via}" if isinstance(via, str) and via != self.me else "this coordinator's relay"
+            print(f"status: {cause}: it is reached through {where}", flush=True)
 
     def wrap(self, wrapper: Callable[[Any], Any]) -> None:
         """The transport from now on is `wrapper(transport)` (a fault injector's, scheduler/injector.py; never in

@@ -46,6 +46,7 @@ class PeerView:
     peer_id: str
     state: PeerState
     microbatches_per_s: float | None = None  # measured compute speed (live only)
+    reach: str | None = None  # how the coordinator reaches it: direct | relayed (probed at its join; live only)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class SwarmStatus:
     def from_dict(cls, d: dict[str, Any]) -> SwarmStatus:
         """Inverse of `as_dict` (what `checkfree status ADDRESS` reads from /status)."""
         def peers(ps: list[dict]) -> tuple[PeerView, ...]:
-            return tuple(PeerView(p["peer_id"], PeerState(p["state"]), p.get("microbatches_per_s")) for p in ps)
+            return tuple(PeerView(p["peer_id"], PeerState(p["state"]), p.get("microbatches_per_s"), p.get("reach"))
+                         for p in ps)
 
         fields = {k: d[k] for k in cls.__dataclass_fields__}
         fields.update(stages=tuple(StageView(v["stage"], peers(v["peers"])) for v in d["stages"]),
@@ -152,7 +154,8 @@ def snapshot(coordinator: Coordinator, history: RunHistory) -> SwarmStatus:
         state = (PeerState.LEAVING if m is None or m.leaving else PeerState.SUSPECT if pid in c.members.reported
                  else PeerState.STANDBY if standby else PeerState.SERVING)
         speed = speeds.get(pid)
-        return PeerView(pid, state, speed if speed is not None and math.isfinite(speed) else None)
+        reach = getattr(c.rpc, "reach", {}).get(pid, {}).get("mode")
+        return PeerView(pid, state, speed if speed is not None and math.isfinite(speed) else None, reach)
 
     stages = tuple(StageView(s, tuple(view(p) for p in c.table.group(s))) for s in range(cfg.num_stages)) if cfg else ()
     if c.members.over is not None:
