@@ -124,8 +124,6 @@ class Assign(Request, tag_field="mode", kw_only=True):
     rpc = RPC.ASSIGN
     stage: int
     release: bool = False  # a stage group's replica lets its stage go first (it rebuilds another)
-    inject_delay: tuple[float, int] | None = None  # diagnostic: seconds per compute, from step (--chaos-slow)
-    chaos_die_after_pulls: int | None = None  # fault injection: SIGKILL itself after this many weight pulls
 
 
 class AssignFresh(Assign, tag="fresh", kw_only=True):
@@ -218,7 +216,6 @@ class RunStep(Request, kw_only=True):
     hops: list[list[str]] | None = None  # stage groups: the peer of every hop of every microbatch
     groups: dict[int, list[str]] | None = None  # stage groups: stage -> its replicas
     backup: BackupShare | None = None
-    chaos_die_after_forwards: int | None = None  # fault injection: a replica dies after this many forwards
 
 
 class StepDone(StepFigures, kw_only=True):
@@ -312,8 +309,6 @@ class Reduce(Request, kw_only=True):
     rank: int
     size: int
     store: str
-    buckets: int = 1
-    chaos_die_in_reduce: bool = False  # fault injection: die half-way through the buckets
 
 
 class Reduced(Message, kw_only=True):

@@ -16,12 +16,15 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from checkfree.net.transport import RemoteError, TransportError
 from checkfree.pipeline import Hop, edge_holders, plain_route, route
 from checkfree.messages import Backward, ComponentGrad, Forward, Ok, Pass, Report, RunStep, StepDone
+from checkfree.peer_hook import PassComputed, PassKind, PassStarting, PeerHook, StepStarted
 from checkfree.protocol import (
     STEP_TIMEOUT_MARK,
     STRAGGLER_MARK,
@@ -34,7 +37,6 @@ from checkfree.wirecodec import encode
 from peers.backups import Backups
 from peers.checks import check_activation, check_groups, check_hop, check_hops, check_sender
 from peers.compute import BACKWARD_FIRST, ComputeQueue
-from peers.debug import DebugHooks
 from peers.membership import Membership
 from peers.replicas import Replicas
 from peers.stage import HostedStage
@@ -45,14 +47,15 @@ __all__ = ["Passes"]
 log = logging.getLogger(__name__)
 
 
-
 class Passes:
     """The microbatches of the active step attempt passing through this peer's stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
-                 debug: DebugHooks, replicas: Replicas | None = None, backups: Backups | None = None) -> None:
-        self.net, self.hosted, self.steps, self.compute, self.debug = membership, hosted, steps, compute, debug
+                 replicas: Replicas | None = None, backups: Backups | None = None,
+                 hook: PeerHook | None = None) -> None:
+        self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
         self.replicas, self.backups = replicas, backups
+        self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
         self.t = membership.t
 
     # ---- handlers --------------------------------------------------------------------
@@ -74,7 +77,8 @@ class Passes:
             run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
-        self.debug.arm_step_kill(request)
+        if self.hook is not None:
+            self.hook(StepStarted(run.step, run.attempt, run.evaluate, run.remaining))
         run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage
                               and run.peer(mb, 0) == self.net.me]
         window = len(run.pending_starts)
@@ -235,7 +239,8 @@ class Passes:
             out = await self._guarded_forward(key, x, hop, targets)
             if run.grouped:  # (a redo's backward may be waiting for it)
                 run.event("forward", mb).set()
-            self.debug.computed(run)  # the peer's fault hook: a replica's death in the middle of a step
+            if self.hook is not None:
+                self.hook(PassComputed("forward", *key))
             if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
                 self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:
@@ -260,8 +265,8 @@ class Passes:
         uncorrectable fault fails the step with a SOFT_ERROR marker the coordinator counts."""
         for attempt in range(2):
             try:
-                return await self.compute.run(self.debug.slowed(self.hosted.worker.forward, key[0]), key, x, hop,
-                                              targets)
+                return await self.compute.run(self._observed(self.hosted.worker.forward, "forward", key), key, x,
+                                              hop, targets)
             except UncorrectableSoftError as e:
                 await self.compute.run(self.hosted.worker.drop_microbatch, key)
                 if attempt == 1:
@@ -276,8 +281,11 @@ class Passes:
                 await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
             if run.error is not None:  # (see _forward_task: its gradient would outlive the ABORT that dropped them)
                 return
-            grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
-                                              (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
+            key = (run.step, run.attempt, mb)
+            grad_in = await self.compute.run(self._observed(self.hosted.worker.backward, "backward", key), key, grad,
+                                             priority=BACKWARD_FIRST)
+            if self.hook is not None:
+                self.hook(PassComputed("backward", *key))
             if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost
                 run.keep_sent_grad(mb, grad_in)
             self._mb_done(run)
@@ -288,6 +296,19 @@ class Passes:
         except Exception as e:
             log.exception("backward of microbatch %d failed", mb)
             run.fail(f"backward of microbatch {mb} failed on stage {self.hosted.index}: {type(e).__name__}: {e}")
+
+    def _observed(self, compute: Callable[..., Any], kind: PassKind, key: tuple[int, int, int]) -> Callable[..., Any]:
+        """`compute` (a pass of microbatch `key`), preceded on the compute thread by the hook's PassStarting event
+        when the peer has a hook."""
+        hook = self.hook
+        if hook is None:
+            return compute
+
+        def observed(*args: Any, **kwargs: Any) -> Any:
+            hook(PassStarting(kind, *key))
+            return compute(*args, **kwargs)
+
+        return observed
 
     # ---- neighbours --------------------------------------------------------------------
     async def _send(self, run: StepRun, mb: int, idx: int, kind: type[Pass], tensor: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from checkfree.pipeline import Hop
 from checkfree.messages import Abort, Commit, Committed, LastCommit, Ok
+from checkfree.peer_hook import CommitTaken, PeerHook
 from checkfree.protocol import Kind, ProtocolError, Timeouts
 from checkfree.softerrors import guard_counts
 from checkfree.worker import InFlightPeak
@@ -185,8 +186,9 @@ class StepTracker:
     """The active step attempt of this peer, the newest one that ended, and COMMIT/ABORT."""
 
     def __init__(self, timeouts: Timeouts, hosted: HostedStage, compute: ComputeQueue,
-                 replicas: ReplicaHook | None = None) -> None:
+                 replicas: ReplicaHook | None = None, hook: PeerHook | None = None) -> None:
         self.t, self.hosted, self.compute, self.replicas = timeouts, hosted, compute, replicas
+        self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
         self.run: StepRun | None = None
         self.finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
         self.members: dict[str, int] = {}  # the peers of the newest attempt started here (peer -> stage)
@@ -252,6 +254,8 @@ class StepTracker:
     # ---- handlers --------------------------------------------------------------------
     async def on_commit(self, commit: Commit, tensors: list, peer) -> tuple[Committed, list]:
         """Clip and apply the optimizer step of the finished attempt; its omega for a later recovery."""
+        if self.hook is not None:
+            self.hook(CommitTaken(commit.step, commit.attempt))
         run = await self.current(commit.step, commit.attempt)
         if not run.ready():
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")

@@ -44,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
                    "off the network for one iteration")
     add_chaos_slow_argument(c)
+    add_peer_kill_argument(c)
     p.add_argument("--shutdown-peers", action=argparse.BooleanOptionalAction, default=True,
                    help="tell peers when the run ends (they print 'run finished' and exit unless started with "
                         "--stay); default on")
@@ -80,6 +81,14 @@ def add_chaos_slow_argument(p: argparse._ActionsContainer) -> None:
                    help="diagnostic: the peer of STAGE (every replica of its group) sleeps SECONDS before each forward "
                         "and backward from STEP on (default 0; a slow GPU); slower than --step-timeout, it is replaced "
                         "as a straggler; repeatable")
+
+
+def add_peer_kill_argument(p: argparse._ActionsContainer) -> None:
+    """--chaos-peer-kill, on `checkfree scheduler` and on `checkfree local` (which passes it on)."""
+    p.add_argument("--chaos-peer-kill", action="append", default=[], metavar="WHERE:ITERATION:STAGE[:REPLICA[:MB]]",
+                   help="(local swarm, peers started with --fault-hook) replica REPLICA (default 0) of STAGE SIGKILLs "
+                        "itself at iteration ITERATION: WHERE=forward|backward at its (MB+1)-th pass of that kind "
+                        "(default the first), WHERE=commit as it takes the step's COMMIT; repeatable")
 
 
 def _iterations(text: str, flag: str) -> frozenset[int]:
@@ -141,7 +150,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule | None:
     """The --chaos-* / --*-trace flags as a fault schedule (scheduler/injector.py); None when none is given."""
     from checkfree.failures import FailureSchedule, read_trace, read_trace_scopes
-    from scheduler.injector import FaultSchedule
+    from scheduler.injector import FaultSchedule, parse_peer_kill
 
     def trace(path: str | None) -> FailureSchedule | None:
         return FailureSchedule(read_trace(path, num_stages)) if path else None
@@ -153,5 +162,6 @@ def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule |
         recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
         rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
         slow=parse_slow(args.chaos_slow, num_stages), die_in_commit=args.chaos_die_in_commit,
-        die_at=args.chaos_die_at)
+        die_at=args.chaos_die_at,
+        peer_kills=tuple(parse_peer_kill(spec, num_stages) for spec in args.chaos_peer_kill))
     return None if schedule == FaultSchedule() else schedule

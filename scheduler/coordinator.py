@@ -77,7 +77,7 @@ class Coordinator:
         self.members = Membership(self.rpc, self.table, self.out, lambda: self.step,
                                   lambda stage: self.protection.held_by(stage) if self.cfg is not None else {})
         self.failover = Failover(opts, self.rpc, self.members, self.table, self.out)
-        self.hook = hook or _no_hook
+        self.hook = hook  # None in production: no fault hook is called
         self.cfg: RunConfig | None = None
         self._in_commit = False  # between a step's COMMIT and its record (a stop signal is deferred)
         self._stop_after_commit = False
@@ -109,7 +109,8 @@ class Coordinator:
         step = self.step  # 0, or where a takeover or a resume found the run
         while step < cfg.train.num_steps:
             self.step = step
-            await self.hook("iteration", self)
+            if self.hook is not None:
+                await self.hook("iteration", self)
             t0 = time.perf_counter()
             try:
                 results = await self._run_step(step)
@@ -164,7 +165,8 @@ class Coordinator:
                            "check the peers' logs (slow peers: raise --step-timeout)")
 
     async def _commit(self, step: int) -> dict[int, Committed | Exception]:
-        await self.hook("commit", self)
+        if self.hook is not None:
+            await self.hook("commit", self)
         return await self.driver.commit(step)
 
     def _record(self, step: int, results: dict[int, StepDone], commits: dict[int, Committed | Exception],
@@ -263,7 +265,8 @@ class Coordinator:
     async def run(self) -> dict:
         opts = self.opts
         pid = await self.rpc.start()
-        await self.hook("started", self)
+        if self.hook is not None:
+            await self.hook("started", self)
         announcer = watcher = summary = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
@@ -338,7 +341,3 @@ class Coordinator:
             await self.members.shutdown_peers(f"run {status}")
         await self.rpc.stop()
         return summary
-
-
-async def _no_hook(point: str, coordinator: Coordinator) -> None:
-    """No faults (production)."""

@@ -10,11 +10,14 @@ The injector acts in two places, both outside the coordinator's logic:
   tier of `FaultSchedule.handler`, and awaited; with --chaos-die-at, the launcher SIGKILLs the coordinator's process
   group first, and the coordinator that takes over fires the iteration's faults), "commit" (--chaos-die-in-commit:
   half the stages commit, then the launcher SIGKILLs the coordinator's process group);
-* at the SEND point of the coordinator's transport (`crossing`): a request leaves with the fields a peer acts on
-  (its one hook, peers/debug.py): a replica dies after its first forward of a step (RUN_STEP) or half-way through
-  the gradient all-reduce (REDUCE; every member of its group then reduces in two buckets); the replacement chosen
+* at the SEND point of the coordinator's transport (`crossing`), before a request leaves: the peer it goes to is
+  armed through the control channel of its fault hook (checkfree.peer_faults; a peer started with --fault-hook,
+  or the in-process tier's), never through a field of the request: a replica dies after its first forward of a
+  step (RUN_STEP) or half-way through the gradient all-reduce (REDUCE); a scheduled peer dies at its (mb+1)-th
+  forward or backward pass of an iteration (RUN_STEP, --chaos-peer-kill forward|backward); the replacement chosen
   at an iteration dies after its first weight pull, or is killed as its ASSIGN leaves (recover, promote); a
-  slowed stage's peers compute slowly (ASSIGN fresh, load, replica).
+  slowed stage's peers compute slowly (ASSIGN fresh, load, replica). At "commit", a scheduled peer is armed to die
+  as it takes the COMMIT (--chaos-peer-kill commit).
 
 The CHAOS line protocol the launcher reads (`chaos_line`, `parse_chaos_line`) is written and read here only.
 """
@@ -33,15 +36,19 @@ from checkfree.failures import FailureSchedule
 from checkfree.messages import (AssignFresh, AssignLoad, AssignPromote, AssignRecover, AssignReplica, Commit, Reduce,
                                 RunStep, check_request)
 from checkfree.net.faulty import Crossing, FaultyTransport, Point
+from checkfree.peer_faults import Arm, DieAfterPasses, DieAfterPulls, DieAtCommit, DieInReduce, Slow, arm_peer
+from scheduler.common import CALL_ERRORS
 
 if TYPE_CHECKING:
     from scheduler.coordinator import Coordinator
 
-__all__ = ["FaultSchedule", "Injector", "chaos_line", "parse_chaos_line"]
+__all__ = ["FaultSchedule", "PeerKill", "Injector", "chaos_line", "parse_chaos_line", "parse_peer_kill"]
 
 # The launcher protocol: the coordinator prints one line per request, `CHAOS <action> key=value ...`; the
 # launcher acts (and, for a partition, acknowledges on stdin).
-CHAOS_ACTIONS = ("kill", "crash", "rebuild-kill", "replica-kill", "term", "partition", "heal", "coordinator-dies")
+CHAOS_ACTIONS = ("kill", "crash", "rebuild-kill", "replica-kill", "self-kill", "term", "partition", "heal",
+                 "coordinator-dies")
+PEER_KILLS = ("forward", "backward", "commit")  # where a --chaos-peer-kill lands
 
 log = logging.getLogger("scheduler.coordinator")
 
@@ -60,6 +67,31 @@ def parse_chaos_line(line: str) -> tuple[str, dict[str, str]] | None:
     return parts[1], dict(p.split("=", 1) for p in parts[2:] if "=" in p)
 
 
+@dataclass(frozen=True)
+class PeerKill:
+    """Replica `replica` (modulo its group's size) of `stage` dies at iteration `iteration`: at its (mb+1)-th forward
+    or backward pass (modulo the passes it computes), or as it takes the COMMIT."""
+
+    during: str  # forward | backward | commit
+    iteration: int
+    stage: int
+    replica: int = 0
+    mb: int = 0
+
+
+def parse_peer_kill(spec: str, num_stages: int) -> PeerKill:
+    """`forward|backward|commit:ITERATION:STAGE[:REPLICA[:MB]]` (--chaos-peer-kill)."""
+    parts = spec.strip().split(":")
+    try:
+        numbers = [int(x) for x in parts[1:]]
+    except ValueError:
+        numbers = []
+    if parts[0] not in PEER_KILLS or not 2 <= len(numbers) <= 4 or min(numbers) < 0 or numbers[1] >= num_stages:
+        raise ValueError(f"--chaos-peer-kill {spec!r}: expected forward|backward|commit:ITERATION:STAGE[:REPLICA[:MB]] "
+                         f"with STAGE < {num_stages}")
+    return PeerKill(parts[0], *numbers)
+
+
 @dataclass(kw_only=True)
 class FaultSchedule:
     """What the injector does to a run, by iteration (executed steps, re-runs after a rollback included: the
@@ -73,6 +105,7 @@ class FaultSchedule:
     rebuild_kills: frozenset[int] = frozenset()  # ...or have it SIGKILL itself after its first weight pull
     partition: FailureSchedule | None = None  # (--netns) cut these (step, stage) peers off the network
     slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
+    peer_kills: tuple[PeerKill, ...] = ()  # peers armed to die mid-forward, mid-backward or mid-commit
     die_in_commit: int | None = None  # SIGKILL the coordinator's process group half-way through this step's commit
     # ...or as the iteration that runs this step starts (a partition of the last iteration healed, nothing of this
     # one fired: the coordinator that takes over fires it, so each fault fires once)
@@ -95,16 +128,23 @@ class Injector:
         self._stdin: asyncio.StreamReader | None = None  # the launcher's acknowledgements
         self._die_mid_step: dict[str, int] = {}  # replica -> step it dies in (after its first forward)
         self._die_in_reduce: dict[str, int] = {}  # replica -> step it dies in (half-way through the reduce)
+        self._peer_kills = list(schedule.peer_kills)  # not armed yet
+        self._inner = None  # the coordinator's transport inside the FaultyTransport (arms go through it)
 
     # ---- the coordinator's hook ------------------------------------------------------------
     async def __call__(self, point: str, coordinator: Coordinator) -> None:
         self.c = coordinator
         if point == "started":
-            coordinator.rpc.wrap(lambda t: FaultyTransport(t, self.crossing))
+            coordinator.rpc.wrap(self._wrap)
         elif point == "iteration":
             await self._at_iteration(coordinator.iteration)
         elif point == "commit":
+            await self._arm_commit_kills(coordinator.step)
             await self._in_commit(coordinator.step)
+
+    def _wrap(self, transport: object) -> FaultyTransport:
+        self._inner = transport
+        return FaultyTransport(transport, self.crossing)
 
     async def _at_iteration(self, iteration: int) -> None:
         """Ask the launcher to SIGKILL, SIGTERM or cut off the network (--netns) the scheduled stages' peers, then
@@ -152,6 +192,39 @@ class Injector:
             await self._wait_dead(p)
             self.c.members.suspect(p)
 
+    async def _arm_commit_kills(self, step: int) -> None:
+        """--chaos-peer-kill commit: the scheduled peers of this iteration die as they take its COMMIT."""
+        for kill in self._due("commit"):
+            pid = self._victim(kill)
+            if pid is not None:
+                self._self_kill(kill, pid)
+                await self._arm(pid, DieAtCommit(step=step))
+
+    def _due(self, *during: str) -> list[PeerKill]:
+        """The peer kills of the current iteration landing `during`, taken off the schedule."""
+        due = [k for k in self._peer_kills if k.during in during and k.iteration == self.iteration]
+        self._peer_kills = [k for k in self._peer_kills if k not in due]
+        return due
+
+    def _victim(self, kill: PeerKill) -> str | None:
+        group = self.c.table.group(kill.stage)
+        return group[kill.replica % len(group)] if group else None
+
+    def _self_kill(self, kill: PeerKill, pid: str) -> None:
+        """A peer armed to kill itself: recorded, and (local swarm) the launcher told to start a spare."""
+        fields = dict(step=kill.iteration, stage=kill.stage, peer=pid, during=kill.during)
+        self.c.out.event("chaos_kill", step=kill.iteration, stage=kill.stage, peer_id=pid, during=kill.during)
+        if self.s.handler is None:
+            print(chaos_line("self-kill", **fields), flush=True)
+
+    async def _arm(self, pid: str, arm: Arm) -> None:
+        """Arm `pid`'s fault hook through its control channel before the request that reaches it leaves. A peer
+        with no hook cannot be armed: an error line, and the fault does not happen."""
+        try:
+            await arm_peer(self._inner, pid, arm, self.c.rpc.t.rpc_timeout)
+        except CALL_ERRORS as e:
+            log.error("fault not armed on peer %s (%s): %s; was it started with --fault-hook?", pid, arm, e)
+
     def _arm_replica_kill(self, step: int, stage: int, pid: str, during: str) -> None:
         """Stage groups: replica `pid` of `stage` SIGKILLs itself in this step, after its first forward (`during`
         "step") or half-way through the gradient all-reduce ("reduce"); the launcher starts a fresh spare."""
@@ -182,45 +255,53 @@ class Injector:
 
     # ---- the coordinator's transport ---------------------------------------------------------
     async def crossing(self, c: Crossing) -> dict | None:
-        """A request the coordinator sends (SEND): the fields the scheduled faults add to it, or None."""
+        """A request the coordinator sends (SEND): the peer it goes to armed first, if a fault says so. The request
+        itself goes on unchanged (None)."""
         if c.point is not Point.SEND or c.rpc not in (AssignFresh.rpc, RunStep.rpc, Reduce.rpc):
             return None
         request = check_request(c.rpc, {**c.header})
         if isinstance(request, RunStep):
-            fields = self._step_fields(c.other, request)
+            arms = self._step_arms(c.other, request)
         elif isinstance(request, Reduce):
-            fields = self._reduce_fields(c.other, request)
+            arms = self._reduce_arms(c.other, request)
         else:
-            fields = await self._assign_fields(c.other, request)
-        return {**c.header, **fields} if fields else None
+            arms = await self._assign_arms(c.other, request)
+        for arm in arms:
+            await self._arm(c.other, arm)
+        return None
 
-    def _step_fields(self, pid: str, run_step: RunStep) -> dict:
-        """A replica armed to die mid-step is told so in its RUN_STEP of that step."""
-        if run_step.evaluate or self._die_mid_step.get(pid) != run_step.step:
-            return {}
-        del self._die_mid_step[pid]
-        return {"chaos_die_after_forwards": 1}
+    def _step_arms(self, pid: str, run_step: RunStep) -> list[Arm]:
+        """A replica armed to die mid-step dies after its first forward of that step; a peer scheduled to die at a
+        pass of this iteration (--chaos-peer-kill forward|backward), at that pass."""
+        if run_step.evaluate:
+            return []
+        arms: list[Arm] = []
+        if self._die_mid_step.get(pid) == run_step.step:
+            del self._die_mid_step[pid]
+            arms.append(DieAfterPasses(pass_kind="forward", step=run_step.step))
+        for kill in [k for k in self._peer_kills if k.during != "commit" and k.iteration == self.iteration]:
+            if self._victim(kill) == pid:
+                self._peer_kills.remove(kill)
+                self._self_kill(kill, pid)
+                arms.append(DieAfterPasses(pass_kind=kill.during, step=run_step.step, mb=kill.mb))
+        return arms
 
-    def _reduce_fields(self, pid: str, reduce: Reduce) -> dict:
-        """A replica armed to die mid-reduce dies after the first of two buckets; its group reduces in two."""
-        group = self.c.table.group(self.c.table.stage_of(pid))
-        victim = next((p for p in group if self._die_in_reduce.get(p) == reduce.step), None)
-        if victim is None:
-            return {}
-        if pid == victim:
-            del self._die_in_reduce[pid]
-            return {"buckets": 2, "chaos_die_in_reduce": True}
-        return {"buckets": 2}
+    def _reduce_arms(self, pid: str, reduce: Reduce) -> list[Arm]:
+        """A replica armed to die mid-reduce dies after the first bucket of the step's all-reduce."""
+        if self._die_in_reduce.get(pid) != reduce.step:
+            return []
+        del self._die_in_reduce[pid]
+        return [DieInReduce(step=reduce.step, attempt=reduce.attempt)]
 
-    async def _assign_fields(self, pid: str, assign: object) -> dict:
+    async def _assign_arms(self, pid: str, assign: object) -> list[Arm]:
         """ASSIGN: a slowed stage's new peer computes slowly (--chaos-slow); the replacement chosen at a scheduled
-        iteration is killed now (--chaos-recovery-kills: its ASSIGN then fails, the next standby is tried) or told
-        to SIGKILL itself after its first weight pull (--chaos-rebuild-kills)."""
+        iteration is killed now (--chaos-recovery-kills: its ASSIGN then fails, the next standby is tried) or
+        SIGKILLs itself after its first weight pull (--chaos-rebuild-kills)."""
         if isinstance(assign, (AssignFresh, AssignLoad, AssignReplica)):
             slow = self.s.slow.get(assign.stage)
-            return {} if slow is None else {"inject_delay": list(slow)}
+            return [] if slow is None else [Slow(seconds=slow[0], from_step=slow[1])]
         if not isinstance(assign, (AssignRecover, AssignPromote)) or self.iteration in self._recovery_killed:
-            return {}
+            return []
         it, stage = self.iteration, assign.stage
         if it in self.s.recovery_kills:
             self._recovery_killed.add(it)
@@ -229,8 +310,8 @@ class Injector:
         elif it in self.s.rebuild_kills:
             self._recovery_killed.add(it)
             print(chaos_line("rebuild-kill", step=it, stage=stage, peer=pid), flush=True)
-            return {"chaos_die_after_pulls": 1}
-        return {}
+            return [DieAfterPulls(pulls=1)]
+        return []
 
     # ---- the launcher -----------------------------------------------------------------------
     async def _ask(self, action: str, *, ack: bool = False, **fields: object) -> None:

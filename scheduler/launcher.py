@@ -201,7 +201,7 @@ class LocalSwarm:
                     action, fields = chaos
                     if action in ("kill", "crash"):
                         self.kill_peer(fields["peer"], group=action == "kill")
-                    elif action in ("rebuild-kill", "replica-kill"):  # it kills itself mid-rebuild / mid-step
+                    elif action in ("rebuild-kill", "replica-kill", "self-kill"):  # it kills itself (its hook)
                         self.kills += 1
                         self.start_peer()
                     elif action == "term":
