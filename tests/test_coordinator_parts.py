@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -380,17 +379,6 @@ def test_a_plan_is_a_value_the_strategy_returns(tiny_cfg):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_faults_come_from_outside():
-    """No fault schedule in the coordinator or the step path: the schedule is scheduler/injector.py's (its
-    FaultSchedule), acted out at the coordinator's one hook point and around its transport."""
-    from scheduler.injector import FaultSchedule
-
-    for path in ("scheduler/coordinator.py", "scheduler/steps.py", "scheduler/recovery.py", "peers/passes.py"):
-        assert "chaos" not in (ROOT / path).read_text(), path
-    options = {f.name for f in dataclasses.fields(CoordinatorOptions)}
-    assert not options & {f.name for f in dataclasses.fields(FaultSchedule)} and not any("chaos" in o for o in options)
 
 
 def test_messages_are_read_as_types():
