@@ -238,7 +238,6 @@ class Membership:
         or state changes (a new coordinator taking over reads a stage from it), until cancelled."""
         key, me = members_key(self.run_id), self.me
         while True:
-            self.hosted.changed.clear()
             try:
                 value = {"stage": self.hosted.index, "state": self.hosted.state.value}
                 await announce(self.dht, key, me, sign_record(self.secret, self.run_id, "member", me, value,
@@ -246,9 +245,7 @@ class Membership:
                                self.t.heartbeat_ttl)
             except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.hosted.changed.wait(),
-                                       self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
+            await self.hosted.changes(self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
 
     async def watch_coordinator(self, limit: float) -> bool:
         """Return True once no coordinator has been heard from for `limit` seconds (False once the

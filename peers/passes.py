@@ -182,7 +182,7 @@ class Passes:
         start here, before it waited for its step's RUN_STEP)."""
         sent = request.sent
         if self.net.wan is not None and isinstance(sent, float) and math.isfinite(sent):
-            run.arrivals.setdefault(src, []).append(arrived - sent)
+            run.arrived(src, arrived - sent)
 
     # ---- the step's microbatches -------------------------------------------------------
     def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
@@ -199,27 +199,23 @@ class Passes:
         return data.batch(run.step, mb)
 
     def _start_next(self, run: StepRun) -> None:
-        while run.pending_starts:
-            mb = run.pending_starts.pop(0)
-            if mb not in run.started:  # (a redo may have started it)
-                self._spawn(run, self._forward_task(run, mb, 0, None))
-                return
+        mb = run.next_start()
+        if mb is not None:
+            self._spawn(run, self._forward_task(run, mb, 0, None))
 
     @staticmethod
     def _spawn(run: StepRun, coro) -> None:
-        task = asyncio.create_task(coro)
-        run.tasks.add(task)
-        task.add_done_callback(run.tasks.discard)
+        run.track(asyncio.create_task(coro))
 
     def _mb_done(self, run: StepRun) -> None:
         if run.microbatch_done():
             worker = self.hosted.worker
             if self.hosted.plus and not run.evaluate and not run.grouped:
                 run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
-            run.done.set()
+            run.finish()
 
     async def _forward_task(self, run: StepRun, mb: int, idx: int, x: torch.Tensor | None) -> None:
-        run.started.add(mb)
+        run.forward_started(mb)
         try:
             hop = run.routes[mb][idx]
             inputs, targets = self._batch(run, mb) if (hop.embed or hop.head) else (None, None)
@@ -238,7 +234,7 @@ class Passes:
                 return  # (asyncio.wait_for in Python 3.11); nothing of an ended attempt may reach the stage
             out = await self._guarded_forward(key, x, hop, targets)
             if run.grouped:  # (a redo's backward may be waiting for it)
-                run.event("forward", mb).set()
+                run.mark("forward", mb)
             if self.hook is not None:
                 self.hook(PassComputed("forward", *key))
             if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
@@ -274,7 +270,7 @@ class Passes:
                 log.warning("uncorrectable soft error, recomputing microbatch %s: %s", key, e)
 
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
-        run.backwarded.add(mb)
+        run.backward_started(mb)
         try:
             if run.grouped and not run.event("forward", mb).is_set():
                 # a redo: the next hop's replica sent its gradient before this peer recomputed the forward

@@ -65,6 +65,12 @@ class HostedStage:
         self._state = state
         self.changed.set()
 
+    async def changes(self, timeout: float) -> None:
+        """Until the stage or state changes, or `timeout` seconds pass (the change seen is consumed)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        self.changed.clear()
+
     @property
     def index(self) -> int:
         """The hosted stage, -1 while standing by."""

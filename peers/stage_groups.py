@@ -134,7 +134,7 @@ class StageGroup:
         worker = self.hosted.worker
         if self.hosted.plus:  # the group's sums, which the partner stage's COMPONENT_GRAD waits for
             run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
-        run.reduced.set()
+        run.reduce_succeeded()
         if self.hosted.plus:
             await self.passes._sync_components(run)
             if run.error is not None:

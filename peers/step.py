@@ -80,6 +80,37 @@ class StepRun:
     def event(self, kind: str, mb: int) -> asyncio.Event:
         return self.events.setdefault((kind, mb), asyncio.Event())
 
+    def mark(self, kind: str, mb: int) -> None:
+        """`kind` ("forward", "sent") happened for microbatch `mb`: what waits for it goes on."""
+        self.event(kind, mb).set()
+
+    def track(self, task: asyncio.Task) -> None:
+        """A task of this attempt (ended with it), until it is done."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def next_start(self) -> int | None:
+        """The next first-hop microbatch to start here (None: all started)."""
+        while self.pending_starts:
+            mb = self.pending_starts.pop(0)
+            if mb not in self.started:  # (a redo may have started it)
+                return mb
+        return None
+
+    def forward_started(self, mb: int) -> None:
+        self.started.add(mb)
+
+    def backward_started(self, mb: int) -> None:
+        self.backwarded.add(mb)
+
+    def arrived(self, src: int, delay: float) -> None:
+        """A pass from stage `src` took `delay` seconds one way (an emulated WAN)."""
+        self.arrivals.setdefault(src, []).append(delay)
+
+    def finish(self) -> None:
+        """Every microbatch of this peer's is done."""
+        self.done.set()
+
     def microbatch_done(self) -> bool:
         """One microbatch of this peer's finished its backward here; whether it was the last."""
         self.remaining -= 1
@@ -91,7 +122,7 @@ class StepRun:
     def keep_sent(self, mb: int, activation: torch.Tensor) -> None:
         """The activation this peer sent on for `mb` (a sibling's redo may ask for it: GET_PASS)."""
         self.sent[mb] = activation
-        self.event("sent", mb).set()
+        self.mark("sent", mb)
 
     def keep_sent_grad(self, mb: int, grad: torch.Tensor | None) -> None:
         self.sent_grad[mb] = grad
@@ -107,6 +138,10 @@ class StepRun:
         """A REDUCE of this attempt starts (again): a COMPONENT_GRAD waits for its end."""
         self.reduced.clear()
         self.reduce_error = None
+
+    def reduce_succeeded(self) -> None:
+        """This peer's REDUCE summed the group's gradients: a COMPONENT_GRAD waiting for the sums goes on."""
+        self.reduced.set()
 
     def reduce_failed(self, message: str) -> None:
         """This peer's REDUCE failed: a COMPONENT_GRAD waiting for its sums is refused now (a retry may sum)."""
