@@ -1,4 +1,4 @@
-"""Types and constants shared by the parts of the coordinator (scheduler/coordinator.py and its mixins)."""
+"""Types and constants shared by the parts of the coordinator (scheduler/coordinator.py and the parts it wires)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from checkfree.net.transport import RemoteError, TransportError
 from checkfree.messages import Committed, StepFigures, as_record
 from checkfree.protocol import Timeouts
 
-__all__ = ["CoordinatorOptions", "Hook", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS",
+__all__ = ["CoordinatorOptions", "Hook", "Member", "CoordinatorAlive", "RunClock", "Rollback", "CALL_ERRORS",
            "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures", "COMMIT_FIGURES", "commit_figures"]
 
 CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
@@ -20,6 +20,34 @@ CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
 # iteration starts) and "commit" (before a step's COMMIT); None in production (faults from outside:
 # scheduler/injector.py)
 Hook = Callable[[str, Any], Awaitable[None]]
+
+
+class RunClock:
+    """Where the run is: the step being run, and the iterations executed (re-runs after a rollback included: the
+    simulator's failure clock and the fault schedules'). The coordinator's training loop moves it; its parts read
+    it (an event's step, STATUS)."""
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._iteration = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def iteration(self) -> int:
+        return self._iteration
+
+    def at(self, step: int, iteration: int | None = None) -> None:
+        """The run is at `step` (and, if given, at `iteration`)."""
+        self._step = step
+        if iteration is not None:
+            self._iteration = iteration
+
+    def executed(self) -> None:
+        """One more iteration has been executed (a step committed)."""
+        self._iteration += 1
 
 
 class Rollback(Exception):

@@ -26,6 +26,7 @@ from scheduler.common import (CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, Coordinat
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.protection import Protection
+from scheduler.retirement import Retirement
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
 from scheduler.steps import StepDriver
@@ -71,9 +72,10 @@ class Resumed:
 class Failover:
     """A standby coordinator's watch, and the takeover of a run from its peers."""
 
-    def __init__(self, opts: CoordinatorOptions, rpc: Rpc, membership: Membership, table: StageTable,
-                 outputs: Outputs) -> None:
+    def __init__(self, opts: CoordinatorOptions, rpc: Rpc, membership: Membership, retirement: Retirement,
+                 table: StageTable, outputs: Outputs) -> None:
         self.opts, self.rpc, self.members, self.table, self.out = opts, rpc, membership, table, outputs
+        self.retirement = retirement
         self.t, self.run_id, self.secret = rpc.t, rpc.run_id, rpc.secret
         self.cut_off: dict[str, int] = {}  # peer -> stage its heartbeat named, which never answered the ADOPT
 
@@ -191,7 +193,7 @@ class Failover:
         if events is not None and events.exists():
             named = {e.get("peer_id") for e in read_jsonl(events) if e.get("event") in OUT_OF_THE_RUN}
         for pid, stage in sorted(self.cut_off.items()):
-            self.members.stray(pid)
+            self.retirement.stray(pid)
             log.warning("peer %s of stage %d did not answer the takeover: it is out of the run", pid, stage)
             if cfg.train.stage_groups and stage in self.table.served() and pid not in named:
                 self.out.event("replica_lost", step=step, stage=stage, peer_id=pid, reason="cut off at the takeover",

@@ -137,10 +137,15 @@ class Injector:
         if point == "started":
             coordinator.rpc.wrap(self._wrap)
         elif point == "iteration":
-            await self._at_iteration(coordinator.iteration)
+            await self._at_iteration(coordinator.view().iteration)
         elif point == "commit":
-            await self._arm_commit_kills(coordinator.step)
-            await self._in_commit(coordinator.step)
+            step = coordinator.view().step
+            await self._arm_commit_kills(step)
+            await self._in_commit(step)
+
+    def _group(self, stage: int) -> tuple[str, ...]:
+        """The peers of `stage` now, the primary first (the coordinator's view; empty: nobody serves it)."""
+        return self.c.view().groups.get(stage, ())
 
     def _wrap(self, transport: object) -> FaultyTransport:
         self._inner = transport
@@ -160,8 +165,9 @@ class Injector:
             await self._ask("heal", step=iteration, peer=pid)
             out.event("chaos_heal", step=iteration, peer_id=pid)
         self._partitioned.clear()
-        if s.die_at is not None and self.c.step == s.die_at:
-            await self._die(step=self.c.step)
+        step = self.c.view().step
+        if s.die_at is not None and step == s.die_at:
+            await self._die(step=step)
         for stage, pid in self._scheduled(s.partition, iteration):
             out.event("chaos_partition", step=iteration, stage=stage, peer_id=pid)
             await self._ask("partition", ack=True, step=iteration, stage=stage, peer=pid)  # detection: timeouts
@@ -170,17 +176,17 @@ class Injector:
             for stage, pid in self._scheduled(schedule, iteration):  # crash: the training process alone
                 await self._kill(action, schedule, iteration, stage, pid)
         for stage, _ in self._scheduled(s.reduce_kills, iteration):
-            if len(group := self.c.table.group(stage)) > 1:
+            if len(group := self._group(stage)) > 1:
                 self._arm_replica_kill(iteration, stage, group[-1], "reduce")
         for stage, pid in self._scheduled(s.preempt, iteration):
             await self._ask("term", step=iteration, stage=stage, peer=pid)
-            deadline = time.monotonic() + self.c.rpc.t.rpc_timeout
-            while not self.c.members.leaving(pid) and time.monotonic() < deadline:
+            deadline = time.monotonic() + self.c.view().timeouts.rpc_timeout
+            while pid not in self.c.view().members.leaving and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the preempted peer announces its leave
 
     async def _kill(self, action: str, schedule: FailureSchedule, iteration: int, stage: int, pid: str) -> None:
         """A scheduled kill of `stage`'s peer; in a stage group one replica mid-step, or (`all`) every one now."""
-        group, whole = self.c.table.group(stage), {}
+        group, whole = self._group(stage), {}
         if action == "kill" and len(group) > 1:
             if not schedule.all_of(iteration, stage):
                 self._arm_replica_kill(iteration, stage, group[-1], "step")
@@ -207,7 +213,7 @@ class Injector:
         return due
 
     def _victim(self, kill: PeerKill) -> str | None:
-        group = self.c.table.group(kill.stage)
+        group = self._group(kill.stage)
         return group[kill.replica % len(group)] if group else None
 
     def _self_kill(self, kill: PeerKill, pid: str) -> None:
@@ -221,7 +227,7 @@ class Injector:
         """Arm `pid`'s fault hook through its control channel before the request that reaches it leaves. A peer
         with no hook cannot be armed: an error line, and the fault does not happen."""
         try:
-            await arm_peer(self._inner, pid, arm, self.c.rpc.t.rpc_timeout)
+            await arm_peer(self._inner, pid, arm, self.c.view().timeouts.rpc_timeout)
         except CALL_ERRORS as e:
             log.error("fault not armed on peer %s (%s): %s; was it started with --fault-hook?", pid, arm, e)
 
@@ -243,9 +249,10 @@ class Injector:
         if step != self.s.die_in_commit:
             return
         c = self.c
-        half = c.table.served()[: c.cfg.num_stages // 2]
-        commit = Commit(step=step, attempt=c.driver.last_attempt)
-        await asyncio.gather(*(c.rpc.call(c.table.peer(s), commit, c.rpc.t.rpc_timeout) for s in half))
+        view = c.view()
+        half = sorted(view.groups)[: view.cfg.num_stages // 2]
+        commit = Commit(step=step, attempt=view.last_attempt)
+        await asyncio.gather(*(c.rpc.call(view.groups[s][0], commit, view.timeouts.rpc_timeout) for s in half))
         await self._die(step=step, committed=",".join(map(str, half)))
 
     async def _die(self, **fields: object) -> None:
@@ -331,17 +338,18 @@ class Injector:
             self._stdin = asyncio.StreamReader()
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self._stdin), sys.stdin)
         try:
-            await asyncio.wait_for(self._stdin.readline(), self.c.rpc.t.rpc_timeout)
+            await asyncio.wait_for(self._stdin.readline(), self.c.view().timeouts.rpc_timeout)
         except asyncio.TimeoutError:
             log.warning("no acknowledgement from the launcher within rpc_timeout; going on")
 
     async def _wait_dead(self, pid: str) -> None:
         """Until a peer the launcher was asked to kill stops answering (bounded by join_timeout)."""
-        deadline = time.monotonic() + self.c.rpc.t.join_timeout
+        deadline = time.monotonic() + self.c.view().timeouts.join_timeout
         while await self.c.rpc.alive(pid) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     def _scheduled(self, schedule: FailureSchedule | None, step: int) -> list[tuple[int, str]]:
         """(stage, peer) of the stages `schedule` names at `step` that have a peer."""
         stages = sorted(schedule.at(step)) if schedule else []
-        return [(s, self.c.table.peer(s)) for s in stages if s in self.c.table.served()]
+        groups = self.c.view().groups
+        return [(s, groups[s][0]) for s in stages if s in groups]

@@ -40,6 +40,16 @@ class Outputs:
         self.writer = RunWriter(self.opts.out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step, resume=resume,
                                 tensorboard=self.opts.tensorboard)
 
+    @property
+    def opened(self) -> bool:
+        """Whether the run directory is open (the run's config is known and the run has started)."""
+        return self.writer is not None
+
+    def metric(self, record: dict) -> None:
+        """One step's line in metrics.jsonl."""
+        assert self.writer is not None, "the run directory is not open"
+        self.writer.metric(record)
+
     def event(self, event: str, **fields) -> None:
         """One line in events.jsonl (none before the run directory is open)."""
         if self.writer is not None:

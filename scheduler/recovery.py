@@ -27,6 +27,7 @@ from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.placement import Placement
 from scheduler.protection import Protection
+from scheduler.retirement import Retirement
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
 
@@ -47,9 +48,10 @@ class Recovery:
     """Carries out the strategy's recovery plans on the peers."""
 
     def __init__(self, cfg: RunConfig, strategy: Strategy, rpc: Rpc, table: StageTable, membership: Membership,
-                 placement: Placement, protection: Protection, outputs: Outputs) -> None:
+                 retirement: Retirement, placement: Placement, protection: Protection, outputs: Outputs) -> None:
         self.cfg, self.strategy, self.rpc, self.table = cfg, strategy, rpc, table
-        self.members, self.placement, self.protection, self.out = membership, placement, protection, outputs
+        self.members, self.retirement, self.placement, self.protection, self.out = (membership, retirement, placement,
+                                                                                    protection, outputs)
         self.t = rpc.t
 
     async def recover(self, step: int, failed: set[int]) -> None:
@@ -70,7 +72,7 @@ class Recovery:
                 for p in gone:
                     self.members.drop(p)
                 self.out.event("failure", step=step, stage=s, strategy=strategy, peer_id=gone[0] if gone else None)
-            await self.members.retire()
+            await self.retirement.retire()
             self.strategy.interrupted()
             copies = self.protection.lost(failed)
             plan = self.strategy.recovery_plan(Failure(step, frozenset(failed), copies))

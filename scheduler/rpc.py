@@ -1,19 +1,23 @@
-"""The coordinator's end of the wire: its DHT and RPC transport, the requests of its run to peers, and the
-peers' heartbeats. Every other part of the coordinator calls peers through this one."""
+"""The coordinator's end of the wire: its DHT and RPC transport, the requests of its run to peers, the peers'
+heartbeats and the coordinator's own record in the DHT. Every other part of the coordinator calls peers through
+this one."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok
-from checkfree.net.transport import live_members_async, sign_requests, start_transport, stop_transport
+from checkfree.net.transport import announce, live_members_async, sign_requests, start_transport, stop_transport
 from checkfree.messages import Adopt, Adopted, Ping, Request, reply_of, request
-from checkfree.protocol import members_key
+from checkfree.protocol import coordinator_key, coordinator_record, members_key
 from scheduler.common import CALL_ERRORS, CoordinatorOptions
 
 __all__ = ["Rpc"]
+
+log = logging.getLogger("scheduler.coordinator")
 
 
 class Rpc:
@@ -86,3 +90,14 @@ class Rpc:
         found = await live_members_async(self.dht, members_key(self.run_id)) or {}
         return {p: v for p, v in found.items() if record_ok(self.secret, self.run_id, "member", p, v)}
 
+    async def announce(self) -> None:
+        """The coordinator's record in the DHT, refreshed every heartbeat_ttl until cancelled."""
+        while True:
+            try:
+                await announce(self.dht, coordinator_key(self.run_id), "main",
+                               coordinator_record(self.secret, self.run_id, self.me, self.kind,
+                                                  ttl=self.t.heartbeat_ttl * 3),
+                               ttl=self.t.heartbeat_ttl * 3)
+            except Exception as e:
+                log.warning("announcing the coordinator failed: %r", e)
+            await asyncio.sleep(self.t.heartbeat_ttl)

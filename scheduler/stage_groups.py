@@ -17,7 +17,8 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from msgspec.structs import replace
 
@@ -48,7 +49,7 @@ class GroupSteps:
         self.on_error = on_error  # what a replica's failed RUN_STEP says (the step driver's rule, as for a stage)
         self.abort = abort  # ABORT on every peer of the step
         self.host_maddrs = host_maddrs
-        self.speeds: dict[str, float] = {}  # peer -> microbatches per second of computing, last measured
+        self._speeds: dict[str, float] = {}  # peer -> microbatches per second of computing, last measured
         self.rerouted = 0  # microbatches moved to a sibling, this run
         self._rerouting: dict[str, tuple[int, float]] = {}  # sibling -> (stage, when it got a lost replica's work)
         self._store = None  # the TCPStore the groups' gloo collectives meet at (made on first use)
@@ -60,7 +61,11 @@ class GroupSteps:
         for p, r in replies.items():
             n, busy = r.microbatches, r.computing_s
             if n > 0 and busy > 0 and math.isfinite(busy):
-                self.speeds[p] = n / busy if p not in self.speeds else 0.5 * (self.speeds[p] + n / busy)
+                self._speeds[p] = n / busy if p not in self._speeds else 0.5 * (self._speeds[p] + n / busy)
+
+    def speeds(self) -> Mapping[str, float]:
+        """Each replica's measured speed, microbatches per second (read-only)."""
+        return MappingProxyType(self._speeds)
 
     def _store_address(self) -> str:
         """host:port of the TCPStore every group's gloo collective meets at (started on first use)."""
@@ -79,12 +84,12 @@ class GroupSteps:
         replicas' microbatches moved to siblings on the way, then REDUCE in every group. None: the attempt was
         aborted (a whole stage lost, or an error that is not a lost replica); its failures are noted for detection."""
         groups = {s: self.table.group(s) for s in range(self.cfg.num_stages)}
-        hops = hop_table(request.routes, groups, self.speeds)
+        hops = hop_table(request.routes, groups, self._speeds)
         base = replace(request, hops=hops, groups=groups)
         replies: dict[str, StepDone] = {}
         timeout = self.t.step_timeout + self.t.rpc_timeout
         tasks = {asyncio.create_task(self.rpc.call(pid, base, timeout)): pid for g in groups.values() for pid in g}
-        self.members.reports.clear()
+        self.members.take_reports()  # (those before this attempt are seen)
         ok = await self._drive(step, attempt, tasks, replies, groups, hops)
         rounds = 0
         while ok:
@@ -121,8 +126,7 @@ class GroupSteps:
         watch()
         while tasks:
             done = await self._next_done(finished)
-            self.members.reports.clear()
-            suspects = {p for p in self.members.reported if p in in_step}
+            suspects = {p for p in self.members.take_reports() if p in in_step}
             for t in [t for t in done if t in tasks]:
                 pid = tasks.pop(t)
                 if t.exception() is None:
@@ -147,7 +151,7 @@ class GroupSteps:
         of done tasks keeps a step's waits linear in its calls (asyncio.wait over every pending call, each time
         one returns, made them quadratic)."""
         getter = asyncio.create_task(finished.get())
-        waiter = asyncio.create_task(self.members.reports.wait())
+        waiter = asyncio.create_task(self.members.wait_report())
         await asyncio.wait([getter, waiter], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         getter.cancel()
@@ -184,7 +188,7 @@ class GroupSteps:
         if len(gone) == len(siblings):  # the whole group is lost: a stage failure (recovered by the strategy), not
             return False  # replicas lost one by one with their work moved to dead siblings
         live = [p for p in siblings if p not in gone]
-        load = {p: sum(1 for row in hops if p in row) / max(self.speeds.get(p, 1.0), 1e-9) for p in live}
+        load = {p: sum(1 for row in hops if p in row) / max(self._speeds.get(p, 1.0), 1e-9) for p in live}
         to = min(live, key=lambda p: (load[p], live.index(p)))
         moved = move(hops, dead, to)
         self.members.lose_replica(stage, dead, "lost mid-step")
@@ -202,8 +206,7 @@ class GroupSteps:
         others = [p for g in groups.values() for p in g if p != to]
         for p, r in zip(others, await self.rpc.gather(others, reroute, self.t.rpc_timeout)):
             if isinstance(r, Exception):
-                self.members.suspect(p)
-                self.members.reports.set()
+                self.members.report(p)
         tasks[asyncio.create_task(self.rpc.call(to, reroute, self.t.step_timeout + self.t.rpc_timeout))] = to
         return True
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from checkfree.config import RunConfig
 from checkfree.net.transport import RemoteError
@@ -31,10 +31,10 @@ class StepDriver:
     """Step attempts and commits, and what their failures say about the peers."""
 
     def __init__(self, cfg: RunConfig, opts: CoordinatorOptions, rpc: Rpc, table: StageTable, membership: Membership,
-                 outputs: Outputs, in_step: Callable[[int], dict]) -> None:
+                 outputs: Outputs, in_step: Callable[[int], dict], *, plus: bool) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
-        self.plus = False  # CheckFree+ routes (set by `configure`)
+        self.plus = plus  # CheckFree+ routes
         self.in_step = in_step  # RUN_STEP fields of protection that travels inside the step (BAFT's backup parts)
         self.group_steps = GroupSteps(cfg, rpc, table, membership, outputs, self.replica_error, self.abort,
                                  opts.host_maddrs)
@@ -43,8 +43,9 @@ class StepDriver:
         self.last_attempt = 0  # the attempt number that completed the newest step
         self._first_attempt: dict[int, int] = {}  # step -> first attempt number (after a takeover)
 
-    def configure(self, plus: bool) -> None:
-        self.plus = plus
+    def speeds(self) -> Mapping[str, float]:
+        """Each peer's measured speed (a group step's measure), read-only."""
+        return self.group_steps.speeds()
 
     def first_attempt(self, step: int) -> int:
         return self._first_attempt.get(step, 0)

@@ -148,8 +148,10 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
     from types import SimpleNamespace
 
     from checkfree.failures import FailureSchedule
+    from checkfree.protocol import Timeouts
+    from scheduler.coordinator import CoordinatorView
     from scheduler.injector import FaultSchedule, Injector
-    from scheduler.stage_table import StageTable
+    from scheduler.membership import MembersView
 
     class Killed(Exception):
         pass
@@ -161,17 +163,22 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
         if action == "coordinator-dies":
             raise Killed
 
-    table = StageTable()
-    for stage in range(3):
-        table.assign(stage, f"p{stage}")
     schedule = FaultSchedule(kills=FailureSchedule([(1, 0)]), partition=FailureSchedule([(0, 1)]), die_at=1,
                              handler=handler)
-    coordinator = SimpleNamespace(step=0, iteration=0, table=table, out=SimpleNamespace(event=lambda *a, **k: None))
+    at = {"step": 0}
+
+    def view():
+        return CoordinatorView(run_id="r", cfg=None, step=at["step"], iteration=at["step"],
+                               groups={s: (f"p{s}",) for s in range(3)}, members=MembersView(
+                                   frozenset(), frozenset(), frozenset(), (), None), speeds={}, opened=True,
+                               last_attempt=0, timeouts=Timeouts())
+
+    coordinator = SimpleNamespace(view=view, out=SimpleNamespace(event=lambda *a, **k: None))
 
     async def main():
         injector = Injector(schedule)
         await injector("iteration", coordinator)
-        coordinator.step = coordinator.iteration = 1
+        at["step"] = 1
         with pytest.raises(Killed):
             await injector("iteration", coordinator)
         return asked
