@@ -47,27 +47,27 @@ class _Arm(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     pass
 
 
-class DieAfterPasses(_Arm, tag="passes"):
+class DieAfterPasses(_Arm, frozen=True, tag="passes"):
     pass_kind: Literal["forward", "backward"]
     step: int
     mb: int = 0
 
 
-class DieInReduce(_Arm, tag="reduce"):
+class DieInReduce(_Arm, frozen=True, tag="reduce"):
     step: int
     attempt: int
     bucket: int = 0
 
 
-class DieAtCommit(_Arm, tag="commit"):
+class DieAtCommit(_Arm, frozen=True, tag="commit"):
     step: int
 
 
-class DieAfterPulls(_Arm, tag="pulls"):
+class DieAfterPulls(_Arm, frozen=True, tag="pulls"):
     pulls: int = 1
 
 
-class Slow(_Arm, tag="slow"):
+class Slow(_Arm, frozen=True, tag="slow"):
     seconds: float
     from_step: int = 0
 
@@ -144,15 +144,15 @@ class PeerFaults:
             return self._computed_pass(event)
         elif isinstance(event, WeightPulled):
             self._pulls += 1
-            due = next((a for a in self._armed if isinstance(a, DieAfterPulls) and self._pulls >= a.pulls), None)
-            return self._fire(due, f"replacement after pulling {event.part} of stage {event.stage}")
+            pulls = next((a for a in self._armed if isinstance(a, DieAfterPulls) and self._pulls >= a.pulls), None)
+            return self._fire(pulls, f"replacement after pulling {event.part} of stage {event.stage}")
         elif isinstance(event, BucketReduced):
-            due = next((a for a in self._armed if isinstance(a, DieInReduce) and (a.step, a.attempt, a.bucket) == (
+            reduce = next((a for a in self._armed if isinstance(a, DieInReduce) and (a.step, a.attempt, a.bucket) == (
                 event.step, event.attempt, event.bucket) and event.bucket + 1 < event.buckets), None)
-            return self._fire(due, f"replica half-way through the gradient all-reduce of step {event.step}")
+            return self._fire(reduce, f"replica half-way through the gradient all-reduce of step {event.step}")
         elif isinstance(event, CommitTaken):
-            due = next((a for a in self._armed if isinstance(a, DieAtCommit) and a.step == event.step), None)
-            return self._fire(due, f"peer as it takes the COMMIT of step {event.step}")
+            commit = next((a for a in self._armed if isinstance(a, DieAtCommit) and a.step == event.step), None)
+            return self._fire(commit, f"peer as it takes the COMMIT of step {event.step}")
         return None
 
     def _start(self, event: StepStarted) -> None:

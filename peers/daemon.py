@@ -64,7 +64,7 @@ from peers.compute import ComputeQueue
 from peers.debug import Dumps
 from peers.failover import Failover
 from peers.stage_groups import StageGroup
-from peers.membership import Handler, Membership
+from peers.membership import Handler, Membership, Served
 from peers.passes import Passes
 from peers.rebuild import Rebuild
 from peers.replicas import Replicas
@@ -130,7 +130,7 @@ class PeerDaemon:
 
     def handlers(self) -> dict[str, Handler]:
         """Every RPC this peer serves, each behind the one admission check (peers.checks.RULES)."""
-        served = {
+        served: dict[str, Served] = {
             RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown,
             RPC.ASSIGN: self.assignment.on_assign,
             RPC.RUN_STEP: self.passes.on_run_step, RPC.FORWARD: self.passes.on_forward,
@@ -153,7 +153,7 @@ class PeerDaemon:
 
     async def _register(self) -> None:
         for name, handler in self.handlers().items():
-            await self.membership.transport.register(name, handler)
+            await self.membership.wire().register(name, handler)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -171,9 +171,9 @@ class PeerDaemon:
         try:
             await self._register()
             if self.hook is not None:  # (before joining: a hook armed from outside opens its channel here)
-                await self.hook.started(net.transport)
+                await self.hook.started(net.wire())
             addrs = ",".join(await dht_maddrs(net.dht))
-            print(f"{READY_PEER} peer_id={net.transport.peer_id} run={opts.run_id} addrs={addrs}"
+            print(f"{READY_PEER} peer_id={net.wire().peer_id} run={opts.run_id} addrs={addrs}"
                   f"{rpc_note(net.transport)}", flush=True)
             hb = asyncio.create_task(net.heartbeat())
             try:
@@ -235,7 +235,7 @@ class PeerDaemon:
         if run_ended and self.membership.run_finished:  # a retry of the same message (e.g. after a partition healed)
             return Ok(), []
         if self.hosted.worker is not None and self.opts.dump_dir:
-            tag = f"-{self.membership.me}" if self.hosted.cfg.train.stage_groups else ""  # a stage group's replica
+            tag = f"-{self.membership.me}" if self.hosted.joined().train.stage_groups else ""  # a stage group's replica
             await self.compute.run(self.dumps.dump_final, self.hosted.worker, self.hosted.omega, tag)
         if run_ended:
             self.membership.finish()

@@ -14,8 +14,10 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
 
 from checkfree.auth import (
     coordinator_proof,
@@ -43,13 +45,15 @@ from checkfree.protocol import (
     coordinator_key,
     members_key,
 )
-from checkfree.messages import Join, Leave, Message, Request, Status, reply_of, request, to_wire
+from checkfree.messages import Join, Leave, Message, Request, Status, reply_to, request, to_wire
 from checkfree.strategies.state import state_nbytes
 from checkfree.wan import WanEmulator
 from peers.checks import admit
 from peers.stage import HostedStage
 
 __all__ = ["Handler", "Served", "Membership"]
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +100,14 @@ class Membership:
         self.coordinator = self.adopter = coordinator
         self.heard_from_coordinator()
 
+    def wire(self) -> Transport:
+        """This peer's transport (once started)."""
+        assert self.transport is not None, "the peer's transport is not started"
+        return self.transport
+
     @property
     def me(self) -> str:
-        return str(self.transport.peer_id)
+        return str(self.wire().peer_id)
 
     def token(self) -> str | None:
         """This peer's membership token (None in an open swarm)."""
@@ -118,27 +127,27 @@ class Membership:
 
         return admitted
 
-    async def call(self, peer: str, message: Request, timeout: float, tensors=(), *,
-                   link: tuple[int, int] | None = None) -> tuple[Any, list]:
-        """`message` to `peer`, for this run; its typed reply (checkfree.messages.reply_of: a malformed one is a
-        BadReply, a failed call). `link`: (this end's stage, the peer's stage) of a transfer between stages,
-        held back by the run's emulated network if it has one (checkfree.wan), the request on the way there and
-        the reply on the way back."""
-        name, header = message.rpc, request(self.run_id, message)
-        if self.wan is None or link is None:
-            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-            return reply_of(name, reply), out
+    async def call(self, peer: str, message: Request[R], timeout: float, tensors: Sequence[torch.Tensor] = (), *,
+                   link: tuple[int, int] | None = None) -> tuple[R, list[torch.Tensor]]:
+        """`message` to `peer`, for this run; its reply as the reply type of its request (checkfree.messages: a
+        `Request[R]` is answered with an `R`; a malformed one is a BadReply, a failed call). `link`: (this end's
+        stage, the peer's stage) of a transfer between stages, held back by the run's emulated network if it has one
+        (checkfree.wan), the request on the way there and the reply on the way back."""
+        name, header, transport, wan = message.rpc, request(self.run_id, message), self.wire(), self.wan
+        if wan is None or link is None:
+            reply, out = await transport.call(peer, name, header, tensors, timeout=timeout)
+            return reply_to(message, reply), out
 
-        async def shaped() -> tuple[Any, list]:
-            await self.wan.carry(link[0], link[1], state_nbytes(tensors))
-            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-            await self.wan.carry(link[1], link[0], state_nbytes(out))
-            return reply_of(name, reply), out
+        async def shaped() -> tuple[R, list[torch.Tensor]]:
+            await wan.carry(link[0], link[1], state_nbytes(tensors))
+            reply, out = await transport.call(peer, name, header, tensors, timeout=timeout)
+            await wan.carry(link[1], link[0], state_nbytes(out))
+            return reply_to(message, reply), out
 
         try:  # the emulated links' time counts against the timeout, as a real WAN's would
             return await asyncio.wait_for(shaped(), timeout)
         except TimeoutError:
-            raise TransportTimeout(f"{name} to {peer} over the emulated {self.wan.name} link {link[0]} -> {link[1]} "
+            raise TransportTimeout(f"{name} to {peer} over the emulated {wan.name} link {link[0]} -> {link[1]} "
                                    f"took over {timeout:g} s") from None
 
     def allowance(self, src: int, dst: int, nbytes: float) -> float:
@@ -208,7 +217,7 @@ class Membership:
                 found = {}
             # a record signed with our secret first; else any (its JOIN reply must still prove the
             # secret, and a peer with the wrong secret then hears why it is refused)
-            coordinator = coordinator_from_records(found, self.secret, self.run_id, self.transport.kind,
+            coordinator = coordinator_from_records(found, self.secret, self.run_id, self.wire().kind,
                                                    unsigned_ok=True)
             if coordinator is not None:
                 return coordinator

@@ -61,7 +61,7 @@ class Passes:
     # ---- handlers --------------------------------------------------------------------
     async def on_run_step(self, request: RunStep, tensors: list, peer) -> tuple[StepDone, list]:
         """Run this stage's part of a step (or an evaluation) and answer when it is done."""
-        stage, cfg = self.hosted.serving().index, self.hosted.cfg
+        stage, cfg = self.hosted.serving().index, self.hosted.joined()
         old = self.steps.run
         if old is not None and not old.done.is_set():
             old.fail("superseded by a new step")
@@ -106,19 +106,19 @@ class Passes:
         if run.error is None and self.hosted.plus and not run.evaluate and not run.grouped:
             await self._sync_components(run)  # (a stage group sums its gradients first: REDUCE does this then)
         if run.error is not None:  # a soft error carries the guard's counters: the peer may be replaced for it
-            raise StepFailed(run.error, run.kind, {"soft_errors": guard_counts([self.hosted.worker.guard])}
+            raise StepFailed(run.error, run.kind, {"soft_errors": guard_counts([self.hosted.serving().guard])}
                              if run.kind == Kind.SOFT_ERROR else None)
-        run.inflight = await self.compute.run(self.hosted.worker.take_inflight_peak)  # after this step's queued work
+        run.inflight = await self.compute.run(self.hosted.serving().take_inflight_peak)  # after this step's queued work
         figures = run.figures()
-        if send is not None:  # BAFT: the step is done once its part of the backup has gone (in the bubble, if it fit)
-            await send
+        if send is not None and self.backups is not None:  # BAFT: the step is done once its part of the backup has
+            await send  # gone (in the bubble, if it fit)
             figures["backup_bytes"] = self.backups.take_sent()
         return StepDone(losses=dict(run.losses), stage=stage, **figures), []
 
     async def on_forward(self, request: Forward, tensors: list, peer) -> tuple[Ok, list]:
         """An activation from the previous hop (checked before waiting for its step)."""
         arrived = time.time()
-        x = check_activation(tensors, "activation", self.hosted.cfg)
+        x = check_activation(tensors, "activation", self.hosted.joined())
         run = await self.steps.current(request.step, request.attempt)
         mb, idx = await self._hop(run, request)
         if idx > 0:
@@ -154,7 +154,7 @@ class Passes:
     async def on_backward(self, request: Backward, tensors: list, peer) -> tuple[Ok, list]:
         """A gradient from the next hop (checked before waiting for its step)."""
         arrived = time.time()
-        g = check_activation(tensors, "gradient", self.hosted.cfg)
+        g = check_activation(tensors, "gradient", self.hosted.joined())
         run = await self.steps.current(request.step, request.attempt)
         mb, idx = await self._hop(run, request)
         if run.evaluate:
@@ -186,7 +186,7 @@ class Passes:
 
     # ---- the step's microbatches -------------------------------------------------------
     def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
-        c = self.hosted.cfg
+        c = self.hosted.joined()
         s = c.num_stages
         if evaluate:
             return [plain_route(s) for _ in range(c.train.eval_batches)]
@@ -194,8 +194,9 @@ class Passes:
 
     def _batch(self, run: StepRun, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.hosted.data
+        assert data is not None, "a stage that reads no data computes no first or last hop"
         if run.evaluate:
-            return data.val_batches(self.hosted.cfg.train.eval_batches)[mb]
+            return data.val_batches(self.hosted.joined().train.eval_batches)[mb]
         return data.batch(run.step, mb)
 
     def _start_next(self, run: StepRun) -> None:
@@ -209,7 +210,7 @@ class Passes:
 
     def _mb_done(self, run: StepRun) -> None:
         if run.microbatch_done():
-            worker = self.hosted.worker
+            worker = self.hosted.serving()
             if self.hosted.plus and not run.evaluate and not run.grouped:
                 run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
             run.finish()
@@ -223,8 +224,9 @@ class Passes:
                 x = inputs
             key = (run.step, run.attempt, mb)
             if run.evaluate:
-                out = await self.compute.run(self.hosted.worker.infer, x, hop)
+                out = await self.compute.run(self.hosted.serving().infer, x, hop)
                 if hop.head:
+                    assert targets is not None
                     run.keep_loss(mb, float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())))
                 else:
                     await self._send(run, mb, idx + 1, Forward, out)
@@ -261,10 +263,10 @@ class Passes:
         uncorrectable fault fails the step with a SOFT_ERROR marker the coordinator counts."""
         for attempt in range(2):
             try:
-                return await self.compute.run(self._observed(self.hosted.worker.forward, "forward", key), key, x,
+                return await self.compute.run(self._observed(self.hosted.serving().forward, "forward", key), key, x,
                                               hop, targets)
             except UncorrectableSoftError as e:
-                await self.compute.run(self.hosted.worker.drop_microbatch, key)
+                await self.compute.run(self.hosted.serving().drop_microbatch, key)
                 if attempt == 1:
                     raise StepFailed(f"{SOFT_ERROR_MARK} stage={self.hosted.index}: {e}", Kind.SOFT_ERROR) from e
                 log.warning("uncorrectable soft error, recomputing microbatch %s: %s", key, e)
@@ -278,14 +280,14 @@ class Passes:
             if run.error is not None:  # (see _forward_task: its gradient would outlive the ABORT that dropped them)
                 return
             key = (run.step, run.attempt, mb)
-            grad_in = await self.compute.run(self._observed(self.hosted.worker.backward, "backward", key), key, grad,
+            grad_in = await self.compute.run(self._observed(self.hosted.serving().backward, "backward", key), key, grad,
                                              priority=BACKWARD_FIRST)
             if self.hook is not None:
                 self.hook(PassComputed("backward", *key))
             if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost
                 run.keep_sent_grad(mb, grad_in)
             self._mb_done(run)
-            if idx == 0 and self.hosted.cfg.train.schedule == "1f1b":
+            if idx == 0 and self.hosted.joined().train.schedule == "1f1b":
                 self._start_next(run)  # one microbatch finished here: admit the next
             if idx > 0:
                 await self._send(run, mb, idx - 1, Backward, grad_in)
@@ -307,10 +309,12 @@ class Passes:
         return observed
 
     # ---- neighbours --------------------------------------------------------------------
-    async def _send(self, run: StepRun, mb: int, idx: int, kind: type[Pass], tensor: torch.Tensor) -> None:
+    async def _send(self, run: StepRun, mb: int, idx: int, kind: type[Forward] | type[Backward],
+                    tensor: torch.Tensor) -> None:
         """Send microbatch `mb`'s activation (FORWARD) or gradient (BACKWARD) to the peer of its hop `idx`."""
         stage, target = run.routes[mb][idx].stage, run.peer(mb, idx)
-        tensors = encode(tensor, self.hosted.cfg.train.wire_dtype)  # checkfree.wirecodec: as computed, 16-bit or int8
+        # checkfree.wirecodec: as computed, 16-bit or int8
+        tensors = encode(tensor, self.hosted.joined().train.wire_dtype)
         run.count_sent(sum(t.numel() * t.element_size() for t in tensors))
         sent = time.time() if self.net.wan is not None else None  # the receiver measures the hop's one-way delay
         try:
@@ -330,8 +334,12 @@ class Passes:
         """Fail the attempt (unless told not to) and tell the coordinator which neighbour could not be reached."""
         if fail:
             run.fail(f"call to stage {stage} failed: {reason}")
+        coordinator = self.net.coordinator
+        if coordinator is None:  # (a peer computes a step only once it has joined a coordinator)
+            log.warning("could not report the failure of stage %d: no coordinator known", stage)
+            return
         try:
-            await self.net.call(self.net.coordinator, Report(step=run.step, attempt=run.attempt, stage=stage,
+            await self.net.call(coordinator, Report(step=run.step, attempt=run.attempt, stage=stage,
                                                              peer_id=peer_id or run.peers.get(stage, ""),
                                                              reason=reason[:500]), min(5.0, self.t.rpc_timeout))
         except (TransportError, RemoteError) as e:
@@ -347,8 +355,8 @@ class Passes:
 
     async def _sync_components(self, run: StepRun) -> None:
         """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
-        holders = edge_holders(self.hosted.cfg.num_stages, True)
-        for comp in self.hosted.worker.components:
+        holders = edge_holders(self.hosted.joined().num_stages, True)
+        for comp in self.hosted.serving().components:
             partner = next(h for h in holders[comp] if h != self.hosted.index)
             try:
                 _, (other,) = await self.net.call(self._partner(run, partner),
@@ -367,4 +375,4 @@ class Passes:
                 return  # would start from ours (checked and queued with no await between: ABORT's drop comes after)
             mine = run.component_grads[comp]
             run.count_sent(other.numel() * other.element_size())  # counted once per transfer, at the receiver
-            await self.compute.run(self.hosted.worker.set_component_grad, comp, mine + other.to(mine.device))
+            await self.compute.run(self.hosted.serving().set_component_grad, comp, mine + other.to(mine.device))

@@ -64,7 +64,7 @@ class Rebuild:
         tensors = [v for _, v in items]
         optim_keys: list = []
         if part in COMPONENTS:  # a replica is recovered exactly: its Adam state comes with it
-            optim_keys, optim = optim_to_wire(await self.compute.run(self.hosted.worker.optimizer_state, part + "."))
+            optim_keys, optim = optim_to_wire(await self.compute.run(self.hosted.serving().optimizer_state, part + "."))
             tensors += optim
         return Weights(keys=[k for k, _ in items], omega=omega, stage=stage, optim=optim_keys), tensors
 
@@ -147,13 +147,13 @@ class Rebuild:
     def _allowance(self, source: int, stage: int) -> float:
         """Extra timeout for pulling stage `source`'s state to `stage` over the run's emulated link: at most its
         weights and two Adam moments in float32 (Membership.allowance; 0 on loopback)."""
-        return self.net.allowance(source, stage, 12 * stage_params(self.hosted.cfg)[source])
+        return self.net.allowance(source, stage, 12 * stage_params(self.hosted.joined())[source])
 
     def _rebuild(self, worker: StageWorker, plan: Neighbours, blocks: dict, norms: dict, edges: dict,
                  edge_optim: dict, step: int) -> dict[int, float]:
         """On the compute thread: the library's rebuild from the pulled weights, loaded into `worker`
         with a fresh optimizer. Returns the coefficient of each source stage."""
-        cfg = self.hosted.cfg
+        cfg = self.hosted.joined()
         rc = cfg.recovery
         state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
                                       seed=cfg.train.seed + step, std=cfg.model.init_std)

@@ -66,7 +66,7 @@ class StageGroup:
         if not run.grouped:
             raise ProtocolError("REROUTE of a step without stage groups")
         dead, to, mbs = reroute.dead, reroute.to, reroute.mbs
-        if not all(0 <= mb < len(run.hops) for mb in mbs):
+        if not all(0 <= mb < len(run.routes) for mb in mbs):
             raise ProtocolError(f"REROUTE names microbatches outside the step: {mbs!r:.200}")
         new = run.reroute(dead, to, mbs, self.net.me)
         if to != self.net.me:
@@ -92,7 +92,7 @@ class StageGroup:
             try:
                 _, ts = await self.net.call(prev, GetPass(step=run.step, attempt=run.attempt, mb=mb, hop=idx - 1),
                                             self.t.rpc_timeout, link=(self.hosted.index, run.routes[mb][idx - 1].stage))
-                x = check_activation(ts, "activation", self.hosted.cfg)
+                x = check_activation(ts, "activation", self.hosted.joined())
             except Exception as e:  # noqa: BLE001 - the attempt fails; the coordinator sees why
                 run.fail(f"redo of microbatch {mb}: its input from {prev} could not be had: {e}")
                 return
@@ -110,7 +110,7 @@ class StageGroup:
             await asyncio.wait_for(run.event("sent", mb).wait(), self.t.rpc_timeout)
         except TimeoutError:
             raise ProtocolError(f"microbatch {mb} has no activation here within rpc_timeout") from None
-        out = encode(run.sent[mb], self.hosted.cfg.train.wire_dtype)
+        out = encode(run.sent[mb], self.hosted.joined().train.wire_dtype)
         run.count_sent(sum(t.numel() * t.element_size() for t in out))
         return Ok(), out
 
@@ -131,7 +131,7 @@ class StageGroup:
             run.reduce_failed(f"the gradient reduce of stage {self.hosted.index} failed here: {e}")
             raise
         reduce_s = time.perf_counter() - t0
-        worker = self.hosted.worker
+        worker = self.hosted.serving()
         if self.hosted.plus:  # the group's sums, which the partner stage's COMPONENT_GRAD waits for
             run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
         run.reduce_succeeded()
@@ -144,7 +144,7 @@ class StageGroup:
     def _reduce(self, run: StepRun, reduce: Reduce) -> int:
         """On the compute thread: restore the gradients of a failed earlier reduce, keep them, all-reduce them in
         buckets, and set the sums; on any failure the kept gradients are restored and StepFailed raised."""
-        worker = self.hosted.worker
+        worker = self.hosted.serving()
         if run.pre_reduce is not None:
             worker.set_flat_grad(run.pre_reduce)
         flat = worker.flat_grad()

@@ -75,7 +75,7 @@ class StepRun:
 
     def peer(self, mb: int, idx: int) -> str:
         """The peer of hop `idx` of microbatch `mb`."""
-        return self.hops[mb][idx] if self.grouped else self.peers[self.routes[mb][idx].stage]
+        return self.hops[mb][idx] if self.hops is not None else self.peers[self.routes[mb][idx].stage]
 
     def event(self, kind: str, mb: int) -> asyncio.Event:
         return self.events.setdefault((kind, mb), asyncio.Event())
@@ -160,8 +160,10 @@ class StepRun:
 
     def reroute(self, dead: str, to: str, mbs: list[int], me: str) -> list[int]:
         """A lost replica's (`dead`) hops of `mbs` go to `to`; the microbatches this peer takes on (if it is `to`)."""
+        hops = self.hops
+        assert hops is not None, "a REROUTE of a step without stage groups"
         for mb in mbs:
-            self.hops[mb] = [to if p == dead else p for p in self.hops[mb]]
+            hops[mb] = [to if p == dead else p for p in hops[mb]]
         for g in self.groups.values():
             if dead in g:
                 g.remove(dead)
@@ -181,7 +183,7 @@ class StepRun:
 
     def figures(self) -> dict:
         """What the coordinator records for this stage and step (metrics.jsonl)."""
-        out = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
+        out: dict[str, Any] = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
         # this peer's speed: the microbatches it computed and its compute thread's busy seconds
         out.update(microbatches=len(self.mine) if self.grouped else len(self.routes),
@@ -261,7 +263,7 @@ class StepTracker:
         while True:
             run = self.run
             have = None if run is None else (run.step, run.attempt)
-            if have == want:
+            if run is not None and have == want:
                 return run
             if (have is not None and have > want) or (self.finished is not None and self.finished >= want):
                 raise ProtocolError(f"stale message for step {want[0]} attempt {want[1]} (active: {have})")
@@ -284,7 +286,7 @@ class StepTracker:
                 task.cancel()
         self._set(None)
         if self.hosted.worker is not None:
-            await self.compute.run(self.hosted.worker.drop_inflight)
+            await self.compute.run(self.hosted.serving().drop_inflight)
 
     # ---- handlers --------------------------------------------------------------------
     async def on_commit(self, commit: Commit, tensors: list, peer) -> tuple[Committed, list]:
@@ -302,18 +304,18 @@ class StepTracker:
     async def _commit(self, run: StepRun) -> tuple[Committed, list]:
         hosted, replicas = self.hosted, self.replicas
         grads = await self.compute.run(replicas.gradients) if replicas is not None and replicas.active else None
-        stats = await self.compute.run(hosted.worker.step, run.step)
-        redundant = {}
-        if grads is not None:  # redundant computation: the predecessor's replica takes the same step
+        stats = await self.compute.run(hosted.serving().step, run.step)
+        redundant: dict[str, Any] = {}
+        if grads is not None and replicas is not None:  # redundant computation: the predecessor's replica too
             await replicas.ship(run.step, run.peers, grads)
             redundant = {"redundant_s": replicas.take_seconds(), "replica_bytes": replicas.shipped}
-        hosted.committed(None if stats.skipped else stats.omega(hosted.cfg.recovery), run.step + 1, LastCommit(
+        hosted.committed(None if stats.skipped else stats.omega(hosted.joined().recovery), run.step + 1, LastCommit(
             step=run.step, losses=dict(run.losses), lr=stats.lr, post=stats.grad_norm_post,
             block_post=stats.block_grad_norm_post, **run.figures()))
         self._set(None)
         return Committed(pre=stats.grad_norm_pre, post=stats.grad_norm_post, block_post=stats.block_grad_norm_post,
                          lr=stats.lr, skipped=stats.skipped, omega=hosted.omega, stage=hosted.index,
-                         weights_finite=stats.weights_finite, soft_errors=guard_counts([hosted.worker.guard]),
+                         weights_finite=stats.weights_finite, soft_errors=guard_counts([hosted.serving().guard]),
                          **redundant), []
 
     async def on_abort(self, abort: Abort, tensors: list, peer) -> tuple[Ok, list]:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import re
+from typing import TYPE_CHECKING
 
 from checkfree.cli import (
     add_network_arguments,
@@ -14,6 +15,9 @@ from checkfree.cli import (
     network_options,
     warn_if_overwriting,
 )
+
+if TYPE_CHECKING:
+    from scheduler.injector import FaultSchedule
 
 __all__ = ["add_parser", "run_scheduler"]
 

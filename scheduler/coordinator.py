@@ -36,6 +36,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from checkfree.config import RunConfig
 from checkfree.stage_groups import check_swarm_groups
@@ -93,6 +94,7 @@ class CoordinatorView:
 class _RunParts:
     """The parts that need the run's config, built once it is known (a takeover adopts it from the peers)."""
 
+    cfg: RunConfig
     strategy: Strategy
     protection: Protection
     driver: StepDriver
@@ -142,11 +144,16 @@ class Coordinator:
         recovery = Recovery(cfg, strategy, self.rpc, self.table, self.members, self.retirement, placement, protection,
                             self.out)
         detector = Detector(cfg, self.rpc, self.table, self.members, self.retirement, protection, self.out, self.clock)
-        self._parts = _RunParts(strategy, protection, driver, placement, recovery, detector)
+        self._parts = _RunParts(cfg, strategy, protection, driver, placement, recovery, detector)
 
     def _configured(self) -> _RunParts:
         assert self._parts is not None, "the coordinator has no run config yet"
         return self._parts
+
+    @property
+    def config(self) -> RunConfig:
+        """The run's config (once known: `cfg` is None before a takeover adopts it)."""
+        return self._configured().cfg
 
     @property
     def strategy(self) -> Strategy:
@@ -192,7 +199,7 @@ class Coordinator:
 
     # ---- the training loop -----------------------------------------------------------------
     async def _train(self) -> None:
-        cfg = self.cfg
+        cfg = self.config
         last_val = math.nan
         step = self.step  # 0, or where a takeover or a resume found the run
         while step < cfg.train.num_steps:
@@ -261,13 +268,13 @@ class Coordinator:
                 took: float) -> dict:
         """The step's metrics line; a stage whose weights broke is treated as failed (recovered before the next
         step); the costs the peers measured are charged."""
-        cfg, done = self.cfg, {s: r for s, r in commits.items() if isinstance(r, Committed)}
+        cfg, done = self.config, {s: r for s, r in commits.items() if isinstance(r, Committed)}
         self.driver.committed(commits)
         broken = apply_commits([StageUpdate(s, r.omega, r.skipped, r.weights_finite) for s, r in done.items()], None,
                                functools.partial(self._stage_event, step))
         for s in broken:  # numeric guard: a broken stage is a failed stage
             self.members.drop(self.table.peer(s))
-        record = {"step": step, "loss": sum(v for r in results.values() for v in r.losses.values()),
+        record: dict[str, Any] = {"step": step, "loss": sum(v for r in results.values() for v in r.losses.values()),
                   "lr": next((r.lr for r in done.values()), math.nan),
                   "grad_norms": [done[s].post if s in done else math.nan for s in range(cfg.num_stages)],
                   "block_grad_norms": [done[s].block_post if s in done else math.nan for s in range(cfg.num_stages)], "step_time_s": round(took, 6),
@@ -292,7 +299,7 @@ class Coordinator:
 
     def _groups_on(self) -> bool:
         """Whether the run uses stage groups at all (its metrics and summary carry their figures)."""
-        return self.cfg.train.stage_groups or self.table.grouped()
+        return self.config.train.stage_groups or self.table.grouped()
 
     def _on_stop_signal(self, task: asyncio.Task) -> None:
         """SIGTERM/SIGINT/SIGHUP: stop now or, during a commit, once the step is recorded. A commit is never cut
@@ -337,10 +344,10 @@ class Coordinator:
         """A new run's directory (--resume: the run goes on from its newest save: its states)."""
         saved = None
         if self.opts.resume:
-            step, saved = self.out.resume_point(self.cfg)
+            step, saved = self.out.resume_point(self.config)
             self.clock.at(step, step)
-        self.out.open(self.cfg, resume=self.opts.resume)
-        self.out.keep_tokenizer(self.cfg)
+        self.out.open(self.config, resume=self.opts.resume)
+        self.out.keep_tokenizer(self.config)
         return saved
 
     async def _fill(self, saved: dict[int, bytes] | None) -> None:
@@ -353,13 +360,14 @@ class Coordinator:
             self.out.event("resume", step=self.step)
             self.out.status(f"resumed run at step {self.step} from {self.opts.out}/saves")
 
-    async def run(self) -> dict:
+    async def run(self) -> dict | None:
         opts = self.opts
         pid = await self.rpc.start()
         if self.hook is not None:
             await self.hook("started", self)
         announcer = watcher = summary = None
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        assert task is not None
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a graceful stop: save, record, tell peers
             loop.add_signal_handler(sig, self._on_stop_signal, task)
         status, error = "failed", None
@@ -369,7 +377,11 @@ class Coordinator:
             if opts.standby:
                 print(f"{READY_STANDBY} peer_id={pid} run={opts.run_id} addrs={addrs}", flush=True)
             takeover = opts.takeover or opts.standby
-            saved = await self._take_over() if takeover else self._open()
+            saved = None
+            if takeover:
+                await self._take_over()
+            else:
+                saved = self._open()
             announcer = asyncio.create_task(self.rpc.announce())
             watcher = asyncio.create_task(self.detector.watch_heartbeats())
             print(f"{READY_COORDINATOR} peer_id={pid} run={opts.run_id} addrs={addrs}", flush=True)
@@ -377,7 +389,7 @@ class Coordinator:
                 await self._fill(saved)
             await self._train()
             if opts.save_final:
-                await self.out.gather_final(self.cfg)
+                await self.out.gather_final(self.config)
             status = "completed"
         except UnrecoverableFailure as e:
             status, error = "aborted", str(e)
@@ -396,10 +408,10 @@ class Coordinator:
 
     async def _save_on_stop(self) -> None:
         """Interrupted: with --save-every, a save where the run stopped (best effort: the peers may be going too)."""
-        if self.opts.save_every and self.out.opened and len(self.table.served()) == self.cfg.num_stages:
+        if self.opts.save_every and self.out.opened and len(self.table.served()) == self.config.num_stages:
             with contextlib.suppress(Exception):
                 await self.driver.abort()
-                if await asyncio.wait_for(self.out.save(self.cfg, self.step, self.iteration), self.t.step_timeout):
+                if await asyncio.wait_for(self.out.save(self.config, self.step, self.iteration), self.t.step_timeout):
                     print(f"status: saved step {self.step} into {self.opts.out}/saves", flush=True)
 
     async def _end(self, status: str, error: str | None, background: tuple[asyncio.Task | None, ...],
@@ -423,7 +435,7 @@ class Coordinator:
                     for k in ("injected", "detected", "corrected", "escalated")}
             groups = ({**self.table.counts, "rerouted_microbatches": self.driver.group_steps.rerouted,
                        "stage_recoveries": self.out.counts()["recoveries"]} if self._groups_on() else {})
-            summary = self.out.close(status, error, soft_errors=soft, strategy=self.cfg.recovery.strategy,
+            summary = self.out.close(status, error, soft_errors=soft, strategy=self.config.recovery.strategy,
                                            **groups)
         for task in background:
             if task is not None:

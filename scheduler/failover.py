@@ -22,7 +22,7 @@ from checkfree.protocol import Kind, coordinator_from_records, coordinator_key
 from checkfree.config import RunConfig
 from checkfree.rundir import read_jsonl
 from scheduler.common import (CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, CoordinatorAlive, CoordinatorOptions,
-                              heartbeat_stage, step_figures)
+                              heartbeat_stage, settle, step_figures)
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.protection import Protection
@@ -151,9 +151,8 @@ class Failover:
         if step is None:  # no peer serves a stage: the run's record says how far it came
             step = _next_recorded(metrics) if resume else 0
         to_commit, lagging = self._serve(cfg, holders, step)
-        commits = await asyncio.gather(*(self.rpc.call(pid, Commit(step=ready.step, attempt=ready.attempt),
-                                                       self.t.rpc_timeout) for pid, (_, ready) in to_commit.items()),
-                                       return_exceptions=True)
+        commits = await settle(self.rpc.call(pid, Commit(step=ready.step, attempt=ready.attempt), self.t.rpc_timeout)
+                               for pid, (_, ready) in to_commit.items())
         last_commits: dict[str, LastCommit] = {}  # peer -> the commit completed now (its last_commit)
         for (pid, (stage, ready)), c in zip(to_commit.items(), commits):
             if isinstance(c, Exception) and pid == self.table.peer(stage):
@@ -253,8 +252,7 @@ class Failover:
             named = self._unasked(replies, live, asked)
             asked.update(named)
             new = [p for p in live if p not in replies and p != me] + named
-            adopted = await asyncio.gather(*(self.rpc.adopt(p, self.t.rpc_timeout) for p in new),
-                                           return_exceptions=True)
+            adopted = await settle(self.rpc.adopt(p, self.t.rpc_timeout) for p in new)
             for p, r in zip(new, adopted):
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)

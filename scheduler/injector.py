@@ -30,12 +30,14 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from checkfree.failures import FailureSchedule
 from checkfree.messages import (AssignFresh, AssignLoad, AssignPromote, AssignRecover, AssignReplica, Commit, Reduce,
                                 RunStep, check_request)
+from checkfree.net.base import Transport
 from checkfree.net.faulty import Crossing, FaultyTransport, Point
+from checkfree.peer_hook import PassKind
 from checkfree.peer_faults import Arm, DieAfterPasses, DieAfterPulls, DieAtCommit, DieInReduce, Slow, arm_peer
 from scheduler.common import CALL_ERRORS
 
@@ -120,7 +122,7 @@ class Injector:
 
     def __init__(self, schedule: FaultSchedule) -> None:
         self.s = schedule
-        self.c: Coordinator | None = None  # the coordinator, from its first hook call on
+        self._coordinator: Coordinator | None = None  # the coordinator, from its first hook call on
         self.iteration = 0
         self._done: set[int] = set()  # iterations whose scheduled failures fired
         self._recovery_killed: set[int] = set()
@@ -129,11 +131,17 @@ class Injector:
         self._die_mid_step: dict[str, int] = {}  # replica -> step it dies in (after its first forward)
         self._die_in_reduce: dict[str, int] = {}  # replica -> step it dies in (half-way through the reduce)
         self._peer_kills = list(schedule.peer_kills)  # not armed yet
-        self._inner = None  # the coordinator's transport inside the FaultyTransport (arms go through it)
+        self._inner: Transport | None = None  # the coordinator's transport inside the FaultyTransport (arms go there)
 
     # ---- the coordinator's hook ------------------------------------------------------------
+    @property
+    def c(self) -> Coordinator:
+        """The coordinator whose hook this is (from its first call on)."""
+        assert self._coordinator is not None, "the injector has not been called by a coordinator yet"
+        return self._coordinator
+
     async def __call__(self, point: str, coordinator: Coordinator) -> None:
-        self.c = coordinator
+        self._coordinator = coordinator
         if point == "started":
             coordinator.rpc.wrap(self._wrap)
         elif point == "iteration":
@@ -147,9 +155,9 @@ class Injector:
         """The peers of `stage` now, the primary first (the coordinator's view; empty: nobody serves it)."""
         return self.c.view().groups.get(stage, ())
 
-    def _wrap(self, transport: object) -> FaultyTransport:
+    def _wrap(self, transport: Transport) -> Transport:
         self._inner = transport
-        return FaultyTransport(transport, self.crossing)
+        return cast(Transport, FaultyTransport(transport, self.crossing))
 
     async def _at_iteration(self, iteration: int) -> None:
         """Ask the launcher to SIGKILL, SIGTERM or cut off the network (--netns) the scheduled stages' peers, then
@@ -184,11 +192,11 @@ class Injector:
             while pid not in self.c.view().members.leaving and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the preempted peer announces its leave
 
-    async def _kill(self, action: str, schedule: FailureSchedule, iteration: int, stage: int, pid: str) -> None:
+    async def _kill(self, action: str, schedule: FailureSchedule | None, iteration: int, stage: int, pid: str) -> None:
         """A scheduled kill of `stage`'s peer; in a stage group one replica mid-step, or (`all`) every one now."""
         group, whole = self._group(stage), {}
         if action == "kill" and len(group) > 1:
-            if not schedule.all_of(iteration, stage):
+            if schedule is None or not schedule.all_of(iteration, stage):
                 self._arm_replica_kill(iteration, stage, group[-1], "step")
                 return
             whole = {"whole_group": True}
@@ -227,6 +235,7 @@ class Injector:
         """Arm `pid`'s fault hook through its control channel before the request that reaches it leaves. A peer
         with no hook cannot be armed: an error line, and the fault does not happen."""
         try:
+            assert self._inner is not None  # (wrapped at "started", before any peer joined)
             await arm_peer(self._inner, pid, arm, self.c.view().timeouts.rpc_timeout)
         except CALL_ERRORS as e:
             log.error("fault not armed on peer %s (%s): %s; was it started with --fault-hook?", pid, arm, e)
@@ -250,12 +259,13 @@ class Injector:
             return
         c = self.c
         view = c.view()
+        assert view.cfg is not None  # (a commit: the run is configured)
         half = sorted(view.groups)[: view.cfg.num_stages // 2]
         commit = Commit(step=step, attempt=view.last_attempt)
         await asyncio.gather(*(c.rpc.call(view.groups[s][0], commit, view.timeouts.rpc_timeout) for s in half))
         await self._die(step=step, committed=",".join(map(str, half)))
 
-    async def _die(self, **fields: object) -> None:
+    async def _die(self, **fields: Any) -> None:
         """Ask the launcher to SIGKILL this coordinator's process group, and wait for it."""
         await self._ask("coordinator-dies", **fields)
         await asyncio.Event().wait()  # until the SIGKILL
@@ -290,7 +300,7 @@ class Injector:
             if self._victim(kill) == pid:
                 self._peer_kills.remove(kill)
                 self._self_kill(kill, pid)
-                arms.append(DieAfterPasses(pass_kind=kill.during, step=run_step.step, mb=kill.mb))
+                arms.append(DieAfterPasses(pass_kind=cast(PassKind, kill.during), step=run_step.step, mb=kill.mb))
         return arms
 
     def _reduce_arms(self, pid: str, reduce: Reduce) -> list[Arm]:
@@ -321,7 +331,7 @@ class Injector:
         return []
 
     # ---- the launcher -----------------------------------------------------------------------
-    async def _ask(self, action: str, *, ack: bool = False, **fields: object) -> None:
+    async def _ask(self, action: str, *, ack: bool = False, **fields: Any) -> None:
         """One fault-injection request: to the in-process handler when there is one (it returns once it has
         acted), else a CHAOS line for the launcher (``ack``: and wait for its acknowledgement on stdin)."""
         if self.s.handler is not None:
@@ -334,11 +344,12 @@ class Injector:
     async def _launcher_ack(self) -> None:
         """Local swarm: wait (up to rpc_timeout) for the launcher's line on stdin saying it has acted."""
         loop = asyncio.get_running_loop()
-        if self._stdin is None:
-            self._stdin = asyncio.StreamReader()
-            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self._stdin), sys.stdin)
+        stdin = self._stdin
+        if stdin is None:
+            stdin = self._stdin = asyncio.StreamReader()
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
         try:
-            await asyncio.wait_for(self._stdin.readline(), self.c.view().timeouts.rpc_timeout)
+            await asyncio.wait_for(stdin.readline(), self.c.view().timeouts.rpc_timeout)
         except asyncio.TimeoutError:
             log.warning("no acknowledgement from the launcher within rpc_timeout; going on")
 

@@ -53,6 +53,14 @@ class SwarmOptions:
 
 
 
+def _first_addr(ready_line: str) -> str:
+    """The first address a ready line gives (`... addrs=A,B`)."""
+    m = re.search(r"addrs=([^,\s]+)", ready_line)
+    if m is None:
+        raise RuntimeError(f"a ready line without addresses: {ready_line!r}")
+    return m.group(1)
+
+
 def _dashboard_note(line: str) -> str:
     """`swarm: dashboard URL (...)` from a coordinator's `dashboard: URL (...)` line."""
     return f"swarm: dashboard {line.removeprefix(DASHBOARD_LINE).strip()}"
@@ -81,10 +89,15 @@ class LocalSwarm:
         self.tmp = Path(tempfile.mkdtemp(prefix="checkfree-swarm-"))
         self._n = 0
 
+    def _running(self) -> Proc:
+        """The coordinator running the run now (once started)."""
+        assert self.coordinator is not None, "the coordinator has not been started"
+        return self.coordinator
+
     def _spawn(self, name: str, args: list[str], stdin=subprocess.DEVNULL) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
                SECRET_ENV: self.secret, "TMPDIR": str(self.tmp)}
-        link, prefix = 0, []
+        link, prefix = 0, list[str]()  # (no namespace: no prefix)
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
             link, prefix, addr = self.lab.add()
             args = [*args, "--host-maddrs", f"/ip4/{addr}/tcp/0"]
@@ -167,9 +180,11 @@ class LocalSwarm:
             self.partitioned += 1
             self.start_peer()
         if not heal:
+            stdin = self._running().popen.stdin
             with contextlib.suppress(OSError):  # the coordinator waits for this line
-                self.coordinator.popen.stdin.write("partitioned\n")
-                self.coordinator.popen.stdin.flush()
+                assert stdin is not None  # (a pipe: `_spawn_coordinator`)
+                stdin.write("partitioned\n")
+                stdin.flush()
 
     def run(self) -> int:
         o = self.opts
@@ -177,17 +192,16 @@ class LocalSwarm:
         if o.kill_coordinator_at is not None:  # it asks for its SIGKILL (a CHAOS line) where it is to die
             where = "--chaos-die-in-commit" if o.kill_coordinator_in == "commit" else "--chaos-die-at"
             extra = [where, str(o.kill_coordinator_at)]
-        self.coordinator = self._spawn_coordinator("coordinator", *extra)
-        line = self._await_ready(self.coordinator, READY_COORDINATOR)
-        self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
-        self._show_dashboard(self.coordinator)
+        coordinator = self.coordinator = self._spawn_coordinator("coordinator", *extra)
+        self.addr = _first_addr(self._await_ready(coordinator, READY_COORDINATOR))
+        self._show_dashboard(coordinator)
         if o.kill_coordinator_at is not None and o.failover == "standby":
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
-            self.standby_addr = re.search(r"addrs=([^,\s]+)", self._await_ready(self.standby, READY_STANDBY)).group(1)
+            self.standby_addr = _first_addr(self._await_ready(self.standby, READY_STANDBY))
         cfg = json.loads(self.config_path.read_text())
         first = [self.start_peer() for _ in range(cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares)]
         for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
-            if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and self.coordinator.popen.poll() is None:
+            if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and coordinator.popen.poll() is None:
                 raise RuntimeError(f"a peer did not start within {o.ready_timeout:g} s; see {proc.log}")
         return self._follow(cfg["train"]["num_steps"])
 
@@ -195,7 +209,7 @@ class LocalSwarm:
         bar = Progress(num_steps, "swarm", enabled=self.opts.progress)
         try:
             while True:
-                if (line := self.coordinator.lines.get()) is None:
+                if (line := self._running().lines.get()) is None:
                     break
                 if (chaos := parse_chaos_line(line)) is not None:
                     action, fields = chaos
@@ -217,7 +231,7 @@ class LocalSwarm:
                     bar.write(_dashboard_note(line))
                 elif line.startswith("status:") or "Error" in line or "error" in line:
                     bar.write(line)
-            return self.coordinator.popen.wait()
+            return self._running().popen.wait()
         finally:
             bar.close()
 
@@ -230,7 +244,7 @@ class LocalSwarm:
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator's process group; the standby takes over, or a new coordinator
         is started with --takeover, bootstrapping from live peers."""
-        old = self.coordinator
+        old = self._running()
         kill_group(old, gone_within=0)
         self.old_coordinators.append(old)
         live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]

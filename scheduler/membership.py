@@ -226,7 +226,8 @@ class Membership:
                 raise TimeoutError(f"no standby peer joined within join_timeout={self.t.join_timeout:g} s ({why}); "
                                    "start more peers with `checkfree peer --initial-peers ...`")
             if time.monotonic() - start > 2.0:
-                self.out.status(f"waiting for a peer to {why} ({len(self.table.served())}/{self.cfg.num_stages} "
+                stages = self.cfg.num_stages if self.cfg is not None else "?"
+                self.out.status(f"waiting for a peer to {why} ({len(self.table.served())}/{stages} "
                                 f"stages served, {left:.0f} s left)")
             self.joined.clear()
             try:

@@ -64,6 +64,7 @@ class Outputs:
         print(f"status: {text}", flush=True)
 
     def counts(self) -> dict[str, int]:
+        assert self.writer is not None, "the run directory is not open"
         return self.writer.counts
 
     # ---- saves -----------------------------------------------------------------------------
@@ -74,11 +75,12 @@ class Outputs:
         replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), GetState(step=step),
                                                        timeout=self.t.step_timeout)
                                          for s in range(cfg.num_stages)), return_exceptions=True)
-        bad = [s for s, r in enumerate(replies) if isinstance(r, BaseException) or r[0].next_step != step]
+        got = {s: r for s, r in enumerate(replies) if not isinstance(r, BaseException) and r[0].next_step == step}
+        bad = [s for s in range(len(replies)) if s not in got]
         if bad:
             log.warning("save at step %d skipped: stage(s) %s not at that step or unreachable", step, bad)
             return False
-        blobs = {s: r[1][0].numpy().tobytes() for s, r in enumerate(replies)}
+        blobs = {s: r[1][0].numpy().tobytes() for s, r in got.items()}
         await self.saved()
         meta = {"iteration": iteration, "run_id": self.opts.run_id}
         self._saving = asyncio.create_task(asyncio.to_thread(write_save, self.opts.out, step, blobs, meta,

@@ -68,8 +68,10 @@ class Placement:
             await asyncio.gather(*(self._assign_initial(s, pid, saved, step) for s, pid in zip(missing, pids)))
 
     async def _assign_initial(self, stage: int, pid: str, saved: dict[int, bytes] | None, step: int) -> None:
+        tensors: list[torch.Tensor]
+        assign: AssignFresh | AssignLoad
         if saved is None:
-            mode, step, tensors, assign = "fresh", 0, (), AssignFresh(stage=stage)
+            mode, step, tensors, assign = "fresh", 0, [], AssignFresh(stage=stage)
         else:
             mode, tensors = "load", [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
             assign = AssignLoad(stage=stage, step=step)

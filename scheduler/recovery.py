@@ -128,10 +128,12 @@ class Recovery:
         if isinstance(src, Storage):
             return src.step, StorageCopy(storage=self.protection.storage_dir), {}
         if isinstance(src, Own):
+            assert target is not None  # (a stage keeps its own copy only in a rollback)
             return target, OwnCopy(), {}
         if isinstance(src, Parity):  # (the lost member's companion may have survived its crash)
             return src.step, ParityCopy(group=[self._peer(m) for m in src.group], index=src.group.index(stage),
                                         companion=self.protection.companion(stage)), {}
+        assert isinstance(src, Holder), f"stage {stage} has no copy to take: {src}"
         alone = {} if target is not None else {  # serves from the failed step on, its components from co-holders
             "serve_step": plan.step, "edges": {c: (d, self.table.peer(d)) for c, d in src.edges.items()}}
         return src.step, PeerCopy(peer=self.table.peer(src.holder)), alone
@@ -194,6 +196,10 @@ def _describe(plan: RecoveryPlan, src: Source) -> str:
     if isinstance(src, Holder) and plan.rollback_to is None:
         return f"snapshot of step {src.step} from stage {src.holder}" + "".join(
             f", {c} copied from stage {d}" for c, d in src.edges.items())
-    where = {Holder: lambda: f"stage {src.holder}'s copy", Parity: lambda: f"parity group {list(src.group)}",
-             Storage: lambda: "storage", Init: lambda: "the initial state"}[type(src)]()
+    if isinstance(src, Holder):
+        where = f"stage {src.holder}'s copy"
+    elif isinstance(src, Parity):
+        where = f"parity group {list(src.group)}"
+    else:
+        where = {Storage: "storage", Init: "the initial state"}[type(src)]
     return f"rollback to step {plan.rollback_to} from {where}"

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from checkfree.config import RunConfig
 from checkfree.net.transport import RemoteError
@@ -23,6 +24,8 @@ from scheduler.stage_groups import GroupSteps
 from scheduler.stage_table import StageTable
 
 __all__ = ["StepDriver"]
+
+R = TypeVar("R")
 
 log = logging.getLogger("scheduler.coordinator")
 
@@ -58,12 +61,12 @@ class StepDriver:
         """`attempt` completed its step (the one COMMIT names)."""
         self.last_attempt = attempt
 
-    async def all(self, message: Request, timeout: float) -> dict[int, object | Exception]:
+    async def all(self, message: Request[R], timeout: float) -> dict[int, R | Exception]:
         """`message` to every stage's peer (every replica of a stage group); by stage, its primary's reply (a failed
         replica is reported)."""
         calls = [(s, p) for s, g in self.table.groups().items() for p in g]
         results = await self.rpc.gather([p for _, p in calls], message, timeout)
-        out = {}
+        out: dict[int, R | Exception] = {}
         for (s, p), r in zip(calls, results):
             if p != self.table.peer(s):
                 if isinstance(r, Exception) and not isinstance(r, RemoteError):
@@ -123,8 +126,9 @@ class StepDriver:
         """What a peer's failed RUN_STEP says about it: an uncorrectable soft error (the attempt is redone; a peer
         that keeps producing them is retired: its stage recovered, or in a stage group it leaves its group), or a
         straggler (slower than step_timeout: treated as failed)."""
-        stage = self.table.stage_of(pid)
-        kind = getattr(e, "kind", None)
+        if not isinstance(e, RemoteError):  # (only a peer's own error reply says what it was)
+            return
+        stage, kind = self.table.stage_of(pid), e.kind
         if kind == Kind.SOFT_ERROR:
             self.soft_counts[pid] = soft_errors(e)
             event = functools.partial(self.out.event, step=step, strategy=self.cfg.recovery.strategy)

@@ -1,4 +1,4 @@
-"""Faults come from outside (style.md 15), checked on the source of every production module under `checkfree/`,
+"""Faults come from outside, checked on the source of every production module under `checkfree/`,
 `peers/` and `scheduler/` with `ast`:
 
 * a fault hook is called only where one was installed: a call through the coordinator's hook (`Hook`,
