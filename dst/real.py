@@ -7,10 +7,12 @@ Faults reach real processes through the launcher's chaos flags, so only the kind
 adjacent stages, a peer at its (mb+1)-th forward or backward pass or as it takes the COMMIT (--chaos-peer-kill),
 a replica half-way through the gradient all-reduce, a replacement in the middle of its rebuild, the coordinator
 (failover to a standby, or a restart) between steps or half-way through a commit, a SIGTERM, a partition of one
-iteration (--netns: root), a slowed stage. The kills inside a peer's work (a pass, the all-reduce, the COMMIT, a
-rebuild's pulls) are its own: the coordinator's injector arms the peer's fault hook (checkfree.peer_faults),
-through the control channel a peer started with --fault-hook serves, as the request that reaches it leaves.
-Standbys joining at a chosen point and multi-iteration partitions are the in-process tier's.
+iteration (--netns: root), a slowed stage, a peer joining as an iteration starts (--chaos-joins). The kills inside
+a peer's work (a pass, the all-reduce, the COMMIT, a rebuild's pulls) are its own: the coordinator's injector arms
+the peer's fault hook (checkfree.peer_faults), through the control channel a peer started with --fault-hook
+serves, as the request that reaches it leaves.
+Partitions of more than one iteration, and a mid-rebuild kill after a second pull or of a restore's pulls, are the
+in-process tier's.
 
 `soak(...)` is the long leg: one `checkfree local` run for a given time under a generated fault sequence, its
 process tree's memory sampled.
@@ -44,7 +46,7 @@ __all__ = ["REAL_KINDS", "local_args", "expected_lines", "run_real", "Watch", "n
 
 REAL_KINDS = (Kind.KILL_BEFORE_STEP, Kind.KILL_GROUP, Kind.KILL_ADJACENT, Kind.KILL_MID_FORWARD, Kind.KILL_MID_BACKWARD,
               Kind.KILL_MID_COMMIT, Kind.KILL_MID_REDUCE, Kind.KILL_MID_REBUILD, Kind.COORDINATOR_FAILOVER,
-              Kind.COORDINATOR_RESTART, Kind.SIGTERM, Kind.SLOW, Kind.PARTITION)
+              Kind.COORDINATOR_RESTART, Kind.SIGTERM, Kind.SLOW, Kind.PARTITION, Kind.JOIN)
 PEER_KILLS = {Kind.KILL_MID_FORWARD: "forward", Kind.KILL_MID_BACKWARD: "backward", Kind.KILL_MID_COMMIT: "commit"}
 TIMEOUTS = ["--heartbeat-ttl", "2", "--rpc-timeout", "10", "--step-timeout", "60", "--join-timeout", "180"]
 MARK = "CHECKFREE_DST_RUN"  # in the environment of every process of one real run (and nobody else's)
@@ -94,7 +96,7 @@ def local_args(schedule: Schedule, out: Path, netns: bool) -> list[str]:
             *TIMEOUTS]
     if s.soft_errors:
         args += ["--abft", "--inject-soft-errors", str(s.soft_errors)]
-    kills, whole, reduce, preempt, cut, rebuild = [], set(), [], [], [], []
+    kills, whole, reduce, preempt, cut, rebuild, joins = [], set(), [], [], [], [], []
     for f in schedule.faults:
         if f.kind is Kind.KILL_BEFORE_STEP:
             kills.append((f.iteration, f.stage))
@@ -114,6 +116,8 @@ def local_args(schedule: Schedule, out: Path, netns: bool) -> list[str]:
             args += ["--chaos-slow", f"{f.stage}:{f.delay_ms / 1000:g}@{f.iteration}"]
         elif f.kind in PEER_KILLS:
             args += ["--chaos-peer-kill", f"{PEER_KILLS[f.kind]}:{f.iteration}:{f.stage}:{f.replica}:{f.mb}"]
+        elif f.kind is Kind.JOIN:
+            joins.append(f.iteration)
     for flag, lines in (("--trace", kills), ("--reduce-kill-trace", reduce), ("--preempt-trace", preempt),
                         ("--partition-trace", cut)):
         if lines:
@@ -124,6 +128,8 @@ def local_args(schedule: Schedule, out: Path, netns: bool) -> list[str]:
         args.append("--no-churn")
     if rebuild:
         args += ["--chaos-rebuild-kills", ",".join(map(str, sorted(set(rebuild))))]
+    if joins:
+        args += ["--chaos-joins", ",".join(map(str, sorted(joins)))]
     if cut:
         args.append("--netns")
     coordinator = next((f for f in schedule.faults if f.kind in (Kind.COORDINATOR_FAILOVER, Kind.COORDINATOR_RESTART)),

@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the peer chosen to rebuild a failed stage is killed before it finishes")
     c.add_argument("--chaos-rebuild-kills", default="", help="(local swarm) comma-separated iterations at which "
                    "the peer rebuilding a failed stage SIGKILLs itself after its first weight pull (mid-rebuild)")
+    c.add_argument("--chaos-joins", default="", help="(local swarm) comma-separated iterations at which the launcher "
+                   "starts one more peer (a standby joining mid-run; an iteration twice: two peers)")
     c.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group after it has committed half of the stages of step STEP (failover test)")
     c.add_argument("--chaos-die-at", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
@@ -93,6 +95,17 @@ def add_peer_kill_argument(p: argparse._ActionsContainer) -> None:
                    help="(local swarm, peers started with --fault-hook) replica REPLICA (default 0) of STAGE SIGKILLs "
                         "itself at iteration ITERATION: WHERE=forward|backward at its (MB+1)-th pass of that kind "
                         "(default the first), WHERE=commit as it takes the step's COMMIT; repeatable")
+
+
+def _joins(text: str) -> list[int]:
+    """--chaos-joins: iterations, each as often as it is named."""
+    try:
+        its = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--chaos-joins {text!r}: expected comma-separated iterations, e.g. 3,3,7") from None
+    if any(i < 0 for i in its):
+        raise ValueError(f"--chaos-joins {text!r}: iterations are >= 0")
+    return its
 
 
 def _iterations(text: str, flag: str) -> frozenset[int]:
@@ -167,5 +180,6 @@ def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule |
         rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
         slow=parse_slow(args.chaos_slow, num_stages), die_in_commit=args.chaos_die_in_commit,
         die_at=args.chaos_die_at,
-        peer_kills=tuple(parse_peer_kill(spec, num_stages) for spec in args.chaos_peer_kill))
+        peer_kills=tuple(parse_peer_kill(spec, num_stages) for spec in args.chaos_peer_kill),
+        joins=tuple(sorted(_joins(args.chaos_joins))))
     return None if schedule == FaultSchedule() else schedule

@@ -49,7 +49,7 @@ __all__ = ["FaultSchedule", "PeerKill", "Injector", "chaos_line", "parse_chaos_l
 # The launcher protocol: the coordinator prints one line per request, `CHAOS <action> key=value ...`; the
 # launcher acts (and, for a partition, acknowledges on stdin).
 CHAOS_ACTIONS = ("kill", "crash", "rebuild-kill", "replica-kill", "self-kill", "term", "partition", "heal",
-                 "coordinator-dies")
+                 "coordinator-dies", "join")
 PEER_KILLS = ("forward", "backward", "commit")  # where a --chaos-peer-kill lands
 
 log = logging.getLogger("scheduler.coordinator")
@@ -108,6 +108,7 @@ class FaultSchedule:
     partition: FailureSchedule | None = None  # (--netns) cut these (step, stage) peers off the network
     slow: dict[int, tuple[float, int]] = field(default_factory=dict)  # diagnostic: stage -> (s per compute, from step)
     peer_kills: tuple[PeerKill, ...] = ()  # peers armed to die mid-forward, mid-backward or mid-commit
+    joins: tuple[int, ...] = ()  # a new peer is started as each of these iterations starts (once per entry)
     die_in_commit: int | None = None  # SIGKILL the coordinator's process group half-way through this step's commit
     # ...or as the iteration that runs this step starts (a partition of the last iteration healed, nothing of this
     # one fired: the coordinator that takes over fires it, so each fault fires once)
@@ -176,6 +177,9 @@ class Injector:
         step = self.c.view().step
         if s.die_at is not None and step == s.die_at:
             await self._die(step=step)
+        for _ in range(s.joins.count(iteration)):  # a standby joining mid-run
+            out.event("chaos_join", step=iteration)
+            await self._ask("join", step=iteration)
         for stage, pid in self._scheduled(s.partition, iteration):
             out.event("chaos_partition", step=iteration, stage=stage, peer_id=pid)
             await self._ask("partition", ack=True, step=iteration, stage=stage, peer=pid)  # detection: timeouts

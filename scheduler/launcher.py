@@ -220,6 +220,8 @@ class LocalSwarm:
                         self.start_peer()
                     elif action == "term":
                         self.preempt_peer(fields["peer"])
+                    elif action == "join":  # a standby joining mid-run
+                        self.start_peer()
                     elif action in ("partition", "heal"):
                         self.partition_peer(fields["peer"], heal=action == "heal")
                     elif action == "coordinator-dies":  # where it was to die, as asked (--kill-coordinator-at/-in)

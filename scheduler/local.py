@@ -71,6 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--chaos-rebuild-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the peer rebuilding a failed stage is SIGKILLed in the "
                         "middle of its rebuild (after its first weight pull); the next standby takes over")
+    c.add_argument("--chaos-joins", default="", metavar="ITERS",
+                   help="comma-separated iterations at which one more peer is started (a standby joining mid-run)")
     c.add_argument("--dump-recovery", metavar="DIR",
                    help="peers save the weights served and rebuilt in recoveries, and their final state")
     c.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
@@ -210,6 +212,7 @@ def run_local(args: argparse.Namespace) -> int:
         + (["--chaos-reduce-trace", args.reduce_kill_trace] if args.reduce_kill_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])
         + (["--chaos-rebuild-kills", args.chaos_rebuild_kills] if args.chaos_rebuild_kills else [])
+        + (["--chaos-joins", args.chaos_joins] if args.chaos_joins else [])
         + (["--partition-trace", args.partition_trace] if args.partition_trace else [])
         + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)]
         + [x for spec in args.chaos_peer_kill for x in ("--chaos-peer-kill", spec)],

@@ -118,7 +118,7 @@ def test_the_real_process_tier_hands_each_fault_kind_to_checkfree_local(tmp_path
                          Fault(Kind.PARTITION, 4, stage=1), Fault(Kind.KILL_MID_REBUILD, 2),
                          Fault(Kind.SLOW, 1, stage=0, delay_ms=20), Fault(Kind.COORDINATOR_RESTART, 4, where="commit"),
                          Fault(Kind.KILL_MID_FORWARD, 1, stage=2, replica=1, mb=3), Fault(Kind.KILL_MID_BACKWARD, 2),
-                         Fault(Kind.KILL_MID_COMMIT, 4, stage=3)))
+                         Fault(Kind.KILL_MID_COMMIT, 4, stage=3), Fault(Kind.JOIN, 3), Fault(Kind.JOIN, 1)))
     for netns in (True, False):
         args = local_args(schedule, tmp_path, netns)
         parsed = build_parser().parse_args(["local", *args])
@@ -132,6 +132,7 @@ def test_the_real_process_tier_hands_each_fault_kind_to_checkfree_local(tmp_path
         assert [args[i + 1] for i, a in enumerate(args) if a == "--chaos-peer-kill"] == [
             "forward:1:2:1:3", "backward:2:0:0:0", "commit:4:3:0:0"]
         assert parsed.chaos_peer_kill == ["forward:1:2:1:3", "backward:2:0:0:0", "commit:4:3:0:0"]
+        assert flag("--chaos-joins") == "1,3"
         assert ("--netns" in args) is netns and ("--partition-trace" in args) is netns
         assert expected_lines(schedule, netns) == sorted(
             [(1, 1, False), (2, 2, True), (3, 0, False), (1, 2, False), (2, 0, False), (5, 3, False)]
@@ -164,7 +165,7 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
             raise Killed
 
     schedule = FaultSchedule(kills=FailureSchedule([(1, 0)]), partition=FailureSchedule([(0, 1)]), die_at=1,
-                             handler=handler)
+                             joins=(0, 0), handler=handler)
     at = {"step": 0}
 
     def view():
@@ -183,7 +184,7 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
             await injector("iteration", coordinator)
         return asked
 
-    assert asyncio.run(main()) == [("partition", 0), ("heal", 1), ("coordinator-dies", 1)]
+    assert asyncio.run(main()) == [("join", 0), ("join", 0), ("partition", 0), ("heal", 1), ("coordinator-dies", 1)]
 
 
 @pytest.mark.processes
