@@ -10,9 +10,9 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
 from checkfree.costmodel import NETWORKS
@@ -169,7 +169,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def override_config(cfg: RunConfig, values: dict[str, Any], dotlist: list[str] = ()) -> RunConfig:
+def override_config(cfg: RunConfig, values: dict[str, Any], dotlist: Sequence[str] = ()) -> RunConfig:
     """`cfg` with `values` ({dotted key: value}) and then `dotlist` ("key=value" strings) merged in, every
     key and value checked against the typed tree (OmegaConf), every section re-validated."""
     from omegaconf import OmegaConf
@@ -192,7 +192,7 @@ def override_config(cfg: RunConfig, values: dict[str, Any], dotlist: list[str] =
             merged = OmegaConf.merge(merged, layer())
         except OmegaConfBaseException as e:
             raise ValueError(f"{source}: {str(e).splitlines()[0]}") from None
-    return config_from_dict(OmegaConf.to_container(merged))
+    return config_from_dict(cast(dict[str, Any], OmegaConf.to_container(merged)))
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -282,6 +282,7 @@ class Simulator:
         self.writer.event("save", step=step, path=str(path))
 
     def _resume(self) -> int:
+        assert self.resume_from is not None
         meta, blobs = read_save(self.resume_from, self.cfg.num_stages)
         for i, w in enumerate(self.workers):
             state = state_from_bytes(blobs[i])

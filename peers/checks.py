@@ -166,7 +166,7 @@ def check_hop(run: StepRun, request: Pass, stage: int, me: str | None = None) ->
     if run.routes[mb][idx].stage != stage:
         raise ProtocolError(f"microbatch {mb} hop {idx} belongs to stage {run.routes[mb][idx].stage}, "
                             f"not to this peer's stage {stage}")
-    if run.grouped and me is not None and run.hops[mb][idx] != me:
+    if run.hops is not None and me is not None and run.hops[mb][idx] != me:
         raise ProtocolError(f"microbatch {mb} hop {idx} is computed by replica {run.hops[mb][idx]} of stage "
                             f"{stage}, not by this peer")
     return mb, idx

@@ -33,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "can take part, 2 if not")
     p.add_argument("--dump-recovery", metavar="DIR",
                    help="save the weights served and rebuilt in recoveries, and the final state (debugging)")
+    p.add_argument("--fault-hook", action="store_true",
+                   help="testing only (the local swarm's fault injection): serve a control channel through which "
+                        "the coordinator's fault injector arms this peer to kill itself or slow down at named points "
+                        "of its work (checkfree.peer_faults); never on a production peer")
     p.set_defaults(func=run_peer)
 
 
@@ -55,7 +59,12 @@ def run_peer(args: argparse.Namespace) -> int:
         print(f"note: no --initial-peers: this peer can only find a coordinator that bootstraps from it; it waits "
               f"up to --join-timeout {opts.timeouts.join_timeout:g} s for run {opts.run_id!r} (give the address the "
               "coordinator printed as --initial-peers)", flush=True)
+    hook = None
+    if args.fault_hook:
+        from checkfree.peer_faults import PeerFaults
+
+        hook = PeerFaults()
     try:
-        return asyncio.run(PeerDaemon(opts).run())
+        return asyncio.run(PeerDaemon(opts, hook).run())
     except TransportError as e:
         raise ValueError(str(e)) from e

@@ -14,8 +14,10 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
 
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -48,13 +50,18 @@ from checkfree.protocol import (
 )
 from checkfree.net.relay import ECHO, Reachability, RelayTransport, unreachable_message
 from checkfree.net.transport import dht_maddrs
-from checkfree.messages import Join, Leave, Message, Request, Status, reply_of, request, to_wire
+from checkfree.messages import Join, Leave, Message, Request, Status, reply_to, request, to_wire
 from checkfree.strategies.state import state_nbytes
 from checkfree.wan import WanEmulator
 from peers.checks import admit
 from peers.stage import HostedStage
 
+if TYPE_CHECKING:
+    from peers.daemon import PeerOptions
+
 __all__ = ["Handler", "Served", "Membership", "PeerUnreachable"]
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +87,8 @@ class Membership:
         self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
         self.run_finished = False  # the coordinator said the run ended
         self.wan: WanEmulator | None = None  # the run's emulated network (train.wan), once joined
-        self.opts = None  # the daemon's PeerOptions, once started
+        self.opts: PeerOptions | None = None  # the daemon's options, once started
+        self.relay: RelayTransport | None = None  # the transport, wrapped for relays (the probe, relayed calls)
         self.reach: Reachability | None = None  # how the coordinator reaches this peer (probed before joining)
 
     async def start(self, opts) -> None:
@@ -91,9 +99,10 @@ class Membership:
             [*opts.initial_peers, *opts.relay_via], opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
             opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
             tcp_port=opts.tcp_port, secret=self.secret)
-        self.transport = await RelayTransport(transport, serve_relay=opts.serve_relay, admit=self._admit_relay).start()
-        if self.transport.kind != "memory":
-            self.transport.route(self.dht, self.run_id, self.secret)
+        self.transport = self.relay = await RelayTransport(transport, serve_relay=opts.serve_relay,
+                                                           admit=self._admit_relay).start()
+        if self.relay.kind != "memory":
+            self.relay.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:
             sign_requests(self.transport, {"token": self.token()})
 
@@ -118,9 +127,19 @@ class Membership:
         self.coordinator = self.adopter = coordinator
         self.heard_from_coordinator()
 
+    def wire(self) -> Transport:
+        """This peer's transport (once started)."""
+        assert self.transport is not None, "the peer's transport is not started"
+        return self.transport
+
+    def relays(self) -> tuple[RelayTransport, PeerOptions]:
+        """This peer's relaying transport and its options (once started)."""
+        assert self.relay is not None and self.opts is not None, "the peer's transport is not started"
+        return self.relay, self.opts
+
     @property
     def me(self) -> str:
-        return str(self.transport.peer_id)
+        return str(self.wire().peer_id)
 
     def token(self) -> str | None:
         """This peer's membership token (None in an open swarm)."""
@@ -140,27 +159,27 @@ class Membership:
 
         return admitted
 
-    async def call(self, peer: str, message: Request, timeout: float, tensors=(), *,
-                   link: tuple[int, int] | None = None) -> tuple[Any, list]:
-        """`message` to `peer`, for this run; its typed reply (checkfree.messages.reply_of: a malformed one is a
-        BadReply, a failed call). `link`: (this end's stage, the peer's stage) of a transfer between stages,
-        held back by the run's emulated network if it has one (checkfree.wan), the request on the way there and
-        the reply on the way back."""
-        name, header = message.rpc, request(self.run_id, message)
-        if self.wan is None or link is None:
-            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-            return reply_of(name, reply), out
+    async def call(self, peer: str, message: Request[R], timeout: float, tensors: Sequence[torch.Tensor] = (), *,
+                   link: tuple[int, int] | None = None) -> tuple[R, list[torch.Tensor]]:
+        """`message` to `peer`, for this run; its reply as the reply type of its request (checkfree.messages: a
+        `Request[R]` is answered with an `R`; a malformed one is a BadReply, a failed call). `link`: (this end's
+        stage, the peer's stage) of a transfer between stages, held back by the run's emulated network if it has one
+        (checkfree.wan), the request on the way there and the reply on the way back."""
+        name, header, transport, wan = message.rpc, request(self.run_id, message), self.wire(), self.wan
+        if wan is None or link is None:
+            reply, out = await transport.call(peer, name, header, tensors, timeout=timeout)
+            return reply_to(message, reply), out
 
-        async def shaped() -> tuple[Any, list]:
-            await self.wan.carry(link[0], link[1], state_nbytes(tensors))
-            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-            await self.wan.carry(link[1], link[0], state_nbytes(out))
-            return reply_of(name, reply), out
+        async def shaped() -> tuple[R, list[torch.Tensor]]:
+            await wan.carry(link[0], link[1], state_nbytes(tensors))
+            reply, out = await transport.call(peer, name, header, tensors, timeout=timeout)
+            await wan.carry(link[1], link[0], state_nbytes(out))
+            return reply_to(message, reply), out
 
         try:  # the emulated links' time counts against the timeout, as a real WAN's would
             return await asyncio.wait_for(shaped(), timeout)
         except TimeoutError:
-            raise TransportTimeout(f"{name} to {peer} over the emulated {self.wan.name} link {link[0]} -> {link[1]} "
+            raise TransportTimeout(f"{name} to {peer} over the emulated {wan.name} link {link[0]} -> {link[1]} "
                                    f"took over {timeout:g} s") from None
 
     def allowance(self, src: int, dst: int, nbytes: float) -> float:
@@ -213,17 +232,19 @@ class Membership:
 
     async def own_addresses(self) -> list[str]:
         """The addresses others would dial to reach this peer's RPC: the DHT's (hivemind), else the RPC listener's."""
-        if self.transport.kind == "hivemind":
+        relay, _ = self.relays()
+        if relay.kind == "hivemind":
             return [a for a in await dht_maddrs(self.dht) if "p2p-circuit" not in a]
-        return list(getattr(self.transport, "maddrs", []))
+        return list(getattr(relay.inner, "maddrs", []))
 
     async def reachability(self, coordinator: str) -> Reachability:
         """How the coordinator reaches this peer (`reachability_probe`); not directly: register with the relay (the
         coordinator, or --relay-via) and publish the route there, so that every caller sends its requests through it."""
         reach = await self.reachability_probe(coordinator)
         if not reach.direct:
-            follow = (lambda: self.coordinator) if not self.opts.relay_via else None  # (a new coordinator relays)
-            await self.transport.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout, follow)
+            relay, opts = self.relays()
+            follow = (lambda: self.coordinator) if not opts.relay_via else None  # (a new coordinator relays)
+            await relay.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout, follow)
             print(f"peer: the coordinator could not connect to this peer (behind NAT or a firewall): reached through "
                   f"the relay {reach.via} (--no-relay to refuse)", flush=True)
         return reach
@@ -242,15 +263,15 @@ class Membership:
         except PeerUnreachable as e:
             print(f"check: {e}", flush=True)
             return 2
-        timeout = self.t.rpc_timeout
+        timeout, wire = self.t.rpc_timeout, self.wire()
         small, big = [], []
         payload = torch.zeros(nbytes // 4, dtype=torch.float32)
         for _ in range(rounds):
             start = time.perf_counter()
-            await self.transport.call(coordinator, ECHO, {}, [], timeout=timeout)
+            await wire.call(coordinator, ECHO, {}, [], timeout=timeout)
             small.append(time.perf_counter() - start)
             start = time.perf_counter()
-            await self.transport.call(coordinator, ECHO, {}, [payload], timeout=timeout)
+            await wire.call(coordinator, ECHO, {}, [payload], timeout=timeout)
             big.append(time.perf_counter() - start)
         rtt, bw = min(small), 2 * nbytes / max(min(big) - min(small), 1e-9) / 2**20
         how = ("directly" if reach.direct else
@@ -267,22 +288,23 @@ class Membership:
         """Ask the coordinator to connect to this peer's addresses. Reached: direct. Not reached: through a relay
         (the coordinator, or --relay-via), or, with relays off or a transport that cannot be relayed, a
         `PeerUnreachable` whose one line names the cause and the flag that fixes it."""
-        if self.transport.kind == "memory":  # the in-process tier: one address space
+        relay, opts = self.relays()
+        if relay.kind == "memory":  # the in-process tier: one address space
             return Reachability(True)
-        relays = [str(Multiaddr(m)["p2p"]) for m in self.opts.relay_via]
-        allowed = self.opts.relay and self.transport.kind == "hivemind"
+        relays = [str(Multiaddr(m)["p2p"]) for m in opts.relay_via]
+        allowed = opts.relay and relay.kind == "hivemind"
         addrs = await self.own_addresses()
-        probe = await self.transport.probe(coordinator, addrs, allowed, self.t.rpc_timeout,
+        probe = await relay.probe(coordinator, addrs, allowed, self.t.rpc_timeout,
                                            via=relays[0] if relays and allowed else None)
         if probe.get("reachable"):
             return Reachability(True, probe=probe)
         cause = (f"this peer cannot be reached: the coordinator {coordinator} could not connect to any of its "
                  f"addresses ({', '.join(probe.get('tried', addrs)) or 'none'}), so it is behind NAT or a firewall")
-        if not self.opts.relay:
+        if not opts.relay:
             raise PeerUnreachable(unreachable_message(probe.get("tried", addrs), probe.get("errors", {}), coordinator))
-        if self.transport.kind != "hivemind":
+        if relay.kind != "hivemind":
             raise PeerUnreachable(f"{cause}, and only --transport hivemind can be relayed (this peer uses "
-                                  f"--transport {self.transport.kind}). Use --transport hivemind, or forward the port "
+                                  f"--transport {relay.kind}). Use --transport hivemind, or forward the port "
                                   f"and give --announce-maddrs")
         if not relays and probe.get("relay") is False:
             raise PeerUnreachable(f"{cause}, and the coordinator relays for no peer (it was started with --no-relay). "
@@ -313,7 +335,7 @@ class Membership:
                 found = {}
             # a record signed with our secret first; else any (its JOIN reply must still prove the
             # secret, and a peer with the wrong secret then hears why it is refused)
-            coordinator = coordinator_from_records(found, self.secret, self.run_id, self.transport.kind,
+            coordinator = coordinator_from_records(found, self.secret, self.run_id, self.wire().kind,
                                                    unsigned_ok=True)
             if coordinator is not None:
                 return coordinator
@@ -343,7 +365,6 @@ class Membership:
         or state changes (a new coordinator taking over reads a stage from it), until cancelled."""
         key, me = members_key(self.run_id), self.me
         while True:
-            self.hosted.changed.clear()
             try:
                 value = {"stage": self.hosted.index, "state": self.hosted.state.value}
                 await announce(self.dht, key, me, sign_record(self.secret, self.run_id, "member", me, value,
@@ -351,9 +372,7 @@ class Membership:
                                self.t.heartbeat_ttl)
             except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.hosted.changed.wait(),
-                                       self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
+            await self.hosted.changes(self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
 
     async def watch_coordinator(self, limit: float) -> bool:
         """Return True once no coordinator has been heard from for `limit` seconds (False once the

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from checkfree.baselines.parity import BytesLike
 from checkfree.messages import (AssignRestore, FetchSnapshot, InitialState, KeepHolders, KeepParity, KeepStorage, Ok,
                                 Origin, OwnCopy, ParityCopy, PeerCopy, Restore, Snapshot, Snapshotted, StorageCopy,
                                 Stored, StoreSnapshot)
@@ -109,7 +110,7 @@ class Snapshots:
         in its place (under ReFT its own, with its parity block); the bytes moved. One it does not have (a
         snapshot round left incomplete replaced it) is skipped with a warning: it was lost before the handover. A
         source that cannot be reached fails the handover (the coordinator then recovers the stage)."""
-        if self.hosted.cfg is None or not all(0 <= o < self.hosted.cfg.num_stages for o in held):
+        if self.hosted.cfg is None or not all(0 <= o < self.hosted.joined().num_stages for o in held):
             raise ProtocolError(f"assign 'held' names stages out of range: {sorted(held)!r:.200}")
         moved = 0
         for owner, step in sorted(held.items()):
@@ -129,7 +130,7 @@ class Snapshots:
             moved += len(self.held[owner][1])
         return moved
 
-    def keep(self, stage: int, step: int, blob: bytes) -> None:
+    def keep(self, stage: int, step: int, blob: BytesLike) -> None:
         """Hold `stage`'s snapshot (or backup) of `step` (at most one per stage)."""
         self.held[stage] = (step, blob)
 

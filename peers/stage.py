@@ -67,6 +67,12 @@ class HostedStage:
         self._state = state
         self.changed.set()
 
+    async def changes(self, timeout: float) -> None:
+        """Until the stage or state changes, or `timeout` seconds pass (the change seen is consumed)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        self.changed.clear()
+
     @property
     def index(self) -> int:
         """The hosted stage, -1 while standing by."""
@@ -145,23 +151,24 @@ class HostedStage:
     def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:
         """The stage's worker; init=False leaves its weights unallocated (a recovery loads them); guard=False:
         no soft-error guard (a redundant replica)."""
-        worker = StageWorker(self.worker_cfg, stage, init=init)
+        c, worker_cfg = self.joined(), self.worker_cfg
+        assert worker_cfg is not None  # (set with the config: `configure`)
+        worker = StageWorker(worker_cfg, stage, init=init)
         if guard:
-            worker.attach_guard(make_guard(self.cfg, stage))
+            worker.attach_guard(make_guard(c, stage))
         if self._needs_data(stage) and self.data is None:
-            c = self.cfg
             self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.seq_len,
                                    seed=c.train.seed, microbatch_size=c.train.microbatch_size)
         return worker
 
     def _needs_data(self, stage: int) -> bool:
-        holders = edge_holders(self.cfg.num_stages, self.plus)
+        holders = edge_holders(self.joined().num_stages, self.plus)
         return stage in holders["embed"] or stage in holders["head"]
 
     def capture_bytes(self, step: int) -> bytearray:
         """The hosted stage's full state as of `step` (weights, Adam, LR scale, RNG, omega), serialised straight
         from the live tensors (one copy)."""
-        return state_to_bytes(capture_worker(self.worker, step, self.omega, clone=False))
+        return state_to_bytes(capture_worker(self.serving(), step, self.omega, clone=False))
 
     @staticmethod
     def load_bytes(worker: StageWorker, blob: Any, donors: dict | None = None) -> float:

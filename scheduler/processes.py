@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class Proc:
         """Copy the process's output to its log and queue; note its peer id from the ready line, and report a
         peer's start-up milestones as they happen (where a slow start-up spends its time). Runs in a thread."""
         log = open(self.log, "a", buffering=1) if self.log is not None else None
+        assert self.popen.stdout is not None  # (a pipe)
         try:
             for line in self.popen.stdout:
                 if log is not None:
@@ -79,7 +81,7 @@ class Proc:
         self.exited = time.monotonic()
 
 
-def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: list[str] = (), stdin=subprocess.DEVNULL,
+def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: Sequence[str] = (), stdin=subprocess.DEVNULL,
           name: str = "", link: int = 0, announce: bool = False) -> Proc:
     """Start `[prefix...] python -m checkfree ARGS` in a session of its own; its output lines are queued (and
     written to `log`)."""

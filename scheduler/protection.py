@@ -30,7 +30,7 @@ from checkfree import messages as msg
 from checkfree.messages import (BackupCommit, BackupShare, Keep, KeepHolders, KeepParity, KeepStorage, Snapshotted,
                                 TakeReplica)
 from checkfree.strategies import Strategy, storage
-from scheduler.common import CoordinatorOptions
+from scheduler.common import CoordinatorOptions, settle
 from scheduler.outputs import Outputs
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
@@ -144,8 +144,8 @@ class Protection:
         """SNAPSHOT on every stage (`keep(stage)`: where it goes); the sizes of the stages that completed it."""
         t0 = time.perf_counter()
         stages = self.table.served()
-        results = await asyncio.gather(*(self.rpc.call(self.table.peer(s), msg.Snapshot(step=step, keep=keep(s)),
-                                                    self.t.step_timeout) for s in stages), return_exceptions=True)
+        results = await settle(self.rpc.call(self.table.peer(s), msg.Snapshot(step=step, keep=keep(s)),
+                                             self.t.step_timeout) for s in stages)
         replies: dict[int, Snapshotted] = {s: r[0] for s, r in zip(stages, results) if not isinstance(r, Exception)}
         complete = len(replies) == len(stages)
         kind = "storage" if isinstance(keep(0), KeepStorage) else "memory"

@@ -72,7 +72,7 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
 def test_a_replacement_lost_during_its_rebuild_is_replaced_by_the_next_standby(tiny_cfg, tmp_path, fault):
     """Faults from outside (scheduler.injector, around the coordinator's transport): the standby chosen to rebuild
     stage 1 at step 3 is killed as its ASSIGN leaves (recovery_kills) or SIGKILLs itself after its first weight
-    pull (rebuild_kills: the field the injector adds to the ASSIGN); the next standby rebuilds the stage and the
+    pull (rebuild_kills: its fault hook armed as the ASSIGN leaves); the next standby rebuilds the stage and the
     run keeps the simulator's losses."""
     cfg = _cfg(tiny_cfg, "checkfree")
     failures = [(3, 1)]
@@ -85,6 +85,28 @@ def test_a_replacement_lost_during_its_rebuild_is_replaced_by_the_next_standby(t
     (recovery,) = _events(tmp_path / "swarm", "recovery")
     assert (retry["step"], retry["stage"]) == (recovery["step"], recovery["stage"]) == (3, 1)
     assert retry["peer_id"] in [str(f["peer"]) for _, f in swarm.killed] and recovery["peer_id"] != retry["peer_id"]
+
+
+def test_peers_armed_through_their_fault_hooks_die_mid_forward_mid_backward_and_mid_commit(tiny_cfg, tmp_path):
+    """--chaos-peer-kill: the injector arms a peer through its fault hook's control channel (checkfree.peer_faults;
+    no request carries a field for it) as the RUN_STEP (or COMMIT) that reaches it leaves. Stage 1's peer dies at
+    its second forward pass of iteration 2, stage 2's at its first backward pass of iteration 3, stage 1's new peer
+    as it takes the COMMIT of iteration 4 (the other stages commit: the stage is lost for step 5). The swarm
+    recovers each and keeps the simulator's losses."""
+    from scheduler.injector import PeerKill
+
+    cfg = _cfg(tiny_cfg, "checkfree", steps=7)
+    kills = (PeerKill("forward", 2, 1, mb=1), PeerKill("backward", 3, 2), PeerKill("commit", 4, 1))
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, peer_kills=kills, save_final=False)
+    failures = [(2, 1), (3, 2), (5, 1)]
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    assert [f["why"].split(" (")[0] for _, f in swarm.killed] == [
+        "peer after its forward pass 2 of step 2", "peer after its backward pass 1 of step 3",
+        "peer as it takes the COMMIT of step 4"]
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    assert [(e["step"], e["stage"]) for e in _events(tmp_path / "swarm", "recovery")] == failures
+    assert [e["during"] for e in _events(tmp_path / "swarm", "chaos_kill")] == ["forward", "backward", "commit"]
 
 
 @pytest.mark.parametrize("strategy, fallback, failures", [

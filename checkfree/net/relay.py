@@ -212,7 +212,8 @@ class RelayTransport:
         async def lookup(peer: str) -> str | None:
             found = await live_members_async(dht, key)
             value = found.get(peer)
-            if not record_ok(secret, run_id, "route", peer, value) or not isinstance(value.get("via"), str):
+            if not isinstance(value, dict) or not record_ok(secret, run_id, "route", peer, value) \
+                    or not isinstance(value.get("via"), str):
                 return None
             return value["via"]
 

@@ -13,6 +13,7 @@ aliases it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -97,8 +98,8 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-def state_nbytes(state: StageState) -> int:
-    """Tensor bytes of a state (weights + optimizer moments + RNG)."""
+def state_nbytes(state: StageState | Sequence[Any]) -> int:
+    """Tensor bytes of a state (weights + optimizer moments + RNG), or of any nest of dicts and lists of tensors."""
     return _nbytes(state)
 
 
