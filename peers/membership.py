@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -48,7 +48,7 @@ from checkfree.protocol import (
     coordinator_key,
     members_key,
 )
-from checkfree.net.relay import ECHO, Reachability, RelayTransport, unreachable_message
+from checkfree.net.relay import ECHO, Reachability, RelayTransport, members_only, unreachable_message
 from checkfree.net.transport import dht_maddrs
 from checkfree.messages import Join, Leave, Message, Request, Status, reply_to, request, to_wire
 from checkfree.strategies.state import state_nbytes
@@ -56,14 +56,19 @@ from checkfree.wan import WanEmulator
 from peers.checks import admit
 from peers.stage import HostedStage
 
-if TYPE_CHECKING:
-    from peers.daemon import PeerOptions
-
 __all__ = ["Handler", "Served", "Membership", "PeerUnreachable"]
 
 R = TypeVar("R")
 
 log = logging.getLogger(__name__)
+
+class PeerOptions(Protocol):
+    """What membership reads of the daemon's options (peers.daemon.PeerOptions) beyond the transport's start."""
+
+    relay: bool  # may be reached through a relay when nobody can connect to it
+    relay_via: list[str]  # relays named by the user (multiaddrs), else the coordinator's
+    serve_relay: bool  # relays for peers behind NAT
+
 
 Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]  # what the transport serves
 Served = Callable[[Any, list, Any], Awaitable[tuple[Message, list]]]  # a part's handler: typed request and reply
@@ -100,18 +105,12 @@ class Membership:
             opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
             tcp_port=opts.tcp_port, secret=self.secret)
         self.transport = self.relay = await RelayTransport(transport, serve_relay=opts.serve_relay,
-                                                           admit=self._admit_relay).start()
+                                                           admit=members_only(self.secret, self.run_id)).start()
         if self.relay.kind != "memory":
             self.relay.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:
             sign_requests(self.transport, {"token": self.token()})
 
-    def _admit_relay(self, header: dict, peer: str) -> None:
-        """A relay request (this peer started with --serve-relay) from a member of the run only, when it has a
-        secret."""
-        if self.secret is not None and not verify(join_token(self.secret, self.run_id, peer), header.get("token")):
-            raise ProtocolError(f"peer {peer} is not authorized: no membership token of run {self.run_id!r}",
-                                Kind.UNAUTHORIZED)
 
     def emulate(self, wan: WanEmulator) -> None:
         """The run's emulated network: calls between stages are held back as its links would."""
@@ -288,9 +287,9 @@ class Membership:
         """Ask the coordinator to connect to this peer's addresses. Reached: direct. Not reached: through a relay
         (the coordinator, or --relay-via), or, with relays off or a transport that cannot be relayed, a
         `PeerUnreachable` whose one line names the cause and the flag that fixes it."""
-        relay, opts = self.relays()
-        if relay.kind == "memory":  # the in-process tier: one address space
+        if self.wire().kind == "memory":  # the in-process tier: one address space
             return Reachability(True)
+        relay, opts = self.relays()
         relays = [str(Multiaddr(m)["p2p"]) for m in opts.relay_via]
         allowed = opts.relay and relay.kind == "hivemind"
         addrs = await self.own_addresses()

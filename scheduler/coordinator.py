@@ -35,7 +35,7 @@ import functools
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from checkfree.config import RunConfig
@@ -84,7 +84,8 @@ class CoordinatorView:
     opened: bool  # the run directory is open
     last_attempt: int  # the attempt that completed the newest step
     timeouts: Timeouts
-    reach: Mapping[str, Mapping[str, Any]]  # peer -> how this coordinator reaches it (direct / relayed), probed at its join
+    # peer -> how this coordinator reaches it (direct / relayed / unreachable), probed at its join
+    reach: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def stage_of(self, pid: str) -> int:
         """The stage `pid` serves (-1: none)."""

@@ -11,12 +11,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok, verify
-from checkfree.net.relay import RelayTransport
+from checkfree.auth import coordinator_proof, join_token, load_secret, record_ok
+from checkfree.net.relay import RelayTransport, members_only
 from checkfree.net.transport import (Handler, Transport, announce, live_members_async, sign_requests, start_transport,
                                      stop_transport)
 from checkfree.messages import Adopt, Adopted, Ping, Request, reply_to, request
-from checkfree.protocol import Kind, ProtocolError, coordinator_key, coordinator_record, members_key
+from checkfree.protocol import coordinator_key, coordinator_record, members_key
 from scheduler.common import CALL_ERRORS, CoordinatorOptions, settle
 
 __all__ = ["Rpc"]
@@ -44,19 +44,13 @@ class Rpc:
             o.initial_peers, o.host_maddrs, o.announce_maddrs, o.identity_path, o.startup_timeout,
             transport=o.transport, libp2p_port=o.libp2p_port, tcp_port=o.tcp_port, secret=self.secret)
         self.transport = await RelayTransport(self.transport, serve_relay=o.relay, on_probe=self._on_probe,
-                                              admit=self._admit_relay).start()
+                                              admit=members_only(self.secret, self.run_id)).start()
         if self.transport.kind != "memory":
             self.transport.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:  # lets a standby read the coordinator's STATUS
             sign_requests(self._wire(), {"token": join_token(self.secret, self.run_id, self.me)})
         return self.me
 
-    def _admit_relay(self, header: dict, peer: str) -> None:
-        """A probe, relay registration or relayed request: from a member of this run only (its token), when the run
-        has a secret."""
-        if self.secret is not None and not verify(join_token(self.secret, self.run_id, peer), header.get("token")):
-            raise ProtocolError(f"peer {peer} is not authorized: no membership token of run {self.run_id!r}",
-                                Kind.UNAUTHORIZED)
 
     def _on_probe(self, peer: str, request: dict, result: dict) -> None:
         """A joining peer's reachability: recorded (the dashboard shows it); one line when it is unreachable."""

@@ -39,12 +39,13 @@ from typing import Any
 
 import torch
 
-from checkfree.auth import record_ok, sign_record
+from checkfree.auth import join_token, record_ok, sign_record, verify
 from checkfree.net.base import Handler
 from checkfree.net.errors import RemoteError, TransportError
 from checkfree.net.heartbeats import announce, live_members_async
+from checkfree.protocol import Kind, ProtocolError
 
-__all__ = ["PROBE", "REGISTER", "RELAY", "RELAYED", "ECHO", "ROUTE_TTL", "route_key", "RelayTransport",
+__all__ = ["members_only", "PROBE", "REGISTER", "RELAY", "RELAYED", "ECHO", "ROUTE_TTL", "route_key", "RelayTransport",
            "probe_addresses", "Reachability", "unreachable_message"]
 
 log = logging.getLogger("checkfree.net.transport")
@@ -62,6 +63,20 @@ ROUTE_CACHE_S = 10.0  # how long a caller trusts what it looked up (a route, or 
 def route_key(run_id: str) -> str:
     """DHT key whose sub-keys (peer ids) say through which relay each relayed peer of the run is reached."""
     return f"checkfree/{run_id}/routes"
+
+
+def members_only(secret: bytes | None, run_id: str) -> Callable[[dict, str], None] | None:
+    """The admission of a relay's requests (a probe, a registration, a relayed call) in a run with a secret: only from
+    a member of run `run_id`, by the membership token its requests carry; None (anyone) in an open run."""
+    if secret is None:
+        return None
+
+    def admit(header: dict, peer: str) -> None:
+        if not verify(join_token(secret, run_id, peer), header.get("token")):
+            raise ProtocolError(f"peer {peer} is not authorized: no membership token of run {run_id!r}",
+                                Kind.UNAUTHORIZED)
+
+    return admit
 
 
 def unreachable_message(tried: Sequence[str], errors: dict, prober: str) -> str:
