@@ -42,7 +42,6 @@ from checkfree.net.transport import (
 from checkfree.protocol import (
     HEARTBEATS_PER_TTL,
     Kind,
-    ProtocolError,
     Timeouts,
     coordinator_from_records,
     coordinator_key,
