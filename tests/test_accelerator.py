@@ -142,6 +142,49 @@ def test_render_shows_the_numbers_of_the_files(tmp_path):
     assert summary_markdown(FIXTURE_CALL1).startswith("# Accelerator run, call 1")
 
 
+def test_the_summary_names_the_code_that_ran_and_where_that_is_known_from():
+    """The pack's manifest names the commit (the device's copy carries the session's git metadata, not the
+    code's); a record of the first run, made before the run recorded it itself, takes it from the env phase."""
+    from benchmarks.accelerator.report import commit_line
+
+    old = {"code": {"commit": "43616a88bb7c", "dirty": True},
+           "phases": {"env": {"results": {"pack": {"code": {"commit": "1bf3f289fd93", "dirty": False}}}}}}
+    line = commit_line(old)
+    assert line.startswith("Commit 1bf3f289fd93 (clean; from the pack's manifest)") and "43616a88bb" in line
+    new = {"code": {"commit": "abc", "dirty": False, "source": "the pack's manifest", "matches_pack": True}}
+    assert commit_line(new) == "Commit abc (clean; from the pack's manifest); the code that ran is the pack's, file for file"
+    assert "differs from the pack's" in commit_line({"code": {**new["code"], "matches_pack": False}})
+    assert commit_line({"code": {"commit": "def", "dirty": True, "source": "git in the checkout that ran"}}) == \
+        "Commit def (with changes; from git in the checkout that ran)"
+    hf = {"call": "hf", "code": new["code"], "phases": {"correctness": {"status": "ok", "results": {
+        "setup": {"only": "hf", "source": ["--preset", "small"], "transport": "hivemind",
+                  "tolerances": {"fp32": 1e-5, "logits": 1e-4}},
+        "source_run": {"ok": True}, "hf": {"export": {"ok": True}, "out": {"ok": False, "error": "OSError: no GPU\n"},
+                                           "in_weights": {"ok": True, "tensors": 75}}}}}}
+    md = summary_markdown(hf)
+    assert "HF out: **failed**: `OSError: no GPU`" in md and "75 tensors equal" in md and "A run from it: not finished" in md
+
+
+def test_code_digest_is_the_same_from_git_here_and_from_a_walk_there(tmp_path):
+    """What the pack records (git's files here) and what the device computes (a walk of its copy, where ignored
+    files never travel and __pycache__ may be left) agree; a changed file changes it."""
+    from benchmarks.accelerator.pack import code_digest
+
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("A = 1\n")
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    (tmp_path / "notes.md").write_text("not code\n")
+    (tmp_path / "scratch.py").write_text("ignored\n")
+    (tmp_path / ".gitignore").write_text("scratch.py\n")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    here = code_digest(tmp_path, git=True)
+    (tmp_path / "scratch.py").unlink()  # (not carried to the device)
+    (tmp_path / "pkg" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0")
+    assert code_digest(tmp_path) == here and here["files"] == 2
+    (tmp_path / "pkg" / "a.py").write_text("A = 2\n")
+    assert code_digest(tmp_path)["sha256"] != here["sha256"]
+
+
 def test_performance_page_renders_the_committed_accelerator_results():
     text = (REPO / "docs" / "performance.md").read_text()
     region = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
@@ -238,6 +281,7 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     speed = c1["speed"]["results"]
     assert all(r["ok"] and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in speed["paths"].values()), speed["paths"]
     assert len(speed["paths"]) == 3 and speed["recovery"]["ok"] and speed["recovery"]["recovery_total_s"] > 0
+    assert json.loads((out / "call2.json").read_text())["phases"]["env"]["results"]["warm"] is False  # no call-1 part
     sci = json.loads((out / "call2.json").read_text())["phases"]["science"]["results"]
     for item in ("smollm2", "fig2-124m", "table2-500m"):
         assert sci[item]["status"] == "ok" and sci[item]["table"], (item, sci[item])
@@ -254,16 +298,20 @@ def test_benchmarks_readme_states_the_caps_the_script_has():
     """The caps table of benchmarks/README.md ("On a GPU") is the script's CAPS_S."""
     import re
 
-    from benchmarks.accelerator import CAPS_S
+    from benchmarks.accelerator import CAPS_S, call_key
 
     text = (REPO / "benchmarks/README.md").read_text()
-    rows = re.findall(r"^\| (\d) \| (\w+) \| (\d+) s \|", text, flags=re.M)
-    assert {(int(c), p): int(s) for c, p, s in rows} == {(c, p): s for c, caps in CAPS_S.items() for p, s in caps.items()}
+    rows = re.findall(r"^\| (\d|hf) \| (\w+) \| (\d+) s \|", text, flags=re.M)
+    assert {(call_key(c), p): int(s) for c, p, s in rows} == \
+        {(c, p): s for c, caps in CAPS_S.items() for p, s in caps.items()}
 
 
-def test_device_script_unpacks_the_site_and_runs_the_call(tmp_path):
-    """benchmarks/accelerator/device.sh, the device command of README's "On a GPU": the pack's site-packages
-    unpacked first on the path (executable bits kept), the call run into $OUT; a missing pack is named."""
+@pytest.mark.timeout(200)
+def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path):
+    """benchmarks/accelerator/device.sh, the device command of README's "On a GPU", with call hf (the focused HF
+    in/out check): the pack's site-packages unpacked first on the path (executable bits kept), the call run into
+    $OUT: a run exported, transformers' logits against ours, --init-from equal weights, a swarm = the simulator
+    from it. Whatever fails still leaves callhf.json and callhf.md saying what: a missing pack, a failed run."""
     import tarfile
 
     src = tmp_path / "src"
@@ -271,18 +319,40 @@ def test_device_script_unpacks_the_site_and_runs_the_call(tmp_path):
     (src / "cf_site_probe.py").write_text("VALUE = 41\n")
     (src / "tool").write_text("#!/bin/sh\n")
     (src / "tool").chmod(0o755)
-    (tmp_path / "pack" / "call2").mkdir(parents=True)
-    with tarfile.open(tmp_path / "pack" / "call2" / "site.tar.xz", "w:xz") as tar:
+    (tmp_path / "pack" / "hf").mkdir(parents=True)
+    with tarfile.open(tmp_path / "pack" / "hf" / "site.tar.xz", "w:xz") as tar:
         for p in src.iterdir():
             tar.add(p, arcname=p.name)
-    env = {**os.environ, "CF_PACK": str(tmp_path / "pack"), "CF_SITE": str(tmp_path / "site"),
+    env = {**os.environ, "CF_PACK": str(tmp_path / "pack"), "CF_SITE": str(tmp_path / "site"), "OMP_NUM_THREADS": "1",
            "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     script = REPO / "benchmarks" / "accelerator" / "device.sh"
-    done = subprocess.run(["bash", str(script), "2", "--dry-run", "--phases", "env", "--work", str(tmp_path / "work")],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    t0 = time.monotonic()
+    done = subprocess.run(["bash", str(script), "hf", "--dry-run", "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    print(f"call hf, dry run: {time.monotonic() - t0:.0f} s")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "site" / "cf_site_probe.py").is_file() and os.access(tmp_path / "site" / "tool", os.X_OK)
-    rec = json.loads((tmp_path / "out" / "call2.json").read_text())
-    assert rec["phases"]["env"]["status"] == "ok" and rec["phases"]["env"]["results"]["warm"] is False
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["callhf.json", "callhf.log", "callhf.md"]
+    rec = json.loads((tmp_path / "out" / "callhf.json").read_text())
+    assert list(rec["phases"]) == ["env", "correctness"] and all(p["status"] == "ok" for p in rec["phases"].values())
+    assert "peak" not in rec["phases"]["env"]["results"]  # the light env
+    hf = rec["phases"]["correctness"]["results"]["hf"]
+    assert hf["ok"] and hf["out"]["max_logit_diff"] < 1e-4 and hf["in_weights"]["tensors"] == hf["in_weights"]["export_tensors"]
+    assert hf["in_runs"]["swarm"]["ok"] and hf["in_runs"]["compare"]["max_loss_diff"] <= 1e-5
+    md = (tmp_path / "out" / "callhf.md").read_text()
+    assert "HF out: transformers' LlamaForCausalLM" in md and "swarm = simulator: yes" in md
+
+    broken = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--call", "hf", "--dry-run", "--out",
+                             str(tmp_path / "out2"), "--work", str(tmp_path / "work2"), "--data", str(tmp_path / "none")],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert broken.returncode == 1
+    rec = json.loads((tmp_path / "out2" / "callhf.json").read_text())
+    res = rec["phases"]["correctness"]["results"]
+    assert not res["source_run"]["ok"] and res["hf"]["ok"] is False and res["ok"] is False
+    assert "**failed**" in (tmp_path / "out2" / "callhf.md").read_text()
+
     missing = subprocess.run(["bash", str(script), "1"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     assert missing.returncode == 2 and "call1/site.tar.xz is missing" in missing.stderr
+    said = json.loads((tmp_path / "out" / "call1.json").read_text())
+    assert "call1/site.tar.xz is missing" in said["device_sh"]["error"]
+    assert "Failed before any phase ran" in (tmp_path / "out" / "call1.md").read_text()

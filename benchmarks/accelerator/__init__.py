@@ -18,19 +18,25 @@ finished is kept and reported as such):
   Fig. 2 comparison and a Table 2 point at 500M, each cut to the minutes left.
 
 Call 1 runs env, correctness and speed; call 2 runs env and science: the most valuable results come back
-first. Results: `callN.json` (everything, rendered by `benchmarks.accelerator.report`), `callN.md` (a summary),
+first. Call `hf` is the focused one (about 100 s): a light env (no peak, no transport probe) and only the HF part of
+the correctness phase, from a short run of its own (`--call hf`, carried with `.accel-pack/hf`). Results: `callN.json` (everything, rendered by `benchmarks.accelerator.report`), `callN.md` (a summary),
 `callN.log`, and `call2-science.tar.gz` (the studies' result files), at most 8 files in the output folder.
 """
 
 from __future__ import annotations
 
-__all__ = ["PHASES", "CALLS", "CAPS_S", "DRY_CAPS_S", "BF16_TOL", "FP32_TOL", "DEFAULT_INITS"]
+__all__ = ["PHASES", "CALLS", "ONLY", "call_key", "CAPS_S", "DRY_CAPS_S", "BF16_TOL", "FP32_TOL", "DEFAULT_INITS"]
 
 PHASES = ("env", "correctness", "speed", "science")
-CALLS = {1: ("env", "correctness", "speed"), 2: ("env", "science")}
+CALLS: dict[int | str, tuple[str, ...]] = {1: ("env", "correctness", "speed"), 2: ("env", "science"),
+                                           "hf": ("env", "correctness")}
+# a call that runs only a part of a phase: call hf runs the correctness phase's HF in/out check alone
+ONLY = {"hf": {"correctness": "hf"}}
 # seconds each phase may run on the H200: call 1 = 4.3 min, call 2 = 3.75 min (8.1 min in all, starts not counted)
-CAPS_S = {1: {"env": 25, "correctness": 110, "speed": 125}, 2: {"env": 15, "science": 210}}
-DRY_CAPS_S = {1: {"env": 120, "correctness": 300, "speed": 300}, 2: {"env": 120, "science": 300}}
+CAPS_S = {1: {"env": 25, "correctness": 110, "speed": 125}, 2: {"env": 15, "science": 210},
+          "hf": {"env": 15, "correctness": 85}}
+DRY_CAPS_S = {1: {"env": 120, "correctness": 300, "speed": 300}, 2: {"env": 120, "science": 300},
+              "hf": {"env": 60, "correctness": 240}}
 FP32_TOL = 1e-5  # the swarm and the simulator compute the same float32 numbers (tests/test_swarm.py's tolerance)
 # bf16 keeps 8 significant bits: one rounding is off by up to 2^-9 relative. The swarm and the simulator run the
 # same kernels on the same inputs, so they can differ only where a nondeterministic reduction (atomics in
@@ -43,3 +49,11 @@ BF16_TOL = 2.0 ** -8
 # (or with --inits) when another lands (issue 39's inits, issue 42's snapshot strategy): an unknown label is
 # refused at once, before anything runs.
 DEFAULT_INITS = ("checkfree post/stage", "uniform", "copy", "random", "identity")
+
+
+def call_key(text: str | int) -> int | str:
+    """A call's key in CALLS from the command line: 1, 2 or "hf"."""
+    key: int | str = int(text) if str(text).isdigit() else str(text)
+    if key not in CALLS:
+        raise ValueError(f"no call {text!r}: one of {', '.join(map(str, CALLS))}")
+    return key

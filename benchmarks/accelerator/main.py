@@ -2,6 +2,7 @@
 
     python -m benchmarks.accelerator --call 1 --from-pack .accel-pack/call1      # on the GPU machine
     python -m benchmarks.accelerator --call 2 --from-pack .accel-pack/call2
+    python -m benchmarks.accelerator --call hf --from-pack .accel-pack/hf        # the HF in/out check alone
     python -m benchmarks.accelerator --dry-run --out DIR                          # every phase, CPU, toy sizes
     python -m benchmarks.accelerator --pack .accel-pack                           # here: build the pack
 """
@@ -19,17 +20,20 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.accelerator import CALLS, CAPS_S, DEFAULT_INITS, DRY_CAPS_S, PHASES
+from benchmarks.accelerator import CALLS, CAPS_S, DEFAULT_INITS, DRY_CAPS_S, PHASES, call_key
 
 REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 15.0  # after SIGTERM at a cap: the swarm launcher takes its processes down in this time
+PROGRESS_S = 5.0  # while a phase runs, its partial results are written to the output this often
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.accelerator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--call", default="all", choices=("1", "2", "all"),
-                   help="1: env, correctness, speed; 2: env, science; all: both, one after the other (default)")
+    p.add_argument("--call", default="all", choices=("1", "2", "hf", "all"),
+                   help="1: env, correctness, speed; 2: env, science; all: both, one after the other (default); "
+                        "hf: the focused call, the HF in/out check alone (a light env, then the correctness "
+                        "phase's HF part from a short run of its own). With --pack: the pack of that call only")
     p.add_argument("--dry-run", action="store_true", help="every phase on the CPU at toy sizes (a test runs this)")
     p.add_argument("--full", action="store_true",
                    help="with --dry-run: the GPU's whole list of cases, paths and inits, at toy sizes (slower)")
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pack:
         from benchmarks.accelerator.pack import build_pack
 
-        plan = build_pack(args.pack, REPO, gguf=args.gguf)
+        plan = build_pack(args.pack, REPO, gguf=args.gguf, calls=None if args.call == "all" else [call_key(args.call)])
         print(json.dumps(plan.to_dict(), indent=1))
         return 0 if plan.fits else 1
     if args.render:
@@ -81,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--out DIR (or $OUT) is required")
     out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    calls = (1, 2) if args.call == "all" else (int(args.call),)
+    calls = (1, 2) if args.call == "all" else (call_key(args.call),)
     code = 0
     for call in calls:
         code |= run_call(call, args, out)
     return code
 
 
-def _caps(args, call: int) -> dict[str, float]:
+def _caps(args, call: int | str) -> dict[str, float]:
     caps: dict[str, float] = dict((DRY_CAPS_S if args.dry_run else CAPS_S)[call])
     for item in args.cap:
         name, _, value = item.partition("=")
@@ -117,8 +121,16 @@ def _tee(stream, log, prefix: str) -> None:
         log.flush()
 
 
-def run_phase(phase: str, call: int, cap: float, args, log) -> dict:
-    """One phase in its own process group, stopped at its cap; its record (results as far as it got)."""
+def _read_results(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def run_phase(phase: str, call: int | str, cap: float, args, log, progress=None) -> dict:
+    """One phase in its own process group, stopped at its cap; its record (results as far as it got).
+    `progress(record)`, when given, gets the record as it stands every PROGRESS_S while the phase runs."""
     result_path = args.work / f"call{call}-{phase}.json"
     result_path.unlink(missing_ok=True)
     t0 = time.monotonic()
@@ -130,19 +142,24 @@ def run_phase(phase: str, call: int, cap: float, args, log) -> dict:
     reader = threading.Thread(target=_tee, args=(proc.stdout, log, phase), daemon=True)
     reader.start()
     status = "ok"
-    try:
-        proc.wait(timeout=cap)
-    except subprocess.TimeoutExpired:
-        status = f"stopped at its cap ({cap:g} s)"
-        _stop_group(proc)
+    while True:
+        left = cap - (time.monotonic() - t0)
+        try:
+            proc.wait(timeout=max(0.0, min(PROGRESS_S, left)))
+            break
+        except subprocess.TimeoutExpired:
+            if left <= PROGRESS_S:
+                status = f"stopped at its cap ({cap:g} s)"
+                _stop_group(proc)
+                break
+            if progress is not None:  # killed from outside (the device tool's limit), the output still says this much
+                progress({"status": "running", "cap_s": cap, "wall_s": round(time.monotonic() - t0, 1),
+                          "results": _read_results(result_path)})
     reader.join(timeout=5)
     if status == "ok" and proc.returncode != 0:
         status = f"failed (exit {proc.returncode})"
-    try:
-        results = json.loads(result_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        results = {}
-    return {"status": status, "cap_s": cap, "wall_s": round(time.monotonic() - t0, 1), "results": results}
+    return {"status": status, "cap_s": cap, "wall_s": round(time.monotonic() - t0, 1),
+            "results": _read_results(result_path)}
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -159,20 +176,34 @@ def _stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _meta(args, call: int) -> dict:
-    from experiments.provenance import code_version
+def _meta(args, call: int | str) -> dict:
+    from benchmarks.accelerator.pack import code_record
 
     try:
-        version = code_version()
-    except Exception as e:  # noqa: BLE001 - no git on the machine: say so
-        version = {"error": str(e)[:200]}
-    return {"call": call, "dry_run": args.dry_run, "code": version, "argv": sys.argv[1:],
+        code = code_record(REPO, args.from_pack)
+    except Exception as e:  # noqa: BLE001 - said in the record, the call still runs
+        code = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return {"call": call, "dry_run": args.dry_run, "code": code, "argv": sys.argv[1:],
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host_cores": os.cpu_count()}
 
 
-def run_call(call: int, args, out: Path) -> int:
+def _write(out: Path, call: int | str, record: dict) -> None:
+    """callN.json, then callN.md from it: written after every phase and while one runs, so that a call stopped
+    from outside (or a bug in the summary) still leaves its figures and its failure in the output."""
     from benchmarks.accelerator.report import summary_markdown
 
+    (out / f"call{call}.json").write_text(json.dumps(record, indent=1, default=str))
+    try:
+        md = summary_markdown(record)
+    except Exception:  # noqa: BLE001 - the JSON above is whole; the summary says why it is missing
+        import traceback
+
+        md = f"# Accelerator run, call {call}\n\nThe summary failed (the figures are in call{call}.json):\n\n" \
+             f"```\n{traceback.format_exc()[-3000:]}```\n"
+    (out / f"call{call}.md").write_text(md)
+
+
+def run_call(call: int | str, args, out: Path) -> int:
     phases = list(CALLS[call])
     if args.phases:
         wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -183,16 +214,26 @@ def run_call(call: int, args, out: Path) -> int:
     with open(out / f"call{call}.log", "w") as log:
         for phase in phases:
             print(f"== call {call}: {phase} (cap {caps[phase]:g} s)", flush=True)
-            rec = run_phase(phase, call, caps[phase], args, log)
-            record["phases"][phase] = rec
+
+            def progress(rec: dict, phase: str = phase) -> None:
+                record["phases"][phase] = rec
+                record["wall_s"] = round(time.monotonic() - t0, 1)
+                _write(out, call, record)
+
+            try:
+                rec = run_phase(phase, call, caps[phase], args, log, progress)
+            except Exception:  # noqa: BLE001 - the phase could not even start: recorded, the next one runs
+                import traceback
+
+                rec = {"status": "failed to start", "cap_s": caps[phase], "wall_s": 0.0,
+                       "results": {"error": traceback.format_exc()[-3000:]}}
+            progress(rec)
             print(f"== call {call}: {phase}: {rec['status']} in {rec['wall_s']:g} s", flush=True)
-            record["wall_s"] = round(time.monotonic() - t0, 1)
-            (out / f"call{call}.json").write_text(json.dumps(record, indent=1, default=str))
-    (out / f"call{call}.md").write_text(summary_markdown(record))
+        _write(out, call, record)
     if call == 2:
         _science_tarball(args.work / "science", out / "call2-science.tar.gz")
-    print(summary_markdown(record), flush=True)
-    return 0 if all(r["status"] == "ok" for r in record["phases"].values()) else 1
+    print((out / f"call{call}.md").read_text(), flush=True)
+    return 0 if all(r["status"] == "ok" for r in record["phases"].values()) and record["phases"] else 1
 
 
 def _science_tarball(root: Path, dest: Path, limit: int = 15 << 20) -> None:

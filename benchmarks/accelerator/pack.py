@@ -18,6 +18,13 @@ The pack holds, per call:
   stores it under /tmp (kept while the machine stays warm), call 2 carries part 2 and joins them, checking
   the SHA-256 recorded in `manifest.json`.
 
+* `hf/`: the focused call (`--call hf`, the HF in/out check alone): call 1's `site.tar.xz` and the plays, no
+  GGUF (`--pack DIR --call hf` writes only this folder, reusing `DIR/call1`'s site-packages when it has them).
+
+Every folder's `manifest.json` records the commit the pack was made at, its dirty flag and a digest of the code
+(`code_digest`): the device's copy of the repository carries the session's git metadata, not the code's, so the
+run reports the manifest's commit and whether its own code is that one, file for file (`code_record`).
+
 `plan_pack` decides the split from the sizes alone (a pure function, tested on recorded sizes); `build_pack`
 downloads and writes. typing-extensions travels although the image has it: pydantic-core 2.50.5 (hivemind's
 pydantic) requires typing-extensions >= 4.16.0, and the image's version is not recorded; a newer
@@ -37,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["LIMIT_BYTES", "MARGIN_BYTES", "CALL1_PACKAGES", "CALL2_PACKAGES", "PackPlan", "plan_pack",
-           "tracked_bytes", "build_pack", "join_parts", "split_file", "sha256"]
+           "tracked_bytes", "build_pack", "join_parts", "split_file", "sha256", "code_digest", "code_record"]
 
 MiB = 1 << 20
 LIMIT_BYTES = 64 * MiB  # what travels in one call of the device tool
@@ -115,6 +122,66 @@ def tracked_bytes(root: Path) -> int:
     return total
 
 
+def _code_files(root: Path, listed: list[str] | None) -> list[str]:
+    """The code's files (every *.py and pyproject.toml, as experiments.provenance counts the code), relative to
+    root: from `listed` (git's list here) or, without it, from a walk of the tree (the device's copy)."""
+    if listed is None:
+        listed = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
+    keep = []
+    for name in listed:
+        parts = Path(name).parts
+        if any(x.startswith(".") or x == "__pycache__" for x in parts):
+            continue
+        if name.endswith(".py") or name == "pyproject.toml":
+            keep.append(name)
+    return sorted(keep)
+
+
+def code_digest(root: Path, *, git: bool = False) -> dict:
+    """SHA-256 over the code's files (names and contents): the same here (`git=True`: the files that travel,
+    tracked and untracked but not ignored) and on the device (a walk of its copy). It says whether the code that
+    ran is the pack's commit: the device's copy carries the session's git metadata, not that of the code."""
+    import hashlib
+
+    listed = None
+    if git:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                             capture_output=True, check=True).stdout
+        listed = [os.fsdecode(n) for n in out.split(b"\0") if n and (root / os.fsdecode(n)).is_file()]
+    h = hashlib.sha256()
+    files = _code_files(root, listed)
+    for name in files:
+        h.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
+    return {"sha256": h.hexdigest(), "files": len(files)}
+
+
+def code_record(repo: Path, pack: Path | None) -> dict:
+    """Which code ran: the pack's manifest (commit and dirty flag where the pack was made, and whether the code
+    here is that code, file for file), else git in this checkout; `source` says which."""
+    from experiments.provenance import code_version
+
+    try:
+        here = code_version()
+    except Exception as e:  # noqa: BLE001 - no git on the machine: said
+        here = {"error": str(e)[:200]}
+    manifest = None
+    if pack is not None and (pack / "manifest.json").is_file():
+        try:
+            manifest = json.loads((pack / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            manifest = None
+    if manifest and (manifest.get("code") or {}).get("commit"):
+        rec = {"commit": manifest["code"]["commit"], "dirty": manifest["code"].get("dirty"),
+               "source": "the pack's manifest", "git_here": here}
+        want = manifest.get("code_digest")
+        if want:
+            got = code_digest(repo)
+            rec["matches_pack"] = got["sha256"] == want["sha256"]
+            rec["code_digest"] = got
+        return rec
+    return {**here, "source": "git in the checkout that ran"}
+
+
 def sha256(path: Path) -> str:
     from checkfree.pretrained import _sha256  # (the one the GGUF conversion records)
 
@@ -184,49 +251,71 @@ def _plays(dest: Path) -> None:
             tar.add(f, arcname=str(Path("plays") / f.relative_to(root)))
 
 
-def build_pack(out: Path, repo: Path, *, gguf: Path | None = None, log=print) -> PackPlan:
-    """Write the pack under `out` (out/call1, out/call2) and its manifest; returns the plan (sizes)."""
+def build_pack(out: Path, repo: Path, *, gguf: Path | None = None, calls: list | None = None, log=print) -> PackPlan:
+    """Write the pack under `out` (out/call1, out/call2, out/hf) and its manifests; returns the plan (sizes).
+    `calls` (default all): which folders to write; `["hf"]` alone reuses out/call1's site-packages when its
+    manifest lists the same packages (a pack made for calls 1 and 2 gets its HF call in seconds)."""
     from checkfree.pretrained import resolve_gguf
-
-    out.mkdir(parents=True, exist_ok=True)
-    c1, c2 = out / "call1", out / "call2"
-    for d in (c1, c2):
-        d.mkdir(exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="cf-pack-"))
-    try:
-        log("pack: site-packages of call 1 (hivemind and the rest) ...")
-        _site(CALL1_PACKAGES, c1 / "site.tar.xz", work / "c1")
-        log("pack: site-packages of call 2 (msgspec, omegaconf, gguf) ...")
-        _site(CALL2_PACKAGES, c2 / "site.tar.xz", work / "c2")
-        log("pack: the Shakespeare plays ...")
-        _plays(c1 / "plays.tar.xz")
-        shutil.copyfile(c1 / "plays.tar.xz", c2 / "plays.tar.xz")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    src = gguf or resolve_gguf(GGUF_PACKAGE).path
-    fixed = {1: {p.name: p.stat().st_size for p in c1.iterdir() if not p.name.startswith("smollm2")},
-             2: {p.name: p.stat().st_size for p in c2.iterdir() if not p.name.startswith("smollm2")}}
-    for d in (c1, c2):
-        (d / "manifest.json").write_text("{}")  # its own size counted below (rewritten at the end)
-        fixed[int(d.name[-1])]["manifest.json"] = 2048
-    plan = plan_pack(tracked_bytes(repo), fixed, src.stat().st_size)
-    split_file(src, plan.part1, c1 / "smollm2.part-1", c2 / "smollm2.part-2")
     from experiments.provenance import code_version
 
-    manifest = {"gguf": {"file": src.name, "bytes": src.stat().st_size, "sha256": sha256(src), "part1": plan.part1},
-                "plan": plan.to_dict(), "packages": {"1": CALL1_PACKAGES, "2": CALL2_PACKAGES},
-                "code": code_version()}  # the commit the pack was made at (the device's copy has no .git)
-    for d in (c1, c2):
+    calls = list(calls or (1, 2, "hf"))
+    out.mkdir(parents=True, exist_ok=True)
+    dirs = {c: out / (f"call{c}" if isinstance(c, int) else str(c)) for c in calls}
+    for d in dirs.values():
+        d.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="cf-pack-"))
+    c1 = out / "call1"
+    try:
+        if 1 in dirs or ("hf" in dirs and not _same_site(c1)):
+            log("pack: site-packages of call 1 (hivemind and the rest) ...")
+            c1.mkdir(exist_ok=True)
+            _site(CALL1_PACKAGES, c1 / "site.tar.xz", work / "c1")
+        if 2 in dirs:
+            log("pack: site-packages of call 2 (msgspec, omegaconf, gguf) ...")
+            _site(CALL2_PACKAGES, dirs[2] / "site.tar.xz", work / "c2")
+        log("pack: the Shakespeare plays ...")
+        _plays(work / "plays.tar.xz")
+        for d in dirs.values():
+            shutil.copyfile(work / "plays.tar.xz", d / "plays.tar.xz")
+        if "hf" in dirs:  # call 1's site-packages (hivemind for the swarm), no GGUF
+            shutil.copyfile(c1 / "site.tar.xz", dirs["hf"] / "site.tar.xz")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    manifest: dict = {"packages": {"1": CALL1_PACKAGES, "2": CALL2_PACKAGES, "hf": CALL1_PACKAGES},
+                      # the commit the pack was made at, and its code file for file (the device's copy carries the
+                      # session's git metadata, not the code's: benchmarks.accelerator reports these)
+                      "code": code_version(), "code_digest": code_digest(repo, git=True)}
+    plan = PackPlan(tracked_bytes(repo), {}, 0)
+    if 1 in dirs or 2 in dirs:
+        src = gguf or resolve_gguf(GGUF_PACKAGE).path
+        fixed = {c: {p.name: p.stat().st_size for p in (out / f"call{c}").iterdir() if not p.name.startswith("smollm2")}
+                 for c in (1, 2)}
+        for c in (1, 2):
+            fixed[c]["manifest.json"] = 4096  # its own size (written at the end)
+        plan = plan_pack(plan.tracked, fixed, src.stat().st_size)
+        split_file(src, plan.part1, c1 / "smollm2.part-1", out / "call2" / "smollm2.part-2")
+        manifest["gguf"] = {"file": src.name, "bytes": src.stat().st_size, "sha256": sha256(src), "part1": plan.part1}
+        manifest["plan"] = plan.to_dict()
+        sizes = {"fixed": {str(c): {p.name: p.stat().st_size for p in (out / f"call{c}").iterdir()
+                                    if not p.name.startswith("smollm2")} for c in (1, 2)}, "gguf": src.stat().st_size,
+                 "note": "written by python -m benchmarks.accelerator --pack (tests/test_accelerator.py plans with these)"}
+        (repo / SIZES_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (repo / SIZES_FILE).write_text(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
+    for d in dirs.values():
         (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    sizes = {"fixed": {str(c): {p.name: p.stat().st_size for p in d.iterdir() if not p.name.startswith("smollm2")}
-                       for c, d in ((1, c1), (2, c2))}, "gguf": src.stat().st_size,
-             "note": "written by python -m benchmarks.accelerator --pack (tests/test_accelerator.py plans with these)"}
-    (repo / SIZES_FILE).parent.mkdir(parents=True, exist_ok=True)
-    (repo / SIZES_FILE).write_text(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
-    for c, d in ((1, c1), (2, c2)):
+    for c, d in dirs.items():
         real = tracked_bytes(repo) + sum(p.stat().st_size for p in d.iterdir())
-        log(f"pack: call {c}: {real / MiB:.1f} MiB with the repository ({', '.join(f'{p.name} {p.stat().st_size / MiB:.1f}' for p in sorted(d.iterdir()))} MiB)")
+        log(f"pack: {d.name}: {real / MiB:.1f} MiB with the repository ({', '.join(f'{p.name} {p.stat().st_size / MiB:.1f}' for p in sorted(d.iterdir()))} MiB)")
         if real > LIMIT_BYTES:
             plan.fits = False
-            plan.problems.append(f"call {c} is {real / MiB:.1f} MiB: over the 64 MiB limit")
+            plan.problems.append(f"{d.name} is {real / MiB:.1f} MiB: over the 64 MiB limit")
     return plan
+
+
+def _same_site(c1: Path) -> bool:
+    """out/call1 holds a site.tar.xz built from CALL1_PACKAGES (its manifest says so)."""
+    try:
+        manifest = json.loads((c1 / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (c1 / "site.tar.xz").is_file() and manifest.get("packages", {}).get("1") == CALL1_PACKAGES

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.accelerator import BF16_TOL, FP32_TOL
+from benchmarks.accelerator import BF16_TOL, FP32_TOL, ONLY, call_key
 
 MiB = 1 << 20
 
@@ -34,7 +34,7 @@ class Ctx:
     """What a phase knows: the mode, where it writes, how long it has."""
 
     phase: str
-    call: int
+    call: int | str  # 1, 2 or "hf"
     dry: bool
     work: Path
     device: str  # "cuda" or "cpu"
@@ -94,7 +94,7 @@ def run_in_process(args) -> int:
     data = args.data or _default_data(work, args.from_pack)
     jobs = args.jobs or min(14, os.cpu_count() or 1)
     name = args.run_phase or args.run_item
-    ctx = Ctx(name, int(args.call if args.call != "all" else 1), args.dry_run, work, dev, data, args.transport,
+    ctx = Ctx(name, call_key(args.call if args.call != "all" else 1), args.dry_run, work, dev, data, args.transport,
               [i.strip() for i in args.inits.split(",") if i.strip()], jobs, args.deadline or time.time() + 3600,
               args.from_pack, args.full)
     if args.run_item:
@@ -176,6 +176,8 @@ def phase_env(ctx: Ctx) -> None:
             _keep_gguf_part(ctx)
     if ctx.call == 2:  # call 1 left SmolLM2's first part here if the machine stayed warm between the calls
         ctx.save("warm", (ctx.work / "smollm2.part-1").is_file())
+    if ctx.call == "hf":  # the focused call: no peak, no transport probe (its swarm takes hivemind, else tcp)
+        return
     ctx.save("peak", measure_peak(ctx.device, ctx.dry))
     if ctx.call != 1:  # only call 1 starts swarms
         return
@@ -381,6 +383,9 @@ def compare_runs(a: Path, b: Path, tol: float) -> dict[str, Any]:
 
 
 def phase_correctness(ctx: Ctx) -> None:
+    if ONLY.get(ctx.call, {}).get("correctness") == "hf":
+        phase_hf_only(ctx)
+        return
     cases, common = correctness_cases(ctx.dry, ctx.full)
     transport = ctx.chosen_transport()
     root = ctx.work / "correctness"
@@ -391,12 +396,7 @@ def phase_correctness(ctx: Ctx) -> None:
 
     def swarm_job(case: Case) -> dict[str, Any]:
         flags = _case_flags(ctx, case, common, _trace_file(ctx, case))
-        rec = _swarm(ctx, flags, root / f"{_slug(case.name)}-swarm", case.spares, transport)
-        if not rec["ok"] and transport == "hivemind" and ctx.left() > 60:  # the daemon's data path failed: tcp
-            log(f"correctness: {case.name} over hivemind failed; again over tcp")
-            rec = {**_swarm(ctx, flags, root / f"{_slug(case.name)}-swarm", case.spares, "tcp"),
-                   "hivemind_error": rec["error"]}
-        return rec
+        return _swarm_or_tcp(ctx, flags, root / f"{_slug(case.name)}-swarm", case.spares, transport)
 
     def sim_job(case: Case, suffix: str = "sim") -> dict[str, Any]:
         return _simulate(ctx, _case_flags(ctx, case, common, _trace_file(ctx, case)), root / f"{_slug(case.name)}-{suffix}")
@@ -432,7 +432,8 @@ def phase_correctness(ctx: Ctx) -> None:
         ctx.save("checks", checks)
     plus = next((c for c in cases if c.name == "fp32 checkfree+"), None)
     if plus is not None and runs[f"{plus.name}/swarm"].get("ok"):
-        ctx.save("hf", hf_in_and_out(ctx, root / f"{_slug(plus.name)}-swarm", common, transport))
+        hf_in_and_out(ctx, root / f"{_slug(plus.name)}-swarm", transport, save=lambda res: ctx.save("hf", res),
+                      swarm=not ctx.short)
     ok = all(c.get("ok") for c in checks.values()) and ctx.results.get("hf", {}).get("ok", False)
     ctx.save("ok", ok)
 
@@ -448,10 +449,91 @@ def _result(future) -> dict[str, Any]:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
 
 
-def hf_in_and_out(ctx: Ctx, run: Path, common: dict, transport: str) -> dict[str, Any]:
-    """Out: the swarm's final weights exported as an HF Llama, loaded by transformers on the device, logits against
-    the project's model on the device. In: `--init-from` that directory, every stage's weights equal to the
-    export's; then a swarm and the simulator from it, equal losses."""
+def _swarm_or_tcp(ctx: Ctx, flags: list[str], out: Path, spares: int, transport: str) -> dict[str, Any]:
+    """A swarm run; over hivemind failing (the daemon's data path), again over tcp while there is time."""
+    rec = _swarm(ctx, flags, out, spares, transport)
+    if not rec["ok"] and transport == "hivemind" and ctx.left() > (20 if ctx.dry else 45):
+        log(f"correctness: {out.name} over hivemind failed; again over tcp")
+        rec = {**_swarm(ctx, flags, out, spares, "tcp"), "hivemind_error": rec["error"]}
+    return rec
+
+
+def _attempt(res: dict[str, Any], key: str, fn, save) -> dict[str, Any]:
+    """res[key] = fn(), or the exception as a failed part; saved either way (the next part still runs)."""
+    try:
+        res[key] = fn()
+    except Exception as e:  # noqa: BLE001 - a failed part is a finding, recorded with its traceback
+        res[key] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1000], "traceback": traceback.format_exc()[-3000:]}
+        traceback.print_exc()
+    save(res)
+    return res[key]
+
+
+def hf_in_and_out(ctx: Ctx, run: Path, transport: str, save=lambda res: None, swarm: bool = True) -> dict[str, Any]:
+    """Out: `run`'s final weights exported as an HF Llama (`checkfree export --format hf`), loaded by transformers
+    on the device, logits against the project's model on the device. In: `--init-from` that directory, every
+    stage's weights equal to the export's; and a run from it, the swarm against the simulator (`swarm=False`: the
+    simulator alone), started as soon as the export exists, beside the two checks. Each part is recorded as it
+    ends (`save(res)`), and a part that fails is recorded as such while the others still run."""
+    hf = ctx.work / "correctness" / "hf"
+    res: dict[str, Any] = {"source_run": str(run)}
+
+    def export() -> dict[str, Any]:
+        shutil.rmtree(hf, ignore_errors=True)
+        t0 = time.time()
+        done = _checkfree(ctx, "export", "--run", str(run), "--format", "hf", "--output", str(hf))
+        return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1),
+                "error": None if done.returncode == 0 else (done.stdout[-1000:] + done.stderr[-2000:])}
+
+    if not _attempt(res, "export", export, save)["ok"]:
+        res["ok"] = False
+        save(res)
+        return res
+    flags = ["--init-from", str(hf), "--steps", "4", "--eval-every", "0", "--seed", "5", "--device", ctx.device,
+             "--data", ctx.data]
+    root = ctx.work / "correctness"
+
+    def runs() -> dict[str, Any]:
+        with ThreadPoolExecutor(max_workers=2) as pool:  # both at once
+            sim_f = pool.submit(_simulate, ctx, flags, root / "hf-in-sim")
+            swarm_f = pool.submit(_swarm_or_tcp, ctx, flags, root / "hf-in-swarm", 0, transport) if swarm else None
+            sim = _result(sim_f)
+            if swarm_f is None:
+                return {"ok": sim["ok"], "sim": sim, "swarm": "not run (the dry run's short list)"}
+            sw = _result(swarm_f)
+        cmp = compare_runs(root / "hf-in-swarm", root / "hf-in-sim", FP32_TOL) if sw["ok"] and sim["ok"] else {"ok": False}
+        return {"ok": cmp["ok"], "sim": sim, "swarm": sw, "compare": cmp}
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        in_runs = pool.submit(_attempt, res, "in_runs", runs, save)  # its processes start while the checks run here
+        _attempt(res, "out", lambda: _hf_out(ctx, run, hf), save)
+        _attempt(res, "in_weights", lambda: _hf_in_weights(ctx, run, hf), save)
+        in_runs.result()
+    res["ok"] = all(bool((res.get(k) or {}).get("ok")) for k in ("export", "out", "in_weights", "in_runs"))
+    save(res)
+    return res
+
+
+def _hf_out(ctx: Ctx, run: Path, hf: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from checkfree.export import load_export
+
+    t0 = time.time()
+    dev = torch.device(ctx.device)
+    ours = load_export(run / "final_weights.safetensors").to(dev).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).to(dev).eval()
+    tokens = torch.randint(0, ours.cfg.vocab_size, (4, ours.cfg.context_length),
+                           generator=torch.Generator().manual_seed(0)).to(dev)
+    with torch.no_grad():
+        delta = float((ours(tokens) - theirs(tokens).logits).abs().max())
+    return {"max_logit_diff": delta, "tol": 1e-4, "ok": delta < 1e-4, "class": type(theirs).__name__,
+            "device": str(next(theirs.parameters()).device), "wall_s": round(time.time() - t0, 1)}
+
+
+def _hf_in_weights(ctx: Ctx, run: Path, hf: Path) -> dict[str, Any]:
+    """`--init-from` the export: every stage's weights, built on the device, equal to the run's final weights."""
     import torch
 
     from checkfree.cli import config_from_args
@@ -460,47 +542,43 @@ def hf_in_and_out(ctx: Ctx, run: Path, common: dict, transport: str) -> dict[str
     from checkfree.worker import build_workers
     from cli.main import build_parser
 
-    res: dict[str, Any] = {}
-    hf = ctx.work / "correctness" / "hf"
-    shutil.rmtree(hf, ignore_errors=True)
-    done = _checkfree(ctx, "export", "--run", str(run), "--format", "hf", "--output", str(hf))
-    if done.returncode != 0:
-        return {"ok": False, "error": done.stderr[-2000:]}
-    import transformers
-
-    dev = torch.device(ctx.device)
-    ours = load_export(run / "final_weights.safetensors").to(dev).eval()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).to(dev).eval()
-    tokens = torch.randint(0, ours.cfg.vocab_size, (4, ours.cfg.context_length),
-                           generator=torch.Generator().manual_seed(0)).to(dev)
-    with torch.no_grad():
-        delta = float((ours(tokens) - theirs(tokens).logits).abs().max())
-    res["out"] = {"max_logit_diff": delta, "tol": 1e-4, "ok": delta < 1e-4, "class": type(theirs).__name__}
+    t0 = time.time()
+    want = {k: v.cpu() for k, v in load_export(run / "final_weights.safetensors").state_dict().items()}
     cfg = config_from_args(build_parser().parse_args(["simulate", "--init-from", str(hf), "--steps", "1",
                                                       "--device", ctx.device]))
-    want = {k: v.cpu() for k, v in ours.state_dict().items()}
-    equal, keys = True, 0
+    equal, keys, devices = True, 0, set()
     for spec, worker in zip(plan_stages(cfg.model.num_layers, cfg.num_stages), build_workers(cfg)):
-        assert worker.device.type == dev.type
+        devices.add(worker.device.type)
         for k, v in stage_to_global(spec, worker.state_dict()).items():
             keys += 1
             equal &= k in want and torch.equal(v.cpu(), want[k])
-    res["in_weights"] = {"ok": equal, "tensors": keys}
-    flags = ["--init-from", str(hf), "--steps", "4", "--eval-every", "0", "--seed", "5", "--device", ctx.device,
-             "--data", ctx.data]
-    if ctx.short:  # the swarm's --init-from path is the same StageWorker._initialise as the simulator's
-        sim = _simulate(ctx, flags, ctx.work / "correctness" / "hf-in-sim")
-        res["in_runs"] = {"ok": sim["ok"], "sim": sim, "swarm": "not run in the dry run"}
+    on_device = devices == {torch.device(ctx.device).type}
+    return {"ok": equal and on_device and keys == len(want), "tensors": keys, "export_tensors": len(want),
+            "devices": sorted(devices), "wall_s": round(time.time() - t0, 1)}
+
+
+def hf_source_flags(ctx: Ctx) -> list[str]:
+    """The focused call's own short run, whose final weights go out and come back in: 4 steps of `small` (tiny
+    in a dry run), float32, on the device."""
+    return ["--preset", "tiny" if ctx.dry else "small", "--steps", "4", "--eval-every", "0", "--seed", "3",
+            "--device", ctx.device, "--data", ctx.data]
+
+
+def phase_hf_only(ctx: Ctx) -> None:
+    """The correctness phase of call hf: the HF in/out check alone, from a short simulator run of its own."""
+    transport = ctx.chosen_transport()
+    root = ctx.work / "correctness"
+    root.mkdir(parents=True, exist_ok=True)
+    ctx.save("setup", {"only": "hf", "source": hf_source_flags(ctx), "transport": transport,
+                       "tolerances": {"fp32": FP32_TOL, "logits": 1e-4}})
+    source = root / "hf-source-sim"
+    sim = _simulate(ctx, hf_source_flags(ctx), source)
+    ctx.save("source_run", sim)
+    if not sim["ok"]:
+        ctx.save("hf", {"ok": False, "error": "the source run failed (see source_run)"})
     else:
-        with ThreadPoolExecutor(max_workers=2) as pool:  # both at once
-            sim_f = pool.submit(_simulate, ctx, flags, ctx.work / "correctness" / "hf-in-sim")
-            swarm_f = pool.submit(_swarm, ctx, flags, ctx.work / "correctness" / "hf-in-swarm", 0, transport)
-            sim, swarm = _result(sim_f), _result(swarm_f)
-        cmp = compare_runs(ctx.work / "correctness" / "hf-in-swarm", ctx.work / "correctness" / "hf-in-sim", FP32_TOL) \
-            if swarm["ok"] and sim["ok"] else {"ok": False}
-        res["in_runs"] = {"ok": cmp["ok"], "sim": sim, "swarm": swarm, "compare": cmp}
-    res["ok"] = res["out"]["ok"] and equal and res["in_runs"]["ok"]
-    return res
+        hf_in_and_out(ctx, source, transport, save=lambda res: ctx.save("hf", res))
+    ctx.save("ok", bool(ctx.results["hf"].get("ok")))
 
 
 # -------------------------------------------------------------------------------------------------- speed

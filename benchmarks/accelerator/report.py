@@ -56,8 +56,48 @@ def _env(res: dict) -> list[str]:
     return lines
 
 
+def _hf_lines(hf: dict) -> list[str]:
+    """The HF in/out check: each part as far as it got, a failed part with its error."""
+    def failed(part: dict) -> str:
+        err = str(part.get("error") or "").strip().splitlines()
+        return f"**failed**: `{err[-1][:200]}`" if err else "**failed**"
+
+    export, out, inw, inr = (hf.get(k) for k in ("export", "out", "in_weights", "in_runs"))
+    parts = []
+    if export is not None and not export.get("ok"):
+        parts.append(f"HF export (`checkfree export --format hf`): {failed(export)}.")
+    if out is not None:
+        parts.append(f"HF out: transformers' {out.get('class')} on the device, max logit difference "
+                     f"{_f(out.get('max_logit_diff'), '.2e')} (tolerance {_f(out.get('tol'))}): {_yes(out.get('ok'))}."
+                     if "max_logit_diff" in out else f"HF out: {failed(out)}.")
+    if inw is not None:
+        parts.append(f"HF in (`--init-from`): {inw.get('tensors')} tensors equal to the export's: {_yes(inw.get('ok'))}."
+                     if "tensors" in inw else f"HF in (`--init-from`): {failed(inw)}.")
+    if inr is not None:
+        cmp = inr.get("compare") or {}
+        how = (f" (max loss difference {_f(cmp.get('max_loss_diff'), '.2e')})" if "max_loss_diff" in cmp else "")
+        parts.append(f"A run from it, swarm = simulator: {_yes(inr.get('ok'))}{how}." if "error" not in inr
+                     else f"A run from it: {failed(inr)}.")
+    elif export is not None and export.get("ok"):
+        parts.append("A run from it: not finished.")
+    if not parts and hf.get("error"):
+        parts.append(f"HF in/out: {failed(hf)}.")
+    return [" ".join(parts)] if parts else []
+
+
 def _correctness(res: dict) -> list[str]:
     setup = res.get("setup") or {}
+    if setup.get("only") == "hf":
+        src = res.get("source_run") or {}
+        lines = [f"The HF in/out check alone, from a simulator run of its own (`{' '.join(setup.get('source') or [])}`"
+                 f": {'ok' if src.get('ok') else ('**failed**' if src else 'not finished')}); the swarm over "
+                 f"`{setup.get('transport')}`; tolerances: logits {_f((setup.get('tolerances') or {}).get('logits'))}, "
+                 f"losses {_f((setup.get('tolerances') or {}).get('fp32'))}."]
+        if res.get("hf"):
+            lines += [""] + _hf_lines(res["hf"])
+        if "error" in res:
+            lines += ["", "Error: `" + str(res["error"]).strip().splitlines()[-1][:300] + "`"]
+        return lines
     lines = [f"Swarm (real processes, `{setup.get('transport')}`) against the simulator, `{setup.get('preset')}` "
              f"preset, {setup.get('steps')} steps; tolerance: float32 {_f((setup.get('tolerances') or {}).get('fp32'))}, "
              f"bf16 {_f((setup.get('tolerances') or {}).get('bf16'))} (relative, per step).", "",
@@ -71,14 +111,8 @@ def _correctness(res: dict) -> list[str]:
                      f"{_f(c.get('max_coefficient_diff'), '.2e')} | "
                      f"{_f((c.get('floor') or {}).get('max_loss_diff'), '.2e')} | "
                      f"{_f((c.get('vs_fp32') or {}).get('max_loss_diff'), '.2e')} |")
-    hf = res.get("hf")
-    if hf:
-        out = hf.get("out") or {}
-        inw, inr = hf.get("in_weights") or {}, hf.get("in_runs") or {}
-        lines += ["", f"HF out: transformers' {out.get('class')} on the device, max logit difference "
-                      f"{_f(out.get('max_logit_diff'), '.2e')} (tolerance {_f(out.get('tol'))}): {_yes(out.get('ok'))}. "
-                      f"HF in (`--init-from`): {inw.get('tensors')} tensors equal to the export's: {_yes(inw.get('ok'))}; "
-                      f"a run from it, swarm = simulator: {_yes(inr.get('ok'))}."]
+    if res.get("hf"):
+        lines += [""] + _hf_lines(res["hf"])
     if "error" in res:
         lines += ["", "Error: `" + str(res["error"]).strip().splitlines()[-1][:300] + "`"]
     return lines
@@ -133,14 +167,38 @@ def _science(res: dict) -> list[str]:
 SECTIONS = {"env": _env, "correctness": _correctness, "speed": _speed, "science": _science}
 
 
+def _dirty(flag: Any) -> str:
+    return "with changes" if flag else ("clean" if flag is False else "changes unknown")
+
+
+def commit_line(record: dict) -> str:
+    """Which code ran, and where that is known from: the pack's manifest (the commit the pack was made at; the
+    device's copy of the repository carries the session's git metadata, not the code's), else git where it ran."""
+    code = record.get("code") or {}
+    env = (record.get("phases", {}).get("env", {}).get("results") or {})
+    pack_code = ((env.get("pack") or {}).get("code")) or {}
+    if code.get("source"):  # recorded by the run itself (benchmarks.accelerator.pack.code_record)
+        text = f"Commit {code.get('commit') or 'unknown'} ({_dirty(code.get('dirty'))}; from {code['source']})"
+        if code.get("matches_pack") is True:
+            text += "; the code that ran is the pack's, file for file"
+        elif code.get("matches_pack") is False:
+            text += "; **the code that ran differs from the pack's** (the pack is older than the code)"
+        return text
+    if pack_code.get("commit"):  # a record of the first run: its own `code` is the device copy's git metadata
+        text = f"Commit {pack_code['commit']} ({_dirty(pack_code.get('dirty'))}; from the pack's manifest)"
+        if code.get("commit") and code.get("commit") != pack_code["commit"]:
+            text += (f"; the device's git metadata said {code['commit'][:10]} ({_dirty(code.get('dirty'))}), the "
+                     f"session's starting commit, not the code that ran")
+        return text
+    return f"Commit {code.get('commit') or 'unknown'} ({_dirty(code.get('dirty'))}; from git where it ran)"
+
+
 def summary_markdown(record: dict) -> str:
     """One call's summary (written beside callN.json on the device, printed at the end of the call)."""
-    code = record.get("code") or {}
-    pack_code = ((record.get("phases", {}).get("env", {}).get("results") or {}).get("pack") or {}).get("code") or {}
-    commit = code.get("commit") or pack_code.get("commit")
     lines = [f"# Accelerator run, call {record.get('call')}" + (" (dry run, CPU)" if record.get("dry_run") else ""), "",
-             f"Commit {commit or 'unknown'}" + (" (with changes)" if (code.get("dirty") or pack_code.get("dirty")) else "")
-             + f"; started {record.get('started')}; {_f(record.get('wall_s'))} s.", ""]
+             f"{commit_line(record)}; started {record.get('started')}; {_f(record.get('wall_s'))} s.", ""]
+    if record.get("device_sh"):
+        lines += [f"device.sh: {record['device_sh'].get('error')} (exit {record['device_sh'].get('exit')}).", ""]
     lines += [_phase_line(n, r) for n, r in (record.get("phases") or {}).items()]
     for name, rec in (record.get("phases") or {}).items():
         lines += ["", f"## {name}", ""] + SECTIONS[name](rec.get("results") or {})
@@ -148,7 +206,8 @@ def summary_markdown(record: dict) -> str:
 
 
 def load_calls(results: Path) -> list[dict]:
-    return [json.loads((results / f"call{c}.json").read_text()) for c in (1, 2) if (results / f"call{c}.json").is_file()]
+    return [json.loads((results / f"call{c}.json").read_text()) for c in (1, 2, "hf")
+            if (results / f"call{c}.json").is_file()]
 
 
 def render_region(results: Path) -> str:
@@ -159,7 +218,8 @@ def render_region(results: Path) -> str:
     parts = []
     for rec in calls:
         body = summary_markdown(rec).split("\n", 2)[2]  # without the title: the page has its own headings
-        parts.append(f"**Call {rec.get('call')}** (`{RESULTS}/call{rec.get('call')}.json`)\n\n"
+        what = " (the HF in/out check alone)" if rec.get("call") == "hf" else ""
+        parts.append(f"**Call {rec.get('call')}**{what} (`{RESULTS}/call{rec.get('call')}.json`)\n\n"
                      + body.replace("\n## ", "\n#### "))
     return "\n".join(parts).strip()
 
