@@ -33,7 +33,7 @@ from checkfree.recovery import Neighbours
 __all__ = ["Message", "Request", "Envelope", "BadReply", "Ok", "StepFigures", "PeerCopy", "OwnCopy", "StorageCopy",
            "ParityCopy", "InitialState", "Origin", "Assign", "AssignFresh", "AssignLoad", "AssignRecover",
            "AssignRestore", "AssignHandover", "AssignPromote", "AssignReplica", "AssignRequest", "Assigned",
-           "BackupShare", "RunStep", "StepDone", "Pass", "Forward", "Backward", "GetPass", "ComponentGrad", "Commit",
+           "BackupShare", "CopyWork", "CopyChunk", "RunStep", "StepDone", "Pass", "Forward", "Backward", "GetPass", "ComponentGrad", "Commit",
            "Committed", "SoftErrors", "Abort", "Reroute", "Rerouted", "Reduce", "Reduced", "GetWeights", "Weights",
            "GetState", "State", "KeepHolders", "KeepParity", "KeepStorage", "Keep", "Snapshot", "Snapshotted",
            "StoreSnapshot", "Stored", "FetchSnapshot", "Restore", "TakeReplica", "ReplicaTaken", "ReplicaGrad",
@@ -208,6 +208,20 @@ class BackupShare(Message, kw_only=True):
     bounds: dict[int, tuple[float, float]]
 
 
+class CopyWork(Message, kw_only=True):
+    """snap: what one stage does for its streamed copy in this step (checkfree.plans.CopyPart): send part `part`
+    of `parts` of the update of its copy as of `step` (`kind` full, or delta on the holder's copy of `base`) to
+    its holder's peer `holder` (stage `holder_stage`); part 0 is encoded first, before this step's commit."""
+
+    step: int
+    kind: str
+    base: int | None = None
+    part: int
+    parts: int
+    holder: str
+    holder_stage: int
+
+
 class RunStep(Request, kw_only=True):
     rpc = RPC.RUN_STEP
     step: int
@@ -218,6 +232,7 @@ class RunStep(Request, kw_only=True):
     hops: list[list[str]] | None = None  # stage groups: the peer of every hop of every microbatch
     groups: dict[int, list[str]] | None = None  # stage groups: stage -> its replicas
     backup: BackupShare | None = None
+    copies: dict[int, CopyWork] | None = None  # snap: by stage, the part of its streamed copy the step carries
     chaos_die_after_forwards: int | None = None  # fault injection: a replica dies after this many forwards
 
 
@@ -272,6 +287,8 @@ class Committed(Message, kw_only=True):
     soft_errors: dict[str, int] = {}  # the soft-error guard's counters
     redundant_s: float | None = None  # redundant computation: the step's redundant forwards
     replica_bytes: int | None = None  # ...and the gradients shipped to the replica's holder
+    copy_sent: tuple[int, int] | None = None  # snap: (copy step, part) of the part the holder acknowledged
+    copy_bytes: int | None = None  # snap: ...its bytes
 
 
 class SoftErrors(Message, kw_only=True):
@@ -445,6 +462,21 @@ class BackupPart(Request, kw_only=True):
     total: int
 
 
+class CopyChunk(Request, kw_only=True):
+    """snap: the bytes [offset, offset + len) of the update (`kind`, on the holder's copy of `base`) of stage
+    `owner`'s copy as of `step`, `total` bytes in all: part `part` of `parts`."""
+
+    rpc = RPC.COPY_PART
+    owner: int
+    step: int
+    kind: str
+    base: int | None = None
+    part: int
+    parts: int
+    offset: int
+    total: int
+
+
 class BackupCommit(Request, kw_only=True):
     rpc = RPC.BACKUP_COMMIT
     step: int
@@ -598,14 +630,14 @@ REQUESTS: dict[str, Any] = {
     RPC.ASSIGN: AssignRequest, **{c.rpc: c for c in (
         RunStep, Forward, Backward, GetPass, ComponentGrad, Commit, Abort, Reroute, Reduce, GetWeights, GetState,
         Snapshot, StoreSnapshot, FetchSnapshot, Restore, TakeReplica, ReplicaGrad, GetReplica, BackupStart,
-        BackupPart, BackupCommit, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status)}}
+        BackupPart, BackupCommit, CopyChunk, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status)}}
 REPLIES: dict[str, type] = {
     RPC.ASSIGN: Assigned, RPC.RUN_STEP: StepDone, RPC.FORWARD: Ok, RPC.BACKWARD: Ok, RPC.GET_PASS: Ok,
     RPC.COMPONENT_GRAD: Ok, RPC.COMMIT: Committed, RPC.ABORT: Ok, RPC.REROUTE: Rerouted, RPC.REDUCE: Reduced,
     RPC.GET_WEIGHTS: Weights, RPC.GET_STATE: State, RPC.SNAPSHOT: Snapshotted, RPC.STORE_SNAPSHOT: Stored,
     RPC.FETCH_SNAPSHOT: Ok, RPC.RESTORE: Ok, RPC.TAKE_REPLICA: ReplicaTaken, RPC.REPLICA_GRAD: Ok,
     RPC.GET_REPLICA: State, RPC.BACKUP_START: BackupTaken, RPC.BACKUP_PART: Ok, RPC.BACKUP_COMMIT: BackupsHeld,
-    RPC.REFT_CHUNK: Ok, RPC.REFT_FETCH: ParityMeta, RPC.PING: Pong, RPC.SHUTDOWN: Ok, RPC.ADOPT: Adopted,
+    RPC.COPY_PART: Ok, RPC.REFT_CHUNK: Ok, RPC.REFT_FETCH: ParityMeta, RPC.PING: Pong, RPC.SHUTDOWN: Ok, RPC.ADOPT: Adopted,
     RPC.JOIN: Joined, RPC.REPORT: Ok, RPC.LEAVE: Left, RPC.STATUS: RunStatus,
     CompanionStore.rpc: Ok, CompanionFetch.rpc: CompanionStore, CompanionStop.rpc: Ok}
 

@@ -397,6 +397,7 @@ class Simulator:
         """Train `step`, let the strategy protect it, and price it; returns the metrics line."""
         t = self.cfg.train
         t0 = time.perf_counter()
+        self.executor.before_step(step)
         loss, stats = self.train_step(step)
         record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
                   "block_grad_norms": [s.block_grad_norm_post for s in stats],

@@ -39,6 +39,7 @@ from peers.membership import Membership
 from peers.replicas import Replicas
 from peers.stage import HostedStage
 from peers.step import StepRun, StepTracker
+from peers.streams import Streams
 
 __all__ = ["Passes"]
 
@@ -50,9 +51,10 @@ class Passes:
     """The microbatches of the active step attempt passing through this peer's stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
-                 debug: DebugHooks, replicas: Replicas | None = None, backups: Backups | None = None) -> None:
+                 debug: DebugHooks, replicas: Replicas | None = None, backups: Backups | None = None,
+                 streams: Streams | None = None) -> None:
         self.net, self.hosted, self.steps, self.compute, self.debug = membership, hosted, steps, compute, debug
-        self.replicas, self.backups = replicas, backups
+        self.replicas, self.backups, self.streams = replicas, backups, streams
         self.t = membership.t
 
     # ---- handlers --------------------------------------------------------------------
@@ -74,6 +76,8 @@ class Passes:
             run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
+        if self.streams is not None and request.copies and not run.evaluate:  # snap: on its own task (COMMIT waits)
+            self.streams.step_started(request.copies.get(stage), request.step)
         self.debug.arm_step_kill(request)
         run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage
                               and run.peer(mb, 0) == self.net.me]

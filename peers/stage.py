@@ -48,6 +48,7 @@ class HostedStage:
         self.plus = False  # CheckFree+: swapped routes, replicated embedding and head
         self.redundant = False  # redundant computation: this peer also holds its successor's replica
         self.companion = False  # reft: a companion process keeps this peer's snapshots (peers/companion.py)
+        self.copy_format = None  # snap: the format of the streamed copies (checkfree.snapcodec.CopyFormat)
         self.worker: StageWorker | None = None
         self.omega = 0.0
         self.data: TokenData | None = None
@@ -82,6 +83,7 @@ class HostedStage:
         self.plus = strategy.plus
         self.redundant = strategy.peer_service == "replicas"
         self.companion = strategy.peer_service == "companion"
+        self.copy_format = strategy.copy_format
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
         self._configured.set()
@@ -159,6 +161,10 @@ class HostedStage:
         """Load a full state captured by `capture_bytes` (any bytes-like object; not copied before the load's own
         copy into the worker) into `worker` (its replicated components from `donors`, component -> (weights, Adam
         state), when given); returns its omega."""
-        state = state_from_bytes(blob)
+        return HostedStage.load_state(worker, state_from_bytes(blob), donors)
+
+    @staticmethod
+    def load_state(worker: StageWorker, state: dict, donors: dict | None = None) -> float:
+        """`load_bytes` for a state already decoded."""
         restore_worker(worker, with_components(state, donors) if donors else state)
         return float(state["norm"])
