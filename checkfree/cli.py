@@ -234,8 +234,22 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         configure_from_hf(cfg, model_config=args.model_config, init_from=args.init_from)
     values = {key: convert(getattr(args, dest)) for dest, (key, convert) in CONFIG_FLAGS.items()
               if getattr(args, dest, None) is not None}
-    cfg = override_config(cfg, values, getattr(args, "set", None) or [])
+    fresh = getattr(args, "init_from", None) and not args.config  # a new run from a trained model
+    dotlist = getattr(args, "set", None) or []
+    defaulted = fresh and "recovery.strategy" not in values and not any(
+        s.split("=", 1)[0].strip() == "recovery.strategy" for s in dotlist)
+    if defaulted:  # the measurements' choice for a trained model (checkfree.advice)
+        from checkfree.advice import PRETRAINED_DEFAULT
+
+        values["recovery.strategy"] = PRETRAINED_DEFAULT
+    cfg = override_config(cfg, values, dotlist)
     validate(cfg)
+    if fresh:
+        from checkfree.advice import default_note, measured, warnings_for
+
+        m = measured()
+        for line in ([default_note(m)] if defaulted else []) + warnings_for(cfg.recovery.strategy, m):
+            print(line, file=sys.stderr, flush=True)
     return cfg
 
 

@@ -31,18 +31,24 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Init", "INITS", "PLUS", "Study", "Run", "STUDIES", "make_study", "trunk_config", "branch_config",
+__all__ = ["Init", "INITS", "SNAP_INITS", "ALL_INITS", "snap_init", "copy_steps", "PLUS", "Study", "Run", "STUDIES", "make_study", "trunk_config", "branch_config",
            "branch_norms", "signature", "plan_runs", "run_study", "available_inits", "add_arguments", "main"]
 
 
 @dataclass(frozen=True)
 class Init:
-    """A recovery initialisation compared: a strategy and, for CheckFree, how omega is taken."""
+    """A recovery initialisation compared: a strategy and, for CheckFree, how omega is taken; for snap, the
+    stage's own copy: its format, whether the Adam moments travel, and its age (`copy_age` steps older than the
+    failure, the snapshot period: the copy is made from the trunk's save at the branch point minus the age, and
+    the branch trains on with that period)."""
 
     label: str
     strategy: str
     norm_kind: str = "post-clip"
     omega_scope: str = "stage"
+    copy_format: str | None = None
+    copy_age: int = 0
+    copy_moments: bool = False
 
     @property
     def slug(self) -> str:
@@ -63,14 +69,28 @@ PLUS = Init("checkfree+", "checkfree+")
 SOURCELESS = ("random", "identity")  # rebuilt from a seed, not from live stages
 
 
+def snap_init(fmt: str, age: int, moments: bool = False) -> Init:
+    """The init of a stage restored from its snap copy of format `fmt`, `age` steps old."""
+    return Init(f"snap {fmt}{' +moments' if moments else ''} age {age}", "snap", copy_format=fmt, copy_age=age,
+                copy_moments=moments)
+
+
+# the copies compared (benchmarks.snapshots): 8 and 4 bits at snapshot periods of 1, 10 and 50 steps, the
+# full-precision snapshot (float32 with the Adam moments) at the same periods, and what keeping the moments is worth
+SNAP_INITS = [snap_init(f, age, m) for age in (1, 10, 50) for f, m in (("int8", False), ("int4", False),
+                                                                         ("float32", True))] + [
+    snap_init("int8", 10, True)]
+ALL_INITS = INITS + SNAP_INITS  # a study compares INITS unless it names others
+
+
 def available_inits(labels: list[str] | None = None) -> tuple[list[Init], list[str]]:
     """The inits (all, or those named) whose strategy this build has, and the labels of the others."""
     from checkfree.strategies import STRATEGIES
 
-    unknown = sorted(set(labels or []) - {i.label for i in INITS})
+    unknown = sorted(set(labels or []) - {i.label for i in ALL_INITS})
     if unknown:
-        raise ValueError(f"unknown inits {unknown}; choose from {[i.label for i in INITS]}")
-    wanted = [i for i in INITS if labels is None or i.label in labels]
+        raise ValueError(f"unknown inits {unknown}; choose from {[i.label for i in ALL_INITS]}")
+    wanted = INITS if labels is None else [i for i in ALL_INITS if i.label in labels]
     return [i for i in wanted if i.strategy in STRATEGIES], [i.label for i in wanted if i.strategy not in STRATEGIES]
 
 
@@ -114,13 +134,19 @@ class Run:
     def name(self) -> str:
         if self.kind == "trunk":
             return f"trunk-{self.trunk}"
-        init = next((i.slug for i in [*INITS, PLUS] if i.label == self.init), "none")
+        init = next((i.slug for i in [*ALL_INITS, PLUS] if i.label == self.init), "none")
         where = f"k{self.stage}" if self.stage is not None else "nofail"
         return f"{self.trunk}-at{self.at}-s{self.seed}-{init}-{where}-r{self.steps}"
 
 
 def _init(label: str) -> Init:
-    return next(i for i in [*INITS, PLUS] if i.label == label)
+    return next(i for i in [*ALL_INITS, PLUS] if i.label == label)
+
+
+def copy_steps(study: Study) -> list[int]:
+    """The trunk steps whose saves the snap inits make their copies from (branch point minus copy age)."""
+    return sorted({at - i.copy_age for at in study.branch_at for i in available_inits(study.inits)[0]
+                   if i.copy_format is not None and at - i.copy_age >= 0})
 
 
 def trunk_config(study: Study, trunk: str) -> dict[str, Any]:
@@ -138,6 +164,9 @@ def branch_config(study: Study, run: Run, trace: Path | None) -> dict[str, Any]:
     if run.init is not None:
         i = _init(run.init)
         c["recovery"].update(strategy=i.strategy, norm_kind=i.norm_kind, omega_scope=i.omega_scope, fallback="abort")
+        if i.copy_format is not None:
+            c["strategy"].update(snapshot_format=i.copy_format, snapshot_moments=i.copy_moments,
+                                 snapshot_every=max(1, i.copy_age))
     c["failures"]["trace"] = str(trace) if trace else None
     return c
 
@@ -170,6 +199,8 @@ def signature(init: Init, stage: int, norms: list[float], num_stages: int, seed:
     max_norm / (norm + 1e-6))."""
     from checkfree.recovery import plan_recovery
 
+    if init.copy_format is not None:
+        return ("snap", init.copy_format, init.copy_moments, init.copy_age)
     plan = plan_recovery({stage}, num_stages, init.strategy, "abort")[0]
     if plan.method in SOURCELESS:
         return (plan.method, seed)
@@ -200,6 +231,8 @@ def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], l
                     sig = signature(init, stage, branch_norms(line, init), S, seed)
                     rep = seen.setdefault(sig, init)
                     curve = stage in study.curve_stages
+                    if init.copy_format is not None and at - init.copy_age < 0:
+                        continue  # no trunk state that old
                     # a rebuild that does not depend on the seed is measured once (first seed) unless it trains on
                     run_seed = seed if curve or sig[0] in SOURCELESS else study.seeds[0]
                     run = Run(study.name, "curve" if curve else "damage", "plain", at, run_seed, rep.label, stage,
@@ -208,7 +241,11 @@ def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], l
                     cells.append({"at": at, "stage": stage, "init": init.label, "seed": seed, "run": run.name,
                                   "coincides_with": rep.label if rep is not init else None,
                                   "signature": [str(x) for x in sig]})
-        runs += damage + [Run(study.name, "reference", "plain", at, s, steps=study.recover_steps) for s in study.seeds]
+        if study.curve_stages:  # the failure-free branches the curves are compared with
+            runs += damage + [Run(study.name, "reference", "plain", at, s, steps=study.recover_steps)
+                              for s in study.seeds]
+        else:
+            runs += damage
         runs += sorted(curves, key=lambda r: (r.seed, study.curve_stages.index(r.stage)))
     if study.plus_steps:
         at = study.branch_at[-1]
@@ -247,13 +284,15 @@ def _run_trunk(study: Study, work: Path, trunk: str) -> None:
     from checkfree.simulator import Simulator
 
     d = work / "runs" / f"trunk-{trunk}"
-    if all((d / SAVES / f"step-{at:08d}" / "meta.json").is_file() for at in study.branch_at):
+    copies = copy_steps(study) if trunk == "plain" else []
+    if all((d / SAVES / f"step-{at:08d}" / "meta.json").is_file() for at in [*study.branch_at, *copies]):
         return  # the saves the branches need (the trunk may be further on: a study run with fewer branch points)
     cfg = config_from_dict(trunk_config(study, trunk))
     every = math.gcd(*study.branch_at)
     resume = newest_save(d) is not None
     # every save kept: the branch points' and those an interruption adds (pruning by age could drop a branch point's)
-    Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume).run()
+    Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume,
+              save_steps=tuple(copies)).run()
 
 
 def _branch_save(study: Study, work: Path, run: Run, d: Path) -> None:
@@ -270,6 +309,15 @@ def _branch_save(study: Study, work: Path, run: Run, d: Path) -> None:
             state["norm"] = norms[s]
             blobs[s] = state_to_bytes(state)
     write_save(d, run.at, blobs, {k: v for k, v in meta.items() if k not in ("step", "stages")}, keep=1)
+
+
+def _trunk_states(work: Path, trunk: str, step: int, num_stages: int) -> dict[int, dict]:
+    """Every stage's full state in the trunk's save at `step`."""
+    from checkfree.saves import SAVES, read_save
+    from checkfree.serialize import state_from_bytes
+
+    _, blobs = read_save(work / "runs" / f"trunk-{trunk}" / SAVES / f"step-{step:08d}", num_stages)
+    return {s: state_from_bytes(b) for s, b in blobs.items()}
 
 
 def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, threads: int, commit: str) -> dict[str, Any]:
@@ -295,6 +343,10 @@ def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, thread
         _branch_save(study, work_p, run, d)
         (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name, "commit": commit}, indent=2))
         sim = Simulator(config_from_dict(branch_config(study, run, trace)), d, progress=False, resume=True)
+        init = _init(run.init) if run.init is not None else None
+        if init is not None and init.copy_format is not None:  # the copy: the trunk's state copy_age steps before
+            sim.prime_copies(_trunk_states(work_p, run.trunk, run.at - init.copy_age, study.base["num_stages"]),
+                             run.at - init.copy_age)
         sim.rebuild_and_evaluate({run.stage}) if run.kind == "damage" else sim.run()
         status = "completed"
     except Exception as e:  # noqa: BLE001 - recorded; the study goes on and redoes it when restarted

@@ -159,6 +159,10 @@ class Strategy:
         its update (the runtime then records the copy of `part.step` as complete at `part.holder`)."""
         raise NotImplementedError(f"{self.name} streams no copies")
 
+    def copy_assumed(self, stage: int, step: int) -> None:
+        """Experiments: `stage`'s copy as of `step` is complete at its holder and mirrored by its owner."""
+        raise NotImplementedError(f"{self.name} streams no copies")
+
     def copy_stream_broken(self, stage: int) -> None:
         """A part of `stage`'s streamed copy did not arrive: its update is void."""
         raise NotImplementedError(f"{self.name} streams no copies")

@@ -47,6 +47,15 @@ class SimExecutor:
         for item in self.strategy.protection_at_start():
             self.protect(item, step)
 
+    def prime(self, states: dict[int, StageState], step: int) -> None:
+        """snap (experiments): every stage's copy complete at its holder, a full update of `states[stage]` (its
+        state as of `step`), as if it had been streamed before."""
+        strategy = self.strategy
+        for s, state in states.items():
+            self.held[s] = apply_update(None, encode_update(state, step, strategy.copy_format, None))
+            strategy.copy_assumed(s, step)
+            self.copies.sealed(s, step, (strategy.holder(s),))
+
     def before_step(self, step: int) -> None:
         """Before training `step`: the protection that travels inside it (snap: an update whose first part the step
         carries is encoded now, from the stage's state as it enters the step)."""

@@ -144,6 +144,9 @@ class StreamedSnapshotStrategy(Strategy):
         stream.complete, stream.mirrored, stream.update = u.step, True, None
         return True
 
+    def copy_assumed(self, stage: int, step: int) -> None:
+        self.streams[stage] = Stream(complete=step, mirrored=True)
+
     def copy_stream_broken(self, stage: int) -> None:
         """An update of `stage`'s copy did not arrive: it is void, and the next one is full."""
         stream = self.streams[stage]
