@@ -41,24 +41,24 @@ QUICK_INITS = ["checkfree post/stage", "snap int8 age 10"]
 FULL_REBUILDS = ["checkfree post/stage", "checkfree pre/stage", "identity", "random", "copy"]
 
 
-def _eval_batches(study) -> int:
+def _eval_batches(study, tokens: int = EVAL_TOKENS) -> int:
     t = study.base["train"]
-    return -(-EVAL_TOKENS // (t["microbatch_size"] * t["seq_len"]))
+    return -(-tokens // (t["microbatch_size"] * t["seq_len"]))
 
 
-def quick_study(init_from: str, jobs: int = 2):
+def quick_study(init_from: str, jobs: int = 2, tokens: int = EVAL_TOKENS):
     """10 steps of fine-tuning, then each of stages 1-4 fails at step 10: CheckFree vs the int8 copy of step 0."""
     from experiments.pretrained import make_study
 
     s = make_study("smollm2", init_from=init_from)
     s.name, s.branch_at, s.eval_every, s.seeds = "snapshots-quick", [10], 10, [0]
     s.stages, s.curve_stages, s.recover_steps, s.inits, s.jobs, s.threads = [1, 2, 3, 4], [], 0, QUICK_INITS, jobs, 1
-    s.base["train"]["eval_batches"] = _eval_batches(s)
+    s.base["train"]["eval_batches"] = _eval_batches(s, tokens)
     s.note = "benchmarks.snapshots --quick: immediate damage only, one data order"
     return s
 
 
-def full_study(init_from: str, jobs: int = 2, seeds: list[int] | None = None):
+def full_study(init_from: str, jobs: int = 2, seeds: list[int] | None = None, tokens: int = EVAL_TOKENS):
     """The trade-off study: branch at step 60 (so that a copy 50 steps old exists), 50-step curves at stages 1-4."""
     from experiments.pretrained import SNAP_INITS, make_study
 
@@ -66,7 +66,7 @@ def full_study(init_from: str, jobs: int = 2, seeds: list[int] | None = None):
     s.name, s.branch_at, s.eval_every, s.seeds = "snapshots", [60], 10, seeds or [0]
     s.stages, s.curve_stages, s.recover_steps, s.jobs, s.threads = [1, 2, 3, 4], [1, 2, 3, 4], 50, jobs, 1
     s.inits = FULL_REBUILDS + [i.label for i in SNAP_INITS]
-    s.base["train"]["eval_batches"] = _eval_batches(s)
+    s.base["train"]["eval_batches"] = _eval_batches(s, tokens)
     s.note = "benchmarks.snapshots: the copies' trade-off against the rebuilds"
     return s
 
@@ -189,7 +189,7 @@ def _run(study, args, command: str) -> dict[str, Any]:
 
 
 def _quick(args, command: str) -> int:
-    study = quick_study(args.init_from, args.jobs)
+    study = quick_study(args.init_from, args.jobs, args.eval_tokens)
     t0 = time.time()
     data = _run(study, args, command)
     d = damages(data)
@@ -246,6 +246,45 @@ def _swarm_rounds(args) -> dict[str, Any]:
             "spread": {k: [min(v), max(v)] for k, v in times.items()}}
 
 
+E2E_KILLS = [(10, 1), (20, 3), (30, 2)]  # (step, stage): 3 SIGKILLs of serving peers
+
+
+def _e2e(args) -> dict[str, Any]:
+    """The end-to-end must-hold: SmolLM2 fine-tuned 40 steps in 6 stages in the real swarm (`checkfree local`,
+    real processes), once without failures, once with 3 SIGKILLs of serving peers and snap's int8 copies streamed,
+    once with the same SIGKILLs and CheckFree; validation every 10 steps on the evaluation's held-out tokens."""
+    import subprocess
+
+    from checkfree.rundir import read_jsonl
+
+    work = Path(args.work) / "e2e"
+    work.mkdir(parents=True, exist_ok=True)
+    trace = work / "trace.csv"
+    trace.write_text("step,stage\n" + "".join(f"{a},{b}\n" for a, b in E2E_KILLS))
+    batches = -(-args.eval_tokens // (2 * 128))
+    base = ["--init-from", args.init_from, "--stages", "6", "--steps", "40", "--seq-len", "128",
+            "--microbatch-size", "2", "--microbatches", "2", "--eval-every", "10", "--no-progress", "--no-dashboard",
+            "--set", f"train.eval_batches={batches}"]
+    runs = {"no failures": ["--strategy", "snap", "--no-churn"],
+            "snap int8": ["--strategy", "snap", "--trace", str(trace)],
+            "checkfree": ["--strategy", "checkfree", "--trace", str(trace)]}
+    out: dict[str, Any] = {"kills": E2E_KILLS, "eval_tokens": batches * 256, "runs": {}}
+    for name, extra in runs.items():
+        d = work / name.replace(" ", "-")
+        subprocess.run([sys.executable, "-m", "checkfree", "local", *base, *extra, "--out", str(d)], check=True,
+                       timeout=4 * 3600)
+        metrics = read_jsonl(d / "metrics.jsonl")
+        out["runs"][name] = {"val": [[m["step"], m["val_loss"]] for m in metrics if "val_loss" in m],
+                             "loss": [[m["step"], m["loss"]] for m in metrics],
+                             "recoveries": [e for e in read_jsonl(d / "events.jsonl")
+                                            if e["event"] in ("recovery", "fallback")]}
+    final = {k: v["val"][-1][1] for k, v in out["runs"].items()}
+    out["final_val"] = final
+    out["snap_gap"] = final["snap int8"] - final["no failures"]
+    out["checkfree_gap"] = final["checkfree"] - final["no failures"]
+    return out
+
+
 def _frontier(data: dict[str, Any], costs: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -273,7 +312,7 @@ def _full(args, command: str) -> int:
     from checkfree.config import config_from_dict
     from experiments.pretrained import ALL_INITS
 
-    study = full_study(args.init_from, args.jobs, args.seeds)
+    study = full_study(args.init_from, args.jobs, args.seeds, args.eval_tokens)
     data = _run(study, args, command)
     cfg = config_from_dict(study.base)
     costs = {i.label: copy_costs(cfg, i.copy_format, i.copy_moments, max(1, i.copy_age))
@@ -281,6 +320,8 @@ def _full(args, command: str) -> int:
     result = {"command": command, "commit": data["commit"], "damage": damages(data), "costs": costs}
     if args.rounds:
         result["swarm_step_time"] = _swarm_rounds(args)
+    if args.e2e:
+        result["e2e"] = _e2e(args)
     out = Path(args.results) / study.name
     (out / "snapshots.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     _frontier(data, costs, out / "frontier.png")
@@ -296,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], help="data orders (default 0)")
     p.add_argument("--rounds", type=int, default=5, help="full study: interleaved swarm rounds (0: none)")
     p.add_argument("--round-steps", type=int, default=12, help="steps of each swarm round")
+    p.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True,
+                   help="full study: the 40-step swarm runs with 3 SIGKILLs (snap int8, CheckFree, no failures)")
+    p.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="held-out tokens per evaluation, at least")
     p.add_argument("--work", default="runs/snapshots", help="run directories (large; not committed)")
     p.add_argument("--results", default="experiments/results/pretrained", help="the studies' results")
     p.add_argument("--out", default="benchmarks/results/snapshots-quick.json", help="--quick: its result file")

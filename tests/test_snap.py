@@ -252,3 +252,37 @@ def test_bad_snapshot_settings_are_refused(tmp_path):
     cfg = _snap_cfg(tmp_path)
     with pytest.raises(ValueError, match="snapshot_budget"):
         copy.deepcopy(cfg.strategy).__class__(snapshot_budget=-1)
+
+
+def test_a_run_from_a_trained_model_gets_snap_by_default_and_a_warning_for_a_strategy_that_damages_it(tmp_path,
+                                                                                                      capsys):
+    """--init-from without --strategy: snap, said in one line; with --strategy checkfree+ or an averaging one: that
+    strategy, and one warning line each, whose figures are the result file's (rendered, never typed)."""
+    import argparse
+
+    from checkfree.advice import default_note, measured, warnings_for
+    from checkfree.cli import add_run_arguments, config_from_args
+    from checkfree.hf import save_hf
+    from checkfree.model import LlamaModel
+
+    shape = ModelConfig(vocab_size=64, d_model=16, num_heads=2, num_layers=2, context_length=8)
+    model = tmp_path / "model"
+    save_hf(shape, LlamaModel(shape).state_dict(), model)
+    p = argparse.ArgumentParser()
+    add_run_arguments(p)
+    cfg = config_from_args(p.parse_args(["--init-from", str(model), "--stages", "2"]))
+    assert cfg.recovery.strategy == "snap"
+    err = capsys.readouterr().err
+    m = measured()
+    assert default_note(m) in err and err.count("\n") == 1
+    cfg = config_from_args(p.parse_args(["--init-from", str(model), "--stages", "2", "--strategy", "checkfree+"]))
+    assert cfg.recovery.strategy == "checkfree+"
+    err = capsys.readouterr().err.splitlines()
+    assert err == warnings_for("checkfree+", m) and len(err) == 1
+    cfg = config_from_args(p.parse_args(["--stages", "2"]))
+    assert cfg.recovery.strategy == "checkfree" and capsys.readouterr().err == ""
+    fake = {"worst_ratio": 0.00123, "checkfree_damage": {"1": 2.5, "2": 0.75},
+            "first_step_loss": {"checkfree": 3.875, "checkfree+": 9.5}}
+    assert "0.75 to 2.50 nats" in warnings_for("checkfree", fake)[0]
+    assert "9.50, against 3.88" in warnings_for("checkfree+snap", fake)[0]
+    assert "at most 0.0012 of what" in default_note(fake) and warnings_for("snap", fake) == []
