@@ -160,8 +160,8 @@ def render_section(result: dict[str, Any]) -> str:
 def render_readme(result: dict[str, Any]) -> str:
     """The README's line on the copies (every number from `result`)."""
     cf = [float(v) for v in result["checkfree_damage"].values()]
-    return (f"On SmolLM2, a stage restored from its int8 copy ten steps old lost at most {float(result['worst_ratio']):.4f} "
-            f"of what CheckFree's rebuild lost ({min(cf):.2f} to {max(cf):.2f} nats, stages 1 to 4: "
+    return (f"On SmolLM2, a stage restored from its int8 copy ten steps old lost at most "
+            f"{float(result['worst_ratio']):.4f} of what CheckFree's rebuild lost ({min(cf):.2f} to {max(cf):.2f} nats, stages 1 to 4: "
             "[recovery strategies](docs/recovery.md#snap-a-compressed-copy-at-the-neighbour)).")
 
 

@@ -31,7 +31,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Init", "INITS", "SNAP_INITS", "ALL_INITS", "snap_init", "copy_steps", "PLUS", "Study", "Run", "STUDIES", "make_study", "trunk_config", "branch_config",
+__all__ = ["Init", "INITS", "SNAP_INITS", "ALL_INITS", "snap_init", "copy_steps", "PLUS", "Study", "Run", "STUDIES",
+           "make_study", "trunk_config", "branch_config",
            "branch_norms", "signature", "plan_runs", "run_study", "available_inits", "add_arguments", "main"]
 
 

@@ -22,7 +22,8 @@ from checkfree.strategies import build_strategy
 def _state(weights: dict[str, torch.Tensor], moments: bool = True) -> dict:
     optim = {k: {"step": torch.tensor(7.0), "exp_avg": torch.randn_like(v) * 1e-3,
                  "exp_avg_sq": torch.rand_like(v) * 1e-6} for k, v in weights.items()} if moments else {}
-    return {"model": weights, "optim": {"state": optim, "groups": [{"name": "main", "lr": 1e-3, "betas": (0.9, 0.999)}]},
+    groups = [{"name": "main", "lr": 1e-3, "betas": (0.9, 0.999)}]
+    return {"model": weights, "optim": {"state": optim, "groups": groups},
             "lr_scale": 1.0, "step": 0, "rng": torch.get_rng_state(), "norm": 0.25}
 
 
@@ -103,7 +104,8 @@ def test_a_clipped_difference_is_carried_by_the_next_updates_and_never_accumulat
     for step in range(1, 40):
         held = apply_update(held, encode_update(_state(w, False), step, fmt, held))
         got = restore_state(held)["model"]["blocks.0.attn.wq.weight"]
-        errors.append(float(((got - w["blocks.0.attn.wq.weight"]).abs() / _steps(held, fmt)["blocks.0.attn.wq.weight"]).max()))
+        name = "blocks.0.attn.wq.weight"
+        errors.append(float(((got - w[name]).abs() / _steps(held, fmt)[name]).max()))
     assert errors[0] > 1 and errors == sorted(errors, reverse=True)
     assert errors[-1] <= 0.5 + 1e-5
 
@@ -286,3 +288,54 @@ def test_a_run_from_a_trained_model_gets_snap_by_default_and_a_warning_for_a_str
     assert "0.75 to 2.50 nats" in warnings_for("checkfree", fake)[0]
     assert "9.50, against 3.88" in warnings_for("checkfree+snap", fake)[0]
     assert "at most 0.0012 of what" in default_note(fake) and warnings_for("snap", fake) == []
+
+
+def test_the_docs_and_the_readme_say_what_the_result_file_says():
+    """docs/recovery.md's measured section and the README's line are the renderings of the committed result of
+    `python -m benchmarks.snapshots --quick` (every number and comparison from the file), or say it was not
+    measured yet where there is none; the file's own ratios are its damages' quotients."""
+    from pathlib import Path
+
+    from benchmarks.snapshots import (README_BEGIN, README_END, SECTION_BEGIN, SECTION_END, render_readme,
+                                      render_section)
+    from checkfree.advice import RESULT_FILE, measured
+
+    root = Path(__file__).resolve().parent.parent
+    docs, readme = (root / "docs" / "recovery.md").read_text(), (root / "README.md").read_text()
+    section = docs[docs.index(SECTION_BEGIN) + len(SECTION_BEGIN):docs.index(SECTION_END)].strip()
+    line = readme[readme.index(README_BEGIN) + len(README_BEGIN):readme.index(README_END)].strip()
+    m = measured()
+    if m is None:
+        assert not RESULT_FILE.exists() and "not measured yet" in section and "not measured yet" in line
+        return
+    assert section == render_section(m).strip() and line == render_readme(m).strip()
+    for s, r in m["ratios"].items():
+        assert r == pytest.approx(m["int8_damage"][s] / m["checkfree_damage"][s])
+    assert m["worst_ratio"] == max(m["ratios"].values()) and m["eval_tokens"] >= 50_000
+
+
+def test_the_rendered_section_carries_the_files_numbers(tmp_path):
+    """What benchmarks.snapshots writes into the docs, from a result of the quick benchmark's form."""
+    from benchmarks.snapshots import render_readme, render_section, update_docs
+
+    fake = {"command": "python -m benchmarks.snapshots --quick --init-from M", "commit": "0123456789abcdef",
+            "eval_tokens": 50176, "wall_s": 812.4, "checkfree_damage": {"1": 2.5, "2": 0.75},
+            "int8_damage": {"1": 0.001, "2": -0.0005}, "ratios": {"1": 0.0004, "2": -0.000667},
+            "worst_ratio": 0.0004, "first_step_loss": {"checkfree": 3.875, "checkfree+": 9.5},
+            "costs_int8_p10": [0.042, 0.126]}
+    text = render_section(fake)
+    assert "| 1 | 2.500 | +0.00100 | +0.00040 |" in text and "worst ratio over the stages: 0.00040" in text
+    assert "at most 4.2% of the full-precision" in text and "at most 12.6% of that" in text
+    assert "was 9.50, against 3.88" in text and "50176 held-out tokens" in text and "812 s" in text
+    assert "at most 0.0004 of what CheckFree's rebuild lost (0.75 to 2.50 nats" in render_readme(fake)
+    for name, begin, end in (("docs/recovery.md", "<!-- rendered by benchmarks.snapshots.render_section",
+                              "<!-- end of the snapshots section -->"),
+                             ("README.md", "<!-- rendered by benchmarks.snapshots.render_readme",
+                              "<!-- end of the snapshots line -->")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(
+            f"before\n{begin} from benchmarks/results/snapshots-quick.json -->\nold\n{end}\nafter\n")
+    update_docs(fake, tmp_path)
+    docs = (tmp_path / "docs/recovery.md").read_text()
+    assert "\nold\n" not in docs and text in docs
+    assert (tmp_path / "README.md").read_text().endswith("-->\nafter\n")

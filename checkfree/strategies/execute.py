@@ -164,7 +164,8 @@ class SimExecutor:
         self.copies.lose(failed)
         if strategy.copy_format is not None:  # snap: the copies the lost peers held, and updates from or to them
             self.held = {s: c for s, c in self.held.items() if strategy.holder(s) not in failed}
-            self.updates = {s: u for s, u in self.updates.items() if s not in failed and strategy.holder(s) not in failed}
+            self.updates = {s: u for s, u in self.updates.items()
+                            if s not in failed and strategy.holder(s) not in failed}
         plan = strategy.recovery_plan(Failure(step, frozenset(failed), dataclasses.replace(self.copies)))
         abort_if_unrecoverable(plan, strategy.name, ctx.event)
         loaded = self._load(plan) if plan.copied else None
