@@ -140,8 +140,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _keyed(st, "--snapshot-moments", "strategy.snapshot_moments", choices=("yes", "no"), convert=_yes,
            help="snap: the Adam moments travel too (no: a restored stage starts a fresh optimizer)")
     _keyed(st, "--snapshot-budget", "strategy.snapshot_budget", type=int, metavar="BYTES",
-           help="snap: bytes of its copy a stage sends per step, while the step computes (0: its full copy "
-                "spread over --snapshot-every steps)")
+           help="snap: bytes of its copy a stage sends per step, while the step computes (0: a delta's bytes: a "
+                "delta travels in one step, the first whole copy in two or three)")
     _keyed(st, "--snapshot-rebuild", "strategy.snapshot_rebuild",
            choices=tuple(r for r, rule in RECOVERY_RULES.items() if not rule.plus),
            help="snap: how a stage whose copy was lost too (its holder died with it) is rebuilt")

@@ -172,7 +172,7 @@ class StrategyConfig:
     snapshot_format: str = "int8"
     snapshot_group: int = 64  # snap: values per int4 scale
     snapshot_moments: bool = False  # snap: the Adam moments travel too (else a restored stage gets a fresh optimizer)
-    snapshot_budget: int = 0  # snap: bytes of its copy a stage sends per step (0: its full copy over snapshot_every)
+    snapshot_budget: int = 0  # snap: bytes of its copy a stage sends per step (0: a delta's: one delta per step)
     snapshot_rebuild: str = "checkfree"  # snap: how a stage whose copy is gone too is rebuilt (a recovery rule)
     gemini_replicas: int = 2  # gemini: m, machines holding each stage's snapshot (own included)
     reft_group: int = 3  # reft: stages per XOR-parity group (the remainder joins the last group)

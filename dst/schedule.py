@@ -80,8 +80,8 @@ class Setup:
     fallback: str = "abort"
     every: int = 2  # snapshot_every / checkpoint_every of the rollback and snapshot strategies
     soft_errors: int = 0  # corrected soft errors injected (guard on) over the run
-    # snap: its copies' format, whether the Adam moments travel, the bytes a stage sends per step (0: its full
-    # copy over `every` steps), and how a stage whose copy is lost too is rebuilt
+    # snap: its copies' format, whether the Adam moments travel, the bytes a stage sends per step (0: a delta's),
+    # and how a stage whose copy is lost too is rebuilt
     snap_format: str = "int8"
     snap_moments: bool = False
     snap_budget: int = 0

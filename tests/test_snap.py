@@ -184,13 +184,13 @@ def _snap_cfg(tmp_path, every: int = 2, steps: int = 8, **strategy) -> RunConfig
 
 
 def test_the_streams_begin_travel_in_parts_and_complete_after_their_last_part(tmp_path):
-    """The plan as data: a full update at step 0 in as many parts as the budget says, a delta every `every` steps
-    once the first is complete, each part counted only when its step is committed and it arrived; a voided part
-    makes the next update full."""
+    """The plan as data: a full update at step 0 in as many parts as the budget (by default a delta's bytes) says,
+    a delta every `every` steps once the first is complete, each part counted only when its step is committed and
+    it arrived; a voided part makes the next update full."""
     cfg = _snap_cfg(tmp_path, every=3)
     strategy = build_strategy(cfg)
     full, delta = strategy.parts(0, "full"), strategy.parts(0, "delta")
-    assert full == 3 and 1 <= delta <= 2  # budget: the full copy over 3 steps; a delta weighs about half
+    assert full == 2 and delta == 1  # int8: a delta (4 bits a value and the scales) is about half of a full copy
     seen = []
     for step in range(10):
         parts = strategy.in_step(step).parts
@@ -200,9 +200,9 @@ def test_the_streams_begin_travel_in_parts_and_complete_after_their_last_part(tm
         assert due == ([StreamSent(step, parts)] if parts else [])
         for p in parts.values():
             strategy.copy_part_done(p)
-    assert seen[:3] == [(0, 0, "full", 0), (1, 0, "full", 1), (2, 0, "full", 2)]
-    assert seen[3] == (3, 3, "delta", 0)  # due at 3, a delta on the copy of 0
-    assert strategy.streams[1].complete in (3, 6) and strategy.streams[1].mirrored
+    assert seen[:4] == [(0, 0, "full", 0), (1, 0, "full", 1), (2, None), (3, 3, "delta", 0)]  # a delta due at 3
+    assert seen[6] == (6, 6, "delta", 0) and seen[9] == (9, 9, "delta", 0)
+    assert strategy.streams[1].complete == 9 and strategy.streams[1].mirrored
     strategy.in_step(10)
     strategy.copy_stream_broken(1)
     assert strategy.in_step(10).parts[1].kind == "full"
@@ -231,8 +231,9 @@ def test_a_lost_stage_is_restored_from_its_copy_and_rebuilt_by_the_configured_ru
 
 def test_the_simulator_restores_from_the_newest_complete_copy_and_falls_back_when_the_holder_is_lost_too(tmp_path):
     """A trace that loses stage 1, then its holder (stage 2), then stage 1 again before its copy (lost with the
-    holder) came back: restored from the copy of step 0 (the update as of step 2 still travelling), then stage 2
-    from its copy of step 2, then stage 1 rebuilt by CheckFree; the copies' steps and sizes in the events."""
+    holder) came back: restored from its copy of step 2 (a whole copy in steps 0-1, a delta in step 2), then stage
+    2 from its copy of step 4, then stage 1 rebuilt by CheckFree (its whole copy, begun at step 5, still
+    travelling); the copies' steps in the events."""
     cfg = _snap_cfg(tmp_path)
     trace = tmp_path / "trace.csv"
     trace.write_text("step,stage\n3,1\n5,2\n6,1\n")
@@ -241,7 +242,7 @@ def test_the_simulator_restores_from_the_newest_complete_copy_and_falls_back_whe
     assert summary["status"] == "completed" and summary["fallbacks"] == 1
     events = [e for e in read_jsonl(tmp_path / "sim" / "events.jsonl") if e["event"] in ("recovery", "fallback")]
     assert [(e["event"], e["step"], e["stage"], e["method"], e.get("snapshot_step")) for e in events] == [
-        ("recovery", 3, 1, "snapshot", 0), ("recovery", 5, 2, "snapshot", 2), ("fallback", 6, 1, "average", None)]
+        ("recovery", 3, 1, "snapshot", 2), ("recovery", 5, 2, "snapshot", 4), ("fallback", 6, 1, "average", None)]
     assert events[0]["copy_format"] == "int8" and events[2]["fallback"] == "checkfree"
     assert summary["bytes_moved"] > 0 and summary["extra_memory_bytes"] > 0 and summary["lost_steps"] == 0
 

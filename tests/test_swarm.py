@@ -322,7 +322,7 @@ def test_snap_streams_compressed_copies_and_restores_from_them_for_real(tmp_path
     _simulate(tmp_path, "sim", *args, cache=cache)
     fields = ("step", "stage", "method", "source", "snapshot_step", "copy_format")
     got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
-    assert got == want == [(3, 1, "snapshot", 2, 0, "int4"), (5, 2, "snapshot", 3, 2, "int4")]
+    assert got == want == [(3, 1, "snapshot", 2, 2, "int4"), (5, 2, "snapshot", 3, 4, "int4")]
     a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
     assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5)
     assert [e["method"] for e in read_jsonl(out / "events.jsonl") if e["event"] == "fallback"] == ["average"]

@@ -6,7 +6,8 @@ float32; the Adam moments too with `strategy.snapshot_moments`). A copy is refre
 `strategy.snapshot_every` steps by an update: the first one full, the later ones (int8, int4) the difference on
 the holder's grid, computed against the owner's mirror of the holder's copy (error feedback). An update is
 encoded from the stage's state as it enters a step, and travels in parts of at most `strategy.snapshot_budget`
-bytes (0: the full copy's bytes over `snapshot_every` steps), one part inside each step, sent while the step
+bytes (0: a delta's bytes, so that a delta travels in one step and the first whole copy in two or three), one
+part inside each step, sent while the step
 computes (`StreamStep`, from `in_step`); it is complete at the holder once the step carrying its last part is
 committed (`StreamSent`). No step waits for a copy to be taken or to travel.
 
@@ -78,7 +79,8 @@ class StreamedSnapshotStrategy(Strategy):
         self.shapes = {s: stage_shapes(cfg, s) for s in range(n)}
         self.sizes = {s: {k: update_nbytes(self.shapes[s], self.copy_format, k) for k in ("full", "delta")}
                       for s in range(n)}
-        self.budget = {s: st.snapshot_budget or -(-self.sizes[s]["full"] // self.every) for s in range(n)}
+        # default: a delta's bytes per step (a delta in one step, the first whole copy in two or three)
+        self.budget = {s: st.snapshot_budget or self.sizes[s]["delta"] for s in range(n)}
         self.streams = {s: Stream() for s in range(n)}
 
     # ---- placement and sizes ---------------------------------------------------------------
