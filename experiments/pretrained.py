@@ -77,10 +77,11 @@ def snap_init(fmt: str, age: int, moments: bool = False) -> Init:
 
 
 # the copies compared (benchmarks.snapshots): 8 and 4 bits at snapshot periods of 1, 10 and 50 steps, the
-# full-precision snapshot (float32 with the Adam moments) at the same periods, and what keeping the moments is worth
+# full-precision snapshot (float32 with the Adam moments) at the same periods, what keeping the moments is worth,
+# and 8 and 4 bits of the current step (the quantization's damage alone)
 SNAP_INITS = [snap_init(f, age, m) for age in (1, 10, 50) for f, m in (("int8", False), ("int4", False),
                                                                          ("float32", True))] + [
-    snap_init("int8", 10, True)]
+    snap_init("int8", 10, True), snap_init("int8", 0), snap_init("int4", 0)]  # age 0: the quantization alone
 ALL_INITS = INITS + SNAP_INITS  # a study compares INITS unless it names others
 
 
