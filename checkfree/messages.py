@@ -33,7 +33,7 @@ from checkfree.recovery import Neighbours
 __all__ = ["Message", "Request", "Envelope", "BadReply", "Ok", "StepFigures", "PeerCopy", "OwnCopy", "StorageCopy",
            "ParityCopy", "InitialState", "Origin", "Assign", "AssignFresh", "AssignLoad", "AssignRecover",
            "AssignRestore", "AssignHandover", "AssignPromote", "AssignReplica", "AssignRequest", "Assigned",
-           "BackupShare", "RunStep", "StepDone", "Pass", "Forward", "Backward", "GetPass", "ComponentGrad", "Commit",
+           "BackupShare", "CopyWork", "CopyChunk", "RunStep", "StepDone", "Pass", "Forward", "Backward", "GetPass", "ComponentGrad", "Commit",
            "Committed", "SoftErrors", "Abort", "Reroute", "Rerouted", "Reduce", "Reduced", "GetWeights", "Weights",
            "GetState", "State", "KeepHolders", "KeepParity", "KeepStorage", "Keep", "Snapshot", "Snapshotted",
            "StoreSnapshot", "Stored", "FetchSnapshot", "Restore", "TakeReplica", "ReplicaTaken", "ReplicaGrad",
@@ -211,6 +211,20 @@ class BackupShare(Message, frozen=True, kw_only=True):
     bounds: dict[int, tuple[float, float]]
 
 
+class CopyWork(Message, frozen=True, kw_only=True):
+    """snap: what one stage does for its streamed copy in this step (checkfree.plans.CopyPart): send part `part`
+    of `parts` of the update of its copy as of `step` (`kind` full, or delta on the holder's copy of `base`) to
+    its holder's peer `holder` (stage `holder_stage`); part 0 is encoded first, before this step's commit."""
+
+    step: int
+    kind: str
+    base: int | None = None
+    part: int
+    parts: int
+    holder: str
+    holder_stage: int
+
+
 class RunStep(Request["StepDone"], frozen=True, kw_only=True):
     rpc = RPC.RUN_STEP
     step: int
@@ -221,6 +235,7 @@ class RunStep(Request["StepDone"], frozen=True, kw_only=True):
     hops: list[list[str]] | None = None  # stage groups: the peer of every hop of every microbatch
     groups: dict[int, list[str]] | None = None  # stage groups: stage -> its replicas
     backup: BackupShare | None = None
+    copies: dict[int, CopyWork] | None = None  # snap: by stage, the part of its streamed copy the step carries
 
 
 class StepDone(StepFigures, frozen=True, kw_only=True):
@@ -274,6 +289,8 @@ class Committed(Message, frozen=True, kw_only=True):
     soft_errors: dict[str, int] = {}  # the soft-error guard's counters
     redundant_s: float | None = None  # redundant computation: the step's redundant forwards
     replica_bytes: int | None = None  # ...and the gradients shipped to the replica's holder
+    copy_sent: tuple[int, int] | None = None  # snap: (copy step, part) of the part the holder acknowledged
+    copy_bytes: int | None = None  # snap: ...its bytes
 
 
 class SoftErrors(Message, frozen=True, kw_only=True):
@@ -445,6 +462,21 @@ class BackupPart(Request[Ok], frozen=True, kw_only=True):
     total: int
 
 
+class CopyChunk(Request[Ok], frozen=True, kw_only=True):
+    """snap: the bytes [offset, offset + len) of the update (`kind`, on the holder's copy of `base`) of stage
+    `owner`'s copy as of `step`, `total` bytes in all: part `part` of `parts`."""
+
+    rpc = RPC.COPY_PART
+    owner: int
+    step: int
+    kind: str
+    base: int | None = None
+    part: int
+    parts: int
+    offset: int
+    total: int
+
+
 class BackupCommit(Request["BackupsHeld"], frozen=True, kw_only=True):
     rpc = RPC.BACKUP_COMMIT
     step: int
@@ -598,7 +630,7 @@ REQUESTS: dict[str, Any] = {
     RPC.ASSIGN: AssignRequest, **{c.rpc: c for c in (
         RunStep, Forward, Backward, GetPass, ComponentGrad, Commit, Abort, Reroute, Reduce, GetWeights, GetState,
         Snapshot, StoreSnapshot, FetchSnapshot, Restore, TakeReplica, ReplicaGrad, GetReplica, BackupStart,
-        BackupPart, BackupCommit, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status)}}
+        BackupPart, BackupCommit, CopyChunk, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status)}}
 
 
 def reply_type(kind: Any) -> type:

@@ -61,6 +61,8 @@ class Assignment:
         if not 0 <= stage < cfg.num_stages:
             raise ProtocolError(f"stage {stage} out of range for {cfg.num_stages} stages")
         t0 = time.perf_counter()
+        if self.snapshots.streams is not None:  # snap: a new stage here mirrors no copy (a restore adopts one)
+            self.snapshots.streams.reset()
         figures: dict[str, Any] = {}  # the Assigned reply's fields, and the stage's omega
         if isinstance(assign, AssignRecover):  # builds the stage while it pulls the weights
             worker, figures = await self.rebuild.recover(stage, assign)

@@ -18,6 +18,7 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/snapshots.py    SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
     peers/parity.py       REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
     peers/backups.py      BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
+    peers/streams.py      COPY_PART: snap's compressed copies, streamed in parts inside the steps
     peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
     peers/stage_groups.py       REROUTE, GET_PASS, REDUCE: one replica of a stage group
     peers/failover.py     ADOPT: a new coordinator takes over
@@ -71,6 +72,7 @@ from peers.replicas import Replicas
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
 from peers.step import StepTracker
+from peers.streams import Streams
 
 __all__ = ["PeerDaemon", "PeerOptions"]
 
@@ -119,13 +121,14 @@ class PeerDaemon:
         self.hosted = HostedStage()
         self.membership = Membership(opts.run_id, opts.timeouts, opts.secret_file, self.hosted, self.stop)
         self.replicas = Replicas(self.membership, self.hosted, self.compute)
-        self.steps = StepTracker(opts.timeouts, self.hosted, self.compute, self.replicas, hook)
+        self.streams = Streams(self.membership, self.hosted, self.compute)
+        self.steps = StepTracker(opts.timeouts, self.hosted, self.compute, self.replicas, hook, self.streams)
         ips = listen_ips(opts.host_maddrs)  # reft's snapshot companion listens on this peer's host
         self.snapshots = Snapshots(self.membership, self.hosted, self.steps, self.compute,
-                                   ips[0][1] if ips else "127.0.0.1")
+                                   ips[0][1] if ips else "127.0.0.1", self.streams)
         self.backups = Backups(self.membership, self.hosted, self.compute, self.snapshots)
         self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.replicas, self.backups,
-                             hook)
+                             hook, self.streams)
         self.rebuild = Rebuild(self.membership, self.hosted, self.compute, self.dumps, hook)
         self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, hook)
         self.assignment = Assignment(self.hosted, self.compute, self.rebuild, self.snapshots, self.dumps,
@@ -147,6 +150,7 @@ class PeerDaemon:
             RPC.GET_REPLICA: self.replicas.on_get_replica,
             RPC.BACKUP_START: self.backups.on_backup_start, RPC.BACKUP_PART: self.backups.on_backup_part,
             RPC.BACKUP_COMMIT: self.backups.on_backup_commit,
+            RPC.COPY_PART: self.streams.on_copy_part,
             RPC.REFT_CHUNK: self.snapshots.parity.on_chunk, RPC.REFT_FETCH: self.snapshots.parity.on_fetch,
             RPC.REROUTE: self.group.on_reroute, RPC.GET_PASS: self.group.on_get_pass,
             RPC.REDUCE: self.group.on_reduce,
@@ -226,6 +230,7 @@ class PeerDaemon:
         await self.steps.drop("this replica leaves its stage")
         self.steps.reset()
         self.group.close()
+        self.streams.reset()
         self.hosted.release()
 
     # ---- handlers --------------------------------------------------------------------

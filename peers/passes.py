@@ -42,6 +42,7 @@ from peers.membership import Membership
 from peers.replicas import Replicas
 from peers.stage import HostedStage
 from peers.step import StepRun, StepTracker
+from peers.streams import Streams
 
 __all__ = ["Passes"]
 
@@ -53,9 +54,9 @@ class Passes:
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
                  replicas: Replicas | None = None, backups: Backups | None = None,
-                 hook: PeerHook | None = None) -> None:
+                 hook: PeerHook | None = None, streams: Streams | None = None) -> None:
         self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
-        self.replicas, self.backups = replicas, backups
+        self.replicas, self.backups, self.streams = replicas, backups, streams
         self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
         self.t = membership.t
 
@@ -78,6 +79,8 @@ class Passes:
             run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
+        if self.streams is not None and request.copies and not run.evaluate:  # snap: on its own task (COMMIT waits)
+            self.streams.step_started(request.copies.get(stage), request.step)
         if self.hook is not None:
             self.hook(StepStarted(run.step, run.attempt, run.evaluate, run.remaining))
         run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage

@@ -22,6 +22,7 @@ from checkfree.messages import LastCommit
 from checkfree.protocol import ProtocolError
 from checkfree.recovery import OmegaWindow
 from checkfree.serialize import state_from_bytes, state_to_bytes
+from checkfree.snapcodec import CopyFormat
 from checkfree.softerrors import make_guard
 from checkfree.strategies.state import capture_worker, restore_worker, with_components
 from checkfree.worker import StageWorker, resolve_device
@@ -49,6 +50,7 @@ class HostedStage:
         self.plus = False  # CheckFree+: swapped routes, replicated embedding and head
         self.redundant = False  # redundant computation: this peer also holds its successor's replica
         self.companion = False  # reft: a companion process keeps this peer's snapshots (peers/companion.py)
+        self.copy_format: CopyFormat | None = None  # snap: the format of the streamed copies
         self.worker: StageWorker | None = None
         self.omega = 0.0  # as a recovery reads it: the mean of the stage's last recovery.omega_window steps' norms
         self._window = OmegaWindow()
@@ -90,6 +92,7 @@ class HostedStage:
         self.plus = strategy.plus
         self.redundant = strategy.peer_service == "replicas"
         self.companion = strategy.peer_service == "companion"
+        self.copy_format = strategy.copy_format
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
         self._configured.set()
@@ -175,6 +178,10 @@ class HostedStage:
         """Load a full state captured by `capture_bytes` (any bytes-like object; not copied before the load's own
         copy into the worker) into `worker` (its replicated components from `donors`, component -> (weights, Adam
         state), when given); returns its omega."""
-        state = state_from_bytes(blob)
+        return HostedStage.load_state(worker, state_from_bytes(blob), donors)
+
+    @staticmethod
+    def load_state(worker: StageWorker, state: dict, donors: dict | None = None) -> float:
+        """`load_bytes` for a state already decoded."""
         restore_worker(worker, with_components(state, donors) if donors else state)
         return float(state["norm"])

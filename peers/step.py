@@ -219,13 +219,22 @@ class ReplicaHook(Protocol):
     def take_seconds(self) -> float: ...
 
 
+class StreamHook(Protocol):
+    """What a commit asks of snap's streamed copy (peers.streams.Streams): the part this step sent, encoded from
+    the weights the step started from and acknowledged by the holder, before the optimizer step changes them."""
+
+    async def before_commit(self) -> tuple[tuple[int, int] | None, int | None]: ...
+
+
 class StepTracker:
     """The active step attempt of this peer, the newest one that ended, and COMMIT/ABORT."""
 
     def __init__(self, timeouts: Timeouts, hosted: HostedStage, compute: ComputeQueue,
-                 replicas: ReplicaHook | None = None, hook: PeerHook | None = None) -> None:
+                 replicas: ReplicaHook | None = None, hook: PeerHook | None = None,
+                 streams: StreamHook | None = None) -> None:
         self.t, self.hosted, self.compute, self.replicas = timeouts, hosted, compute, replicas
         self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
+        self.streams = streams
         self.run: StepRun | None = None
         self.finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
         self.members: dict[str, int] = {}  # the peers of the newest attempt started here (peer -> stage)
@@ -303,6 +312,7 @@ class StepTracker:
 
     async def _commit(self, run: StepRun) -> tuple[Committed, list]:
         hosted, replicas = self.hosted, self.replicas
+        copy_sent, copy_bytes = await self.streams.before_commit() if self.streams is not None else (None, None)
         grads = await self.compute.run(replicas.gradients) if replicas is not None and replicas.active else None
         stats = await self.compute.run(hosted.serving().step, run.step)
         redundant: dict[str, Any] = {}
@@ -316,7 +326,7 @@ class StepTracker:
         return Committed(pre=stats.grad_norm_pre, post=stats.grad_norm_post, block_post=stats.block_grad_norm_post,
                          lr=stats.lr, skipped=stats.skipped, omega=hosted.omega, stage=hosted.index,
                          weights_finite=stats.weights_finite, soft_errors=guard_counts([hosted.serving().guard]),
-                         **redundant), []
+                         copy_sent=copy_sent, copy_bytes=copy_bytes, **redundant), []
 
     async def on_abort(self, abort: Abort, tensors: list, peer) -> tuple[Ok, list]:
         await self.drop("aborted by the coordinator")

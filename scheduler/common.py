@@ -89,7 +89,8 @@ def step_figures(by_stage: Mapping[int, StepFigures], num_stages: int) -> dict:
     return {"wire_bytes": sum(r.bytes_sent for r in by_stage.values()), **per_stage}
 
 
-COMMIT_FIGURES = ("redundant_s", "replica_bytes")  # a peer's, per committed step (redundant computation only)
+# a peer's, per committed step: redundant computation's, and the bytes of snap's copy part sent in the step
+COMMIT_FIGURES = ("redundant_s", "replica_bytes", "copy_bytes")
 
 
 def commit_figures(by_stage: dict[int, Committed | Exception], num_stages: int) -> dict:

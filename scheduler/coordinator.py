@@ -217,6 +217,7 @@ class Coordinator:
                 continue
             self._in_commit = True  # a stop signal waits until this step is recorded (_on_stop_signal)
             commits = await self._commit(step)
+            self.protection.committed(commits)
             self.clock.executed()
             record = self._record(step, results, commits, time.perf_counter() - t0)
             await self.protection.protect(step)

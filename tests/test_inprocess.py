@@ -226,6 +226,48 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
             assert torch.equal(restored[k], v), k
 
 
+def test_snap_streams_compressed_copies_and_restores_like_the_simulator_when_a_stage_and_then_its_holder_are_lost(
+        tiny_cfg, tmp_path):
+    """snap in the swarm: every stage streams its int8 copy to the next stage's peer, one part inside each step
+    (COPY_PART, acknowledged in the sender's COMMIT). Stage 1 is lost at step 3 and restored from its copy of step
+    2 (a whole copy in steps 0-1, a delta in step 2); its holder, stage 2, is lost at step 5 and restored from its
+    own copy of step 4, taking stage 1's copy with it; stage 1, lost again at step 6 before a new whole copy
+    arrived, is rebuilt by CheckFree: the simulator's decisions, copy steps and losses, and the restored weights
+    are the decoded copy the holder kept, bit for bit."""
+    from checkfree.serialize import state_from_bytes
+    from checkfree.snapcodec import apply_update, restore_state
+
+    cfg = _cfg(tiny_cfg, "snap", steps=8)
+    cfg.strategy.snapshot_every = 2
+    failures = [(3, 1), (5, 2), (6, 1)]
+    held = {}
+
+    def keep(sw, f):  # stage 1's copy as its holder (stage 2's peer) has it, as stage 1 is killed at step 3:
+        if f["step"] == 3:  # the copy of step 0 and the complete delta of step 2, applied when asked for
+            [d] = [d for d in sw.daemons.values() if d.hosted.index == 2]
+            held[1] = apply_update(copy.deepcopy(d.streams.held[1]), state_from_bytes(d.streams.incoming[1].buf))
+
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 4, kills=FailureSchedule(failures),
+                      save_final=False, dump_dir=str(tmp_path / "dump"), on_kill=keep)
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    fields = ("step", "stage", "method", "source", "snapshot_step", "copy_format", "fallback")
+    got = _events(tmp_path / "swarm", "recovery", "fallback")
+    want = _events(tmp_path / "sim", "recovery", "fallback")
+    assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want] == [
+        (3, 1, "snapshot", 2, 2, "int8", None), (5, 2, "snapshot", 3, 4, "int8", None),
+        (6, 1, "average", None, None, None, "checkfree")]
+    assert held[1].step == 2
+    restored = load_file(str(tmp_path / "dump" / "restored-step3-stage1.safetensors"))
+    decoded = restore_state(held[1])["model"]
+    assert restored.keys() == decoded.keys() and all(torch.equal(restored[k], v) for k, v in decoded.items())
+    streamed = [e for e in _events(tmp_path / "swarm", "snapshot") if e["kind"] == "stream"]
+    assert {(e["stage"], e["step"]) for e in streamed} >= {(s, 0) for s in range(cfg.num_stages)}
+    metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
+    assert all(0 < b for m in metrics for b in m["copy_bytes"] if b is not None)
+
+
 def test_the_swarm_runs_every_strategy_and_refuses_a_bad_combination_before_any_peer_starts(tiny_cfg, tmp_path):
     """Every strategy with every fallback (each a plan the coordinator carries out, checkfree.plans); stage groups
     only with a strategy that keeps no copies of a stage's peer."""
