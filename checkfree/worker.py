@@ -407,4 +407,9 @@ def _identity(t: Tensor) -> Tensor:
 
 
 def build_workers(cfg: RunConfig, device: torch.device | None = None) -> list[StageWorker]:
-    return [StageWorker(cfg, i, device) for i in range(cfg.num_stages)]
+    """Every stage of `cfg`'s pipeline, with the routes its strategy trains with (any strategy, not only the
+    averaging rules StageWorker looks up: `worker_config`)."""
+    from checkfree.strategies import build_strategy, worker_config  # the strategies import this module
+
+    worker_cfg = worker_config(cfg, build_strategy(cfg))
+    return [StageWorker(worker_cfg, i, device) for i in range(cfg.num_stages)]
