@@ -119,6 +119,25 @@ def first_step_losses(study, work: Path) -> dict[str, float]:
     return out
 
 
+COST_FORMATS = [("int8", False), ("int8", True), ("int4", False), ("int4", True), ("bf16", False)]
+
+
+def costs_table(cfg_dict: dict[str, Any], every: int = 10) -> dict[str, dict[str, float]]:
+    """Each copy format (with and without the Adam moments) at a period of `every` steps, the worst stage: the bytes
+    sent per step and the bytes its holder keeps (the copy and an update being received), each as a fraction of
+    one full-precision snapshot's (12 bytes a parameter) at the same period."""
+    from checkfree.config import config_from_dict
+
+    cfg = config_from_dict(cfg_dict)
+    out = {}
+    for fmt, moments in COST_FORMATS:
+        c = copy_costs(cfg, fmt, moments, every)
+        out[f"{fmt}{' +moments' if moments else ''}"] = {
+            "sent": max(c["sent_per_step"][s] / c["full_sent_per_step"][s] for s in c["held"]),
+            "held": max(c["held"][s] / (c["full_held"][s] / 2) for s in c["held"])}
+    return out
+
+
 def _costs_line(cfg_dict: dict[str, Any]) -> tuple[float, float]:
     """int8 without moments at a period of 10 steps, the worst stage: bytes sent per step and held, each as a
     fraction of the full-precision snapshot's at the same period."""
@@ -209,7 +228,7 @@ def _quick(args, command: str) -> int:
               * study.base["train"]["microbatch_size"] * study.base["train"]["seq_len"],
               "checkfree_damage": cf, "int8_damage": snap, "ratios": ratios, "worst_ratio": worst,
               "first_step_loss": first_step_losses(study, Path(args.work) / study.name),
-              "costs_int8_p10": _costs_line(study.base),
+              "costs_int8_p10": _costs_line(study.base), "costs_p10": costs_table(study.base),
               "wall_s": round(time.time() - t0, 1), "machine_load": data["machine"]["loadavg_at_report"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
