@@ -3,16 +3,21 @@ its holder keeps) and what it is worth (the immediate damage of a restore, the r
 with the pretrained experiment's paired branches (experiments.pretrained: one fine-tuned trunk, a branch per
 failed stage and init, evaluated through the simulator's evaluation).
 
-    python -m benchmarks.snapshots --quick --init-from DIR     # ~15 min: 10 steps, int8 copy of step 0 vs CheckFree
+    python -m benchmarks.snapshots --quick --init-from DIR     # < 15 min: 10 steps, int8 copy of step 0 vs CheckFree
+    python -m benchmarks.snapshots --current --init-from DIR   # the int8 and int4 copies of step 10 itself
+    python -m benchmarks.snapshots --swarm --init-from DIR     # the swarm's step time with and without copies
     python -m benchmarks.snapshots --init-from DIR             # the whole study (hours: see benchmarks/README.md)
 
 DIR is what `checkfree pretrained smollm2 --output DIR` writes. --quick fine-tunes SmolLM2 for 10 steps, fails each
 of stages 1 to 4 at step 10 and compares the immediate damage of restoring the stage from its int8 copy of step 0
 with CheckFree's rebuild; its last line is `snapshot int8 damage/checkfree damage: X`, the worst ratio over the
-stages. The whole study adds int4, the full-precision snapshot (float32 with the Adam moments) and the moments'
-worth at snapshot periods of 1, 10 and 50 steps, CheckFree pre- and post-clip, identity, random and copy, 50-step
-recovery curves at every stage, and the swarm's step time with and without streamed copies in interleaved rounds
-(`--rounds`); it writes results.json and the damage-against-bytes frontier (frontier.png).
+stages (each branch evaluates only the stages from the failed one on: the trunk records the inputs the stages
+before it hand on, `checkfree.evalinputs`). --current restores the stages from their int8 and int4 copies of the
+current step on --quick's trunk (the quantization's damage alone, against issue 42's 0.02 and 0.1 nats); --swarm
+runs only the swarm rounds. The whole study adds int4, the full-precision snapshot (float32 with the Adam
+moments) and the moments' worth at snapshot periods of 1, 10 and 50 steps, CheckFree pre- and post-clip, identity,
+random and copy, 50-step recovery curves at every stage, and the swarm's step time with and without streamed copies
+in interleaved rounds (`--rounds`); it writes results.json and the damage-against-bytes frontier (frontier.png).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ README_BEGIN = "<!-- rendered by benchmarks.snapshots.render_readme from benchma
 README_END = "<!-- end of the snapshots line -->"
 ROOT = Path(__file__).resolve().parent.parent
 
-CURRENT_BEGIN = "<!-- rendered by benchmarks.snapshots.render_current from benchmarks/results/snapshots-current.json -->"
+CURRENT_BEGIN = ("<!-- rendered by benchmarks.snapshots.render_current from benchmarks/results/snapshots-current.json"
+                 " -->")
 CURRENT_END = "<!-- end of the current-step copies -->"
 SWARM_BEGIN = "<!-- rendered by benchmarks.snapshots.render_swarm from benchmarks/results/snapshots-swarm.json -->"
 SWARM_END = "<!-- end of the snapshots swarm rounds -->"

@@ -351,12 +351,17 @@ class Simulator:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
 
-    def run(self) -> dict:
-        """Train until the configured number of steps is done; returns the summary."""
+    def run(self, until: int | None = None) -> dict:
+        """Train until the configured number of steps is done, or only the steps before `until` (the schedule, the
+        evaluations and the saves those steps have in the whole run: a trunk that needs the state ready for step
+        `until`, saved there, and no more); returns the summary."""
+        t = self.cfg.train
+        if until is not None and not 0 < until <= t.num_steps:
+            raise ValueError(f"until must be within 1..{t.num_steps} (the run's steps), got {until}")
         with self._deferred_signals():
-            return self._run()
+            return self._run(t.num_steps if until is None else until)
 
-    def _run(self) -> dict:
+    def _run(self, end: int) -> dict:
         t = self.cfg.train
         step = self._resume() if self.resume_from is not None else 0
         if self.resume_from is not None:
@@ -368,7 +373,7 @@ class Simulator:
         bar = Progress(t.num_steps, "train", enabled=self.progress)
         bar.n = step
         try:
-            while step < t.num_steps:
+            while step < end:
                 if self.stop_signal is not None:
                     if self.save_every:
                         self.save(step)

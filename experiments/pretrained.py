@@ -370,8 +370,10 @@ def _run_trunk(study: Study, work: Path, trunk: str, trunk_seed: int | None = No
     every = math.gcd(*study.branch_at)
     resume = newest_save(d) is not None
     # every save kept: the branch points' and those an interruption adds (pruning by age could drop a branch point's)
+    # the steps before the last branch point only (its save is the state ready for it): the config's one step more
+    # keeps the schedule the trunks have had, and the step itself, its evaluation, were never read
     Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume,
-              save_steps=tuple(copies), eval_inputs=_eval_inputs(d, study.branch_at)).run()
+              save_steps=tuple(copies), eval_inputs=_eval_inputs(d, study.branch_at)).run(until=max(study.branch_at))
 
 
 def _eval_inputs(trunk: Path, record: list[int] | tuple[int, ...] = ()):
