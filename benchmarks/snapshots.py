@@ -46,6 +46,14 @@ CURRENT_BEGIN = ("<!-- rendered by benchmarks.snapshots.render_current from benc
 CURRENT_END = "<!-- end of the current-step copies -->"
 SWARM_BEGIN = "<!-- rendered by benchmarks.snapshots.render_swarm from benchmarks/results/snapshots-swarm.json -->"
 SWARM_END = "<!-- end of the snapshots swarm rounds -->"
+SWARM_FILES = ["snapshots-swarm.json", "snapshots-swarm-p10.json"]  # --swarm's default and --swarm-every 10
+
+
+def swarm_markers(name: str) -> tuple[str, str]:
+    """The begin and end markers of benchmarks/README.md's region rendered from benchmarks/results/`name`."""
+    if name == SWARM_FILES[0]:
+        return SWARM_BEGIN, SWARM_END
+    return SWARM_BEGIN.replace(SWARM_FILES[0], name), SWARM_END.replace(" -->", f": {name} -->")
 
 EVAL_TOKENS = 50_000  # held-out tokens every evaluation reads, at least
 QUICK_INITS = ["checkfree post/stage", "snap int8 age 10"]
@@ -294,7 +302,7 @@ def _between(text: str, begin: str, end: str, body: str) -> str:
 
 
 def update_docs(result: dict[str, Any] | None = None, root: Path = ROOT, *, current: dict[str, Any] | None = None,
-                swarm: dict[str, Any] | None = None) -> list[Path]:
+                swarm: dict[str, Any] | None = None, swarm_file: str = SWARM_FILES[0]) -> list[Path]:
     """Rewrite the rendered parts of docs/recovery.md and README.md from the quick benchmark's `result`, of
     docs/recovery.md from the current-step copies' (`current`), of benchmarks/README.md from the swarm rounds'."""
     parts = []
@@ -304,7 +312,7 @@ def update_docs(result: dict[str, Any] | None = None, root: Path = ROOT, *, curr
     if current is not None:
         parts.append((root / "docs" / "recovery.md", CURRENT_BEGIN, CURRENT_END, render_current(current)))
     if swarm is not None:
-        parts.append((root / "benchmarks" / "README.md", SWARM_BEGIN, SWARM_END, render_swarm(swarm)))
+        parts.append((root / "benchmarks" / "README.md", *swarm_markers(swarm_file), render_swarm(swarm)))
     out = []
     for path, begin, end, body in parts:
         path.write_text(_between(path.read_text(), begin, end, body))
@@ -435,8 +443,8 @@ def _swarm(args, command: str) -> int:
     out = Path(args.out or ROOT / "benchmarks" / "results" / "snapshots-swarm.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    if out.resolve() == (ROOT / "benchmarks" / "results" / "snapshots-swarm.json").resolve():
-        update_docs(swarm=json.loads(out.read_text()))
+    if out.resolve().parent == (ROOT / "benchmarks" / "results").resolve() and out.name in SWARM_FILES:
+        update_docs(swarm=json.loads(out.read_text()), swarm_file=out.name)
     lo, hi = min(result["ratios"]), max(result["ratios"])
     print(f"results in {out}, {result['wall_s']:.0f} s")
     print(f"swarm step time snap/no copies: {1 + result['overhead']:.4f} (per round {lo:.4f}-{hi:.4f}, "

@@ -353,14 +353,13 @@ def test_the_current_step_copies_and_the_swarm_rounds_in_the_docs_are_their_resu
     import json
     from pathlib import Path
 
-    from benchmarks.snapshots import (CURRENT_BEGIN, CURRENT_END, SWARM_BEGIN, SWARM_END, render_current,
-                                      render_swarm)
+    from benchmarks.snapshots import (CURRENT_BEGIN, CURRENT_END, SWARM_FILES, render_current, render_swarm,
+                                      swarm_markers)
 
     root = Path(__file__).resolve().parent.parent
-    for doc, name, begin, end, render in (("docs/recovery.md", "snapshots-current.json", CURRENT_BEGIN, CURRENT_END,
-                                           render_current),
-                                          ("benchmarks/README.md", "snapshots-swarm.json", SWARM_BEGIN, SWARM_END,
-                                           render_swarm)):
+    regions = [("docs/recovery.md", "snapshots-current.json", CURRENT_BEGIN, CURRENT_END, render_current)]
+    regions += [("benchmarks/README.md", name, *swarm_markers(name), render_swarm) for name in SWARM_FILES]
+    for doc, name, begin, end, render in regions:
         region = _region((root / doc).read_text(), begin, end)
         path = root / "benchmarks" / "results" / name
         if not path.exists():
