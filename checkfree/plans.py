@@ -25,7 +25,7 @@ index, and write the events `plan_events` gives.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,7 +220,7 @@ class Copies:
     storage_step: int = 0
     steps: dict[int, int] = field(default_factory=dict)
 
-    def taken(self, step: int, holders: dict[int, Iterable[int]]) -> None:
+    def taken(self, step: int, holders: Mapping[int, Iterable[int]]) -> None:
         """Complete in-memory copies of every stage as of `step`, held by the peers of `holders[stage]`."""
         self.step, self.held = step, {s: frozenset(hs) for s, hs in holders.items()}
 
@@ -343,8 +343,9 @@ def _copy_fields(plan: RecoveryPlan, src: Source) -> dict[str, Any]:
     if isinstance(src, Holder) and plan.rollback_to is None:  # restored alone, nobody rolls back
         return {"method": "snapshot", "source": src.holder, "snapshot_step": src.step, "staleness": step - src.step,
                 "lost_steps": 0, "edge_sources": dict(src.edges), **({"copy_format": src.form} if src.form else {})}
-    source = {Holder: lambda: src.holder, Storage: lambda: "storage", Parity: lambda: "parity",
-              Init: lambda: "init", Own: lambda: "own"}[type(src)]()
+    assert plan.rollback_to is not None, plan  # any other copy is loaded by a rollback
+    source = src.holder if isinstance(src, Holder) else \
+        {Storage: "storage", Parity: "parity", Init: "init", Own: "own"}[type(src)]
     return {"method": "rollback", "source": source, "rollback_to": plan.rollback_to,
             "lost_steps": step - plan.rollback_to}
 

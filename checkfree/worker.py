@@ -33,7 +33,7 @@ from checkfree.net.wire import all_finite
 from checkfree.pipeline import COMPONENTS, Hop, edge_holders
 from checkfree.recovery import get_rule, omega
 
-__all__ = ["StepStats", "InFlightPeak", "StageWorker", "lr_at", "resolve_device", "build_workers"]
+__all__ = ["StepStats", "InFlightPeak", "StageWorker", "lr_at", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -404,12 +404,3 @@ def _recorder(held: dict[int, int]):
 
 def _identity(t: Tensor) -> Tensor:
     return t
-
-
-def build_workers(cfg: RunConfig, device: torch.device | None = None) -> list[StageWorker]:
-    """Every stage of `cfg`'s pipeline, with the routes its strategy trains with (any strategy, not only the
-    averaging rules StageWorker looks up: `worker_config`)."""
-    from checkfree.strategies import build_strategy, worker_config  # the strategies import this module
-
-    worker_cfg = worker_config(cfg, build_strategy(cfg))
-    return [StageWorker(worker_cfg, i, device) for i in range(cfg.num_stages)]

@@ -93,9 +93,7 @@ EXTRA_INITS = [
     Init("random own-adam", "random", lr_scale=1.0, optimizer="own"),
     Init("identity own-adam", "identity", lr_scale=1.0, optimizer="own"),
     Init("copy lr1.0", "copy", lr_scale=1.0),
-    Init("snapshot", "snapshot"),  # issue 42's compressed neighbour snapshot: a strategy of that name, once built
 ]
-ALL_INITS = INITS + EXTRA_INITS
 PLUS = Init("checkfree+", "checkfree+")
 SOURCELESS = ("random", "identity")  # rebuilt from a seed, not from live stages
 
@@ -112,7 +110,7 @@ def snap_init(fmt: str, age: int, moments: bool = False) -> Init:
 SNAP_INITS = [snap_init(f, age, m) for age in (1, 10, 50) for f, m in (("int8", False), ("int4", False),
                                                                          ("float32", True))] + [
     snap_init("int8", 10, True), snap_init("int8", 0), snap_init("int4", 0)]  # age 0: the quantization alone
-ALL_INITS = INITS + SNAP_INITS  # a study compares INITS unless it names others
+ALL_INITS = INITS + EXTRA_INITS + SNAP_INITS  # a study compares INITS unless it names others
 
 
 def available_inits(labels: list[str] | None = None) -> tuple[list[Init], list[str]]:
@@ -622,7 +620,7 @@ def _tiny(init_from: str | None) -> Study:
 # The studies of issue 39. Paired: every branch on the same held-out sequences of two corpora (51,200 tokens for the
 # immediate damage, `curve_tokens` at a curve's evaluations), three trunks, each branch on with its trunk's data order.
 HELDOUT = {"corpora": ["val", "kjv"], "tokens": 25_600, "curve_tokens": 2_560}
-CURVE_INITS = ["checkfree post/stage", "identity", "random", "copy", "snapshot"]
+CURVE_INITS = ["checkfree post/stage", "identity", "random", "copy", "snap int8 age 1"]
 OPTIMIZER_INITS = ["random", "random lr1.0", "random own-adam", "identity", "identity lr1.0", "identity own-adam"]
 STUDY_SEQ_LEN = 64  # the curve studies' training length on this machine (sized in docs/pretrained.md)
 

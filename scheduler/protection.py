@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from checkfree.config import RunConfig
-from checkfree.costmodel import CostModel
 from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, ParitySnapshot, Protect, RecoveryPlan,
                              RefreshReplicas, Snapshot, StreamSent, StreamStep, TakeReplicas)
 from checkfree import messages as msg
@@ -47,7 +46,6 @@ class Protection:
                  outputs: Outputs) -> None:
         self.cfg, self.strategy, self.rpc, self.table, self.out = cfg, strategy, rpc, table, outputs
         self.t = rpc.t
-        self.cost = CostModel(cfg)  # BAFT plans its backups' parts by the links' bubbles
         self.copies = Copies()  # the snapshots, backups and checkpoints that exist, by stage (checkfree.plans)
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
         self._companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address
@@ -176,12 +174,11 @@ class Protection:
         stages = self.table.served()
         replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), msg.BackupStart(step=step),
                                                     self.t.step_timeout) for s in stages))
-        if strategy.plans is None:  # the plan needs the states' sizes: the first backup's
-            strategy.plan_units(self.cost, {s: r[0].units for s, r in zip(stages, replies)})
+        strategy.backup_taken({s: r[0].units for s, r in zip(stages, replies)})
         self._backup_peers = {s: (self.table.peer(s), self.table.peer(strategy.holder(s))) for s in stages}
         size = {s: r[0].bytes for s, r in zip(stages, replies)}
         # a peer holds its backup in flight, its own complete one and its predecessor's (as the simulator counts)
-        self.out.charge(stall_s=time.perf_counter() - t0, extra_memory_bytes=strategy.memory(size))
+        self.out.charge(stall_s=time.perf_counter() - t0, extra_memory_bytes=strategy.backup_memory(size))
 
     def in_step(self, step: int) -> dict:
         """RUN_STEP's `backup` field: the part of the backup in flight this step's bubbles carry, per stage; or
@@ -196,7 +193,7 @@ class Protection:
         return {"backup": BackupShare(step=part.step, part=part.part,
                                       holders={s: p[1] for s, p in self._backup_peers.items()},
                                       holder_stages={s: part.holders[s] for s in self._backup_peers},
-                                      bounds={s: tuple(part.bounds[s]) for s in self._backup_peers})}
+                                      bounds={s: part.bounds[s] for s in self._backup_peers})}
 
     async def _seal_backup(self, item: BackupSeal) -> None:
         """The backup of `item.step` counts if every stage's holder (and the stage itself) holds it complete."""

@@ -23,7 +23,7 @@ from checkfree.export import load_export
 from checkfree.hf import hf_config, load_stage_state, rope_to_pairs, save_hf
 from checkfree.model import LlamaModel, PipelineStage, plan_stages, stage_to_global
 from checkfree.rundir import read_jsonl
-from checkfree.worker import build_workers
+from checkfree.strategies import build_workers
 from cli.main import build_parser, main
 
 TEXTS = ["To be, or not to be: that is the question.",

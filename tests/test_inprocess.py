@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -423,16 +424,11 @@ def test_baft_spreads_a_backup_over_several_steps_when_the_bubbles_are_short(tin
     """When the plan needs 3 steps' bubbles for a backup (forced here: the tiny model's backup fits one step),
     each step carries a third of every stage's backup, a backup counts only after its third part arrived, and the
     swarm still makes the simulator's rollbacks and ends with the failure-free losses."""
-    from checkfree.strategies.baft import BaftStrategy
+    from checkfree.strategies import baft
 
-    plan_units = BaftStrategy.plan_units
-
-    def three_steps(self, cost, units):
-        plan_units(self, cost, units)
-        self.clock.rounds = 3
-
-    monkeypatch.setattr(BaftStrategy, "plan_units", three_steps)
-    monkeypatch.setattr(BaftStrategy, "part_bounds", lambda self, stage, part: (part / 3, (part + 1) / 3))
+    size_backups = baft.size_backups
+    monkeypatch.setattr(baft, "size_backups", lambda *args: dataclasses.replace(size_backups(*args), rounds=3))
+    monkeypatch.setattr(baft.BackupSizing, "part_bounds", lambda self, stage, part: (part / 3, (part + 1) / 3))
     cfg = _cfg(tiny_cfg, "baft", steps=12)
     swarm, sim, got = _rolls_back_like_the_simulator_to_the_failure_free_losses(cfg, tmp_path, [(6, 1), (11, 2)])
     # the backup as of step 1 completes after step 3; the one as of step 4 is cut short by the kill at iteration 6

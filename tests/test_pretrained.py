@@ -21,7 +21,7 @@ from checkfree.data import build_tokenizer, eos_token
 from checkfree.hf import rope_to_halves
 from checkfree.model import LlamaModel
 from checkfree.pretrained import convert_gguf, resolve_gguf
-from checkfree.worker import build_workers
+from checkfree.strategies import build_workers
 from cli.main import build_parser, main
 
 TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"

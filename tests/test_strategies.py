@@ -6,8 +6,10 @@ the same number of effective steps; the others must at least report the same fig
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from checkfree.failures import write_trace
 from checkfree.recovery import UnrecoverableFailure
 from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
-from checkfree.strategies import STRATEGIES
+from checkfree.strategies import STRATEGIES, Strategy
 from checkfree.strategies.state import capture_worker, optim_from_wire, optim_to_wire
 
 STEPS = 8
@@ -304,3 +306,66 @@ def test_optimizer_state_over_the_wire_is_exact_and_checked(tiny_cfg_module):
                        ({"head.norm.weight": {"exp_avg": torch.full((32,), float("nan"))}}, "not finite")):
         with pytest.raises(ValueError, match=match):
             w.load_optimizer_state(bad)
+
+
+def _strategy_reads(tree: ast.AST) -> list[tuple[str, int, bool]]:
+    """(attribute, line, written) for every `strategy.x` / `<...>.strategy.x` in a module (not the config's
+    `cfg.strategy` section)."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        named = (isinstance(base, ast.Name) and base.id == "strategy") or \
+            (isinstance(base, ast.Attribute) and base.attr == "strategy")
+        if named and not ast.unparse(base).endswith("cfg.strategy"):
+            out.append((node.attr, node.lineno, isinstance(node.ctx, (ast.Store, ast.Del))))
+    return out
+
+
+def test_the_runtimes_read_only_what_the_strategy_contract_declares_and_write_none_of_it(tiny_cfg_module):
+    """Everything the executors of plans (checkfree/strategies/execute.py, scheduler/protection.py,
+    scheduler/recovery.py) and the other runtime modules read from a strategy is declared on `Strategy`: a class
+    attribute, a method, or an attribute its __init__ sets. None of them assigns or deletes a strategy's
+    attribute (the ownership test covers mutating calls under scheduler/ and peers/)."""
+    root = Path(__file__).resolve().parent.parent
+    modules = [p for pkg in ("checkfree", "peers", "scheduler") for p in (root / pkg).rglob("*.py")
+               if "strategies" not in p.relative_to(root).parts]
+    modules.append(root / "checkfree" / "strategies" / "execute.py")
+    declared = set(dir(Strategy)) | set(vars(Strategy(tiny_cfg_module)))
+    reads, bad = 0, []
+    for path in modules:
+        for attr, line, written in _strategy_reads(ast.parse(path.read_text())):
+            reads += 1
+            where = f"{path.relative_to(root)}:{line}: strategy.{attr}"
+            if attr not in declared:
+                bad.append(f"{where} is not declared on Strategy")
+            if written:
+                bad.append(f"{where} is written by a runtime")
+    assert reads >= 30 and not bad, "\n".join(bad)
+    # the check sees what it should: an undeclared read and a write
+    probe = _strategy_reads(ast.parse("self.strategy.plans = None\nstrategy.plan_units(cost, units)\n"
+                                      "cfg.strategy.snapshot_every\n"))
+    assert probe == [("plans", 1, True), ("plan_units", 2, False)]
+
+
+def test_baft_sizing_is_a_pure_function_of_the_measured_sizes_planned_once(tiny_cfg_module, tmp_path):
+    """`size_backups` returns the plan of every stage's backup from the measured unit sizes and changes nothing;
+    the strategy plans from the first backup's sizes (`backup_taken`) and keeps that plan."""
+    from checkfree.costmodel import CostModel
+    from checkfree.strategies.baft import BaftStrategy, size_backups
+
+    cfg = _cfg(tiny_cfg_module, tmp_path, strategy="baft")
+    units = {s: [3000, 2000, 1000] for s in range(cfg.num_stages)}
+    sizing = size_backups(cfg, CostModel(cfg), units)
+    assert sizing == size_backups(cfg, CostModel(cfg), units) and len(sizing.plans) == cfg.num_stages
+    for s in range(cfg.num_stages):  # the parts cover the backup, in order
+        bounds = [sizing.part_bounds(s, k) for k in range(sizing.rounds)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == 1 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    strategy = BaftStrategy(cfg)
+    assert strategy.sizing is None and strategy.in_step(1) is None
+    strategy.backup_taken(units)
+    strategy.backup_taken({s: [10 ** 15] for s in units})  # a later backup's sizes: the plan is kept
+    assert strategy.sizing == sizing and strategy.rounds == sizing.rounds
+    with pytest.raises(ValueError, match="baft-max-iterations"):
+        size_backups(cfg, CostModel(cfg), {s: [10 ** 15] for s in units})

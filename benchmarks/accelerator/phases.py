@@ -539,7 +539,7 @@ def _hf_in_weights(ctx: Ctx, run: Path, hf: Path) -> dict[str, Any]:
     from checkfree.cli import config_from_args
     from checkfree.export import load_export
     from checkfree.model import plan_stages, stage_to_global
-    from checkfree.worker import build_workers
+    from checkfree.strategies import build_workers
     from cli.main import build_parser
 
     t0 = time.time()

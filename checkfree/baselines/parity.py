@@ -132,7 +132,7 @@ def raim5_block(holder: int, chunks: Sequence[bytes], lengths: Sequence[int]) ->
     return Raim5Block(holder, n, xor_bytes(list(chunks)).tobytes(), tuple(lengths))
 
 
-def raim5_encode(states: Sequence[bytes]) -> list[Raim5Block]:
+def raim5_encode(states: Sequence[BytesLike]) -> list[Raim5Block]:
     """Per-peer parity blocks for a group of ``n = len(states) >= 2`` peers (one stage each)."""
     n = len(states)
     if n < 2:

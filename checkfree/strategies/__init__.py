@@ -18,6 +18,8 @@ import dataclasses
 from collections.abc import Callable
 from functools import partial
 
+import torch
+
 from checkfree.config import RunConfig
 from checkfree.recovery import RECOVERY_RULES
 from checkfree.strategies.averaging import AveragingStrategy
@@ -29,8 +31,9 @@ from checkfree.strategies.hybrid import SnapshotAveragingStrategy
 from checkfree.strategies.redundant import RedundantStrategy
 from checkfree.strategies.reft import ReftStrategy
 from checkfree.strategies.streamed import StreamedSnapshotStrategy
+from checkfree.worker import StageWorker
 
-__all__ = ["STRATEGIES", "build_strategy", "worker_config", "Strategy", "StrategyContext", "Figures",
+__all__ = ["STRATEGIES", "build_strategy", "build_workers", "worker_config", "Strategy", "StrategyContext", "Figures",
            "FailureOutcome"]
 
 STRATEGIES: dict[str, Callable[[RunConfig], Strategy]] = {
@@ -60,3 +63,10 @@ def worker_config(cfg: RunConfig, strategy: Strategy) -> RunConfig:
         return cfg
     rule = "checkfree+" if strategy.plus else "checkfree"
     return dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, strategy=rule))
+
+
+def build_workers(cfg: RunConfig, device: torch.device | None = None) -> list[StageWorker]:
+    """Every stage of `cfg`'s pipeline, with the routes its strategy trains with (`worker_config`: any strategy,
+    not only the averaging rules StageWorker looks up)."""
+    worker_cfg = worker_config(cfg, build_strategy(cfg))
+    return [StageWorker(worker_cfg, i, device) for i in range(cfg.num_stages)]

@@ -16,16 +16,18 @@ configured, else to the declared fallback.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from checkfree.baselines import BackupPlan, common_windows, plan_backup
 from checkfree.config import RunConfig
+from checkfree.costmodel import CostModel
 from checkfree.plans import (BackupPart, BackupSeal, BackupStart, Failure, Holder, Protect, RecoveryPlan, Snapshot,
                              Source)
 from checkfree.strategies.base import Figures, StrategyContext
 from checkfree.strategies.rollback import InMemoryStrategy
 
-__all__ = ["BaftStrategy", "BackupClock"]
+__all__ = ["BaftStrategy", "BackupClock", "BackupSizing", "size_backups", "backup_holder"]
 
 
 def _chunks(units: list[int], windows: list[tuple[float, float]], bandwidth: float) -> list[int]:
@@ -34,6 +36,53 @@ def _chunks(units: list[int], windows: list[tuple[float, float]], bandwidth: flo
     if cap <= 0:
         return units  # no window at all: plan_backup reports it
     return [min(cap, u - i) for u in units for i in range(0, max(u, 1), cap)]
+
+
+def backup_holder(stage: int, num_stages: int) -> int:
+    """The stage whose peer holds `stage`'s backup: the next one (the last stage's: stage S-2)."""
+    last = num_stages - 1
+    return stage + 1 if stage < last else last - 1
+
+
+@dataclass(frozen=True)
+class BackupSizing:
+    """Every stage's backup planned into the bubbles it shares with its holder (`plans[stage]`), and `rounds`: the
+    steps one backup takes (the most any stage's plan needs, so that every stage's backup of a step completes
+    together)."""
+
+    plans: tuple[BackupPlan, ...]
+    rounds: int
+
+    def part_bounds(self, stage: int, part: int) -> tuple[float, float]:
+        """The share [lo, hi) of `stage`'s backup that part `part` carries: the plan's bytes of that step."""
+        plan = self.plans[stage]
+        per = [sum(plan.bytes_in(k, w) for w in range(len(plan.windows))) for k in range(self.rounds)]
+        total = sum(per) or 1
+        return sum(per[:part]) / total, sum(per[:part + 1]) / total
+
+    def part_bytes(self, part: int) -> int:
+        """The bytes of every stage's part `part` together (what one step's bubbles carry)."""
+        return sum(p.bytes_in(part, w) for p in self.plans for w in range(len(p.windows)))
+
+
+def size_backups(cfg: RunConfig, cost: CostModel, units: Mapping[int, Sequence[int]]) -> BackupSizing:
+    """BAFT's sizing: every stage's backup (`units[stage]`: its units' bytes, embedding, blocks, head, each with its
+    Adam state) planned into the common bubbles of sender and holder, from the cost model's windows and links.
+    Raises ValueError when a backup needs more than `strategy.baft_max_iterations` steps."""
+    idle = cost.idle_windows()
+    max_iterations = cfg.strategy.baft_max_iterations
+    plans = []
+    for s, sizes in sorted(units.items()):
+        h = backup_holder(s, cfg.num_stages)
+        # no reserve: the cost model's t_f / t_b already include the stage's own sends
+        windows = common_windows(idle[s], idle[h])
+        bw = cost.bandwidth_Bps(s, h)
+        try:
+            plans.append(plan_backup(_chunks(list(sizes), windows, bw), windows, bw, max_iterations))
+        except ValueError as e:
+            raise ValueError(f"baft: stage {s}'s backup does not fit in the bubbles of "
+                             f"{max_iterations} step(s); raise --baft-max-iterations ({e})") from e
+    return BackupSizing(tuple(plans), max(p.iterations for p in plans))
 
 
 @dataclass
@@ -72,7 +121,8 @@ class BaftStrategy(InMemoryStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.plans: list[BackupPlan] | None = None
+        self.cost = CostModel(cfg)  # the bubbles and links the backups are planned into
+        self.sizing: BackupSizing | None = None  # planned from the first backup's sizes (`backup_taken`)
         self.clock = BackupClock()
 
     @property
@@ -81,39 +131,18 @@ class BaftStrategy(InMemoryStrategy):
         return self.clock.rounds
 
     def holder(self, stage: int) -> int:
-        last = self.cfg.num_stages - 1
-        return stage + 1 if stage < last else last - 1
+        return backup_holder(stage, self.cfg.num_stages)
 
     def backup_holders(self) -> dict[int, tuple[int, ...]]:
         """Who keeps each stage's backup: the stage itself and its holder."""
         return {s: (s, self.holder(s)) for s in range(self.cfg.num_stages)}
 
-    def plan_units(self, cost, units: dict[int, list[int]]) -> None:
-        """Plan every stage's backup (its units' bytes: embedding, blocks, head, each with its Adam state) into
-        the common bubbles of sender and holder; sets `rounds`."""
-        idle = cost.idle_windows()
-        plans = []
-        for s, sizes in sorted(units.items()):
-            h = self.holder(s)
-            # no reserve: the cost model's t_f / t_b already include the stage's own sends
-            windows = common_windows(idle[s], idle[h])
-            bw = cost.bandwidth_Bps(s, h)
-            try:
-                plans.append(plan_backup(_chunks(list(sizes), windows, bw), windows, bw,
-                                         self.cfg.strategy.baft_max_iterations))
-            except ValueError as e:
-                raise ValueError(f"baft: stage {s}'s backup does not fit in the bubbles of "
-                                 f"{self.cfg.strategy.baft_max_iterations} step(s); raise --baft-max-iterations ({e})") from e
-        self.plans = plans
-        self.clock.rounds = max(p.iterations for p in plans)
-
-    def part_bounds(self, stage: int, part: int) -> tuple[float, float]:
-        """The share [lo, hi) of `stage`'s backup that part `part` carries: the plan's bytes of that step."""
-        assert self.plans is not None, "no backup planned yet"
-        plan = self.plans[stage]
-        per = [sum(plan.bytes_in(k, w) for w in range(len(plan.windows))) for k in range(self.rounds)]
-        total = sum(per) or 1
-        return sum(per[:part]) / total, sum(per[:part + 1]) / total
+    def backup_taken(self, units: dict[int, list[int]]) -> None:
+        """The first backup's sizes plan every later one (`size_backups`; a stage's state does not change size):
+        sets `rounds`."""
+        if self.sizing is None:
+            self.sizing = size_backups(self.cfg, self.cost, units)
+            self.clock.rounds = self.sizing.rounds
 
     def protection_due(self, step: int) -> list[Protect]:
         """After committing `step`: the backup in flight is sealed once its last part has gone, and the next one
@@ -128,11 +157,11 @@ class BaftStrategy(InMemoryStrategy):
 
     def in_step(self, step: int) -> BackupPart | None:
         """The part of the backup in flight that step `step`'s bubbles carry (None: none)."""
-        part, sent = self.clock.part(step), self.clock.sent_from
-        if part is None or self.plans is None or sent is None:
+        part, sent, sizing = self.clock.part(step), self.clock.sent_from, self.sizing
+        if part is None or sizing is None or sent is None:
             return None
         stages = range(self.cfg.num_stages)
-        return BackupPart(sent + 1, part, {s: self.part_bounds(s, part) for s in stages},
+        return BackupPart(sent + 1, part, {s: sizing.part_bounds(s, part) for s in stages},
                           {s: self.holder(s) for s in stages})
 
     def interrupted(self) -> None:
@@ -153,11 +182,10 @@ class BaftStrategy(InMemoryStrategy):
     def step_figures(self, ctx: StrategyContext, step: int) -> Figures:
         """The part of the backup in flight that this step's bubbles carried."""
         k = self.clock.part(step)
-        moved = 0 if k is None or self.plans is None else sum(p.bytes_in(k, w) for p in self.plans
-                                                               for w in range(len(p.windows)))
+        moved = 0 if k is None or self.sizing is None else self.sizing.part_bytes(k)
         return Figures(bytes_moved=moved)
 
-    def memory(self, sizes: dict[int, int]) -> int:
+    def backup_memory(self, sizes: dict[int, int]) -> int:
         """A peer holds its in-flight copy, its own complete backup and its predecessor's."""
         return max((2 * sizes[p] + sum(sizes[s] for s in sizes if self.holder(s) == p) for p in sizes), default=0)
 

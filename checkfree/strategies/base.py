@@ -8,9 +8,12 @@ A strategy decides and never moves anything itself:
   checkpoints, backups, replicas: `checkfree.plans.Protect` items);
 * ``interrupted()``: a failure happened; protection in flight is void.
 
-The simulator carries plans and protection out on its stage workers (checkfree.strategies.execute) and prices
-them with the cost model through the ``*_figures`` / ``refill_bytes`` hooks here, in the cost model's currency
-(`Figures`); the coordinator carries them out on peers and measures what they cost.
+Two executors carry the decisions out: the simulator's (checkfree.strategies.execute), which prices them with the
+cost model through the ``*_figures`` / ``refill_bytes`` hooks here, in the cost model's currency (`Figures`), and
+the coordinator's (scheduler/recovery.py, scheduler/protection.py), which measures what they cost. Everything an
+executor reads from a strategy is declared on `Strategy`, with the default of a strategy that has none of it; an
+executor never writes a strategy's fields: it reports what happened through the report methods
+(`interrupted`, `backup_taken`, `copy_part_done`, ...), and the strategy updates its own state.
 
 The state at step 0 is a pure function of the seed, so every strategy can always roll back to it without having
 stored anything (`checkfree.plans.Init`).
@@ -111,7 +114,15 @@ class StrategyContext(Protocol):
 
 
 class Strategy:
-    """Base class: no protection. Subclasses set the class attributes and decide recoveries."""
+    """Base class and contract of every strategy: no protection. A subclass sets the class attributes and decides
+    recoveries (`recovery_plan`); it overrides a method below only where it has the thing the method is about.
+
+    The executors read only what is declared here: the class attributes, `cfg`, `checkpoint_every`, `every`, and
+    the methods, in four groups: decisions (`recovery_plan`, `protection_*`, `in_step`, `holder`), reports from
+    the runtime (`interrupted`, `backup_taken`, `copy_*`), sizes (`held_bytes`, `backup_memory`) and the
+    simulator's prices (`step_figures`, `refill_bytes`). A method about a kind of copy the strategy never asks for
+    (a streamed copy, a backup, a copy at one holder) raises NotImplementedError: an executor calls it only when
+    the strategy's own plans or protection name such a copy."""
 
     name: str = ""
     plus: bool = False  # trains with CheckFree+ routes and embedding / head replicas
@@ -130,9 +141,13 @@ class Strategy:
         self.cfg = cfg
         # the steps between persistent checkpoints: the strategy's own, or its storage fallback's (None: none)
         self.checkpoint_every: int | None = None
+        # the steps between in-memory copies (`strategy.snapshot_every`); the simulator prices a copy as sent in the
+        # links' idle time of that many steps (a strategy that keeps none never has one priced)
+        self.every: int = cfg.strategy.snapshot_every
 
     # ---- decisions (both runtimes) --------------------------------------------------------
     def recovery_plan(self, failure: Failure) -> RecoveryPlan:
+        """Where every stage that changes after `failure` gets its state, given the copies left."""
         raise NotImplementedError
 
     def protection_at_start(self) -> list[Protect]:
@@ -154,6 +169,20 @@ class Strategy:
         parts of its streamed copies). Asked once per attempt of the step: the same answer each time."""
         return None
 
+    def holder(self, stage: int) -> int:
+        """The stage whose peer holds `stage`'s copy (the strategies that keep one copy per stage at one holder:
+        BAFT's backups, snap's streamed copies, checkfree+snap's snapshots, redundant computation's replicas)."""
+        raise NotImplementedError(f"{self.name} keeps no copy at one holder")
+
+    # ---- reports from the runtime: the strategy updates its own state ----------------------
+    def interrupted(self) -> None:
+        """A failure: protection in flight is void (BAFT's backup being sent)."""
+
+    def backup_taken(self, units: dict[int, list[int]]) -> None:
+        """Every stage took the backup a `BackupStart` asked for; `units[stage]`: its bytes by transfer unit, in the
+        stage's order (embedding, each block, head: weights with their Adam state), as the runtime measured them."""
+        raise NotImplementedError(f"{self.name} takes no backups")
+
     def copy_part_done(self, part: CopyPart) -> bool:
         """A streamed copy's part (`StreamSent`) arrived at its holder in a committed step; whether it completed
         its update (the runtime then records the copy of `part.step` as complete at `part.holder`)."""
@@ -167,16 +196,14 @@ class Strategy:
         """A part of `stage`'s streamed copy did not arrive: its update is void."""
         raise NotImplementedError(f"{self.name} streams no copies")
 
-    def holder(self, stage: int) -> int:
-        """The stage whose peer holds `stage`'s copy (the strategies that keep one copy per stage at one holder)."""
-        raise NotImplementedError(f"{self.name} keeps no copy at one holder")
-
+    # ---- sizes (both runtimes charge them as memory) ----------------------------------------
     def held_bytes(self, holder: int) -> int:
         """Streamed copies: the most the peer of stage `holder` keeps of others' copies (bytes)."""
         return 0
 
-    def interrupted(self) -> None:
-        """A failure: protection in flight is void (BAFT's backup being sent)."""
+    def backup_memory(self, sizes: dict[int, int]) -> int:
+        """Backups: the most one peer holds for them (bytes), given each stage's backup size `sizes[stage]`."""
+        raise NotImplementedError(f"{self.name} takes no backups")
 
     # ---- the simulator's prices (cost-model figures) ---------------------------------------
     def step_figures(self, ctx: StrategyContext, step: int) -> Figures:

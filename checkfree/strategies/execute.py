@@ -34,7 +34,7 @@ class SimExecutor:
         self.ctx, self.strategy, self.cost = ctx, strategy, ctx.cost
         self.copies = Copies()
         self.states: dict[int, StageState] = {}  # each stage's in-memory copy (a snapshot, a complete backup)
-        self.blobs: dict[int, bytes] = {}  # reft: each stage's serialized snapshot
+        self.blobs: dict[int, bytearray] = {}  # reft: each stage's serialized snapshot
         self.blocks: dict[int, Raim5Block] = {}  # reft: the parity block each stage's peer holds
         self.inflight: dict[int, StageState] = {}  # baft: the backup being sent
         self.replicas: dict[int, StageState] = {}  # redundant: each stage's replica, at its predecessor
@@ -53,18 +53,20 @@ class SimExecutor:
     def prime(self, states: dict[int, StageState], step: int) -> None:
         """snap (experiments): every stage's copy complete at its holder, a full update of `states[stage]` (its
         state as of `step`), as if it had been streamed before."""
-        strategy = self.strategy
+        strategy, fmt = self.strategy, self.strategy.copy_format
+        assert fmt is not None, f"{strategy.name} streams no copies"
         for s, state in states.items():
-            self.held[s] = apply_update(None, encode_update(state, step, strategy.copy_format, None))
+            self.held[s] = apply_update(None, encode_update(state, step, fmt, None))
             strategy.copy_assumed(s, step)
             self.copies.sealed(s, step, (strategy.holder(s),))
 
     def before_step(self, step: int) -> None:
         """Before training `step`: the protection that travels inside it (snap: an update whose first part the step
         carries is encoded now, from the stage's state as it enters the step)."""
-        item = self.strategy.in_step(step)
+        item, fmt = self.strategy.in_step(step), self.strategy.copy_format
         if not isinstance(item, StreamStep):
             return
+        assert fmt is not None, f"{self.strategy.name} streams parts of copies in no format"
         for s, part in item.parts.items():
             key = (part.step, part.kind, part.base)
             if part.part == 0 and self.updates.get(s, ((),))[0] != key:
@@ -72,8 +74,7 @@ class SimExecutor:
                 if part.kind == "delta" and (base is None or base.step != part.base):
                     raise AssertionError(f"stage {s}: a delta on the copy of step {part.base}, but the mirror is "
                                          f"{'none' if base is None else base.step}")
-                self.updates[s] = (key, encode_update(self.ctx.capture(s, step), step, self.strategy.copy_format,
-                                                      base))
+                self.updates[s] = (key, encode_update(self.ctx.capture(s, step), step, fmt, base))
 
     def after_step(self, step: int) -> Figures:
         """After committing `step`: what the step itself cost the strategy, then the protection due now."""
@@ -99,15 +100,14 @@ class SimExecutor:
             return self._parity_snapshot(item)
         if isinstance(item, BackupStart):
             self.inflight = {s: ctx.capture(s, item.step) for s in range(n)}
-            if self.strategy.plans is None:  # the plan needs the states' sizes: the first backup's
-                self.strategy.plan_units(cost, {s: list(unit_nbytes(st).values()) for s, st in self.inflight.items()})
-            return Figures(extra_memory_bytes=self.strategy.memory({s: state_nbytes(st)
-                                                                    for s, st in self.inflight.items()}))
+            self.strategy.backup_taken({s: list(unit_nbytes(st).values()) for s, st in self.inflight.items()})
+            return Figures(extra_memory_bytes=self.strategy.backup_memory({s: state_nbytes(st)
+                                                                           for s, st in self.inflight.items()}))
         if isinstance(item, BackupSeal):
             self.states, self.inflight = self.inflight, {}
             self.copies.taken(item.step, item.holders)
-            return Figures(extra_memory_bytes=self.strategy.memory({s: state_nbytes(st)
-                                                                    for s, st in self.states.items()}))
+            return Figures(extra_memory_bytes=self.strategy.backup_memory({s: state_nbytes(st)
+                                                                           for s, st in self.states.items()}))
         if isinstance(item, StreamSent):
             return self._streamed(item)
         if isinstance(item, (RefreshReplicas, TakeReplicas)):
@@ -219,6 +219,7 @@ class SimExecutor:
                 b = self.held[s].nbytes()
                 moved, slowest = moved + b, max(slowest, cost.transfer_s(b, src.holder, s))
                 continue
+            assert isinstance(src, (Holder, Replica)), src  # (a rebuild is not a copy)
             state, holder = (self.replicas[s], src.holder) if isinstance(src, Replica) else (self.states[s], src.holder)
             if isinstance(src, Holder) and src.edges:  # its components from the live co-holders
                 state = with_components(state, {c: _parts(ctx.capture(h, state["step"])) for c, h in src.edges.items()})

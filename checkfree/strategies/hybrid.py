@@ -28,7 +28,6 @@ class SnapshotAveragingStrategy(AveragingStrategy):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg, "checkfree+")
         self.name = "checkfree+snap"
-        self.every = cfg.strategy.snapshot_every
 
     def holder(self, stage: int) -> int:
         last = self.cfg.num_stages - 1

@@ -23,7 +23,6 @@ class InMemoryStrategy(Strategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.every = cfg.strategy.snapshot_every  # steps between in-memory copies (gemini, reft)
         self.storage = cfg.strategy.storage_fallback
         self.checkpoint_every = cfg.strategy.checkpoint_every if self.storage else None
 

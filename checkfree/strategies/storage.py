@@ -27,7 +27,7 @@ def stage_path(root: str | Path, step: int, stage: int, *, partial: bool = False
     return _dir(root, step, partial) / f"stage-{stage}.bin"
 
 
-def write_stage(root: str | Path, step: int, stage: int, blob: bytes) -> int:
+def write_stage(root: str | Path, step: int, stage: int, blob: bytes | bytearray) -> int:
     """Write one stage's file of checkpoint `step` (not yet complete); returns its size."""
     path = stage_path(root, step, stage, partial=True)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,6 @@ class StreamedSnapshotStrategy(Strategy):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         st = cfg.strategy
-        self.every = st.snapshot_every
         self.fmt = CopyFormat(st.snapshot_format, st.snapshot_group, st.snapshot_moments)
         self.copy_format = self.fmt  # (the base class's, read by the peers)
         rule = get_rule(st.snapshot_rebuild)
