@@ -31,10 +31,11 @@ from checkfree.costmodel import CostModel
 from checkfree.data import TokenData, build_data, save_run_tokenizer
 from checkfree.failures import FailureSchedule, schedule_from_config
 from checkfree.stage_groups import spread
-from checkfree.pipeline import Hop, edge_holders, evaluates_after, plain_route, route
+from checkfree.pipeline import Hop, edge_holders, evaluates_after, route
 from checkfree.recovery import OmegaWindow, StateDict, UnrecoverableFailure
 from checkfree.softerrors import UncorrectableSoftError, guard_counts, make_guard
 from checkfree.serialize import state_from_bytes, state_to_bytes
+from checkfree.evalinputs import StageInputs, route_loss
 from checkfree.export import save_export
 from checkfree.progress import Progress
 from checkfree.rundir import RunWriter
@@ -108,17 +109,9 @@ def sync_components(workers: list[StageWorker], plus: bool) -> None:
             workers[h].set_component_grad(comp, total)
 
 
-@torch.no_grad()
 def evaluate(workers: list[StageWorker], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean validation loss over `batches` along the plain route."""
-    hops = plain_route(len(workers))
-    losses = []
-    for inputs, targets in batches:
-        x = inputs
-        for i, (w, hop) in enumerate(zip(workers, hops)):
-            x = w.infer(x if i == 0 else roundtrip(x, w.cfg.train.wire_dtype), hop)
-        losses.append(float(torch.nn.functional.cross_entropy(x.flatten(0, 1), targets.to(x.device).flatten())))
-    return sum(losses) / len(losses)
+    return route_loss(workers, batches)
 
 
 class SimContext:
@@ -176,12 +169,14 @@ class Simulator:
     def __init__(self, cfg: RunConfig, out: str | Path, *, progress: bool = True, save_every: int = 0,
                  keep_saves: int = 2, resume: bool = False, tensorboard: bool = False,
                  probe: Callable[[str, int, list[StageWorker]], None] | None = None,
-                 save_steps: tuple[int, ...] = ()) -> None:
+                 save_steps: tuple[int, ...] = (), eval_inputs: StageInputs | None = None) -> None:
         """`save_every` N > 0: save every stage's state every N steps into <out>/saves (and at a
         graceful stop); `save_steps`: also at these steps (0: before the first); `resume`: continue the run in
         `out` from its newest save. `probe(kind, step, workers)`: called with the stages as they are right after a
         resume ("start"), right after a rebuild evaluated with `train.eval_after_recovery` ("recovered") and at every
-        validation evaluation ("eval"): an experiment's own evaluation beside the run's (experiments.heldout)."""
+        validation evaluation ("eval"): an experiment's own evaluation beside the run's (experiments.heldout).
+        `eval_inputs`: the evaluations before the steps it records keep every stage's input there, and the
+        evaluation right after a rebuild starts at the rebuilt stage from those inputs (checkfree.evalinputs)."""
         if save_every < 0 or keep_saves < 1:
             raise ValueError(f"--save-every must be >= 0 and --keep-saves >= 1 (got {save_every}, {keep_saves})")
         self.cfg = cfg
@@ -217,6 +212,7 @@ class Simulator:
         self.executor = SimExecutor(self.ctx, self.strategy)  # the strategy's plans and protection, carried out
         self.progress = progress
         self.probe = probe
+        self.eval_inputs = eval_inputs
         self.group_counts = {"replicas_lost": 0, "rerouted_microbatches": 0}  # stage groups (train.replicas > 1)
         self.last_val = math.nan
         self.sim_time_s = 0.0
@@ -312,7 +308,8 @@ class Simulator:
 
     def _recovered_eval(self, step: int, stages: set[int]) -> float:
         self._probe("recovered", step)
-        val = evaluate(self.workers, self.val)
+        val = evaluate(self.workers, self.val) if self.eval_inputs is None else \
+            self.eval_inputs.evaluate_after(step, self.workers, self.val, stages)
         self.writer.event("recovered_eval", step=step, stages=sorted(stages), val_loss=val)
         return val
 
@@ -354,12 +351,17 @@ class Simulator:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
 
-    def run(self) -> dict:
-        """Train until the configured number of steps is done; returns the summary."""
+    def run(self, until: int | None = None) -> dict:
+        """Train until the configured number of steps is done, or only the steps before `until` (the schedule, the
+        evaluations and the saves those steps have in the whole run: a trunk that needs the state ready for step
+        `until`, saved there, and no more); returns the summary."""
+        t = self.cfg.train
+        if until is not None and not 0 < until <= t.num_steps:
+            raise ValueError(f"until must be within 1..{t.num_steps} (the run's steps), got {until}")
         with self._deferred_signals():
-            return self._run()
+            return self._run(t.num_steps if until is None else until)
 
-    def _run(self) -> dict:
+    def _run(self, end: int) -> dict:
         t = self.cfg.train
         step = self._resume() if self.resume_from is not None else 0
         if self.resume_from is not None:
@@ -371,7 +373,7 @@ class Simulator:
         bar = Progress(t.num_steps, "train", enabled=self.progress)
         bar.n = step
         try:
-            while step < t.num_steps:
+            while step < end:
                 if self.stop_signal is not None:
                     if self.save_every:
                         self.save(step)
@@ -448,7 +450,10 @@ class Simulator:
         self.iterations += 1
         record.update(iteration=self.iterations - 1, sim_time_s=round(self.sim_time_s, 6))
         if evaluates_after(step, t.eval_every, t.num_steps):
-            record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
+            if self.eval_inputs is not None and self.eval_inputs.records(step + 1):  # the state ready for step + 1
+                record["val_loss"] = self.last_val = self.eval_inputs.record(step + 1, self.workers, self.val)
+            else:
+                record["val_loss"] = self.last_val = evaluate(self.workers, self.val)
             self._probe("eval", step)
         return record
 

@@ -26,7 +26,9 @@ stage's own Adam moments (`optimizer="own"`: the branch's save holds them, as a 
 the report lists it as not run.
 
 Layout: run directories under `work/<study>/runs/<name>` (not committed; a branch's copy of the save is
-deleted when it finishes), results under `results/<study>/results.json` (rendered by
+deleted when it finishes; the trunk keeps, beside its saves, every stage's input in its evaluation before each branch
+point, `eval-inputs/`: a branch's evaluation right after its rebuild runs only the stages from the rebuilt one on,
+`checkfree.evalinputs`), results under `results/<study>/results.json` (rendered by
 `experiments.pretrained_report`). A run is finished when its summary.json says "completed"; an interrupted
 study, started again, reuses every finished run and redoes the others.
 """
@@ -366,8 +368,18 @@ def _run_trunk(study: Study, work: Path, trunk: str, trunk_seed: int | None = No
     every = math.gcd(*study.branch_at)
     resume = newest_save(d) is not None
     # every save kept: the branch points' and those an interruption adds (pruning by age could drop a branch point's)
+    # the steps before the last branch point only (its save is the state ready for it): the config's one step more
+    # keeps the schedule the trunks have had, and the step itself, its evaluation, were never read
     Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume,
-              save_steps=tuple(copies)).run()
+              save_steps=tuple(copies), eval_inputs=_eval_inputs(d, study.branch_at)).run(until=max(study.branch_at))
+
+
+def _eval_inputs(trunk: Path, record: list[int] | tuple[int, ...] = ()):
+    """The trunk's recorded stage inputs at its branch points (the evaluation before each save a branch resumes
+    from), so that a branch's evaluation right after its rebuild runs the stages from the rebuilt one on only."""
+    from checkfree.evalinputs import StageInputs
+
+    return StageInputs(trunk / "eval-inputs", frozenset(record))
 
 
 def _branch_save(study: Study, work: Path, run: Run, d: Path) -> dict[str, dict]:
@@ -472,7 +484,8 @@ def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, thread
         own = _branch_save(study, work_p, run, d)
         (d / "run.json").write_text(json.dumps({**asdict(run), "name": run.name, "commit": commit}, indent=2))
         cfg = config_from_dict(branch_config(study, run, trace))
-        sim = Simulator(cfg, d, progress=False, resume=True, probe=_heldout_probe(study, run, cfg, d))
+        sim = Simulator(cfg, d, progress=False, resume=True, probe=_heldout_probe(study, run, cfg, d),
+                        eval_inputs=_eval_inputs(_trunk_dir(work_p, run.trunk, run.trunk_seed)))
         if run.stage is not None and cfg.recovery.optimizer == "own":
             sim.executor.own_optimizer[run.stage] = own  # the lost stage's moments, as a copy of them would give
         init = _init(run.init) if run.init is not None else None

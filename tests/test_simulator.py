@@ -182,3 +182,20 @@ def test_checkfree_plus_edge_failure_in_a_full_run_keeps_replicas(tiny_cfg, tmp_
     assert summary["recoveries"] == 2 and summary["fallbacks"] == 0
     _assert_same_component(sim.workers[0], sim.workers[1], "embed", "end of run")
     _assert_same_component(sim.workers[2], sim.workers[3], "head", "end of run")
+
+
+def test_a_run_until_a_step_trains_the_steps_before_it_as_the_whole_run_does_and_saves_there(tiny_cfg, tmp_path):
+    """`run(until=N)`: the steps before N with the whole run's schedule (warmup-cosine over all its steps), the
+    evaluations and saves they have in it, and the save of the state ready for step N; nothing after."""
+    tiny_cfg.train.num_steps, tiny_cfg.train.eval_every = 6, 2
+    tiny_cfg.train.lr_schedule, tiny_cfg.train.warmup_steps = "warmup-cosine", 1
+    Simulator(tiny_cfg, tmp_path / "whole", progress=False).run()
+    part = Simulator(tiny_cfg, tmp_path / "part", progress=False, save_steps=(4,)).run(until=4)
+    assert part["status"] == "completed"
+    whole, got = read_jsonl(tmp_path / "whole" / "metrics.jsonl"), read_jsonl(tmp_path / "part" / "metrics.jsonl")
+    assert [m["step"] for m in got] == [0, 1, 2, 3]
+    assert [(m["lr"], m["loss"], m.get("val_loss")) for m in got] == [
+        (m["lr"], m["loss"], m.get("val_loss")) for m in whole[:4]]
+    assert (tmp_path / "part" / "saves" / "step-00000004" / "meta.json").is_file()
+    with pytest.raises(ValueError, match="until must be within 1..6"):
+        Simulator(tiny_cfg, tmp_path / "bad", progress=False).run(until=7)

@@ -340,3 +340,81 @@ def test_the_rendered_section_carries_the_files_numbers(tmp_path):
     docs = (tmp_path / "docs/recovery.md").read_text()
     assert "\nold\n" not in docs and text in docs
     assert (tmp_path / "README.md").read_text().endswith("-->\nafter\n")
+
+
+def _region(text: str, begin: str, end: str) -> str:
+    return text[text.index(begin) + len(begin):text.index(end)].strip()
+
+
+def test_the_current_step_copies_and_the_swarm_rounds_in_the_docs_are_their_result_files():
+    """docs/recovery.md's table of the copies of the current step and benchmarks/README.md's swarm rounds are the
+    renderings of their committed result files (`--current`, `--swarm`), or say they were not measured yet; each
+    file's worst values and ratios are those of its own rows."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.snapshots import (CURRENT_BEGIN, CURRENT_END, SWARM_FILES, render_current, render_swarm,
+                                      swarm_markers)
+
+    root = Path(__file__).resolve().parent.parent
+    regions = [("docs/recovery.md", "snapshots-current.json", CURRENT_BEGIN, CURRENT_END, render_current)]
+    regions += [("benchmarks/README.md", name, *swarm_markers(name), render_swarm) for name in SWARM_FILES]
+    for doc, name, begin, end, render in regions:
+        region = _region((root / doc).read_text(), begin, end)
+        path = root / "benchmarks" / "results" / name
+        if not path.exists():
+            assert region == "Not measured yet."
+            continue
+        result = json.loads(path.read_text())
+        assert region == render(result).strip()
+        if name == "snapshots-current.json":
+            for fmt, by in result["damage"].items():
+                assert result["worst"][fmt] == max(by.values()) and sorted(by) == ["1", "2", "3", "4"]
+                assert result["met"][fmt] == (result["worst"][fmt] <= result["bounds"][fmt])
+            assert result["eval_tokens"] >= 50_000
+        else:
+            t = result["per_round"]
+            assert len(t["snap"]) == len(t["checkfree"]) >= 5
+            assert result["ratios"] == pytest.approx([a / b for a, b in zip(t["snap"], t["checkfree"])])
+            assert result["overhead"] == pytest.approx(result["median"]["snap"] / result["median"]["checkfree"] - 1)
+
+
+def test_the_current_step_copies_and_the_swarm_rounds_render_their_files_numbers(tmp_path):
+    """What `--current` and `--swarm` write into the docs, from results of their form: bounds met or not as the
+    numbers say."""
+    from benchmarks.snapshots import render_costs, render_current, render_swarm, update_docs
+
+    current = {"command": "python -m benchmarks.snapshots --current --init-from M", "commit": "0123456789abcdef",
+               "eval_tokens": 50176, "wall_s": 401.2, "group": 64,
+               "damage": {"int8": {"1": 0.0012, "2": 0.0031}, "int4": {"1": 0.05, "2": 0.125}},
+               "worst": {"int8": 0.0031, "int4": 0.125}, "bounds": {"int8": 0.02, "int4": 0.1}}
+    text = render_current(current)
+    assert "| 2 | +0.00310 | +0.12500 |" in text and "a scale per 64 values" in text and "401 s" in text
+    assert "int8 +0.00310 nats (issue 42's bound: at most 0.02: met)" in text
+    assert "int4 +0.12500 nats (at most 0.1: not met)" in text
+    swarm = {"command": "python -m benchmarks.snapshots --swarm --init-from M", "commit": "0123456789abcdef",
+             "wall_s": 900.0, "load": [2.0, 3.5], "steps": 12, "skip": 2,
+             "per_round": {"snap": [1.0, 1.1, 2.0], "checkfree": [1.0, 1.0, 1.9]},
+             "median": {"snap": 1.1, "checkfree": 1.0}, "overhead": 0.1, "ratios": [1.0, 1.1, 2.0 / 1.9]}
+    text = render_swarm(swarm)
+    assert "| 1 | 1.100 | 1.000 | 1.100 |" in text and "3 interleaved rounds" in text
+    assert "1.100 s/step with streamed copies, 1.000 without: +10.0% (per round +0.0% to +10.0%)" in text
+    assert "within 3%: not met" in text and "an update every step (`--snapshot-every 1`" in text
+    means = {"snap": [1.2, 1.3, 2.0], "checkfree": [1.0, 1.0, 1.9]}
+    text = render_swarm({**swarm, "every": 10, "mean_per_round": means})
+    assert "an update every 10 steps (`--snapshot-every 10`" in text
+    assert "Mean step time, median over the rounds: 1.300 s with copies, 1.000 without (+30.0%)." in text
+    costs = render_costs({"costs_p10": {"int8": {"sent": 0.042, "held": 0.168},
+                                        "int8 +moments": {"sent": 0.21, "held": 0.503}}})
+    assert "| int8 | 4.2% | met | 16.8% | met |" in costs
+    assert "| int8 +moments | 21.0% | met | 50.3% | not met |" in costs
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks").mkdir()
+    from benchmarks.snapshots import CURRENT_BEGIN, CURRENT_END, SWARM_BEGIN, SWARM_END
+
+    (tmp_path / "docs/recovery.md").write_text(f"a\n{CURRENT_BEGIN}\nold\n{CURRENT_END}\nb\n")
+    (tmp_path / "benchmarks/README.md").write_text(f"a\n{SWARM_BEGIN}\nold\n{SWARM_END}\nb\n")
+    update_docs(root=tmp_path, current=current, swarm=swarm)
+    assert render_current(current) in (tmp_path / "docs/recovery.md").read_text()
+    readme = (tmp_path / "benchmarks/README.md").read_text()
+    assert readme == f"a\n{SWARM_BEGIN}\n{render_swarm(swarm)}\n{SWARM_END}\nb\n"
