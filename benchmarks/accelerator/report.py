@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from benchmarks.accelerator import SCIENCE_ITEMS
+
 __all__ = ["RESULTS", "BEGIN", "END", "summary_markdown", "render_region", "render_docs", "load_calls"]
 
 RESULTS = Path("benchmarks/results/accelerator")
@@ -149,9 +151,15 @@ def _speed(res: dict) -> list[str]:
     return lines
 
 
-def _science(res: dict) -> list[str]:
+FIGURE = re.compile(r"\[([^\]]+)\]\(([^)/\s]+\.png)\)")
+
+
+def _science(res: dict, figures: Path | None = None) -> list[str]:
+    """Each item's status and table. `figures` (the committed science folder, rendering docs/): a table's figure
+    links aimed at the item's committed copy (`figures/ITEM/NAME.png`, from docs/), a figure not committed named
+    without a link; without it (a call's own summary), the links as the study wrote them."""
     lines = []
-    for item in ("smollm2", "fig2-124m", "table2-500m"):
+    for item in ("smollm2", *SCIENCE_ITEMS):  # ("smollm2": the first run's item, curves and damage at once)
         r = res.get(item)
         if r is None:
             continue
@@ -160,7 +168,16 @@ def _science(res: dict) -> list[str]:
                      (f"; cut: {r['cut']}" if r.get("cut") and r.get("status") else "") +
                      (f"; error: `{str(r['error']).strip().splitlines()[0][:200]}`" if r.get("error") else ""))
         if r.get("table"):
-            lines += ["", "<details><summary>table</summary>", "", r["table"].strip(), "", "</details>", ""]
+            table = r["table"].strip()
+            if figures is not None:
+                def aim(m: re.Match, item: str = item) -> str:
+                    if (figures / item / m.group(2)).is_file():
+                        return f"[{m.group(1)}](../{RESULTS.as_posix()}/science/{item}/{m.group(2)})"
+                    return f"{m.group(1)} (not committed)"
+
+                table = FIGURE.sub(aim, table)
+            # markdown="1": the site (mkdocs' md_in_html) renders the table inside; GitHub does without it
+            lines += ["", '<details markdown="1"><summary>table</summary>', "", table, "", "</details>", ""]
     return lines or ["Not run."]
 
 
@@ -193,15 +210,17 @@ def commit_line(record: dict) -> str:
     return f"Commit {code.get('commit') or 'unknown'} ({_dirty(code.get('dirty'))}; from git where it ran)"
 
 
-def summary_markdown(record: dict) -> str:
-    """One call's summary (written beside callN.json on the device, printed at the end of the call)."""
+def summary_markdown(record: dict, figures: Path | None = None) -> str:
+    """One call's summary (written beside callN.json on the device, printed at the end of the call); `figures`:
+    see `_science`."""
     lines = [f"# Accelerator run, call {record.get('call')}" + (" (dry run, CPU)" if record.get("dry_run") else ""), "",
              f"{commit_line(record)}; started {record.get('started')}; {_f(record.get('wall_s'))} s.", ""]
     if record.get("device_sh"):
         lines += [f"device.sh: {record['device_sh'].get('error')} (exit {record['device_sh'].get('exit')}).", ""]
     lines += [_phase_line(n, r) for n, r in (record.get("phases") or {}).items()]
     for name, rec in (record.get("phases") or {}).items():
-        lines += ["", f"## {name}", ""] + SECTIONS[name](rec.get("results") or {})
+        results = rec.get("results") or {}
+        lines += ["", f"## {name}", ""] + (_science(results, figures) if name == "science" else SECTIONS[name](results))
     return "\n".join(lines) + "\n"
 
 
@@ -217,21 +236,38 @@ def render_region(results: Path) -> str:
         return NO_RUN
     parts = []
     for rec in calls:
-        body = summary_markdown(rec).split("\n", 2)[2]  # without the title: the page has its own headings
+        body = summary_markdown(rec, results / "science").split("\n", 2)[2]  # without the title: the page has its own headings
         what = " (the HF in/out check alone)" if rec.get("call") == "hf" else ""
         parts.append(f"**Call {rec.get('call')}**{what} (`{RESULTS}/call{rec.get('call')}.json`)\n\n"
                      + body.replace("\n## ", "\n#### "))
     return "\n".join(parts).strip()
 
 
-def render_docs(repo: Path, results: Path | None = None) -> bool:
-    """Rewrite the region of docs/performance.md; True when it changed."""
-    page = repo / "docs" / "performance.md"
+TIMINGS_BEGIN, TIMINGS_END = "<!-- BEGIN rendered: timings -->", "<!-- END rendered: timings -->"
+
+
+def _rewrite(page: Path, begin: str, end: str, body: str) -> bool:
     text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{page}: no {BEGIN} ... {END} region")
-    new = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END),
-                 lambda _: f"{BEGIN}\n{render_region(results or repo / RESULTS)}\n{END}", text, flags=re.S)
+    if begin not in text or end not in text:
+        raise ValueError(f"{page}: no {begin} ... {end} region")
+    new = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: f"{begin}\n{body}\n{end}", text, flags=re.S)
     if new != text:
         page.write_text(new)
     return new != text
+
+
+def render_timings(results: Path) -> str:
+    from benchmarks.accelerator.timings import TIMINGS, timings_markdown
+
+    path = results / TIMINGS
+    return timings_markdown(json.loads(path.read_text())) if path.is_file() else f"No {TIMINGS} yet."
+
+
+def render_docs(repo: Path, results: Path | None = None) -> dict[str, bool]:
+    """Rewrite the region of docs/performance.md and the timings of the results README; whether each changed."""
+    results = results or repo / RESULTS
+    out = {"docs/performance.md": _rewrite(repo / "docs" / "performance.md", BEGIN, END, render_region(results))}
+    readme = results / "README.md"
+    if readme.is_file():
+        out[str(RESULTS / "README.md")] = _rewrite(readme, TIMINGS_BEGIN, TIMINGS_END, render_timings(results))
+    return out
