@@ -1,8 +1,9 @@
 """The in-process test tier: a coordinator and several peers (the real `Coordinator` and `PeerDaemon`) in one
 event loop over the memory network (`checkfree.net.memory`), faults injected from outside by the local swarm's
 injector (`scheduler.injector`: a `FaultSchedule` acted out at the coordinator's one hook and around its
-transport): a scheduled kill is `MemoryNetwork.kill` (the peer unreachable, its running handlers cancelled) plus
-the cancellation of the peer's task, at the point the launcher would SIGKILL it.
+transport, peers armed through their fault hooks' control channel, `checkfree.peer_faults`): a scheduled kill is
+`MemoryNetwork.kill` (the peer unreachable, its running handlers cancelled) plus the cancellation of the peer's
+task, at the point the launcher would SIGKILL it, or where the peer's hook kills it.
 
 For the fast paths of the runtime (steps, routes, recovery orders, rollback, soft errors). What only real
 processes show (SIGKILL of a process, p2pd, sockets, signals, the launcher) stays in the subprocess tests.
@@ -19,7 +20,6 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from checkfree.config import RunConfig
 from checkfree.net.memory import MEMORY
+from checkfree.peer_faults import PeerFaults
 from checkfree.protocol import Timeouts
 from peers.daemon import PeerDaemon, PeerOptions
 from scheduler.common import CoordinatorOptions
@@ -73,7 +74,7 @@ class InProcessSwarm:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
 
-    def _die(self, pid: str, loop: asyncio.AbstractEventLoop, why: str) -> None:
+    def _die(self, loop: asyncio.AbstractEventLoop, pid: str, why: str) -> None:
         """A peer's own death by its fault hook (a replica mid-step or mid-reduce): the in-process SIGKILL, from the
         event loop or the peer's compute thread; raises so that the dying peer computes nothing more."""
         loop.call_soon_threadsafe(lambda: loop.create_task(self._inject("kill", {"peer": pid, "why": why})))
@@ -89,16 +90,17 @@ class InProcessSwarm:
         schedule = FaultSchedule(handler=self._inject, **self.faults)
         coordinator = self.coordinator = Coordinator(self.cfg, opts, Injector(schedule))
         main = asyncio.create_task(coordinator.run(), context=_context("coordinator"))
+        loop = asyncio.get_running_loop()
         for _ in range(self.peers):
             d = PeerDaemon(PeerOptions(run_id="inproc", transport="memory", timeouts=self.timeouts, leave_deadline=2.0,
-                                       coordinator_timeout=30.0, **self.peer_options))
+                                       coordinator_timeout=30.0, **self.peer_options),
+                           PeerFaults(lambda pid, why: self._die(loop, pid, why)))
             task = asyncio.create_task(d.run(), context=_context("peer"))
             await asyncio.sleep(0)  # the daemon's transport exists (peer id known) once it has started
             while d.membership.transport is None:
                 await asyncio.sleep(0.01)
             pid = str(d.membership.transport.peer_id)
             self.daemons[pid], self.tasks[pid] = d, task
-            d.debug.die = functools.partial(self._die, pid, asyncio.get_running_loop())
         try:
             summary = await main
         finally:

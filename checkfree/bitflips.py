@@ -127,7 +127,7 @@ class FaultInjector:
     @classmethod
     def from_schedule(cls, schedule: Iterable[Fault | Sequence], *, seed: int = 0) -> FaultInjector:
         """Build from (call, site, kind[, row, col]) tuples or `Fault`s."""
-        return cls(schedule=list(schedule), seed=seed)
+        return cls(schedule=[f if isinstance(f, Fault) else Fault(*f) for f in schedule], seed=seed)
 
     @classmethod
     def random(

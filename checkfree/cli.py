@@ -10,11 +10,11 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from checkfree.config import PRESETS, RunConfig, config_from_dict, preset
+from checkfree.config import PRESETS, SNAPSHOT_FORMATS, RunConfig, config_from_dict, preset
 from checkfree.costmodel import NETWORKS
 from checkfree.failures import schedule_from_config, write_trace
 from checkfree.net import TRANSPORTS  # the package alone: hivemind is not loaded
@@ -126,13 +126,27 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _keyed(f, "--failure-seed", "failures.seed", type=int, help="seed of the failure draws")
     _keyed(f, "--protect-edges", "failures.protect_edges", choices=("yes", "no"), convert=_yes,
            help="never fail the first/last stage (none: yes for plain strategies, no for checkfree+)")
-    st = p.add_argument_group("strategies (checkpoint, redundant, gemini, reft, baft, checkfree+snap) and cost model")
+    st = p.add_argument_group("strategies (checkpoint, redundant, gemini, reft, baft, checkfree+snap, snap) and cost "
+                                "model")
     _keyed(st, "--checkpoint-every", "strategy.checkpoint_every", type=int, help="checkpoint: steps between checkpoints")
     _keyed(st, "--storage-dir", "strategy.storage_dir", help="checkpoint storage directory (none: <out>/checkpoints)")
     _keyed(st, "--storage-fallback", "strategy.storage_fallback", choices=("yes", "no"), convert=_yes,
            help="gemini/reft/baft/redundant: also checkpoint every --checkpoint-every steps and roll back to it when "
                 "in-memory copies are lost")
-    _keyed(st, "--snapshot-every", "strategy.snapshot_every", type=int, help="gemini/reft/checkfree+snap: steps between snapshots")
+    _keyed(st, "--snapshot-every", "strategy.snapshot_every", type=int,
+           help="gemini/reft/checkfree+snap/snap: steps between snapshots")
+    _keyed(st, "--snapshot-format", "strategy.snapshot_format", choices=SNAPSHOT_FORMATS,
+           help="snap: how each stage's copy at its neighbour is kept and sent: int8 (a scale per row), int4 (a "
+                "scale per --snapshot-group values), bf16 or float32")
+    _keyed(st, "--snapshot-group", "strategy.snapshot_group", type=int, help="snap: values per int4 scale")
+    _keyed(st, "--snapshot-moments", "strategy.snapshot_moments", choices=("yes", "no"), convert=_yes,
+           help="snap: the Adam moments travel too (no: a restored stage starts a fresh optimizer)")
+    _keyed(st, "--snapshot-budget", "strategy.snapshot_budget", type=int, metavar="BYTES",
+           help="snap: bytes of its copy a stage sends per step, while the step computes (0: a delta's bytes: a "
+                "delta travels in one step, the first whole copy in two or three)")
+    _keyed(st, "--snapshot-rebuild", "strategy.snapshot_rebuild",
+           choices=tuple(r for r, rule in RECOVERY_RULES.items() if not rule.plus),
+           help="snap: how a stage whose copy was lost too (its holder died with it) is rebuilt")
     _keyed(st, "--gemini-replicas", "strategy.gemini_replicas", type=int,
            help="gemini: peers holding each snapshot, own included")
     _keyed(st, "--reft-group", "strategy.reft_group", type=int, help="reft: stages per XOR-parity group")
@@ -169,7 +183,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def override_config(cfg: RunConfig, values: dict[str, Any], dotlist: list[str] = ()) -> RunConfig:
+def override_config(cfg: RunConfig, values: dict[str, Any], dotlist: Sequence[str] = ()) -> RunConfig:
     """`cfg` with `values` ({dotted key: value}) and then `dotlist` ("key=value" strings) merged in, every
     key and value checked against the typed tree (OmegaConf), every section re-validated."""
     from omegaconf import OmegaConf
@@ -192,7 +206,7 @@ def override_config(cfg: RunConfig, values: dict[str, Any], dotlist: list[str] =
             merged = OmegaConf.merge(merged, layer())
         except OmegaConfBaseException as e:
             raise ValueError(f"{source}: {str(e).splitlines()[0]}") from None
-    return config_from_dict(OmegaConf.to_container(merged))
+    return config_from_dict(cast(dict[str, Any], OmegaConf.to_container(merged)))
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -222,8 +236,22 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         configure_from_hf(cfg, model_config=args.model_config, init_from=args.init_from)
     values = {key: convert(getattr(args, dest)) for dest, (key, convert) in CONFIG_FLAGS.items()
               if getattr(args, dest, None) is not None}
-    cfg = override_config(cfg, values, getattr(args, "set", None) or [])
+    fresh = getattr(args, "init_from", None) and not args.config  # a new run from a trained model
+    dotlist = getattr(args, "set", None) or []
+    defaulted = fresh and "recovery.strategy" not in values and not any(
+        s.split("=", 1)[0].strip() == "recovery.strategy" for s in dotlist)
+    if defaulted:  # the measurements' choice for a trained model (checkfree.advice)
+        from checkfree.advice import PRETRAINED_DEFAULT
+
+        values["recovery.strategy"] = PRETRAINED_DEFAULT
+    cfg = override_config(cfg, values, dotlist)
     validate(cfg)
+    if fresh:
+        from checkfree.advice import default_note, measured, warnings_for
+
+        m = measured()
+        for line in ([default_note(m)] if defaulted else []) + warnings_for(cfg.recovery.strategy, m):
+            print(line, file=sys.stderr, flush=True)
     return cfg
 
 
@@ -278,7 +306,24 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=30.0,
                    help="seconds to wait for the p2p daemon (raise it if you see 'Daemon failed to start')")
     add_transport_arguments(g)
+    add_relay_arguments(g)
     add_timeout_arguments(p)
+
+
+def add_relay_arguments(g: argparse._ActionsContainer) -> None:
+    """Peers behind NAT (checkfree.net.relay): peer, scheduler and local."""
+    g.add_argument("--no-relay", action="store_true",
+                   help="relays off. A peer: never be reached through a relay; if the coordinator cannot connect to "
+                        "it (behind NAT or a firewall) it exits with one line saying so. The coordinator: relay for "
+                        "no peer. Default: the coordinator probes each joining peer and relays for those it cannot "
+                        "reach")
+    g.add_argument("--relay-via", nargs="*", default=[], metavar="MADDR",
+                   help="a peer behind NAT: be reached through this relay (the full multiaddr of a public peer "
+                        "started with --serve-relay) instead of the coordinator")
+
+
+def relay_options(args: argparse.Namespace) -> dict:
+    return dict(relay=not args.no_relay, relay_via=list(getattr(args, "relay_via", []) or []))
 
 
 TIMEOUT_FLAGS = ("heartbeat_ttl", "rpc_timeout", "step_timeout", "join_timeout")
@@ -334,7 +379,8 @@ def network_options(args: argparse.Namespace) -> dict:
     return dict(run_id=args.run_id, initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs),
                 announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
                 startup_timeout=args.startup_timeout, secret_file=args.secret_file, transport=args.transport,
-                libp2p_port=args.libp2p_port, tcp_port=args.tcp_port, timeouts=timeouts_from_args(args))
+                libp2p_port=args.libp2p_port, tcp_port=args.tcp_port, timeouts=timeouts_from_args(args),
+                **relay_options(args))
 
 
 def warn_if_overwriting(args: argparse.Namespace) -> None:

@@ -165,6 +165,9 @@ class FailureConfig:
     protect_edges: bool | None = None  # never fail stage 0 / S-1; default: True for plain strategies
 
 
+SNAPSHOT_FORMATS = ("int8", "int4", "bf16", "float32")  # snap's copies (checkfree.snapcodec)
+
+
 @dataclass(kw_only=True)
 class StrategyConfig:
     """Fault-tolerance strategies other than averaging, and the cost model (checkfree.strategies)."""
@@ -172,7 +175,13 @@ class StrategyConfig:
     checkpoint_every: int = 50  # checkpoint: steps between persistent checkpoints (also storage_fallback's)
     storage_dir: str | None = None  # where checkpoints are written; default <run dir>/checkpoints
     storage_fallback: bool = False  # in-memory strategies also checkpoint and roll back to it when copies are lost
-    snapshot_every: int = 10  # gemini, reft, checkfree+snap: steps between in-memory snapshots
+    snapshot_every: int = 10  # gemini, reft, checkfree+snap, snap: steps between in-memory snapshots
+    # snap: each stage's copy at its neighbour (checkfree.snapcodec): int8 | int4 | bf16 | float32
+    snapshot_format: str = "int8"
+    snapshot_group: int = 64  # snap: values per int4 scale
+    snapshot_moments: bool = False  # snap: the Adam moments travel too (else a restored stage gets a fresh optimizer)
+    snapshot_budget: int = 0  # snap: bytes of its copy a stage sends per step (0: a delta's: one delta per step)
+    snapshot_rebuild: str = "checkfree"  # snap: how a stage whose copy is gone too is rebuilt (a recovery rule)
     gemini_replicas: int = 2  # gemini: m, machines holding each stage's snapshot (own included)
     reft_group: int = 3  # reft: stages per XOR-parity group (the remainder joins the last group)
     baft_max_iterations: int = 4  # baft: iterations a backup may be spread over before it is an error
@@ -183,6 +192,13 @@ class StrategyConfig:
         for name in ("checkpoint_every", "snapshot_every", "gemini_replicas", "baft_max_iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"strategy.{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_format not in SNAPSHOT_FORMATS:
+            raise ValueError(f"unknown snapshot format {self.snapshot_format!r}; choose one of "
+                             f"{', '.join(SNAPSHOT_FORMATS)}")
+        if self.snapshot_group < 4 or self.snapshot_group % 4:
+            raise ValueError(f"strategy.snapshot_group must be a multiple of 4 and >= 4, got {self.snapshot_group}")
+        if self.snapshot_budget < 0:
+            raise ValueError(f"strategy.snapshot_budget must be >= 0 (0: automatic), got {self.snapshot_budget}")
         if self.reft_group < 2:
             raise ValueError(f"strategy.reft_group must be >= 2 (XOR parity needs a partner), got {self.reft_group}")
         if self.detection_s is not None and self.detection_s < 0:

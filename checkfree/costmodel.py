@@ -342,9 +342,9 @@ class CostModel:
         if not self.profile.pipelined:
             extra = self.M * sum(self.flops[(i + 1) % self.S] for i in range(self.S)) / self.profile.flops_per_s
             return self.profile.redundant_slowdown * extra + self.S * ship
-        extra = [self.profile.redundant_slowdown * self.flops[(i + 1) % self.S] / self.profile.flops_per_s
-                 for i in range(self.S)]
-        return self.pipeline_s(extra_forward=extra) - self.pipeline_s() + ship
+        per_stage = [self.profile.redundant_slowdown * self.flops[(i + 1) % self.S] / self.profile.flops_per_s
+                     for i in range(self.S)]
+        return self.pipeline_s(extra_forward=per_stage) - self.pipeline_s() + ship
 
     def comm_busy_s(self) -> float:
         """Seconds per step the busiest link carries activations (both directions)."""

@@ -45,7 +45,7 @@ class DataError(ValueError):
 
 
 def cache_dir(cfg: DataConfig) -> Path:
-    root = Path(cfg.cache_dir or os.environ.get("CHECKFREE_CACHE", Path.home() / ".cache" / "checkfree"))
+    root = Path(cfg.cache_dir or os.environ.get("CHECKFREE_CACHE") or Path.home() / ".cache" / "checkfree")
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -313,7 +313,7 @@ def _tmp_tag() -> str:
 def _sweep_stale(directory: Path) -> None:
     """Remove the temporary files of preparations whose process is gone (killed mid-way)."""
     for tmp in directory.glob("tokens-*.tmp*"):
-        pid = re.match(r"\d*", tmp.name.rsplit(".tmp", 1)[1]).group()
+        pid = re.findall(r"^\d*", tmp.name.rsplit(".tmp", 1)[1])[0]
         try:
             os.kill(int(pid), 0)
         except (ValueError, ProcessLookupError):
@@ -340,7 +340,9 @@ def prepare_tokens(cfg: DataConfig, tok, corpus: str, *, progress: bool = True) 
     total = sum(f.stat().st_size for f in files) if files else 0
     bar = Progress(total, "preparing tokens", unit="B", enabled=progress and total > 0, every=max(1, total // 10))
     tmp = root / f"{stem}.{_tmp_tag()}.bin"
-    count, done, batch, ends, size = 0, 0, [], [], 0
+    batch: list[str] = []
+    ends: list[bool] = []
+    count, done, size = 0, 0, 0
     try:
         with open(tmp, "wb") as out:
             def flush() -> None:

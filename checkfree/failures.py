@@ -38,7 +38,7 @@ def bernoulli_schedule(num_stages: int, num_steps: int, p: float, seed: int,
     """Independent failures with probability p per stage per step; `protect` never fail."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"failure probability must be in [0, 1], got {p}")
-    events = []
+    events: list[tuple[int, int]] = []
     for step in range(num_steps):
         draws = np.random.default_rng([seed, step]).random(num_stages)
         events.extend((step, s) for s in range(num_stages) if draws[s] < p and s not in protect)

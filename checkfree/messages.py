@@ -22,7 +22,7 @@ strings. Every request also carries the envelope's fields (`Envelope`: the run, 
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Any, ClassVar, ForwardRef, Generic, TypeVar, Union, cast, get_args, get_origin
 
 import msgspec
 
@@ -33,28 +33,33 @@ from checkfree.recovery import Neighbours
 __all__ = ["Message", "Request", "Envelope", "BadReply", "Ok", "StepFigures", "PeerCopy", "OwnCopy", "StorageCopy",
            "ParityCopy", "InitialState", "Origin", "Assign", "AssignFresh", "AssignLoad", "AssignRecover",
            "AssignRestore", "AssignHandover", "AssignPromote", "AssignReplica", "AssignRequest", "Assigned",
-           "BackupShare", "RunStep", "StepDone", "Pass", "Forward", "Backward", "GetPass", "ComponentGrad", "Commit",
+           "BackupShare", "CopyWork", "CopyChunk", "RunStep", "StepDone", "Pass", "Forward", "Backward", "GetPass", "ComponentGrad", "Commit",
            "Committed", "SoftErrors", "Abort", "Reroute", "Rerouted", "Reduce", "Reduced", "GetWeights", "Weights",
            "GetState", "State", "KeepHolders", "KeepParity", "KeepStorage", "Keep", "Snapshot", "Snapshotted",
            "StoreSnapshot", "Stored", "FetchSnapshot", "Restore", "TakeReplica", "ReplicaTaken", "ReplicaGrad",
            "GetReplica", "BackupStart", "BackupTaken", "BackupPart", "BackupCommit", "BackupsHeld", "ReftChunk",
            "ReftFetch", "ParityMeta", "CompanionStore", "CompanionFetch", "CompanionStop", "Ping", "Pong",
            "Shutdown", "Ready", "LastCommit", "Adopt", "Adopted", "Join", "Joined", "Report", "Leave", "Left",
-           "Status", "RunStatus", "REQUESTS", "REPLIES", "to_wire", "as_record", "from_wire", "reply_of",
+           "Status", "RunStatus", "REQUESTS", "REPLIES", "reply_type", "to_wire", "as_record", "from_wire", "reply_of",
+           "reply_to",
            "required_fields", "REQUEST_FIELDS", "request", "check_request", "envelope"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A message body (request or reply)."""
 
 
-class Request(Message, kw_only=True):
+class Request(Message, Generic[R], frozen=True, kw_only=True):
+    """A request whose reply is an `R` (`Join` is a `Request[Joined]`): a call returns the reply type of its request,
+    for the type checker too (scheduler/rpc.py, peers/membership.py)."""
+
     rpc: ClassVar[str]
 
 
-class Envelope(Message, kw_only=True):
+class Envelope(Message, frozen=True, kw_only=True):
     """What every request carries besides its own fields: the run it belongs to, and (with a run secret) the
     sender's membership token."""
 
@@ -67,12 +72,12 @@ class BadReply(TransportError):
 
 
 # ---- replies shared by many RPCs ------------------------------------------------------------------------
-class Ok(Message, kw_only=True):
+class Ok(Message, frozen=True, kw_only=True):
     ok: bool = True
     duplicate: bool = False  # a pass that arrived again (a sibling's redo): nothing computed twice
 
 
-class StepFigures(Message, kw_only=True):
+class StepFigures(Message, frozen=True, kw_only=True):
     """What a peer measured of one step (metrics.jsonl: scheduler.common.step_figures)."""
 
     bytes_sent: int = 0  # tensor payload bytes sent
@@ -88,23 +93,23 @@ class StepFigures(Message, kw_only=True):
 
 
 # ---- ASSIGN: a standby told which stage to serve, and where its state comes from --------------------------
-class PeerCopy(Message, tag_field="kind", tag="peer", kw_only=True):
+class PeerCopy(Message, frozen=True, tag_field="kind", tag="peer", kw_only=True):
     """A copy another peer keeps (a snapshot, a backup)."""
 
     peer: str
 
 
-class OwnCopy(Message, tag_field="kind", tag="own", kw_only=True):
+class OwnCopy(Message, frozen=True, tag_field="kind", tag="own", kw_only=True):
     """The copy this peer keeps of its own stage."""
 
 
-class StorageCopy(Message, tag_field="kind", tag="storage", kw_only=True):
+class StorageCopy(Message, frozen=True, tag_field="kind", tag="storage", kw_only=True):
     """The stage's file of a checkpoint in `storage` (checkfree.strategies.storage)."""
 
     storage: str
 
 
-class ParityCopy(Message, tag_field="kind", tag="parity", kw_only=True):
+class ParityCopy(Message, frozen=True, tag_field="kind", tag="parity", kw_only=True):
     """Decoded from a parity group: its members' peers in order (`group`) and the lost one's `index`; the lost
     peer's snapshot companion is tried first when it may have survived."""
 
@@ -113,32 +118,30 @@ class ParityCopy(Message, tag_field="kind", tag="parity", kw_only=True):
     companion: str | None = None
 
 
-class InitialState(Message, tag_field="kind", tag="init", kw_only=True):
+class InitialState(Message, frozen=True, tag_field="kind", tag="init", kw_only=True):
     """The stage's initial state (step 0)."""
 
 
 Origin = Union[PeerCopy, OwnCopy, StorageCopy, ParityCopy, InitialState]
 
 
-class Assign(Request, tag_field="mode", kw_only=True):
+class Assign(Request["Assigned"], frozen=True, tag_field="mode", kw_only=True):
     rpc = RPC.ASSIGN
     stage: int
     release: bool = False  # a stage group's replica lets its stage go first (it rebuilds another)
-    inject_delay: tuple[float, int] | None = None  # diagnostic: seconds per compute, from step (--chaos-slow)
-    chaos_die_after_pulls: int | None = None  # fault injection: SIGKILL itself after this many weight pulls
 
 
-class AssignFresh(Assign, tag="fresh", kw_only=True):
+class AssignFresh(Assign, frozen=True, tag="fresh", kw_only=True):
     step: int = 0
 
 
-class AssignLoad(Assign, tag="load", kw_only=True):
+class AssignLoad(Assign, frozen=True, tag="load", kw_only=True):
     """A resumed run's saved state, carried by the message itself (one uint8 tensor)."""
 
     step: int
 
 
-class AssignRecover(Assign, tag="recover", kw_only=True):
+class AssignRecover(Assign, frozen=True, tag="recover", kw_only=True):
     """Rebuild a lost stage from live neighbours' weights (`sources`: stage -> its peer)."""
 
     plan: Neighbours
@@ -146,7 +149,7 @@ class AssignRecover(Assign, tag="recover", kw_only=True):
     step: int
 
 
-class AssignRestore(Assign, tag="restore", kw_only=True):
+class AssignRestore(Assign, frozen=True, tag="restore", kw_only=True):
     """Take the lost stage's copy of `step`; with `serve_step`, serve from that step on (restored alone, nobody
     rolls back), its embedding / head from the live co-holders `edges` (component -> [stage, peer])."""
 
@@ -156,7 +159,7 @@ class AssignRestore(Assign, tag="restore", kw_only=True):
     edges: dict[str, tuple[int, str]] = {}
 
 
-class AssignHandover(Assign, tag="handover", kw_only=True):
+class AssignHandover(Assign, frozen=True, tag="handover", kw_only=True):
     """A leaving peer's (`source`) exact state, and the in-memory snapshots it holds (`held`: owner stage -> step,
     fetched from it with FETCH_SNAPSHOT; under ReFT its own, with its parity block, with REFT_FETCH): the new peer
     holds them in its place."""
@@ -166,14 +169,14 @@ class AssignHandover(Assign, tag="handover", kw_only=True):
     held: dict[int, int] = {}
 
 
-class AssignPromote(Assign, tag="promote", kw_only=True):
+class AssignPromote(Assign, frozen=True, tag="promote", kw_only=True):
     """The replica the lost stage's ring predecessor (`source`) keeps."""
 
     source: str
     step: int
 
 
-class AssignReplica(Assign, tag="replica", kw_only=True):
+class AssignReplica(Assign, frozen=True, tag="replica", kw_only=True):
     """Join a stage group: a live replica's (`source`) exact state."""
 
     source: str
@@ -184,7 +187,7 @@ AssignRequest = Union[AssignFresh, AssignLoad, AssignRecover, AssignRestore, Ass
                       AssignReplica]
 
 
-class Assigned(Message, kw_only=True):
+class Assigned(Message, frozen=True, kw_only=True):
     stage: int
     assign_s: float = 0.0
     bytes: int = 0  # moved to build the stage
@@ -197,7 +200,7 @@ class Assigned(Message, kw_only=True):
 
 
 # ---- a step ------------------------------------------------------------------------------------------
-class BackupShare(Message, kw_only=True):
+class BackupShare(Message, frozen=True, kw_only=True):
     """BAFT: the part of the backup of `step` this step's bubbles carry: each stage's share of its bytes
     (`bounds`) to its holder (`holders`, its stage `holder_stages`)."""
 
@@ -208,7 +211,21 @@ class BackupShare(Message, kw_only=True):
     bounds: dict[int, tuple[float, float]]
 
 
-class RunStep(Request, kw_only=True):
+class CopyWork(Message, frozen=True, kw_only=True):
+    """snap: what one stage does for its streamed copy in this step (checkfree.plans.CopyPart): send part `part`
+    of `parts` of the update of its copy as of `step` (`kind` full, or delta on the holder's copy of `base`) to
+    its holder's peer `holder` (stage `holder_stage`); part 0 is encoded first, before this step's commit."""
+
+    step: int
+    kind: str
+    base: int | None = None
+    part: int
+    parts: int
+    holder: str
+    holder_stage: int
+
+
+class RunStep(Request["StepDone"], frozen=True, kw_only=True):
     rpc = RPC.RUN_STEP
     step: int
     attempt: int
@@ -218,49 +235,49 @@ class RunStep(Request, kw_only=True):
     hops: list[list[str]] | None = None  # stage groups: the peer of every hop of every microbatch
     groups: dict[int, list[str]] | None = None  # stage groups: stage -> its replicas
     backup: BackupShare | None = None
-    chaos_die_after_forwards: int | None = None  # fault injection: a replica dies after this many forwards
+    copies: dict[int, CopyWork] | None = None  # snap: by stage, the part of its streamed copy the step carries
 
 
-class StepDone(StepFigures, kw_only=True):
+class StepDone(StepFigures, frozen=True, kw_only=True):
     losses: dict[int, float] = {}  # microbatch -> its share of the step loss (a head stage's)
     stage: int = -1
 
 
-class Pass(Request, kw_only=True):
+class Pass(Request[Ok], frozen=True, kw_only=True):
     step: int
     attempt: int
     mb: int
     hop: int
 
 
-class Forward(Pass, kw_only=True):
+class Forward(Pass, frozen=True, kw_only=True):
     rpc = RPC.FORWARD
     sent: float | None = None  # an emulated WAN: the sender's clock (the receiver measures the hop's delay)
 
 
-class Backward(Pass, kw_only=True):
+class Backward(Pass, frozen=True, kw_only=True):
     rpc = RPC.BACKWARD
     sent: float | None = None
 
 
-class GetPass(Pass, kw_only=True):
+class GetPass(Pass, frozen=True, kw_only=True):
     rpc = RPC.GET_PASS
 
 
-class ComponentGrad(Request, kw_only=True):
+class ComponentGrad(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.COMPONENT_GRAD
     step: int
     attempt: int
     comp: str
 
 
-class Commit(Request, kw_only=True):
+class Commit(Request["Committed"], frozen=True, kw_only=True):
     rpc = RPC.COMMIT
     step: int
     attempt: int
 
 
-class Committed(Message, kw_only=True):
+class Committed(Message, frozen=True, kw_only=True):
     pre: float
     post: float
     block_post: float
@@ -272,19 +289,21 @@ class Committed(Message, kw_only=True):
     soft_errors: dict[str, int] = {}  # the soft-error guard's counters
     redundant_s: float | None = None  # redundant computation: the step's redundant forwards
     replica_bytes: int | None = None  # ...and the gradients shipped to the replica's holder
+    copy_sent: tuple[int, int] | None = None  # snap: (copy step, part) of the part the holder acknowledged
+    copy_bytes: int | None = None  # snap: ...its bytes
 
 
-class SoftErrors(Message, kw_only=True):
+class SoftErrors(Message, frozen=True, kw_only=True):
     """The detail of a SOFT_ERROR step failure: the guard's counters."""
 
     soft_errors: dict[str, int] = {}
 
 
-class Abort(Request, kw_only=True):
+class Abort(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.ABORT
 
 
-class Reroute(Request, kw_only=True):
+class Reroute(Request["Rerouted"], frozen=True, kw_only=True):
     """Stage groups: a lost replica's (`dead`) microbatches `mbs` go to its sibling `to`."""
 
     rpc = RPC.REROUTE
@@ -295,14 +314,14 @@ class Reroute(Request, kw_only=True):
     mbs: list[int]
 
 
-class Rerouted(StepFigures, kw_only=True):
+class Rerouted(StepFigures, frozen=True, kw_only=True):
     ok: bool = True
     losses: dict[int, float] = {}
     redone: int | None = None  # the sibling: the microbatches it redid
     redo_s: float | None = None
 
 
-class Reduce(Request, kw_only=True):
+class Reduce(Request["Reduced"], frozen=True, kw_only=True):
     """Stage groups: sum the step's gradients over the group (gloo, through the coordinator's TCPStore)."""
 
     rpc = RPC.REDUCE
@@ -312,132 +331,130 @@ class Reduce(Request, kw_only=True):
     rank: int
     size: int
     store: str
-    buckets: int = 1
-    chaos_die_in_reduce: bool = False  # fault injection: die half-way through the buckets
 
 
-class Reduced(Message, kw_only=True):
+class Reduced(Message, frozen=True, kw_only=True):
     reduce_s: float
     reduce_bytes: int
 
 
 # ---- weights and state ---------------------------------------------------------------------------------
-class GetWeights(Request, kw_only=True):
+class GetWeights(Request["Weights"], frozen=True, kw_only=True):
     rpc = RPC.GET_WEIGHTS
     part: str  # blocks | embed | head | all
     step: int | None = None
 
 
-class Weights(Message, kw_only=True):
+class Weights(Message, frozen=True, kw_only=True):
     keys: list[str]
     omega: float
     stage: int
     optim: list[list[str]] = []  # a replicated component's Adam state: [parameter, field] per tensor
 
 
-class GetState(Request, kw_only=True):
+class GetState(Request["State"], frozen=True, kw_only=True):
     rpc = RPC.GET_STATE
     step: int
 
 
-class State(Message, kw_only=True):
+class State(Message, frozen=True, kw_only=True):
     stage: int
     next_step: int = 0
 
 
 # ---- snapshots, checkpoints and rollbacks ---------------------------------------------------------------
-class KeepHolders(Message, tag_field="kind", tag="holders", kw_only=True):
+class KeepHolders(Message, frozen=True, tag_field="kind", tag="holders", kw_only=True):
     """Kept in memory by these peers (this one among them or not)."""
 
     peers: list[str]
 
 
-class KeepParity(Message, tag_field="kind", tag="parity", kw_only=True):
+class KeepParity(Message, frozen=True, tag_field="kind", tag="parity", kw_only=True):
     """reft: kept here, and a chunk to every other member of the parity group for its parity block."""
 
     group: list[str]
     index: int
 
 
-class KeepStorage(Message, tag_field="kind", tag="storage", kw_only=True):
+class KeepStorage(Message, frozen=True, tag_field="kind", tag="storage", kw_only=True):
     storage: str
 
 
 Keep = Union[KeepHolders, KeepParity, KeepStorage]
 
 
-class Snapshot(Request, kw_only=True):
+class Snapshot(Request["Snapshotted"], frozen=True, kw_only=True):
     rpc = RPC.SNAPSHOT
     step: int
     keep: Keep
 
 
-class Snapshotted(Message, kw_only=True):
+class Snapshotted(Message, frozen=True, kw_only=True):
     bytes: int
     sent: int = 0
     seconds: float = 0.0
     companion: str | None = None  # reft: where this peer's snapshot companion listens
 
 
-class StoreSnapshot(Request, kw_only=True):
+class StoreSnapshot(Request["Stored"], frozen=True, kw_only=True):
     rpc = RPC.STORE_SNAPSHOT
     owner: int
     step: int
 
 
-class Stored(Message, kw_only=True):
+class Stored(Message, frozen=True, kw_only=True):
     ok: bool = True
     held: list[int] = []
 
 
-class FetchSnapshot(Request, kw_only=True):
+class FetchSnapshot(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.FETCH_SNAPSHOT
     owner: int
     step: int
 
 
-class Restore(Request, kw_only=True):
+class Restore(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.RESTORE
     step: int
     origin: Origin
 
 
 # ---- redundant computation ---------------------------------------------------------------------------
-class TakeReplica(Request, kw_only=True):
+class TakeReplica(Request["ReplicaTaken"], frozen=True, kw_only=True):
     rpc = RPC.TAKE_REPLICA
     source: str
     step: int
 
 
-class ReplicaTaken(Message, kw_only=True):
+class ReplicaTaken(Message, frozen=True, kw_only=True):
     stage: int
     bytes: int
 
 
-class ReplicaGrad(Request, kw_only=True):
+class ReplicaGrad(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.REPLICA_GRAD
     step: int
     stage: int
     names: list[str]
 
 
-class GetReplica(Request, kw_only=True):
+class GetReplica(Request[State], frozen=True, kw_only=True):
     rpc = RPC.GET_REPLICA
     step: int
 
 
 # ---- BAFT's backups ----------------------------------------------------------------------------------
-class BackupStart(Request, kw_only=True):
+class BackupStart(Request["BackupTaken"], frozen=True, kw_only=True):
     rpc = RPC.BACKUP_START
     step: int
 
 
-class BackupTaken(Message, kw_only=True):
+class BackupTaken(Message, frozen=True, kw_only=True):
     bytes: int
     units: list[int]
 
 
-class BackupPart(Request, kw_only=True):
+class BackupPart(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.BACKUP_PART
     owner: int
     step: int
@@ -445,17 +462,32 @@ class BackupPart(Request, kw_only=True):
     total: int
 
 
-class BackupCommit(Request, kw_only=True):
+class CopyChunk(Request[Ok], frozen=True, kw_only=True):
+    """snap: the bytes [offset, offset + len) of the update (`kind`, on the holder's copy of `base`) of stage
+    `owner`'s copy as of `step`, `total` bytes in all: part `part` of `parts`."""
+
+    rpc = RPC.COPY_PART
+    owner: int
+    step: int
+    kind: str
+    base: int | None = None
+    part: int
+    parts: int
+    offset: int
+    total: int
+
+
+class BackupCommit(Request["BackupsHeld"], frozen=True, kw_only=True):
     rpc = RPC.BACKUP_COMMIT
     step: int
 
 
-class BackupsHeld(Message, kw_only=True):
+class BackupsHeld(Message, frozen=True, kw_only=True):
     held: list[int] = []
 
 
 # ---- REFT's parity ------------------------------------------------------------------------------------
-class ReftChunk(Request, kw_only=True):
+class ReftChunk(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.REFT_CHUNK
     step: int
     owner: int
@@ -464,12 +496,12 @@ class ReftChunk(Request, kw_only=True):
     length: int
 
 
-class ReftFetch(Request, kw_only=True):
+class ReftFetch(Request["ParityMeta"], frozen=True, kw_only=True):
     rpc = RPC.REFT_FETCH
     step: int
 
 
-class ParityMeta(Message, kw_only=True):
+class ParityMeta(Message, frozen=True, kw_only=True):
     """A parity block's place in its group (checkfree.baselines.Raim5Block)."""
 
     holder: int
@@ -477,7 +509,7 @@ class ParityMeta(Message, kw_only=True):
     lengths: list[int]
 
 
-class CompanionStore(ParityMeta, kw_only=True):
+class CompanionStore(ParityMeta, frozen=True, kw_only=True):
     """reft: the peer's snapshot and parity block, kept by its companion process (peers/companion.py)."""
 
     rpc: ClassVar[str] = "cf.companion_store"
@@ -485,31 +517,31 @@ class CompanionStore(ParityMeta, kw_only=True):
     stage: int
 
 
-class CompanionFetch(Message, kw_only=True):
+class CompanionFetch(Message, frozen=True, kw_only=True):
     rpc: ClassVar[str] = "cf.companion_fetch"
     step: int
 
 
-class CompanionStop(Message, kw_only=True):
+class CompanionStop(Message, frozen=True, kw_only=True):
     rpc: ClassVar[str] = "cf.companion_stop"
 
 
 # ---- membership ---------------------------------------------------------------------------------------
-class Ping(Request, kw_only=True):
+class Ping(Request["Pong"], frozen=True, kw_only=True):
     rpc = RPC.PING
 
 
-class Pong(Message, kw_only=True):
+class Pong(Message, frozen=True, kw_only=True):
     stage: int
     state: str
 
 
-class Shutdown(Request, kw_only=True):
+class Shutdown(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.SHUTDOWN
     reason: str | None = None  # "run <status>": the run ended
 
 
-class Ready(StepFigures, kw_only=True):
+class Ready(StepFigures, frozen=True, kw_only=True):
     """A finished step attempt that was not committed (for a new coordinator)."""
 
     step: int
@@ -517,7 +549,7 @@ class Ready(StepFigures, kw_only=True):
     losses: dict[int, float] = {}
 
 
-class LastCommit(StepFigures, kw_only=True):
+class LastCommit(StepFigures, frozen=True, kw_only=True):
     step: int
     losses: dict[int, float] = {}
     lr: float = 0.0
@@ -525,12 +557,12 @@ class LastCommit(StepFigures, kw_only=True):
     block_post: float | None = None
 
 
-class Adopt(Request, kw_only=True):
+class Adopt(Request["Adopted"], frozen=True, kw_only=True):
     rpc = RPC.ADOPT
     proof: str | None = None  # the new coordinator's proof of the run secret
 
 
-class Adopted(Message, kw_only=True):
+class Adopted(Message, frozen=True, kw_only=True):
     stage: int
     state: str
     next_step: int
@@ -546,7 +578,7 @@ class Adopted(Message, kw_only=True):
     members: dict[str, int] = {}
 
 
-class Join(Request, kw_only=True):
+class Join(Request["Joined"], frozen=True, kw_only=True):
     """(The membership token travels in the envelope.)"""
 
     rpc = RPC.JOIN
@@ -554,13 +586,13 @@ class Join(Request, kw_only=True):
     role: str = "peer"  # or "observer": never assigned a stage
 
 
-class Joined(Message, kw_only=True):
+class Joined(Message, frozen=True, kw_only=True):
     config: str
     status: str  # "standby": every peer joins as one
     proof: str | None = None  # the coordinator's proof of the run secret
 
 
-class Report(Request, kw_only=True):
+class Report(Request[Ok], frozen=True, kw_only=True):
     """A peer's call to a neighbour failed."""
 
     rpc = RPC.REPORT
@@ -571,21 +603,21 @@ class Report(Request, kw_only=True):
     attempt: int | None = None
 
 
-class Leave(Request, kw_only=True):
+class Leave(Request["Left"], frozen=True, kw_only=True):
     rpc = RPC.LEAVE
     peer_id: str | None = None
 
 
-class Left(Message, kw_only=True):
+class Left(Message, frozen=True, kw_only=True):
     ok: bool = True
     handover: bool = False  # keep serving until the state is handed over
 
 
-class Status(Request, kw_only=True):
+class Status(Request["RunStatus"], frozen=True, kw_only=True):
     rpc = RPC.STATUS
 
 
-class RunStatus(Message, kw_only=True):
+class RunStatus(Message, frozen=True, kw_only=True):
     step: int
     stages: dict[int, str]
     groups: dict[int, list[str]]
@@ -598,16 +630,24 @@ REQUESTS: dict[str, Any] = {
     RPC.ASSIGN: AssignRequest, **{c.rpc: c for c in (
         RunStep, Forward, Backward, GetPass, ComponentGrad, Commit, Abort, Reroute, Reduce, GetWeights, GetState,
         Snapshot, StoreSnapshot, FetchSnapshot, Restore, TakeReplica, ReplicaGrad, GetReplica, BackupStart,
-        BackupPart, BackupCommit, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status)}}
-REPLIES: dict[str, type] = {
-    RPC.ASSIGN: Assigned, RPC.RUN_STEP: StepDone, RPC.FORWARD: Ok, RPC.BACKWARD: Ok, RPC.GET_PASS: Ok,
-    RPC.COMPONENT_GRAD: Ok, RPC.COMMIT: Committed, RPC.ABORT: Ok, RPC.REROUTE: Rerouted, RPC.REDUCE: Reduced,
-    RPC.GET_WEIGHTS: Weights, RPC.GET_STATE: State, RPC.SNAPSHOT: Snapshotted, RPC.STORE_SNAPSHOT: Stored,
-    RPC.FETCH_SNAPSHOT: Ok, RPC.RESTORE: Ok, RPC.TAKE_REPLICA: ReplicaTaken, RPC.REPLICA_GRAD: Ok,
-    RPC.GET_REPLICA: State, RPC.BACKUP_START: BackupTaken, RPC.BACKUP_PART: Ok, RPC.BACKUP_COMMIT: BackupsHeld,
-    RPC.REFT_CHUNK: Ok, RPC.REFT_FETCH: ParityMeta, RPC.PING: Pong, RPC.SHUTDOWN: Ok, RPC.ADOPT: Adopted,
-    RPC.JOIN: Joined, RPC.REPORT: Ok, RPC.LEAVE: Left, RPC.STATUS: RunStatus,
-    CompanionStore.rpc: Ok, CompanionFetch.rpc: CompanionStore, CompanionStop.rpc: Ok}
+        BackupPart, BackupCommit, CopyChunk, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status)}}
+
+
+def reply_type(kind: Any) -> type:
+    """The reply type of a request type (`Join` -> `Joined`: the `R` of its `Request[R]` base; a union of requests:
+    its first variant's)."""
+    kind = get_args(kind)[0] if get_origin(kind) is Union else kind
+    for klass in kind.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            if get_origin(base) is Request:
+                (reply,) = get_args(base)
+                return globals()[reply.__forward_arg__] if isinstance(reply, ForwardRef) else reply
+    raise TypeError(f"{kind.__name__} does not name its reply type (subclass Request[ReplyType])")
+
+
+# each RPC's reply type, from its request's type (the reft companion's requests are not the protocol's)
+REPLIES: dict[str, type] = {**{name: reply_type(kind) for name, kind in REQUESTS.items()},
+                            CompanionStore.rpc: Ok, CompanionFetch.rpc: CompanionStore, CompanionStop.rpc: Ok}
 
 
 def to_wire(message: Message) -> dict:
@@ -636,6 +676,12 @@ def reply_of(rpc: str, data: Any) -> Any:
         return from_wire(data, REPLIES[rpc], "reply")
     except ProtocolError as e:
         raise BadReply(f"malformed reply to {rpc!r}: {e}") from None
+
+
+def reply_to(message: Request[R], data: Any) -> R:
+    """The reply to `message` as its type (statically too: `reply_to(Join(...), data)` is a `Joined`); BadReply
+    when it is not one."""
+    return cast(R, reply_of(message.rpc, data))
 
 
 _TYPES = {"array": "list", "object": "dict", "null": "None"}
@@ -679,7 +725,7 @@ def required_fields(kind: Any) -> dict[str, type]:
     variants = getattr(kind, "__args__", (kind,))
     per = []
     for v in variants:
-        info = msgspec.inspect.type_info(v)
+        info = cast(msgspec.inspect.StructType, msgspec.inspect.type_info(v))
         fields = {f.name: _shape(msgspec.structs.fields(v)[i].type) for i, f in enumerate(info.fields) if f.required}
         if info.tag_field is not None:
             fields[info.tag_field] = str
@@ -688,8 +734,11 @@ def required_fields(kind: Any) -> dict[str, type]:
 
 
 # RPC -> (tag field, tag -> variant) of the requests that are tagged unions
-_VARIANTS = {name: (msgspec.inspect.type_info(kind.__args__[0]).tag_field,
-                    {msgspec.inspect.type_info(v).tag: v for v in kind.__args__})
+def _struct(kind: Any) -> msgspec.inspect.StructType:
+    return cast(msgspec.inspect.StructType, msgspec.inspect.type_info(kind))
+
+
+_VARIANTS = {name: (_struct(kind.__args__[0]).tag_field, {_struct(v).tag: v for v in kind.__args__})
              for name, kind in REQUESTS.items() if getattr(kind, "__args__", None)}
 
 # what every RPC's header must carry beyond `run` (derived from the types: the admission check converts whole)

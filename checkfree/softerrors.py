@@ -10,7 +10,9 @@ recompute the microbatch, then skip the step, then treat the stage as failed.
 
 from __future__ import annotations
 
-from checkfree.abft import AttentionGuard, UncorrectableSoftError, install_guard
+from typing import cast
+
+from checkfree.abft import AttentionGuard, Mode, UncorrectableSoftError, install_guard
 from checkfree.bitflips import FaultInjector
 from checkfree.config import RunConfig
 from checkfree.model import derive_seed, plan_stages
@@ -34,7 +36,7 @@ def make_guard(cfg: RunConfig, stage: int) -> AttentionGuard | None:
         if n > calls:
             raise ValueError(f"cannot inject {n} soft errors into stage {stage}: it makes only {calls} attention calls")
         injector = FaultInjector.random(n, derive_seed(g.seed, "soft-errors", stage), calls=range(calls))
-    return AttentionGuard(mode=g.mode if g.abft else "off", injector=injector)
+    return AttentionGuard(mode=cast(Mode, g.mode) if g.abft else "off", injector=injector)
 
 
 def guard_counts(guards: list[AttentionGuard | None]) -> dict[str, int]:

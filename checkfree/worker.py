@@ -335,16 +335,17 @@ class StageWorker:
             post = pre * min(1.0, self.cfg.train.max_grad_norm / (pre + 1e-6))
             stats[name] = (pre, post)
         pre, post = stats["main"]
-        blocks = {"block_grad_norm_pre": block_pre,
-                  "block_grad_norm_post": block_pre * min(1.0, self.cfg.train.max_grad_norm / (pre + 1e-6))}
+        block_post = block_pre * min(1.0, self.cfg.train.max_grad_norm / (pre + 1e-6))
         if not all(math.isfinite(v[0]) for v in stats.values()):
             self.optimizer.zero_grad(set_to_none=True)
-            return StepStats(pre, post, lr, skipped=True, **blocks)
+            return StepStats(pre, post, lr, skipped=True, block_grad_norm_pre=block_pre,
+                             block_grad_norm_post=block_post)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # one host sync (not one per parameter): a stage with non-finite weights is reported as failed
         finite = bool(torch.stack([torch.isfinite(p).all() for p in self.module.parameters()]).all())
-        return StepStats(pre, post, lr, weights_finite=finite, **blocks)
+        return StepStats(pre, post, lr, weights_finite=finite, block_grad_norm_pre=block_pre,
+                         block_grad_norm_post=block_post)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach() for k, v in self.module.state_dict().items()}
@@ -406,4 +407,9 @@ def _identity(t: Tensor) -> Tensor:
 
 
 def build_workers(cfg: RunConfig, device: torch.device | None = None) -> list[StageWorker]:
-    return [StageWorker(cfg, i, device) for i in range(cfg.num_stages)]
+    """Every stage of `cfg`'s pipeline, with the routes its strategy trains with (any strategy, not only the
+    averaging rules StageWorker looks up: `worker_config`)."""
+    from checkfree.strategies import build_strategy, worker_config  # the strategies import this module
+
+    worker_cfg = worker_config(cfg, build_strategy(cfg))
+    return [StageWorker(worker_cfg, i, device) for i in range(cfg.num_stages)]

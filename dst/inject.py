@@ -5,8 +5,8 @@ type (`checkfree.messages.check_request`, as its receiver reads it), and keeps t
 alone: the iteration is the number of commit rounds the coordinator has started (a round: its COMMITs of one step
 attempt; a takeover's completion of a half-done commit is the same round), the stage table is the newest training
 RUN_STEP's. When a fault's point is reached it acts through the `Harness` (kill a peer or the coordinator, send a
-peer SIGTERM, start a peer) or on the message itself (drop, delay, a header field), and logs what it did as a
-`Fired` record: the victims, and the failures the simulator must see for it.
+peer SIGTERM, start a peer, arm a peer's fault hook: checkfree.peer_faults) or on the message (drop, delay), and
+logs what it did as a `Fired` record: the victims, and the failures the simulator must see for it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from checkfree.messages import (REQUESTS, AssignPromote, AssignRecover, AssignRe
                                 Backward, Commit, Forward, Message, Reduce, RunStep, check_request)
 from checkfree.net.errors import TransportError
 from checkfree.net.faulty import Crossing, Point
+from checkfree.peer_faults import Arm, DieInReduce
 from checkfree.protocol import RPC
 from dst.schedule import Fault, Kind, Schedule
 
@@ -44,6 +45,8 @@ class Harness(Protocol):
     def terminate(self, pid: str) -> None: ...  # SIGTERM of a peer
 
     def start_peer(self) -> None: ...  # a new peer process (it joins as a standby)
+
+    def arm(self, pid: str, fault: Arm) -> None: ...  # arm a peer's fault hook (checkfree.peer_faults)
 
 
 @dataclass
@@ -94,7 +97,6 @@ class Injector:
         self.slow: dict[str, tuple[int, float]] = {}  # slowed peer -> (iteration it ends at, seconds per message)
         self._passes: dict[tuple[str, str], int] = {}  # (victim, forward|backward) -> passes seen this round
         self._rebuilding: dict[str, tuple[int, str]] = {}  # peer rebuilding a stage -> (its pulls so far, mode)
-        self._two_buckets: set[tuple] = set()  # REDUCE rounds (prefix, step, attempt) cut in two buckets
         self._killed_now: set[str] = set()  # processes killed by the crossing running in them
         self.trail: list[str] = []  # every crossing, one line each (written out when a schedule diverges)
         self.errors: list[str] = []  # the injector's own failures (a harness bug: the schedule's run says nothing)
@@ -149,19 +151,14 @@ class Injector:
             slow = self.slow.get(c.me) or self.slow.get(c.other)
             if slow is not None:
                 await asyncio.sleep(slow[1])
-        changed = None
-        if c.point is Point.SEND and isinstance(m, Reduce) and (m.prefix, m.step, m.attempt) in self._two_buckets:
-            changed = {**c.header, "buckets": 2}  # every member of a round with a death in it cuts it alike
         for fault in list(self.pending):
-            acted = self._act(fault, c, m)
-            if acted is not None:
-                changed = acted if isinstance(acted, dict) else changed
+            self._act(fault, c, m)
         self._track_rebuilds(c, m)
         if c.me in self._killed_now:  # the crossing's own process died: its task ends here
             self._killed_now.discard(c.me)
             await asyncio.sleep(0)
             raise TransportError(f"{c.me} was killed")
-        return changed
+        return None  # (a message goes on unchanged: a fault's own message acts through the harness or a peer's hook)
 
     def _fire(self, fault: Fault, victims: list[str], expect: list[tuple[int, int, bool]] | None,
               iteration: int | None = None) -> None:
@@ -183,8 +180,8 @@ class Injector:
         """Whether killing one replica of the fault's stage now loses the whole stage (a stage group's last)."""
         return self.setup.replicas > 1 and len(self.round.table.get(fault.stage, [])) <= 1
 
-    def _act(self, f: Fault, c: Crossing, m: Message | None) -> dict | bool | None:
-        """Act on `c` (carrying `m`) if it is the point of fault `f`; True (or a replacement header) if it acted."""
+    def _act(self, f: Fault, c: Crossing, m: Message | None) -> bool | None:
+        """Act on `c` (carrying `m`) if it is the point of fault `f`; True if it acted."""
         coordinator_send = c.point is Point.SEND and c.me in self.coordinators
         training_run_step = coordinator_send and isinstance(m, RunStep) and not m.evaluate
         if f.kind is Kind.KILL_MID_REBUILD:
@@ -272,18 +269,15 @@ class Injector:
         self._kill(victim, c)
         return True
 
-    def _reduce(self, f: Fault, c: Crossing, m: Message | None, coordinator_send: bool) -> dict | None:
-        """Mid-reduce: every member of the stage's REDUCE round reduces in two buckets; the victim dies after the
-        first (the peer's own hook, `chaos_die_in_reduce`: the all-reduce runs in gloo, out of the transport's
-        sight)."""
+    def _reduce(self, f: Fault, c: Crossing, m: Message | None, coordinator_send: bool) -> bool | None:
+        """Mid-reduce: the victim of the stage's REDUCE round dies after the first bucket of its all-reduce: its
+        fault hook is armed as the REDUCE leaves (the all-reduce runs in gloo, out of the transport's sight)."""
         if not (coordinator_send and isinstance(m, Reduce) and self.iteration == f.iteration
-                and f"/s{f.stage}/" in m.prefix and m.size > 1):
+                and f"/s{f.stage}/" in m.prefix and m.size > 1 and m.rank == f.replica % m.size):
             return None
-        self._two_buckets.add((m.prefix, m.step, m.attempt))  # (the other members: see __call__)
-        if m.rank != f.replica % m.size:
-            return {**c.header, "buckets": 2}
         self._fire(f, [c.other], [(f.iteration, f.stage, False)])
-        return {**c.header, "buckets": 2, "chaos_die_in_reduce": True}
+        self.harness.arm(c.other, DieInReduce(step=m.step, attempt=m.attempt))
+        return True
 
     def _track_rebuilds(self, c: Crossing, m: Message | None) -> None:
         """Mid-rebuild: from the fault's iteration on, the first peer that pulls a stage's state for an ASSIGN dies

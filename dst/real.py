@@ -4,10 +4,15 @@ tier, and for what real processes leave behind: processes, socket files, tempora
 
 Faults reach real processes through the launcher's chaos flags, so only the kinds those express run here
 (`REAL_KINDS`): kills at the start of a step (a stage group's replica: after its first forward), whole groups and
-adjacent stages, a replica half-way through the gradient all-reduce, a replacement in the middle of its rebuild,
-the coordinator (failover to a standby, or a restart) between steps or half-way through a commit, a SIGTERM, a
-partition of one iteration (--netns: root), a slowed stage. Mid-forward, mid-backward and mid-commit kills of one
-peer, standbys joining at a chosen point and multi-iteration partitions are the in-process tier's.
+adjacent stages, a peer at its (mb+1)-th forward or backward pass or as it takes the COMMIT (--chaos-peer-kill),
+a replica half-way through the gradient all-reduce, a replacement in the middle of its rebuild, the coordinator
+(failover to a standby, or a restart) between steps or half-way through a commit, a SIGTERM, a partition of one
+iteration (--netns: root), a slowed stage, a peer joining as an iteration starts (--chaos-joins). The kills inside
+a peer's work (a pass, the all-reduce, the COMMIT, a rebuild's pulls) are its own: the coordinator's injector arms
+the peer's fault hook (checkfree.peer_faults), through the control channel a peer started with --fault-hook
+serves, as the request that reaches it leaves.
+Partitions of more than one iteration, and a mid-rebuild kill after a second pull or of a restore's pulls, are the
+in-process tier's.
 
 `soak(...)` is the long leg: one `checkfree local` run for a given time under a generated fault sequence, its
 process tree's memory sampled.
@@ -39,8 +44,10 @@ from dst.schedule import Fault, Kind, Schedule
 
 __all__ = ["REAL_KINDS", "local_args", "expected_lines", "run_real", "Watch", "netns_available"]
 
-REAL_KINDS = (Kind.KILL_BEFORE_STEP, Kind.KILL_GROUP, Kind.KILL_ADJACENT, Kind.KILL_MID_REDUCE, Kind.KILL_MID_REBUILD,
-              Kind.COORDINATOR_FAILOVER, Kind.COORDINATOR_RESTART, Kind.SIGTERM, Kind.SLOW, Kind.PARTITION)
+REAL_KINDS = (Kind.KILL_BEFORE_STEP, Kind.KILL_GROUP, Kind.KILL_ADJACENT, Kind.KILL_MID_FORWARD, Kind.KILL_MID_BACKWARD,
+              Kind.KILL_MID_COMMIT, Kind.KILL_MID_REDUCE, Kind.KILL_MID_REBUILD, Kind.COORDINATOR_FAILOVER,
+              Kind.COORDINATOR_RESTART, Kind.SIGTERM, Kind.SLOW, Kind.PARTITION, Kind.JOIN)
+PEER_KILLS = {Kind.KILL_MID_FORWARD: "forward", Kind.KILL_MID_BACKWARD: "backward", Kind.KILL_MID_COMMIT: "commit"}
 TIMEOUTS = ["--heartbeat-ttl", "2", "--rpc-timeout", "10", "--step-timeout", "60", "--join-timeout", "180"]
 MARK = "CHECKFREE_DST_RUN"  # in the environment of every process of one real run (and nobody else's)
 SHORT_TMP = "/tmp" if os.path.isdir("/tmp") else None  # where a real run's temporary directory goes (see run_real)
@@ -89,7 +96,7 @@ def local_args(schedule: Schedule, out: Path, netns: bool) -> list[str]:
             *TIMEOUTS]
     if s.soft_errors:
         args += ["--abft", "--inject-soft-errors", str(s.soft_errors)]
-    kills, whole, reduce, preempt, cut, rebuild = [], set(), [], [], [], []
+    kills, whole, reduce, preempt, cut, rebuild, joins = [], set(), [], [], [], [], []
     for f in schedule.faults:
         if f.kind is Kind.KILL_BEFORE_STEP:
             kills.append((f.iteration, f.stage))
@@ -107,6 +114,10 @@ def local_args(schedule: Schedule, out: Path, netns: bool) -> list[str]:
             rebuild.append(f.iteration)
         elif f.kind is Kind.SLOW:
             args += ["--chaos-slow", f"{f.stage}:{f.delay_ms / 1000:g}@{f.iteration}"]
+        elif f.kind in PEER_KILLS:
+            args += ["--chaos-peer-kill", f"{PEER_KILLS[f.kind]}:{f.iteration}:{f.stage}:{f.replica}:{f.mb}"]
+        elif f.kind is Kind.JOIN:
+            joins.append(f.iteration)
     for flag, lines in (("--trace", kills), ("--reduce-kill-trace", reduce), ("--preempt-trace", preempt),
                         ("--partition-trace", cut)):
         if lines:
@@ -117,6 +128,8 @@ def local_args(schedule: Schedule, out: Path, netns: bool) -> list[str]:
         args.append("--no-churn")
     if rebuild:
         args += ["--chaos-rebuild-kills", ",".join(map(str, sorted(set(rebuild))))]
+    if joins:
+        args += ["--chaos-joins", ",".join(map(str, sorted(joins)))]
     if cut:
         args.append("--netns")
     coordinator = next((f for f in schedule.faults if f.kind in (Kind.COORDINATOR_FAILOVER, Kind.COORDINATOR_RESTART)),
@@ -138,6 +151,8 @@ def expected_lines(schedule: Schedule, netns: bool) -> list[tuple[int, int, bool
         elif f.kind in (Kind.KILL_GROUP, Kind.KILL_ADJACENT):
             lines += [(f.iteration, st, r > 1) for st in [f.stage] + ([f.stage + 1] if f.kind is Kind.KILL_ADJACENT
                                                                        else [])]
+        elif f.kind in PEER_KILLS:  # (a death at the COMMIT: the others committed, the stage is lost for the next)
+            lines.append((f.iteration + (f.kind is Kind.KILL_MID_COMMIT), f.stage, False))
     return sorted(lines)
 
 

@@ -40,6 +40,9 @@ def build_config(setup: Setup, cache_dir: str | None = None) -> RunConfig:
     t.num_steps, t.eval_every, t.replicas = setup.steps, 0, setup.replicas
     t.schedule, t.wire_dtype = setup.schedule, setup.wire_dtype
     cfg.strategy.snapshot_every = cfg.strategy.checkpoint_every = setup.every
+    st = cfg.strategy
+    st.snapshot_format, st.snapshot_moments = setup.snap_format, setup.snap_moments
+    st.snapshot_budget, st.snapshot_rebuild = setup.snap_budget, setup.snap_rebuild
     cfg.guard.abft, cfg.guard.inject_soft_errors = setup.soft_errors > 0, setup.soft_errors
     cfg.data.cache_dir = cache_dir
     return cfg

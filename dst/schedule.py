@@ -18,7 +18,7 @@ __all__ = ["Kind", "Fault", "Setup", "Schedule", "KILLS", "SWARM_STRATEGIES", "A
 
 AVERAGING = ("checkfree", "checkfree+", "uniform", "copy", "random")
 ROLLBACK = ("checkpoint", "gemini", "reft", "baft")
-SWARM_STRATEGIES = (*AVERAGING, "redundant", *ROLLBACK, "checkfree+snap")  # every strategy the swarm runs
+SWARM_STRATEGIES = (*AVERAGING, "redundant", *ROLLBACK, "checkfree+snap", "snap")  # every strategy the swarm runs
 
 
 class Kind(str, enum.Enum):
@@ -80,10 +80,19 @@ class Setup:
     fallback: str = "abort"
     every: int = 2  # snapshot_every / checkpoint_every of the rollback and snapshot strategies
     soft_errors: int = 0  # corrected soft errors injected (guard on) over the run
+    # snap: its copies' format, whether the Adam moments travel, the bytes a stage sends per step (0: a delta's),
+    # and how a stage whose copy is lost too is rebuilt
+    snap_format: str = "int8"
+    snap_moments: bool = False
+    snap_budget: int = 0
+    snap_rebuild: str = "checkfree"
 
     def describe(self) -> str:
+        snap = (f" format={self.snap_format} moments={self.snap_moments} budget={self.snap_budget} "
+                f"rebuild={self.snap_rebuild}" if self.strategy == "snap" else "")
         return (f"{self.strategy} S={self.stages} R={self.replicas} {self.schedule} {self.wire_dtype} "
-                f"steps={self.steps} fallback={self.fallback} every={self.every} soft_errors={self.soft_errors}")
+                f"steps={self.steps} fallback={self.fallback} every={self.every} soft_errors={self.soft_errors}"
+                + snap)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from checkfree.net.faulty import FaultyTransport
 from checkfree.net.lifeline import living, process_tree
 from checkfree.net.faulty import Injector as FaultInjector
 from checkfree.net.memory import MEMORY, MemoryTransport, SimProcess
+from checkfree.peer_faults import Arm, PeerFaults
 from checkfree.protocol import Timeouts
 from checkfree.recovery import UnrecoverableFailure
 from dst.inject import Injector
@@ -71,6 +72,7 @@ class SimSwarm:
     rules: FaultInjector | None = None  # more faults, tried before the schedule's (e.g. a test's FaultRules)
     injector: Injector = field(init=False)
     daemons: dict[str, PeerDaemon] = field(default_factory=dict)
+    hooks: dict[str, PeerFaults] = field(default_factory=dict)  # each peer's fault hook, armed by the injector
     processes: dict[str, SimProcess] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     killed: set[str] = field(default_factory=set)
@@ -118,9 +120,12 @@ class SimSwarm:
     def start_peer(self) -> None:
         self._joining.append(asyncio.get_running_loop().create_task(self._start_peer()))
 
+    def arm(self, pid: str, fault: Arm) -> None:
+        self.hooks[pid].arm(fault)
+
     def _die(self, pid: str, why: str) -> None:
-        """A peer's own chaos hook (`DebugHooks.die`: mid-reduce), from its compute thread or the event loop:
-        the in-process SIGKILL; raises so that the dying peer computes nothing more."""
+        """A peer's own death by its fault hook (mid-reduce), from its compute thread or the event loop: the
+        in-process SIGKILL; raises so that the dying peer computes nothing more."""
         self._loop.call_soon_threadsafe(self.kill, pid)
         if threading.current_thread() is threading.main_thread():
             self.kill(pid)
@@ -161,8 +166,9 @@ class SimSwarm:
         return wrapped if self.rules is None else FaultyTransport(wrapped, self.rules)
 
     async def _start_peer(self) -> None:
+        hook = PeerFaults(self._die, channel=False)  # (armed in-process: `arm`)
         d = PeerDaemon(PeerOptions(run_id=RUN_ID, transport="memory", timeouts=TIMEOUTS, leave_deadline=10.0,
-                                   coordinator_timeout=30.0))
+                                   coordinator_timeout=30.0), hook)
         self._peers_started.append(d)
         proc = SimProcess(f"peer{len(self._peers_started) - 1}")
         task = proc.start(d.run())
@@ -171,8 +177,7 @@ class SimSwarm:
                 task.result()
             await asyncio.sleep(0.01)
         pid = str(d.membership.transport.peer_id)
-        self.daemons[pid], self.processes[pid], self.tasks[pid] = d, proc, task
-        d.debug.die = lambda why, pid=pid: self._die(pid, why)
+        self.daemons[pid], self.processes[pid], self.tasks[pid], self.hooks[pid] = d, proc, task, hook
 
     async def run(self) -> dict | None:
         self._loop = asyncio.get_running_loop()

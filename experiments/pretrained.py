@@ -45,13 +45,17 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Init", "INITS", "PLUS", "Study", "Run", "STUDIES", "make_study", "trunk_config", "branch_config",
+__all__ = ["Init", "INITS", "SNAP_INITS", "ALL_INITS", "snap_init", "copy_steps", "PLUS", "Study", "Run", "STUDIES",
+           "make_study", "trunk_config", "branch_config",
            "branch_norms", "signature", "plan_runs", "run_study", "available_inits", "add_arguments", "main"]
 
 
 @dataclass(frozen=True)
 class Init:
-    """A recovery initialisation compared: a strategy and, for CheckFree, how omega is taken."""
+    """A recovery initialisation compared: a strategy and, for CheckFree, how omega is taken; for snap, the
+    stage's own copy: its format, whether the Adam moments travel, and its age (`copy_age` steps older than the
+    failure, the snapshot period: the copy is made from the trunk's save at the branch point minus the age, and
+    the branch trains on with that period)."""
 
     label: str
     strategy: str
@@ -60,6 +64,9 @@ class Init:
     lr_scale: float | None = None  # the recovered stage's LR scale (None: the study's, recovery.lr_scale)
     optimizer: str = "fresh"  # fresh Adam (the paper), or own: the lost stage's moments (from the branch's save)
     omega_window: int = 1  # omega: the mean over the trunk's last N steps before the branch point
+    copy_format: str | None = None
+    copy_age: int = 0
+    copy_moments: bool = False
 
     @property
     def slug(self) -> str:
@@ -89,6 +96,21 @@ EXTRA_INITS = [
 ALL_INITS = INITS + EXTRA_INITS
 PLUS = Init("checkfree+", "checkfree+")
 SOURCELESS = ("random", "identity")  # rebuilt from a seed, not from live stages
+
+
+def snap_init(fmt: str, age: int, moments: bool = False) -> Init:
+    """The init of a stage restored from its snap copy of format `fmt`, `age` steps old."""
+    return Init(f"snap {fmt}{' +moments' if moments else ''} age {age}", "snap", copy_format=fmt, copy_age=age,
+                copy_moments=moments)
+
+
+# the copies compared (benchmarks.snapshots): 8 and 4 bits at snapshot periods of 1, 10 and 50 steps, the
+# full-precision snapshot (float32 with the Adam moments) at the same periods, what keeping the moments is worth,
+# and 8 and 4 bits of the current step (the quantization's damage alone)
+SNAP_INITS = [snap_init(f, age, m) for age in (1, 10, 50) for f, m in (("int8", False), ("int4", False),
+                                                                         ("float32", True))] + [
+    snap_init("int8", 10, True), snap_init("int8", 0), snap_init("int4", 0)]  # age 0: the quantization alone
+ALL_INITS = INITS + SNAP_INITS  # a study compares INITS unless it names others
 
 
 def available_inits(labels: list[str] | None = None) -> tuple[list[Init], list[str]]:
@@ -159,6 +181,12 @@ def _init(label: str) -> Init:
     return next(i for i in [*ALL_INITS, PLUS] if i.label == label)
 
 
+def copy_steps(study: Study) -> list[int]:
+    """The trunk steps whose saves the snap inits make their copies from (branch point minus copy age)."""
+    return sorted({at - i.copy_age for at in study.branch_at for i in available_inits(study.inits)[0]
+                   if i.copy_format is not None and at - i.copy_age >= 0})
+
+
 def trunks(study: Study) -> list[int | None]:
     """The study's trunk seeds (None: its one trunk, of the studies before issue 39)."""
     return list(study.trunk_seeds) if study.trunk_seeds else [None]
@@ -187,6 +215,9 @@ def branch_config(study: Study, run: Run, trace: Path | None) -> dict[str, Any]:
                              optimizer=i.optimizer, omega_window=i.omega_window)
         if i.lr_scale is not None:
             c["recovery"]["lr_scale"] = i.lr_scale
+        if i.copy_format is not None:
+            c["strategy"].update(snapshot_format=i.copy_format, snapshot_moments=i.copy_moments,
+                                 snapshot_every=max(1, i.copy_age))
     c["failures"]["trace"] = str(trace) if trace else None
     return c
 
@@ -235,6 +266,8 @@ def signature(init: Init, stage: int, norms: list[float], num_stages: int, seed:
     (LR scale, fresh or own moments) is part of what decides it."""
     from checkfree.recovery import plan_recovery
 
+    if init.copy_format is not None:
+        return ("snap", init.copy_format, init.copy_moments, init.copy_age)
     plan = plan_recovery({stage}, num_stages, init.strategy, "abort")[0]
     extra = (("lr", init.lr_scale), ("optimizer", init.optimizer)) if trains else ()
     if plan.method in SOURCELESS:
@@ -265,6 +298,8 @@ def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], l
                 for seed in seeds:
                     seen: dict[tuple, Init] = {}
                     for init in inits:
+                        if init.copy_format is not None and at - init.copy_age < 0:
+                            continue  # no trunk state that old
                         lines = _trunk_lines(work, "plain", at, init.omega_window, ts)
                         sig = signature(init, stage, branch_norms(lines, init), S, seed, trains=curve)
                         rep = seen.setdefault(sig, init)
@@ -276,8 +311,10 @@ def plan_runs(study: Study, work: Path, inits: list[Init]) -> tuple[list[Run], l
                         cells.append({"at": at, "stage": stage, "init": init.label, "seed": seed, "run": run.name,
                                       "coincides_with": rep.label if rep is not init else None,
                                       "signature": [str(x) for x in sig], "trunk_seed": ts})
-            runs += damage + [Run(study.name, "reference", "plain", at, s, steps=study.recover_steps, trunk_seed=ts)
-                              for s in seeds]
+            runs += damage
+            if study.curve_stages:  # the failure-free branches the curves are compared with
+                runs += [Run(study.name, "reference", "plain", at, s, steps=study.recover_steps, trunk_seed=ts)
+                         for s in seeds]
             runs += sorted(curves, key=lambda r: (r.seed, study.curve_stages.index(r.stage)))
     if study.plus_steps:
         at = study.branch_at[-1]
@@ -324,13 +361,15 @@ def _run_trunk(study: Study, work: Path, trunk: str, trunk_seed: int | None = No
     from checkfree.simulator import Simulator
 
     d = _trunk_dir(work, trunk, trunk_seed)
-    if all((d / SAVES / f"step-{at:08d}" / "meta.json").is_file() for at in study.branch_at):
+    copies = copy_steps(study) if trunk == "plain" else []
+    if all((d / SAVES / f"step-{at:08d}" / "meta.json").is_file() for at in [*study.branch_at, *copies]):
         return  # the saves the branches need (the trunk may be further on: a study run with fewer branch points)
     cfg = config_from_dict(trunk_config(study, trunk, trunk_seed))
     every = math.gcd(*study.branch_at)
     resume = newest_save(d) is not None
     # every save kept: the branch points' and those an interruption adds (pruning by age could drop a branch point's)
-    Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume).run()
+    Simulator(cfg, d, progress=False, save_every=every, keep_saves=1 << 20, resume=resume,
+              save_steps=tuple(copies)).run()
 
 
 def _branch_save(study: Study, work: Path, run: Run, d: Path) -> dict[str, dict]:
@@ -402,6 +441,16 @@ def _heldout_probe(study: Study, run: Run, cfg, d: Path):
     return probe
 
 
+def _trunk_states(work: Path, trunk: str, step: int, num_stages: int, trunk_seed: int | None = None
+                  ) -> dict[int, dict]:
+    """Every stage's full state in the trunk's save at `step`."""
+    from checkfree.saves import SAVES, read_save
+    from checkfree.serialize import state_from_bytes
+
+    _, blobs = read_save(_trunk_dir(work, trunk, trunk_seed) / SAVES / f"step-{step:08d}", num_stages)
+    return {s: state_from_bytes(b) for s, b in blobs.items()}
+
+
 def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, threads: int, commit: str) -> dict[str, Any]:
     """One branch, in a worker process: its save, its trace, the simulator resumed; the save deleted after.
     `commit`: the code the study's invocation started on (recorded in run.json)."""
@@ -428,6 +477,10 @@ def run_branch(study_d: dict[str, Any], run_d: dict[str, Any], work: str, thread
         sim = Simulator(cfg, d, progress=False, resume=True, probe=_heldout_probe(study, run, cfg, d))
         if run.stage is not None and cfg.recovery.optimizer == "own":
             sim.executor.own_optimizer[run.stage] = own  # the lost stage's moments, as a copy of them would give
+        init = _init(run.init) if run.init is not None else None
+        if init is not None and init.copy_format is not None:  # the copy: the trunk's state copy_age steps before
+            sim.prime_copies(_trunk_states(work_p, run.trunk, run.at - init.copy_age, study.base["num_stages"],
+                                           run.trunk_seed), run.at - init.copy_age)
         sim.rebuild_and_evaluate({run.stage}) if run.kind == "damage" else sim.run()
         status = "completed"
     except Exception as e:  # noqa: BLE001 - recorded; the study goes on and redoes it when restarted

@@ -31,7 +31,7 @@ from checkfree.messages import (AssignHandover, AssignLoad, AssignPromote, Assig
 from checkfree.protocol import ProtocolError
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
-from peers.debug import DebugHooks
+from peers.debug import Dumps
 from peers.rebuild import Rebuild
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
@@ -45,9 +45,8 @@ class Assignment:
     """Makes this standby peer serve the stage the coordinator assigns it."""
 
     def __init__(self, hosted: HostedStage, compute: ComputeQueue, rebuild: Rebuild, snapshots: Snapshots,
-                 debug: DebugHooks, release: Callable[[], Awaitable[None]] | None = None) -> None:
-        self.hosted, self.compute, self.rebuild, self.snapshots, self.debug = (hosted, compute, rebuild,
-                                                                                snapshots, debug)
+                 dumps: Dumps, release: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.hosted, self.compute, self.rebuild, self.snapshots, self.dumps = hosted, compute, rebuild, snapshots, dumps
         self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
         # how long an ASSIGN waits for this peer's JOIN reply (see HostedStage.joining)
         self.timeout = rebuild.net.t.rpc_timeout
@@ -62,8 +61,9 @@ class Assignment:
         if not 0 <= stage < cfg.num_stages:
             raise ProtocolError(f"stage {stage} out of range for {cfg.num_stages} stages")
         t0 = time.perf_counter()
+        if self.snapshots.streams is not None:  # snap: a new stage here mirrors no copy (a restore adopts one)
+            self.snapshots.streams.reset()
         figures: dict[str, Any] = {}  # the Assigned reply's fields, and the stage's omega
-        self.debug.arm_rebuild_kill(assign)
         if isinstance(assign, AssignRecover):  # builds the stage while it pulls the weights
             worker, figures = await self.rebuild.recover(stage, assign)
         else:
@@ -73,7 +73,7 @@ class Assignment:
             donors = await self.rebuild.components(stage, assign)
             figures = await self.snapshots.restore_new(worker, assign, donors)
             step = assign.step if assign.serve_step is None else assign.serve_step
-            await self.compute.run(self.debug.dump, f"restored-step{step}-stage{stage}", worker.state_dict(),
+            await self.compute.run(self.dumps.dump, f"restored-step{step}-stage{stage}", worker.state_dict(),
                                    figures)
         elif isinstance(assign, AssignLoad):  # resuming a run: the saved state travels with the message
             blob = check_blob(tensors, "the saved state of assign mode 'load'")
@@ -85,7 +85,6 @@ class Assignment:
             figures = await self.rebuild.take_handover(worker, assign)
             if isinstance(assign, AssignHandover) and assign.held:  # the snapshots the leaving peer held
                 figures["bytes"] += await self.snapshots.take_held(assign.source, assign.held, stage)
-        self.debug.arm_delay(assign)
         self.hosted.serve(worker, figures.pop("omega", 0.0), step)
         log.info("serving stage %d (%s)", stage, type(assign).__struct_config__.tag)
         return Assigned(stage=stage, assign_s=time.perf_counter() - t0, **figures), []

@@ -49,7 +49,7 @@ class Backups:
         return BackupTaken(bytes=len(blob), units=units), []
 
     def _capture(self, step: int) -> tuple[bytearray, list[int]]:
-        state = capture_worker(self.hosted.worker, step, self.hosted.omega, clone=False)  # serialised at once
+        state = capture_worker(self.hosted.serving(), step, self.hosted.omega, clone=False)  # serialised at once
         return state_to_bytes(state), list(unit_nbytes(state).values())
 
     async def send_part(self, backup: BackupShare) -> None:

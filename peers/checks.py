@@ -83,6 +83,7 @@ _ACCESS: dict[str, tuple[Access, str]] = {  # who may send each RPC, and what it
     RPC.GET_REPLICA: (Access.MEMBER, ""),
     RPC.TAKE_REPLICA: (Access.COORDINATOR, "order a replica"),
     RPC.BACKUP_PART: (Access.MEMBER, ""),
+    RPC.COPY_PART: (Access.MEMBER, ""),
     RPC.REFT_CHUNK: (Access.MEMBER, ""),
     RPC.REFT_FETCH: (Access.MEMBER, ""),
     RPC.BACKUP_START: (Access.COORDINATOR, "take a backup"),
@@ -166,7 +167,7 @@ def check_hop(run: StepRun, request: Pass, stage: int, me: str | None = None) ->
     if run.routes[mb][idx].stage != stage:
         raise ProtocolError(f"microbatch {mb} hop {idx} belongs to stage {run.routes[mb][idx].stage}, "
                             f"not to this peer's stage {stage}")
-    if run.grouped and me is not None and run.hops[mb][idx] != me:
+    if run.hops is not None and me is not None and run.hops[mb][idx] != me:
         raise ProtocolError(f"microbatch {mb} hop {idx} is computed by replica {run.hops[mb][idx]} of stage "
                             f"{stage}, not by this peer")
     return mb, idx

@@ -52,7 +52,7 @@ class Companion:
 
     async def on_store(self, header: dict, tensors: list, caller) -> tuple[dict, list]:
         """The peer's snapshot and its parity block (`holder`, `n`, `lengths`: checkfree.baselines.Raim5Block)."""
-        meta = from_wire(header, CompanionStore)
+        meta: CompanionStore = from_wire(header, CompanionStore)
         if str(caller) != self.peer_id:
             raise ProtocolError(f"only peer {self.peer_id} stores snapshots here, not {caller}")
         if len(tensors) != 2 or any(t.dtype != torch.uint8 or t.dim() != 1 for t in tensors):
@@ -61,7 +61,8 @@ class Companion:
         return to_wire(Ok()), []
 
     async def on_fetch(self, header: dict, tensors: list, caller) -> tuple[dict, list]:
-        step = from_wire(header, CompanionFetch).step
+        fetch: CompanionFetch = from_wire(header, CompanionFetch)
+        step = fetch.step
         if self.snapshot is None or self.snapshot[0].step != step:
             raise ProtocolError(f"no snapshot of step {step} here "
                                 f"(have: {None if self.snapshot is None else self.snapshot[0].step})")
@@ -130,6 +131,7 @@ def start_companion(peer_id: str, host: str, linger: float, secret: bytes | None
                              "--linger", str(linger)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
                             text=True)
     deadline = time.monotonic() + timeout
+    assert proc.stdout is not None  # (a pipe)
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line.startswith(READY):

@@ -14,10 +14,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["BACKWARD_FIRST", "ComputeQueue"]
+__all__ = ["BACKWARD_FIRST", "BACKGROUND", "ComputeQueue"]
 
 BACKWARD_FIRST = 0  # priority of backward passes: gradients drain before new activations pile up
 DEFAULT_PRIORITY = 1  # everything else
+BACKGROUND = 2  # work that waits for the stage's bubbles (snap's copy updates)
 
 
 class ComputeQueue:

@@ -18,12 +18,16 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/snapshots.py    SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
     peers/parity.py       REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
     peers/backups.py      BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
+    peers/streams.py      COPY_PART: snap's compressed copies, streamed in parts inside the steps
     peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
     peers/stage_groups.py       REROUTE, GET_PASS, REDUCE: one replica of a stage group
     peers/failover.py     ADOPT: a new coordinator takes over
     peers/stage.py        the run config and the hosted stage
     peers/compute.py      the one compute thread all torch work runs on
-    peers/debug.py        --dump-recovery files, and the fault hook (fields a fault injector adds)
+    peers/debug.py        --dump-recovery files
+
+Faults come from outside: the one hook (`hook`, checkfree.peer_hook; None in production) observes the points of
+the parts' work, and only when it was given one.
 """
 
 from __future__ import annotations
@@ -51,22 +55,24 @@ from checkfree.protocol import (
     Timeouts,
 )
 from checkfree.messages import Ok, Ping, Pong, Shutdown
+from checkfree.peer_hook import PeerHook
 from checkfree.wan import WanEmulator
 from checkfree.worker import StageWorker
 from peers.assign import Assignment
 from peers.backups import Backups
 from peers.checks import RULES
 from peers.compute import ComputeQueue
-from peers.debug import DebugHooks
+from peers.debug import Dumps
 from peers.failover import Failover
 from peers.stage_groups import StageGroup
-from peers.membership import Handler, Membership
+from peers.membership import Handler, Membership, Served
 from peers.passes import Passes
 from peers.rebuild import Rebuild
 from peers.replicas import Replicas
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
 from peers.step import StepTracker
+from peers.streams import Streams
 
 __all__ = ["PeerDaemon", "PeerOptions"]
 
@@ -94,37 +100,44 @@ class PeerOptions:
     coordinator_timeout: float = 60.0  # leave (exit 4) when no coordinator has answered for this long
     stay: bool = False  # keep running after the run has finished (default: exit, so a spot instance stops)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    relay: bool = True  # reached through a relay when the coordinator cannot connect to it (--no-relay: exit instead)
+    relay_via: list[str] = field(default_factory=list)  # relays to use instead of the coordinator (full multiaddrs)
+    serve_relay: bool = False  # relay for peers behind NAT (a public peer that opts in)
+    check: bool = False  # --check: report reachability, latency and bandwidth to the coordinator, then exit
 
 
 class PeerDaemon:
     """One peer process: supervises the parts that serve its stage."""
 
-    def __init__(self, opts: PeerOptions) -> None:
+    def __init__(self, opts: PeerOptions, hook: PeerHook | None = None) -> None:
+        """`hook`: the peer's one hook point (checkfree.peer_hook), for faults from outside."""
         self.opts = opts
+        self.hook = hook
         self.stop = asyncio.Event()
         self.exit_code = 0
         self._told_to_stop = False  # the coordinator sent SHUTDOWN
         self.compute = ComputeQueue()
-        self.debug = DebugHooks(opts.dump_dir)
+        self.dumps = Dumps(opts.dump_dir)
         self.hosted = HostedStage()
         self.membership = Membership(opts.run_id, opts.timeouts, opts.secret_file, self.hosted, self.stop)
         self.replicas = Replicas(self.membership, self.hosted, self.compute)
-        self.steps = StepTracker(opts.timeouts, self.hosted, self.compute, self.replicas)
+        self.streams = Streams(self.membership, self.hosted, self.compute)
+        self.steps = StepTracker(opts.timeouts, self.hosted, self.compute, self.replicas, hook, self.streams)
         ips = listen_ips(opts.host_maddrs)  # reft's snapshot companion listens on this peer's host
         self.snapshots = Snapshots(self.membership, self.hosted, self.steps, self.compute,
-                                   ips[0][1] if ips else "127.0.0.1")
+                                   ips[0][1] if ips else "127.0.0.1", self.streams)
         self.backups = Backups(self.membership, self.hosted, self.compute, self.snapshots)
-        self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.debug, self.replicas,
-                             self.backups)
-        self.rebuild = Rebuild(self.membership, self.hosted, self.compute, self.debug)
-        self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, self.debug)
-        self.assignment = Assignment(self.hosted, self.compute, self.rebuild, self.snapshots, self.debug,
+        self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.replicas, self.backups,
+                             hook, self.streams)
+        self.rebuild = Rebuild(self.membership, self.hosted, self.compute, self.dumps, hook)
+        self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, hook)
+        self.assignment = Assignment(self.hosted, self.compute, self.rebuild, self.snapshots, self.dumps,
                                      self._release)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
     def handlers(self) -> dict[str, Handler]:
         """Every RPC this peer serves, each behind the one admission check (peers.checks.RULES)."""
-        served = {
+        served: dict[str, Served] = {
             RPC.PING: self._on_ping, RPC.SHUTDOWN: self._on_shutdown,
             RPC.ASSIGN: self.assignment.on_assign,
             RPC.RUN_STEP: self.passes.on_run_step, RPC.FORWARD: self.passes.on_forward,
@@ -137,6 +150,7 @@ class PeerDaemon:
             RPC.GET_REPLICA: self.replicas.on_get_replica,
             RPC.BACKUP_START: self.backups.on_backup_start, RPC.BACKUP_PART: self.backups.on_backup_part,
             RPC.BACKUP_COMMIT: self.backups.on_backup_commit,
+            RPC.COPY_PART: self.streams.on_copy_part,
             RPC.REFT_CHUNK: self.snapshots.parity.on_chunk, RPC.REFT_FETCH: self.snapshots.parity.on_fetch,
             RPC.REROUTE: self.group.on_reroute, RPC.GET_PASS: self.group.on_get_pass,
             RPC.REDUCE: self.group.on_reduce,
@@ -147,7 +161,7 @@ class PeerDaemon:
 
     async def _register(self) -> None:
         for name, handler in self.handlers().items():
-            await self.membership.transport.register(name, handler)
+            await self.membership.wire().register(name, handler)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def run(self) -> int:
@@ -163,9 +177,13 @@ class PeerDaemon:
             loop.add_signal_handler(sig, self.stop.set)
         hb = None
         try:
+            if opts.check:
+                return await net.check()
             await self._register()
+            if self.hook is not None:  # (before joining: a hook armed from outside opens its channel here)
+                await self.hook.started(net.wire())
             addrs = ",".join(await dht_maddrs(net.dht))
-            print(f"{READY_PEER} peer_id={net.transport.peer_id} run={opts.run_id} addrs={addrs}"
+            print(f"{READY_PEER} peer_id={net.wire().peer_id} run={opts.run_id} addrs={addrs}"
                   f"{rpc_note(net.transport)}", flush=True)
             hb = asyncio.create_task(net.heartbeat())
             try:
@@ -212,6 +230,7 @@ class PeerDaemon:
         await self.steps.drop("this replica leaves its stage")
         self.steps.reset()
         self.group.close()
+        self.streams.reset()
         self.hosted.release()
 
     # ---- handlers --------------------------------------------------------------------
@@ -227,8 +246,8 @@ class PeerDaemon:
         if run_ended and self.membership.run_finished:  # a retry of the same message (e.g. after a partition healed)
             return Ok(), []
         if self.hosted.worker is not None and self.opts.dump_dir:
-            tag = f"-{self.membership.me}" if self.hosted.cfg.train.stage_groups else ""  # a stage group's replica
-            await self.compute.run(self.debug.dump_final, self.hosted.worker, self.hosted.omega, tag)
+            tag = f"-{self.membership.me}" if self.hosted.joined().train.stage_groups else ""  # a stage group's replica
+            await self.compute.run(self.dumps.dump_final, self.hosted.worker, self.hosted.omega, tag)
         if run_ended:
             self.membership.finish()
             if self.opts.stay:

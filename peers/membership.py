@@ -14,8 +14,12 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from hivemind.utils.multiaddr import Multiaddr
 
 from checkfree.auth import (
     coordinator_proof,
@@ -43,18 +47,34 @@ from checkfree.protocol import (
     coordinator_key,
     members_key,
 )
-from checkfree.messages import Join, Leave, Message, Request, Status, reply_of, request, to_wire
+from checkfree.net.relay import ECHO, Reachability, RelayTransport, members_only, unreachable_message
+from checkfree.net.transport import dht_maddrs
+from checkfree.messages import Join, Leave, Message, Request, Status, reply_to, request, to_wire
 from checkfree.strategies.state import state_nbytes
 from checkfree.wan import WanEmulator
 from peers.checks import admit
 from peers.stage import HostedStage
 
-__all__ = ["Handler", "Served", "Membership"]
+__all__ = ["Handler", "Served", "Membership", "PeerUnreachable"]
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
+class PeerOptions(Protocol):
+    """What membership reads of the daemon's options (peers.daemon.PeerOptions) beyond the transport's start."""
+
+    relay: bool  # may be reached through a relay when nobody can connect to it
+    relay_via: list[str]  # relays named by the user (multiaddrs), else the coordinator's
+    serve_relay: bool  # relays for peers behind NAT
+
+
 Handler = Callable[[dict, list, Any], Awaitable[tuple[dict, list]]]  # what the transport serves
 Served = Callable[[Any, list, Any], Awaitable[tuple[Message, list]]]  # a part's handler: typed request and reply
+
+
+class PeerUnreachable(TransportError):
+    """Nobody can reach this peer and it may not be relayed: one line, the cause and the flag that fixes it."""
 
 
 class Membership:
@@ -71,16 +91,25 @@ class Membership:
         self.last_contact = time.monotonic()  # the newest sign of life from the coordinator
         self.run_finished = False  # the coordinator said the run ended
         self.wan: WanEmulator | None = None  # the run's emulated network (train.wan), once joined
+        self.opts: PeerOptions | None = None  # the daemon's options, once started
+        self.relay: RelayTransport | None = None  # the transport, wrapped for relays (the probe, relayed calls)
+        self.reach: Reachability | None = None  # how the coordinator reaches this peer (probed before joining)
 
     async def start(self, opts) -> None:
         """This peer's DHT and transport (`opts`: the daemon's PeerOptions); with a run secret every request it
         makes carries its membership token."""
-        self.dht, self.transport = await start_transport(
-            opts.initial_peers, opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
+        self.opts = opts
+        self.dht, transport = await start_transport(
+            [*opts.initial_peers, *opts.relay_via], opts.host_maddrs, opts.announce_maddrs, opts.identity_path,
             opts.startup_timeout, transport=opts.transport, libp2p_port=opts.libp2p_port,
             tcp_port=opts.tcp_port, secret=self.secret)
+        self.transport = self.relay = await RelayTransport(transport, serve_relay=opts.serve_relay,
+                                                           admit=members_only(self.secret, self.run_id)).start()
+        if self.relay.kind != "memory":
+            self.relay.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:
             sign_requests(self.transport, {"token": self.token()})
+
 
     def emulate(self, wan: WanEmulator) -> None:
         """The run's emulated network: calls between stages are held back as its links would."""
@@ -96,9 +125,19 @@ class Membership:
         self.coordinator = self.adopter = coordinator
         self.heard_from_coordinator()
 
+    def wire(self) -> Transport:
+        """This peer's transport (once started)."""
+        assert self.transport is not None, "the peer's transport is not started"
+        return self.transport
+
+    def relays(self) -> tuple[RelayTransport, PeerOptions]:
+        """This peer's relaying transport and its options (once started)."""
+        assert self.relay is not None and self.opts is not None, "the peer's transport is not started"
+        return self.relay, self.opts
+
     @property
     def me(self) -> str:
-        return str(self.transport.peer_id)
+        return str(self.wire().peer_id)
 
     def token(self) -> str | None:
         """This peer's membership token (None in an open swarm)."""
@@ -118,27 +157,27 @@ class Membership:
 
         return admitted
 
-    async def call(self, peer: str, message: Request, timeout: float, tensors=(), *,
-                   link: tuple[int, int] | None = None) -> tuple[Any, list]:
-        """`message` to `peer`, for this run; its typed reply (checkfree.messages.reply_of: a malformed one is a
-        BadReply, a failed call). `link`: (this end's stage, the peer's stage) of a transfer between stages,
-        held back by the run's emulated network if it has one (checkfree.wan), the request on the way there and
-        the reply on the way back."""
-        name, header = message.rpc, request(self.run_id, message)
-        if self.wan is None or link is None:
-            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-            return reply_of(name, reply), out
+    async def call(self, peer: str, message: Request[R], timeout: float, tensors: Sequence[torch.Tensor] = (), *,
+                   link: tuple[int, int] | None = None) -> tuple[R, list[torch.Tensor]]:
+        """`message` to `peer`, for this run; its reply as the reply type of its request (checkfree.messages: a
+        `Request[R]` is answered with an `R`; a malformed one is a BadReply, a failed call). `link`: (this end's
+        stage, the peer's stage) of a transfer between stages, held back by the run's emulated network if it has one
+        (checkfree.wan), the request on the way there and the reply on the way back."""
+        name, header, transport, wan = message.rpc, request(self.run_id, message), self.wire(), self.wan
+        if wan is None or link is None:
+            reply, out = await transport.call(peer, name, header, tensors, timeout=timeout)
+            return reply_to(message, reply), out
 
-        async def shaped() -> tuple[Any, list]:
-            await self.wan.carry(link[0], link[1], state_nbytes(tensors))
-            reply, out = await self.transport.call(peer, name, header, tensors, timeout=timeout)
-            await self.wan.carry(link[1], link[0], state_nbytes(out))
-            return reply_of(name, reply), out
+        async def shaped() -> tuple[R, list[torch.Tensor]]:
+            await wan.carry(link[0], link[1], state_nbytes(tensors))
+            reply, out = await transport.call(peer, name, header, tensors, timeout=timeout)
+            await wan.carry(link[1], link[0], state_nbytes(out))
+            return reply_to(message, reply), out
 
         try:  # the emulated links' time counts against the timeout, as a real WAN's would
             return await asyncio.wait_for(shaped(), timeout)
         except TimeoutError:
-            raise TransportTimeout(f"{name} to {peer} over the emulated {self.wan.name} link {link[0]} -> {link[1]} "
+            raise TransportTimeout(f"{name} to {peer} over the emulated {wan.name} link {link[0]} -> {link[1]} "
                                    f"took over {timeout:g} s") from None
 
     def allowance(self, src: int, dst: int, nbytes: float) -> float:
@@ -167,8 +206,12 @@ class Membership:
             # a new coordinator that ADOPTed this peer while it looked is the one it answers to
             target = self.coordinator = self.adopter or found
             try:
+                if self.reach is None:
+                    self.reach = await self.reachability(target)
                 joined, _ = await self.call(target, join, self.t.rpc_timeout)
                 break
+            except PeerUnreachable:  # nothing a retry changes
+                raise
             except (TimeoutError, TransportError, OSError, RemoteError) as e:
                 # the DHT may still name a coordinator that died (its record outlives it by up to
                 # 3 heartbeat TTLs), or a new one may still be taking over: look again
@@ -184,6 +227,88 @@ class Membership:
             raise TransportError(f"the coordinator {target} found in the DHT failed authentication: "
                                  "it does not hold this run's secret")
         return config_from_dict(json.loads(joined.config))
+
+    async def own_addresses(self) -> list[str]:
+        """The addresses others would dial to reach this peer's RPC: the DHT's (hivemind), else the RPC listener's."""
+        relay, _ = self.relays()
+        if relay.kind == "hivemind":
+            return [a for a in await dht_maddrs(self.dht) if "p2p-circuit" not in a]
+        return list(getattr(relay.inner, "maddrs", []))
+
+    async def reachability(self, coordinator: str) -> Reachability:
+        """How the coordinator reaches this peer (`reachability_probe`); not directly: register with the relay (the
+        coordinator, or --relay-via) and publish the route there, so that every caller sends its requests through it."""
+        reach = await self.reachability_probe(coordinator)
+        if not reach.direct:
+            relay, opts = self.relays()
+            follow = (lambda: self.coordinator) if not opts.relay_via else None  # (a new coordinator relays)
+            await relay.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout, follow)
+            print(f"peer: the coordinator could not connect to this peer (behind NAT or a firewall): reached through "
+                  f"the relay {reach.via} (--no-relay to refuse)", flush=True)
+        return reach
+
+    async def check(self, rounds: int = 3, nbytes: int = 4 << 20) -> int:
+        """`checkfree peer --check`: find the coordinator, say how it reaches this peer, and the latency and
+        bandwidth between them (echoes of a small and a `nbytes` message, best of `rounds`). 0: this peer can take
+        part; 2: it cannot (the line says why)."""
+        import torch
+
+        coordinator = await self._find_coordinator()
+        if coordinator is None:
+            return 130
+        try:
+            reach = await self.reachability_probe(coordinator)
+        except PeerUnreachable as e:
+            print(f"check: {e}", flush=True)
+            return 2
+        timeout, wire = self.t.rpc_timeout, self.wire()
+        small, big = [], []
+        payload = torch.zeros(nbytes // 4, dtype=torch.float32)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            await wire.call(coordinator, ECHO, {}, [], timeout=timeout)
+            small.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await wire.call(coordinator, ECHO, {}, [payload], timeout=timeout)
+            big.append(time.perf_counter() - start)
+        rtt, bw = min(small), 2 * nbytes / max(min(big) - min(small), 1e-9) / 2**20
+        how = ("directly" if reach.direct else
+               f"only through a relay ({reach.via}): others reach this peer through it (behind NAT or a firewall)")
+        connect = min(reach.probe.get("rtt_ms", {}).values(), default=None)
+        print(f"check: coordinator {coordinator} reaches this peer {how}", flush=True)
+        print(f"check: latency {rtt * 1e3:.1f} ms round trip (a small request)"
+              + (f", {connect:.1f} ms for the coordinator's TCP connect to this peer" if connect is not None else ""),
+              flush=True)
+        print(f"check: bandwidth {bw:.1f} MiB/s ({nbytes / 2**20:g} MiB each way, best of {rounds})", flush=True)
+        return 0
+
+    async def reachability_probe(self, coordinator: str) -> Reachability:
+        """Ask the coordinator to connect to this peer's addresses. Reached: direct. Not reached: through a relay
+        (the coordinator, or --relay-via), or, with relays off or a transport that cannot be relayed, a
+        `PeerUnreachable` whose one line names the cause and the flag that fixes it."""
+        if self.wire().kind == "memory":  # the in-process tier: one address space
+            return Reachability(True)
+        relay, opts = self.relays()
+        relays = [str(Multiaddr(m)["p2p"]) for m in opts.relay_via]
+        allowed = opts.relay and relay.kind == "hivemind"
+        addrs = await self.own_addresses()
+        probe = await relay.probe(coordinator, addrs, allowed, self.t.rpc_timeout,
+                                           via=relays[0] if relays and allowed else None)
+        if probe.get("reachable"):
+            return Reachability(True, probe=probe)
+        cause = (f"this peer cannot be reached: the coordinator {coordinator} could not connect to any of its "
+                 f"addresses ({', '.join(probe.get('tried', addrs)) or 'none'}), so it is behind NAT or a firewall")
+        if not opts.relay:
+            raise PeerUnreachable(unreachable_message(probe.get("tried", addrs), probe.get("errors", {}), coordinator))
+        if relay.kind != "hivemind":
+            raise PeerUnreachable(f"{cause}, and only --transport hivemind can be relayed (this peer uses "
+                                  f"--transport {relay.kind}). Use --transport hivemind, or forward the port "
+                                  f"and give --announce-maddrs")
+        if not relays and probe.get("relay") is False:
+            raise PeerUnreachable(f"{cause}, and the coordinator relays for no peer (it was started with --no-relay). "
+                                  f"Give --relay-via with a public peer started with --serve-relay, or forward a "
+                                  f"port and give --announce-maddrs")
+        return Reachability(False, relays[0] if relays else coordinator, probe)
 
     async def _find_coordinator(self) -> str | None:
         """The coordinator's peer id; None if this peer is told to stop while it looks."""
@@ -208,7 +333,7 @@ class Membership:
                 found = {}
             # a record signed with our secret first; else any (its JOIN reply must still prove the
             # secret, and a peer with the wrong secret then hears why it is refused)
-            coordinator = coordinator_from_records(found, self.secret, self.run_id, self.transport.kind,
+            coordinator = coordinator_from_records(found, self.secret, self.run_id, self.wire().kind,
                                                    unsigned_ok=True)
             if coordinator is not None:
                 return coordinator
@@ -238,7 +363,6 @@ class Membership:
         or state changes (a new coordinator taking over reads a stage from it), until cancelled."""
         key, me = members_key(self.run_id), self.me
         while True:
-            self.hosted.changed.clear()
             try:
                 value = {"stage": self.hosted.index, "state": self.hosted.state.value}
                 await announce(self.dht, key, me, sign_record(self.secret, self.run_id, "member", me, value,
@@ -246,9 +370,7 @@ class Membership:
                                self.t.heartbeat_ttl)
             except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.hosted.changed.wait(),
-                                       self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
+            await self.hosted.changes(self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
 
     async def watch_coordinator(self, limit: float) -> bool:
         """Return True once no coordinator has been heard from for `limit` seconds (False once the

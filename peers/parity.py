@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import subprocess
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ KEEP_STEPS = 2  # chunks of older snapshots than the newest two are dropped (a b
 class Parity:
     """This peer's parity block of its group's newest snapshot, and chunks arriving for it."""
 
-    def __init__(self, membership: Membership, hosted: HostedStage, held: dict[int, tuple[int, bytes]],
+    def __init__(self, membership: Membership, hosted: HostedStage, held: dict[int, tuple[int, Any]],
                  companion_host: str = "127.0.0.1") -> None:
         self.net, self.hosted, self.held = membership, hosted, held  # held: the snapshots (peers.snapshots)
         self.companion_host = companion_host  # where this peer's snapshot companion listens (the daemon's host)
@@ -56,10 +57,11 @@ class Parity:
             self._starting = asyncio.create_task(self._start_companion())
 
     async def _start_companion(self) -> None:
-        self.companion, self.companion_addr = await asyncio.to_thread(
+        companion, addr = await asyncio.to_thread(
             start_companion, self.net.me, self.companion_host, self.net.t.join_timeout, self.net.secret)
-        self._client = TcpTransport(self.net.me, secret=self.net.secret)
-        self._client.add_peer_address(self.companion_addr)
+        self.companion, self.companion_addr = companion, addr
+        client = self._client = TcpTransport(self.net.me, secret=self.net.secret)
+        client.add_peer_address(addr)
 
     def _event(self, step: int) -> asyncio.Event:
         return self._arrived.setdefault(step, asyncio.Event())
@@ -87,7 +89,9 @@ class Parity:
         """Hand the snapshot and parity block to this peer's companion (started when the peer joined, or now), so
         that they survive a crash of this process alone."""
         self.prepare()
+        assert self._starting is not None
         await self._starting
+        assert self._client is not None  # (the companion started)
         block = self.blocks[step]
         store = CompanionStore(step=step, stage=self.hosted.index, holder=block.holder, n=block.n,
                                lengths=list(block.state_lengths))
@@ -102,7 +106,7 @@ class Parity:
         if self._starting is not None and not self._starting.done():
             with contextlib.suppress(Exception):
                 await self._starting
-        if self.companion is None:
+        if self.companion is None or self._client is None:
             return
         with contextlib.suppress(Exception):
             await self._client.call(companion_id(self.net.me), CompanionStop.rpc, to_wire(CompanionStop()), timeout=5.0)

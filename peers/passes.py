@@ -16,6 +16,8 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,6 +25,7 @@ from checkfree.hostcopy import to_device, to_host
 from checkfree.net.transport import RemoteError, TransportError
 from checkfree.pipeline import Hop, edge_holders, plain_route, route
 from checkfree.messages import Backward, ComponentGrad, Forward, Ok, Pass, Report, RunStep, StepDone
+from checkfree.peer_hook import PassComputed, PassKind, PassStarting, PeerHook, StepStarted
 from checkfree.protocol import (
     STEP_TIMEOUT_MARK,
     STRAGGLER_MARK,
@@ -35,31 +38,32 @@ from checkfree.wirecodec import encode
 from peers.backups import Backups
 from peers.checks import check_activation, check_groups, check_hop, check_hops, check_sender
 from peers.compute import BACKWARD_FIRST, ComputeQueue
-from peers.debug import DebugHooks
 from peers.membership import Membership
 from peers.replicas import Replicas
 from peers.stage import HostedStage
 from peers.step import StepRun, StepTracker
+from peers.streams import Streams
 
 __all__ = ["Passes"]
 
 log = logging.getLogger(__name__)
 
 
-
 class Passes:
     """The microbatches of the active step attempt passing through this peer's stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
-                 debug: DebugHooks, replicas: Replicas | None = None, backups: Backups | None = None) -> None:
-        self.net, self.hosted, self.steps, self.compute, self.debug = membership, hosted, steps, compute, debug
-        self.replicas, self.backups = replicas, backups
+                 replicas: Replicas | None = None, backups: Backups | None = None,
+                 hook: PeerHook | None = None, streams: Streams | None = None) -> None:
+        self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
+        self.replicas, self.backups, self.streams = replicas, backups, streams
+        self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
         self.t = membership.t
 
     # ---- handlers --------------------------------------------------------------------
     async def on_run_step(self, request: RunStep, tensors: list, peer) -> tuple[StepDone, list]:
         """Run this stage's part of a step (or an evaluation) and answer when it is done."""
-        stage, cfg = self.hosted.serving().index, self.hosted.cfg
+        stage, cfg = self.hosted.serving().index, self.hosted.joined()
         old = self.steps.run
         if old is not None and not old.done.is_set():
             old.fail("superseded by a new step")
@@ -75,7 +79,10 @@ class Passes:
             run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
-        self.debug.arm_step_kill(request)
+        if self.streams is not None and request.copies and not run.evaluate:  # snap: on its own task (COMMIT waits)
+            self.streams.step_started(request.copies.get(stage), request.step)
+        if self.hook is not None:
+            self.hook(StepStarted(run.step, run.attempt, run.evaluate, run.remaining))
         run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage
                               and run.peer(mb, 0) == self.net.me]
         window = len(run.pending_starts)
@@ -103,19 +110,19 @@ class Passes:
         if run.error is None and self.hosted.plus and not run.evaluate and not run.grouped:
             await self._sync_components(run)  # (a stage group sums its gradients first: REDUCE does this then)
         if run.error is not None:  # a soft error carries the guard's counters: the peer may be replaced for it
-            raise StepFailed(run.error, run.kind, {"soft_errors": guard_counts([self.hosted.worker.guard])}
+            raise StepFailed(run.error, run.kind, {"soft_errors": guard_counts([self.hosted.serving().guard])}
                              if run.kind == Kind.SOFT_ERROR else None)
-        run.inflight = await self.compute.run(self.hosted.worker.take_inflight_peak)  # after this step's queued work
+        run.inflight = await self.compute.run(self.hosted.serving().take_inflight_peak)  # after this step's queued work
         figures = run.figures()
-        if send is not None:  # BAFT: the step is done once its part of the backup has gone (in the bubble, if it fit)
-            await send
+        if send is not None and self.backups is not None:  # BAFT: the step is done once its part of the backup has
+            await send  # gone (in the bubble, if it fit)
             figures["backup_bytes"] = self.backups.take_sent()
         return StepDone(losses=dict(run.losses), stage=stage, **figures), []
 
     async def on_forward(self, request: Forward, tensors: list, peer) -> tuple[Ok, list]:
         """An activation from the previous hop (checked before waiting for its step)."""
         arrived = time.time()
-        x = check_activation(tensors, "activation", self.hosted.cfg)
+        x = check_activation(tensors, "activation", self.hosted.joined())
         run = await self.steps.current(request.step, request.attempt)
         mb, idx = await self._hop(run, request)
         if idx > 0:
@@ -151,7 +158,7 @@ class Passes:
     async def on_backward(self, request: Backward, tensors: list, peer) -> tuple[Ok, list]:
         """A gradient from the next hop (checked before waiting for its step)."""
         arrived = time.time()
-        g = check_activation(tensors, "gradient", self.hosted.cfg)
+        g = check_activation(tensors, "gradient", self.hosted.joined())
         run = await self.steps.current(request.step, request.attempt)
         mb, idx = await self._hop(run, request)
         if run.evaluate:
@@ -179,11 +186,11 @@ class Passes:
         start here, before it waited for its step's RUN_STEP)."""
         sent = request.sent
         if self.net.wan is not None and isinstance(sent, float) and math.isfinite(sent):
-            run.arrivals.setdefault(src, []).append(arrived - sent)
+            run.arrived(src, arrived - sent)
 
     # ---- the step's microbatches -------------------------------------------------------
     def _routes(self, step: int, evaluate: bool) -> list[list[Hop]]:
-        c = self.hosted.cfg
+        c = self.hosted.joined()
         s = c.num_stages
         if evaluate:
             return [plain_route(s) for _ in range(c.train.eval_batches)]
@@ -191,32 +198,29 @@ class Passes:
 
     def _batch(self, run: StepRun, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.hosted.data
+        assert data is not None, "a stage that reads no data computes no first or last hop"
         if run.evaluate:
-            return data.val_batches(self.hosted.cfg.train.eval_batches)[mb]
+            return data.val_batches(self.hosted.joined().train.eval_batches)[mb]
         return data.batch(run.step, mb)
 
     def _start_next(self, run: StepRun) -> None:
-        while run.pending_starts:
-            mb = run.pending_starts.pop(0)
-            if mb not in run.started:  # (a redo may have started it)
-                self._spawn(run, self._forward_task(run, mb, 0, None))
-                return
+        mb = run.next_start()
+        if mb is not None:
+            self._spawn(run, self._forward_task(run, mb, 0, None))
 
     @staticmethod
     def _spawn(run: StepRun, coro) -> None:
-        task = asyncio.create_task(coro)
-        run.tasks.add(task)
-        task.add_done_callback(run.tasks.discard)
+        run.track(asyncio.create_task(coro))
 
     def _mb_done(self, run: StepRun) -> None:
         if run.microbatch_done():
-            worker = self.hosted.worker
+            worker = self.hosted.serving()
             if self.hosted.plus and not run.evaluate and not run.grouped:
                 run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
-            run.done.set()
+            run.finish()
 
     async def _forward_task(self, run: StepRun, mb: int, idx: int, x: torch.Tensor | None) -> None:
-        run.started.add(mb)
+        run.forward_started(mb)
         try:
             hop = run.routes[mb][idx]
             inputs, targets = self._batch(run, mb) if (hop.embed or hop.head) else (None, None)
@@ -224,8 +228,9 @@ class Passes:
                 x = inputs
             key = (run.step, run.attempt, mb)
             if run.evaluate:
-                out = await self.compute.run(self.hosted.worker.infer, x, hop)
+                out = await self.compute.run(self.hosted.serving().infer, x, hop)
                 if hop.head:
+                    assert targets is not None
                     loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), to_device(targets, out.device).flatten())
                     run.keep_loss(mb, await _host_float(loss))
                 else:
@@ -236,8 +241,9 @@ class Passes:
                 return  # (asyncio.wait_for in Python 3.11); nothing of an ended attempt may reach the stage
             out = await self._guarded_forward(key, x, hop, targets)
             if run.grouped:  # (a redo's backward may be waiting for it)
-                run.event("forward", mb).set()
-            self.debug.computed(run)  # the peer's fault hook: a replica's death in the middle of a step
+                run.mark("forward", mb)
+            if self.hook is not None:
+                self.hook(PassComputed("forward", *key))
             if self.replicas is not None and self.replicas.replica is not None:  # redundant computation
                 self._spawn(run, self.replicas.forward(inputs if hop.head else out.detach()))
             if not hop.head:
@@ -262,28 +268,31 @@ class Passes:
         uncorrectable fault fails the step with a SOFT_ERROR marker the coordinator counts."""
         for attempt in range(2):
             try:
-                return await self.compute.run(self.debug.slowed(self.hosted.worker.forward, key[0]), key, x, hop,
-                                              targets)
+                return await self.compute.run(self._observed(self.hosted.serving().forward, "forward", key), key, x,
+                                              hop, targets)
             except UncorrectableSoftError as e:
-                await self.compute.run(self.hosted.worker.drop_microbatch, key)
+                await self.compute.run(self.hosted.serving().drop_microbatch, key)
                 if attempt == 1:
                     raise StepFailed(f"{SOFT_ERROR_MARK} stage={self.hosted.index}: {e}", Kind.SOFT_ERROR) from e
                 log.warning("uncorrectable soft error, recomputing microbatch %s: %s", key, e)
 
     async def _backward_task(self, run: StepRun, mb: int, idx: int, grad: torch.Tensor | None) -> None:
-        run.backwarded.add(mb)
+        run.backward_started(mb)
         try:
             if run.grouped and not run.event("forward", mb).is_set():
                 # a redo: the next hop's replica sent its gradient before this peer recomputed the forward
                 await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
             if run.error is not None:  # (see _forward_task: its gradient would outlive the ABORT that dropped them)
                 return
-            grad_in = await self.compute.run(self.debug.slowed(self.hosted.worker.backward, run.step),
-                                              (run.step, run.attempt, mb), grad, priority=BACKWARD_FIRST)
+            key = (run.step, run.attempt, mb)
+            grad_in = await self.compute.run(self._observed(self.hosted.serving().backward, "backward", key), key, grad,
+                                             priority=BACKWARD_FIRST)
+            if self.hook is not None:
+                self.hook(PassComputed("backward", *key))
             if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost
                 run.keep_sent_grad(mb, grad_in)
             self._mb_done(run)
-            if idx == 0 and self.hosted.cfg.train.schedule == "1f1b":
+            if idx == 0 and self.hosted.joined().train.schedule == "1f1b":
                 self._start_next(run)  # one microbatch finished here: admit the next
             if idx > 0:
                 await self._send(run, mb, idx - 1, Backward, grad_in)
@@ -291,13 +300,27 @@ class Passes:
             log.exception("backward of microbatch %d failed", mb)
             run.fail(f"backward of microbatch {mb} failed on stage {self.hosted.index}: {type(e).__name__}: {e}")
 
+    def _observed(self, compute: Callable[..., Any], kind: PassKind, key: tuple[int, int, int]) -> Callable[..., Any]:
+        """`compute` (a pass of microbatch `key`), preceded on the compute thread by the hook's PassStarting event
+        when the peer has a hook."""
+        hook = self.hook
+        if hook is None:
+            return compute
+
+        def observed(*args: Any, **kwargs: Any) -> Any:
+            hook(PassStarting(kind, *key))
+            return compute(*args, **kwargs)
+
+        return observed
+
     # ---- neighbours --------------------------------------------------------------------
-    async def _send(self, run: StepRun, mb: int, idx: int, kind: type[Pass], tensor: torch.Tensor) -> None:
+    async def _send(self, run: StepRun, mb: int, idx: int, kind: type[Forward] | type[Backward],
+                    tensor: torch.Tensor) -> None:
         """Send microbatch `mb`'s activation (FORWARD) or gradient (BACKWARD) to the peer of its hop `idx`."""
         stage, target = run.routes[mb][idx].stage, run.peer(mb, idx)
         # checkfree.wirecodec: as computed, 16-bit or int8; from a GPU through pinned memory on a copy stream, awaited
         # without blocking this loop or the compute thread (checkfree.hostcopy)
-        tensors = await to_host(encode(tensor, self.hosted.cfg.train.wire_dtype))
+        tensors = await to_host(encode(tensor, self.hosted.joined().train.wire_dtype))
         run.count_sent(sum(t.numel() * t.element_size() for t in tensors))
         sent = time.time() if self.net.wan is not None else None  # the receiver measures the hop's one-way delay
         try:
@@ -317,8 +340,12 @@ class Passes:
         """Fail the attempt (unless told not to) and tell the coordinator which neighbour could not be reached."""
         if fail:
             run.fail(f"call to stage {stage} failed: {reason}")
+        coordinator = self.net.coordinator
+        if coordinator is None:  # (a peer computes a step only once it has joined a coordinator)
+            log.warning("could not report the failure of stage %d: no coordinator known", stage)
+            return
         try:
-            await self.net.call(self.net.coordinator, Report(step=run.step, attempt=run.attempt, stage=stage,
+            await self.net.call(coordinator, Report(step=run.step, attempt=run.attempt, stage=stage,
                                                              peer_id=peer_id or run.peers.get(stage, ""),
                                                              reason=reason[:500]), min(5.0, self.t.rpc_timeout))
         except (TransportError, RemoteError) as e:
@@ -334,8 +361,8 @@ class Passes:
 
     async def _sync_components(self, run: StepRun) -> None:
         """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
-        holders = edge_holders(self.hosted.cfg.num_stages, True)
-        for comp in self.hosted.worker.components:
+        holders = edge_holders(self.hosted.joined().num_stages, True)
+        for comp in self.hosted.serving().components:
             partner = next(h for h in holders[comp] if h != self.hosted.index)
             try:
                 _, (other,) = await self.net.call(self._partner(run, partner),
@@ -354,7 +381,7 @@ class Passes:
                 return  # would start from ours (checked and queued with no await between: ABORT's drop comes after)
             mine = run.component_grads[comp]
             run.count_sent(other.numel() * other.element_size())  # counted once per transfer, at the receiver
-            await self.compute.run(_add_component_grad, self.hosted.worker, comp, mine, other)
+            await self.compute.run(_add_component_grad, self.hosted.serving(), comp, mine, other)
 
 
 async def _host_float(t: torch.Tensor) -> float:

@@ -22,13 +22,14 @@ from checkfree.costmodel import stage_params
 from checkfree.pipeline import COMPONENTS
 from checkfree.messages import (AssignHandover, AssignPromote, AssignRecover, AssignReplica, AssignRestore, GetReplica,
                                 GetState, GetWeights, State, Weights)
+from checkfree.peer_hook import PeerHook, WeightPulled
 from checkfree.protocol import ProtocolError
 from checkfree.recovery import Neighbours, rebuild_stage, recovered_optimizer_state
 from checkfree.serialize import blob_tensor, tensor_blob
 from checkfree.strategies.state import optim_from_wire, optim_to_wire, state_nbytes
 from checkfree.worker import StageWorker
 from peers.compute import ComputeQueue
-from peers.debug import DebugHooks
+from peers.debug import Dumps
 from peers.membership import Membership
 from peers.stage import HostedStage
 
@@ -40,9 +41,10 @@ log = logging.getLogger(__name__)
 class Rebuild:
     """Both ends of a weight transfer for this peer's stage."""
 
-    def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue,
-                 debug: DebugHooks) -> None:
-        self.net, self.hosted, self.compute, self.debug = membership, hosted, compute, debug
+    def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue, dumps: Dumps,
+                 hook: PeerHook | None = None) -> None:
+        self.net, self.hosted, self.compute, self.dumps = membership, hosted, compute, dumps
+        self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
 
     # ---- serving -------------------------------------------------------------------------
     async def on_get_weights(self, get: GetWeights, tensors: list, peer) -> tuple[Weights, list]:
@@ -58,11 +60,11 @@ class Rebuild:
         if not items:
             raise ProtocolError(f"stage {stage} holds no {part!r} weights")
         if get.step is not None:
-            self.debug.dump(f"served-step{get.step}-stage{stage}-{part}", dict(items), {"omega": omega})
+            self.dumps.dump(f"served-step{get.step}-stage{stage}-{part}", dict(items), {"omega": omega})
         tensors = [v for _, v in items]
         optim_keys: list = []
         if part in COMPONENTS:  # a replica is recovered exactly: its Adam state comes with it
-            optim_keys, optim = optim_to_wire(await self.compute.run(self.hosted.worker.optimizer_state, part + "."))
+            optim_keys, optim = optim_to_wire(await self.compute.run(self.hosted.serving().optimizer_state, part + "."))
             tensors += optim
         return Weights(keys=[k for k, _ in items], omega=omega, stage=stage, optim=optim_keys), tensors
 
@@ -100,7 +102,7 @@ class Rebuild:
         reply = {"coefficients": [coeffs[s] for s in plan.sources] if coeffs else [],
                  "norms": [norms[s] for s in plan.sources], "transfer_s": transfer_s, "rebuild_s": t2 - t1,
                  "bytes": state_nbytes([*blocks.values(), *edges.values(), *edge_optim.values()])}
-        await self.compute.run(self.debug.dump, f"rebuilt-step{step}-stage{plan.stage}", worker.state_dict(), reply)
+        await self.compute.run(self.dumps.dump, f"rebuilt-step{step}-stage{plan.stage}", worker.state_dict(), reply)
         return worker, reply
 
     async def components(self, stage: int, assign: AssignRestore) -> dict[str, tuple[dict, dict]]:
@@ -135,7 +137,8 @@ class Rebuild:
         w, ts = await self.net.call(peer_id, GetWeights(part=part, step=step), timeout, link=(stage, source))
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, w.stage,
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
-        self.debug.pulled(part, w.stage)  # the peer's fault hook: a death in the middle of a rebuild
+        if self.hook is not None:
+            self.hook(WeightPulled(part, w.stage))
         if len(w.keys) + len(w.optim) != len(ts):
             raise ProtocolError(f"weights reply has {len(w.keys)} keys and {len(w.optim)} optimizer keys "
                                 f"but {len(ts)} tensors")
@@ -144,13 +147,13 @@ class Rebuild:
     def _allowance(self, source: int, stage: int) -> float:
         """Extra timeout for pulling stage `source`'s state to `stage` over the run's emulated link: at most its
         weights and two Adam moments in float32 (Membership.allowance; 0 on loopback)."""
-        return self.net.allowance(source, stage, 12 * stage_params(self.hosted.cfg)[source])
+        return self.net.allowance(source, stage, 12 * stage_params(self.hosted.joined())[source])
 
     def _rebuild(self, worker: StageWorker, plan: Neighbours, blocks: dict, norms: dict, edges: dict,
                  edge_optim: dict, step: int) -> dict[int, float]:
         """On the compute thread: the library's rebuild from the pulled weights, loaded into `worker`
         with a fresh optimizer. Returns the coefficient of each source stage."""
-        cfg = self.hosted.cfg
+        cfg = self.hosted.joined()
         rc = cfg.recovery
         state, coeffs = rebuild_stage(plan, worker.state_dict(), blocks, norms, edges, eps=rc.eps,
                                       seed=cfg.train.seed + step, std=cfg.model.init_std)

@@ -55,10 +55,10 @@ class Replicas:
         return self.hosted.redundant and self.hosted.worker is not None
 
     def successor(self) -> int:
-        return (self.hosted.index + 1) % self.hosted.cfg.num_stages
+        return (self.hosted.index + 1) % self.hosted.joined().num_stages
 
     def holder(self) -> int:
-        return (self.hosted.index - 1) % self.hosted.cfg.num_stages
+        return (self.hosted.index - 1) % self.hosted.joined().num_stages
 
     # ---- handlers --------------------------------------------------------------------
     async def on_take_replica(self, take: TakeReplica, tensors: list, peer) -> tuple[ReplicaTaken, list]:
@@ -70,7 +70,7 @@ class Replicas:
                                          link=(self.hosted.index, succ))
         worker = await self.compute.run(self.hosted.build, succ, True, False)
         self.omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
-        self._window = OmegaWindow(self.hosted.cfg.recovery.omega_window, self.omega or None)
+        self._window = OmegaWindow(self.hosted.joined().recovery.omega_window, self.omega or None)
         self.replica = worker
         log.info("holding a replica of stage %d (%.1f MB)", succ, blob.numel() / 1e6)
         return ReplicaTaken(stage=succ, bytes=blob.numel()), []
@@ -90,7 +90,7 @@ class Replicas:
                                     f"{params[n].dtype} {tuple(params[n].shape)}")
         stats = await self.compute.run(self._apply, replica, names, tensors, grad.step)
         if not stats.skipped:
-            self.omega = self._window.add(stats.omega(self.hosted.cfg.recovery))
+            self.omega = self._window.add(stats.omega(self.hosted.joined().recovery))
         return Ok(), []
 
     async def on_get_replica(self, get: GetReplica, tensors: list, peer) -> tuple[State, list]:
@@ -106,7 +106,7 @@ class Replicas:
         replica = self.replica
         if replica is None:
             return
-        last = self.hosted.cfg.num_stages - 1
+        last = self.hosted.joined().num_stages - 1
         hop = Hop(stage=replica.index, embed=replica.index == 0, head=replica.index == last)
         t0 = time.perf_counter()
         await self.compute.run(self._infer, replica, x, hop, priority=REDUNDANT_LAST)
@@ -118,7 +118,7 @@ class Replicas:
 
     def gradients(self) -> tuple[list[str], list[torch.Tensor]]:
         """On the compute thread, before the own step: this stage's gradients, for its predecessor's replica."""
-        named = [(n, p.grad) for n, p in self.hosted.worker.module.named_parameters() if p.grad is not None]
+        named = [(n, p.grad) for n, p in self.hosted.serving().module.named_parameters() if p.grad is not None]
         return [n for n, _ in named], [g.detach().cpu().clone() for _, g in named]
 
     async def ship(self, step: int, peers: dict[int, str], grads: tuple[list[str], list[torch.Tensor]]) -> None:
@@ -148,4 +148,5 @@ class Replicas:
         return replica.step(step)
 
     def _capture(self, step: int) -> bytearray:
+        assert self.replica is not None
         return state_to_bytes(capture_worker(self.replica, step, self.omega, clone=False))

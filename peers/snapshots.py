@@ -13,12 +13,14 @@ import logging
 import time
 from typing import Any
 
+from checkfree.baselines.parity import BytesLike
 from checkfree.messages import (AssignRestore, FetchSnapshot, InitialState, KeepHolders, KeepParity, KeepStorage, Ok,
                                 Origin, OwnCopy, ParityCopy, PeerCopy, Restore, Snapshot, Snapshotted, StorageCopy,
                                 Stored, StoreSnapshot)
 from checkfree.net.errors import RemoteError
 from checkfree.protocol import Kind, ProtocolError
-from checkfree.serialize import blob_tensor, tensor_blob
+from checkfree.serialize import blob_tensor, state_from_bytes, tensor_blob
+from checkfree.snapcodec import restore_state
 from checkfree.strategies import storage
 from checkfree.strategies.state import state_nbytes
 from checkfree.worker import StageWorker
@@ -28,6 +30,7 @@ from peers.membership import Membership
 from peers.parity import Parity
 from peers.stage import HostedStage
 from peers.step import StepTracker
+from peers.streams import Streams, is_copy_blob
 
 __all__ = ["Snapshots"]
 
@@ -38,8 +41,9 @@ class Snapshots:
     """The snapshots this peer holds, its own stage's and others', by stage."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker,
-                 compute: ComputeQueue, companion_host: str = "127.0.0.1") -> None:
+                 compute: ComputeQueue, companion_host: str = "127.0.0.1", streams: Streams | None = None) -> None:
         self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
+        self.streams = streams  # snap: the compressed copies held here, and this stage's mirror
         self.held: dict[int, tuple[int, Any]] = {}  # stage -> (step, serialized full state: a bytes-like object)
         self.parity = Parity(membership, hosted, self.held, companion_host)  # reft
 
@@ -84,7 +88,9 @@ class Snapshots:
         return Stored(held=sorted(self.held)), []
 
     async def on_fetch_snapshot(self, fetch: FetchSnapshot, tensors: list, peer) -> tuple[Ok, list]:
-        """Hand a held snapshot to a replacement."""
+        """Hand a held snapshot (snap: a compressed copy) to a replacement."""
+        if self.streams is not None and self.streams.holds(fetch.owner, fetch.step):
+            return Ok(), [blob_tensor(await self.streams.fetch(fetch.owner, fetch.step))]
         held = self.held.get(fetch.owner)
         if held is None or held[0] != fetch.step:
             raise ProtocolError(f"no snapshot of stage {fetch.owner} at step {fetch.step} here "
@@ -109,7 +115,7 @@ class Snapshots:
         in its place (under ReFT its own, with its parity block); the bytes moved. One it does not have (a
         snapshot round left incomplete replaced it) is skipped with a warning: it was lost before the handover. A
         source that cannot be reached fails the handover (the coordinator then recovers the stage)."""
-        if self.hosted.cfg is None or not all(0 <= o < self.hosted.cfg.num_stages for o in held):
+        if self.hosted.cfg is None or not all(0 <= o < self.hosted.joined().num_stages for o in held):
             raise ProtocolError(f"assign 'held' names stages out of range: {sorted(held)!r:.200}")
         moved = 0
         for owner, step in sorted(held.items()):
@@ -129,7 +135,7 @@ class Snapshots:
             moved += len(self.held[owner][1])
         return moved
 
-    def keep(self, stage: int, step: int, blob: bytes) -> None:
+    def keep(self, stage: int, step: int, blob: BytesLike) -> None:
         """Hold `stage`'s snapshot (or backup) of `step` (at most one per stage)."""
         self.held[stage] = (step, blob)
 
@@ -148,7 +154,13 @@ class Snapshots:
         else:
             blob = await self._blob(worker.index, step, origin)
             fetched = len(blob)
-        norm = await self.compute.run(self.hosted.load_bytes, worker, blob, donors)
+        state = state_from_bytes(blob)
+        if is_copy_blob(state):  # snap: a compressed copy, decoded here; this peer mirrors it from now on
+            held = await self.compute.run(Streams.decode, blob)
+            state = await self.compute.run(restore_state, held)
+            if self.streams is not None:
+                self.streams.adopt_mirror(held)
+        norm = await self.compute.run(self.hosted.load_state, worker, state, donors)
         moved = sum(state_nbytes(list(d)) for d in (donors or {}).values())
         return {"omega": norm, "restore_s": time.perf_counter() - t0, "bytes": fetched + moved, **via}
 

@@ -22,6 +22,7 @@ from checkfree.messages import LastCommit
 from checkfree.protocol import ProtocolError
 from checkfree.recovery import OmegaWindow
 from checkfree.serialize import state_from_bytes, state_to_bytes
+from checkfree.snapcodec import CopyFormat
 from checkfree.softerrors import make_guard
 from checkfree.strategies.state import capture_worker, restore_worker, with_components
 from checkfree.worker import StageWorker, resolve_device
@@ -49,6 +50,7 @@ class HostedStage:
         self.plus = False  # CheckFree+: swapped routes, replicated embedding and head
         self.redundant = False  # redundant computation: this peer also holds its successor's replica
         self.companion = False  # reft: a companion process keeps this peer's snapshots (peers/companion.py)
+        self.copy_format: CopyFormat | None = None  # snap: the format of the streamed copies
         self.worker: StageWorker | None = None
         self.omega = 0.0  # as a recovery reads it: the mean of the stage's last recovery.omega_window steps' norms
         self._window = OmegaWindow()
@@ -67,6 +69,12 @@ class HostedStage:
         self._state = state
         self.changed.set()
 
+    async def changes(self, timeout: float) -> None:
+        """Until the stage or state changes, or `timeout` seconds pass (the change seen is consumed)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        self.changed.clear()
+
     @property
     def index(self) -> int:
         """The hosted stage, -1 while standing by."""
@@ -84,6 +92,7 @@ class HostedStage:
         self.plus = strategy.plus
         self.redundant = strategy.peer_service == "replicas"
         self.companion = strategy.peer_service == "companion"
+        self.copy_format = strategy.copy_format
         self.worker_cfg = worker_config(cfg, strategy)
         self.state = PeerState.STANDBY
         self._configured.set()
@@ -145,29 +154,34 @@ class HostedStage:
     def build(self, stage: int, init: bool = True, guard: bool = True) -> StageWorker:
         """The stage's worker; init=False leaves its weights unallocated (a recovery loads them); guard=False:
         no soft-error guard (a redundant replica)."""
-        worker = StageWorker(self.worker_cfg, stage, init=init)
+        c, worker_cfg = self.joined(), self.worker_cfg
+        assert worker_cfg is not None  # (set with the config: `configure`)
+        worker = StageWorker(worker_cfg, stage, init=init)
         if guard:
-            worker.attach_guard(make_guard(self.cfg, stage))
+            worker.attach_guard(make_guard(c, stage))
         if self._needs_data(stage) and self.data is None:
-            c = self.cfg
             self.data = build_data(c.data, vocab_size=c.model.vocab_size, context_length=c.seq_len,
                                    seed=c.train.seed, microbatch_size=c.train.microbatch_size)
         return worker
 
     def _needs_data(self, stage: int) -> bool:
-        holders = edge_holders(self.cfg.num_stages, self.plus)
+        holders = edge_holders(self.joined().num_stages, self.plus)
         return stage in holders["embed"] or stage in holders["head"]
 
     def capture_bytes(self, step: int) -> bytearray:
         """The hosted stage's full state as of `step` (weights, Adam, LR scale, RNG, omega), serialised straight
         from the live tensors (one copy)."""
-        return state_to_bytes(capture_worker(self.worker, step, self.omega, clone=False))
+        return state_to_bytes(capture_worker(self.serving(), step, self.omega, clone=False))
 
     @staticmethod
     def load_bytes(worker: StageWorker, blob: Any, donors: dict | None = None) -> float:
         """Load a full state captured by `capture_bytes` (any bytes-like object; not copied before the load's own
         copy into the worker) into `worker` (its replicated components from `donors`, component -> (weights, Adam
         state), when given); returns its omega."""
-        state = state_from_bytes(blob)
+        return HostedStage.load_state(worker, state_from_bytes(blob), donors)
+
+    @staticmethod
+    def load_state(worker: StageWorker, state: dict, donors: dict | None = None) -> float:
+        """`load_bytes` for a state already decoded."""
         restore_worker(worker, with_components(state, donors) if donors else state)
         return float(state["norm"])

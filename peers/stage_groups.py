@@ -9,7 +9,8 @@
   repeat. The step completes with the same global batch and no attempt is aborted.
 * REDUCE (after every microbatch is done, before COMMIT): the replicas of a stage sum their gradients with a
   gloo all-reduce (torch.distributed's `ProcessGroupGloo` over the coordinator's TCPStore, formed once per
-  group membership and kept while the group stays the same), in buckets, into the gradients themselves. The
+  group membership and kept while the group stays the same), in REDUCE_BUCKETS buckets (one gloo call each; every
+  member cuts the flat gradient alike), into the gradients themselves. The
   gradients as they were before are kept: if any member fails mid-reduce (the others' gloo calls raise within
   milliseconds of a SIGKILL), every survivor restores them — a partly summed gradient is never committed — and
   the coordinator has a sibling redo the lost replica's microbatches and reduces again in the smaller group.
@@ -27,17 +28,19 @@ import time
 import torch.distributed as dist
 
 from checkfree.messages import GetPass, Ok, Reduce, Reduced, Reroute, Rerouted
+from checkfree.peer_hook import BucketReduced, PeerHook
 from checkfree.protocol import Kind, ProtocolError, StepFailed
 from checkfree.wirecodec import encode
 from peers.checks import check_activation, check_hop
 from peers.compute import ComputeQueue
-from peers.debug import DebugHooks
 from peers.membership import Membership
 from peers.passes import Passes
 from peers.stage import HostedStage
 from peers.step import StepRun, StepTracker
 
-__all__ = ["StageGroup"]
+__all__ = ["StageGroup", "REDUCE_BUCKETS"]
+
+REDUCE_BUCKETS = 2  # gloo all-reduce calls per REDUCE, each over one part of the flat gradient
 
 _GlooOptions = dist.ProcessGroupGloo._Options  # a group's options: its devices (where it listens), its timeout
 
@@ -48,9 +51,9 @@ class StageGroup:
     """This peer as one replica of its stage's group."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
-                 passes: Passes, debug: DebugHooks) -> None:
-        self.net, self.hosted, self.steps, self.compute, self.passes, self.debug = (membership, hosted, steps,
-                                                                                    compute, passes, debug)
+                 passes: Passes, hook: PeerHook | None = None) -> None:
+        self.net, self.hosted, self.steps, self.compute, self.passes = membership, hosted, steps, compute, passes
+        self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
         self.t = membership.t
         self._pg: dist.ProcessGroupGloo | None = None
         self._prefix: str | None = None  # the store and group membership `_pg` was formed for
@@ -63,7 +66,7 @@ class StageGroup:
         if not run.grouped:
             raise ProtocolError("REROUTE of a step without stage groups")
         dead, to, mbs = reroute.dead, reroute.to, reroute.mbs
-        if not all(0 <= mb < len(run.hops) for mb in mbs):
+        if not all(0 <= mb < len(run.routes) for mb in mbs):
             raise ProtocolError(f"REROUTE names microbatches outside the step: {mbs!r:.200}")
         new = run.reroute(dead, to, mbs, self.net.me)
         if to != self.net.me:
@@ -89,7 +92,7 @@ class StageGroup:
             try:
                 _, ts = await self.net.call(prev, GetPass(step=run.step, attempt=run.attempt, mb=mb, hop=idx - 1),
                                             self.t.rpc_timeout, link=(self.hosted.index, run.routes[mb][idx - 1].stage))
-                x = check_activation(ts, "activation", self.hosted.cfg)
+                x = check_activation(ts, "activation", self.hosted.joined())
             except Exception as e:  # noqa: BLE001 - the attempt fails; the coordinator sees why
                 run.fail(f"redo of microbatch {mb}: its input from {prev} could not be had: {e}")
                 return
@@ -107,7 +110,7 @@ class StageGroup:
             await asyncio.wait_for(run.event("sent", mb).wait(), self.t.rpc_timeout)
         except TimeoutError:
             raise ProtocolError(f"microbatch {mb} has no activation here within rpc_timeout") from None
-        out = encode(run.sent[mb], self.hosted.cfg.train.wire_dtype)
+        out = encode(run.sent[mb], self.hosted.joined().train.wire_dtype)
         run.count_sent(sum(t.numel() * t.element_size() for t in out))
         return Ok(), out
 
@@ -128,10 +131,10 @@ class StageGroup:
             run.reduce_failed(f"the gradient reduce of stage {self.hosted.index} failed here: {e}")
             raise
         reduce_s = time.perf_counter() - t0
-        worker = self.hosted.worker
+        worker = self.hosted.serving()
         if self.hosted.plus:  # the group's sums, which the partner stage's COMPONENT_GRAD waits for
             run.keep_component_grads({c: worker.component_grad(c) for c in worker.components})
-        run.reduced.set()
+        run.reduce_succeeded()
         if self.hosted.plus:
             await self.passes._sync_components(run)
             if run.error is not None:
@@ -141,25 +144,22 @@ class StageGroup:
     def _reduce(self, run: StepRun, reduce: Reduce) -> int:
         """On the compute thread: restore the gradients of a failed earlier reduce, keep them, all-reduce them in
         buckets, and set the sums; on any failure the kept gradients are restored and StepFailed raised."""
-        worker = self.hosted.worker
+        worker = self.hosted.serving()
         if run.pre_reduce is not None:
             worker.set_flat_grad(run.pre_reduce)
         flat = worker.flat_grad()
         run.keep_pre_reduce(flat.clone())
         if reduce.size == 1:
             return 0
-        if reduce.buckets < 1:
-            raise ProtocolError(f"REDUCE 'buckets' must be a positive integer, got {reduce.buckets!r}")
         try:
             pg = self._group(reduce)
-            for i, part in enumerate(flat.chunk(reduce.buckets)):
-                if i == 1 and reduce.chaos_die_in_reduce:
-                    pg.abort()
-                    self._pg = None
-                    self.debug.die(f"replica half-way through the gradient all-reduce of step {run.step}")
+            parts = flat.chunk(REDUCE_BUCKETS)
+            for i, part in enumerate(parts):
                 pg.allreduce([part]).wait()
+                if self.hook is not None:
+                    self.hook(BucketReduced(run.step, run.attempt, i, len(parts)))
         except Exception as e:
-            self._pg = None  # (a group with a dead member cannot be used again)
+            self.close()  # (a group with a dead member cannot be used again)
             worker.set_flat_grad(run.pre_reduce)
             run.keep_pre_reduce(None)  # restored: a sibling's redo may add to them before the next reduce
             raise StepFailed(f"the gradient all-reduce of stage {self.hosted.index} failed: {str(e)[:300]}",

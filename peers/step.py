@@ -20,6 +20,7 @@ import torch
 
 from checkfree.pipeline import Hop
 from checkfree.messages import Abort, Commit, Committed, LastCommit, Ok
+from checkfree.peer_hook import CommitTaken, PeerHook
 from checkfree.protocol import Kind, ProtocolError, Timeouts
 from checkfree.softerrors import guard_counts
 from checkfree.worker import InFlightPeak
@@ -74,10 +75,41 @@ class StepRun:
 
     def peer(self, mb: int, idx: int) -> str:
         """The peer of hop `idx` of microbatch `mb`."""
-        return self.hops[mb][idx] if self.grouped else self.peers[self.routes[mb][idx].stage]
+        return self.hops[mb][idx] if self.hops is not None else self.peers[self.routes[mb][idx].stage]
 
     def event(self, kind: str, mb: int) -> asyncio.Event:
         return self.events.setdefault((kind, mb), asyncio.Event())
+
+    def mark(self, kind: str, mb: int) -> None:
+        """`kind` ("forward", "sent") happened for microbatch `mb`: what waits for it goes on."""
+        self.event(kind, mb).set()
+
+    def track(self, task: asyncio.Task) -> None:
+        """A task of this attempt (ended with it), until it is done."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def next_start(self) -> int | None:
+        """The next first-hop microbatch to start here (None: all started)."""
+        while self.pending_starts:
+            mb = self.pending_starts.pop(0)
+            if mb not in self.started:  # (a redo may have started it)
+                return mb
+        return None
+
+    def forward_started(self, mb: int) -> None:
+        self.started.add(mb)
+
+    def backward_started(self, mb: int) -> None:
+        self.backwarded.add(mb)
+
+    def arrived(self, src: int, delay: float) -> None:
+        """A pass from stage `src` took `delay` seconds one way (an emulated WAN)."""
+        self.arrivals.setdefault(src, []).append(delay)
+
+    def finish(self) -> None:
+        """Every microbatch of this peer's is done."""
+        self.done.set()
 
     def microbatch_done(self) -> bool:
         """One microbatch of this peer's finished its backward here; whether it was the last."""
@@ -90,7 +122,7 @@ class StepRun:
     def keep_sent(self, mb: int, activation: torch.Tensor) -> None:
         """The activation this peer sent on for `mb` (a sibling's redo may ask for it: GET_PASS)."""
         self.sent[mb] = activation
-        self.event("sent", mb).set()
+        self.mark("sent", mb)
 
     def keep_sent_grad(self, mb: int, grad: torch.Tensor | None) -> None:
         self.sent_grad[mb] = grad
@@ -106,6 +138,10 @@ class StepRun:
         """A REDUCE of this attempt starts (again): a COMPONENT_GRAD waits for its end."""
         self.reduced.clear()
         self.reduce_error = None
+
+    def reduce_succeeded(self) -> None:
+        """This peer's REDUCE summed the group's gradients: a COMPONENT_GRAD waiting for the sums goes on."""
+        self.reduced.set()
 
     def reduce_failed(self, message: str) -> None:
         """This peer's REDUCE failed: a COMPONENT_GRAD waiting for its sums is refused now (a retry may sum)."""
@@ -124,8 +160,10 @@ class StepRun:
 
     def reroute(self, dead: str, to: str, mbs: list[int], me: str) -> list[int]:
         """A lost replica's (`dead`) hops of `mbs` go to `to`; the microbatches this peer takes on (if it is `to`)."""
+        hops = self.hops
+        assert hops is not None, "a REROUTE of a step without stage groups"
         for mb in mbs:
-            self.hops[mb] = [to if p == dead else p for p in self.hops[mb]]
+            hops[mb] = [to if p == dead else p for p in hops[mb]]
         for g in self.groups.values():
             if dead in g:
                 g.remove(dead)
@@ -145,7 +183,7 @@ class StepRun:
 
     def figures(self) -> dict:
         """What the coordinator records for this stage and step (metrics.jsonl)."""
-        out = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
+        out: dict[str, Any] = {"bytes_sent": self.bytes_sent, "inflight_peak": self.inflight.microbatches,
                "activation_peak_bytes": self.inflight.bytes, "peak_rss_bytes": _peak_rss_bytes()}
         # this peer's speed: the microbatches it computed and its compute thread's busy seconds
         out.update(microbatches=len(self.mine) if self.grouped else len(self.routes),
@@ -181,12 +219,22 @@ class ReplicaHook(Protocol):
     def take_seconds(self) -> float: ...
 
 
+class StreamHook(Protocol):
+    """What a commit asks of snap's streamed copy (peers.streams.Streams): the part this step sent, encoded from
+    the weights the step started from and acknowledged by the holder, before the optimizer step changes them."""
+
+    async def before_commit(self) -> tuple[tuple[int, int] | None, int | None]: ...
+
+
 class StepTracker:
     """The active step attempt of this peer, the newest one that ended, and COMMIT/ABORT."""
 
     def __init__(self, timeouts: Timeouts, hosted: HostedStage, compute: ComputeQueue,
-                 replicas: ReplicaHook | None = None) -> None:
+                 replicas: ReplicaHook | None = None, hook: PeerHook | None = None,
+                 streams: StreamHook | None = None) -> None:
         self.t, self.hosted, self.compute, self.replicas = timeouts, hosted, compute, replicas
+        self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
+        self.streams = streams
         self.run: StepRun | None = None
         self.finished: tuple[int, int] | None = None  # newest (step, attempt) that ended here
         self.members: dict[str, int] = {}  # the peers of the newest attempt started here (peer -> stage)
@@ -224,7 +272,7 @@ class StepTracker:
         while True:
             run = self.run
             have = None if run is None else (run.step, run.attempt)
-            if have == want:
+            if run is not None and have == want:
                 return run
             if (have is not None and have > want) or (self.finished is not None and self.finished >= want):
                 raise ProtocolError(f"stale message for step {want[0]} attempt {want[1]} (active: {have})")
@@ -247,11 +295,13 @@ class StepTracker:
                 task.cancel()
         self._set(None)
         if self.hosted.worker is not None:
-            await self.compute.run(self.hosted.worker.drop_inflight)
+            await self.compute.run(self.hosted.serving().drop_inflight)
 
     # ---- handlers --------------------------------------------------------------------
     async def on_commit(self, commit: Commit, tensors: list, peer) -> tuple[Committed, list]:
         """Clip and apply the optimizer step of the finished attempt; its omega for a later recovery."""
+        if self.hook is not None:
+            self.hook(CommitTaken(commit.step, commit.attempt))
         run = await self.current(commit.step, commit.attempt)
         if not run.ready():
             raise ProtocolError(f"step {run.step} is not ready to commit ({run.error or 'still running'})")
@@ -262,20 +312,21 @@ class StepTracker:
 
     async def _commit(self, run: StepRun) -> tuple[Committed, list]:
         hosted, replicas = self.hosted, self.replicas
+        copy_sent, copy_bytes = await self.streams.before_commit() if self.streams is not None else (None, None)
         grads = await self.compute.run(replicas.gradients) if replicas is not None and replicas.active else None
-        stats = await self.compute.run(hosted.worker.step, run.step)
-        redundant = {}
-        if grads is not None:  # redundant computation: the predecessor's replica takes the same step
+        stats = await self.compute.run(hosted.serving().step, run.step)
+        redundant: dict[str, Any] = {}
+        if grads is not None and replicas is not None:  # redundant computation: the predecessor's replica too
             await replicas.ship(run.step, run.peers, grads)
             redundant = {"redundant_s": replicas.take_seconds(), "replica_bytes": replicas.shipped}
-        hosted.committed(None if stats.skipped else stats.omega(hosted.cfg.recovery), run.step + 1, LastCommit(
+        hosted.committed(None if stats.skipped else stats.omega(hosted.joined().recovery), run.step + 1, LastCommit(
             step=run.step, losses=dict(run.losses), lr=stats.lr, post=stats.grad_norm_post,
             block_post=stats.block_grad_norm_post, **run.figures()))
         self._set(None)
         return Committed(pre=stats.grad_norm_pre, post=stats.grad_norm_post, block_post=stats.block_grad_norm_post,
                          lr=stats.lr, skipped=stats.skipped, omega=hosted.omega, stage=hosted.index,
-                         weights_finite=stats.weights_finite, soft_errors=guard_counts([hosted.worker.guard]),
-                         **redundant), []
+                         weights_finite=stats.weights_finite, soft_errors=guard_counts([hosted.serving().guard]),
+                         copy_sent=copy_sent, copy_bytes=copy_bytes, **redundant), []
 
     async def on_abort(self, abort: Abort, tensors: list, peer) -> tuple[Ok, list]:
         await self.drop("aborted by the coordinator")

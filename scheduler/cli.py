@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import re
+from typing import TYPE_CHECKING
 
 from checkfree.cli import (
     add_network_arguments,
@@ -14,6 +15,9 @@ from checkfree.cli import (
     network_options,
     warn_if_overwriting,
 )
+
+if TYPE_CHECKING:
+    from scheduler.injector import FaultSchedule
 
 __all__ = ["add_parser", "run_scheduler"]
 
@@ -34,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the peer chosen to rebuild a failed stage is killed before it finishes")
     c.add_argument("--chaos-rebuild-kills", default="", help="(local swarm) comma-separated iterations at which "
                    "the peer rebuilding a failed stage SIGKILLs itself after its first weight pull (mid-rebuild)")
+    c.add_argument("--chaos-joins", default="", help="(local swarm) comma-separated iterations at which the launcher "
+                   "starts one more peer (a standby joining mid-run; an iteration twice: two peers)")
     c.add_argument("--chaos-die-in-commit", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group after it has committed half of the stages of step STEP (failover test)")
     c.add_argument("--chaos-die-at", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
@@ -44,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
                    "off the network for one iteration")
     add_chaos_slow_argument(c)
+    add_peer_kill_argument(c)
     p.add_argument("--shutdown-peers", action=argparse.BooleanOptionalAction, default=True,
                    help="tell peers when the run ends (they print 'run finished' and exit unless started with "
                         "--stay); default on")
@@ -80,6 +87,25 @@ def add_chaos_slow_argument(p: argparse._ActionsContainer) -> None:
                    help="diagnostic: the peer of STAGE (every replica of its group) sleeps SECONDS before each forward "
                         "and backward from STEP on (default 0; a slow GPU); slower than --step-timeout, it is replaced "
                         "as a straggler; repeatable")
+
+
+def add_peer_kill_argument(p: argparse._ActionsContainer) -> None:
+    """--chaos-peer-kill, on `checkfree scheduler` and on `checkfree local` (which passes it on)."""
+    p.add_argument("--chaos-peer-kill", action="append", default=[], metavar="WHERE:ITERATION:STAGE[:REPLICA[:MB]]",
+                   help="(local swarm, peers started with --fault-hook) replica REPLICA (default 0) of STAGE SIGKILLs "
+                        "itself at iteration ITERATION: WHERE=forward|backward at its (MB+1)-th pass of that kind "
+                        "(default the first), WHERE=commit as it takes the step's COMMIT; repeatable")
+
+
+def _joins(text: str) -> list[int]:
+    """--chaos-joins: iterations, each as often as it is named."""
+    try:
+        its = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--chaos-joins {text!r}: expected comma-separated iterations, e.g. 3,3,7") from None
+    if any(i < 0 for i in its):
+        raise ValueError(f"--chaos-joins {text!r}: iterations are >= 0")
+    return its
 
 
 def _iterations(text: str, flag: str) -> frozenset[int]:
@@ -141,7 +167,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule | None:
     """The --chaos-* / --*-trace flags as a fault schedule (scheduler/injector.py); None when none is given."""
     from checkfree.failures import FailureSchedule, read_trace, read_trace_scopes
-    from scheduler.injector import FaultSchedule
+    from scheduler.injector import FaultSchedule, parse_peer_kill
 
     def trace(path: str | None) -> FailureSchedule | None:
         return FailureSchedule(read_trace(path, num_stages)) if path else None
@@ -153,5 +179,7 @@ def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule |
         recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
         rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
         slow=parse_slow(args.chaos_slow, num_stages), die_in_commit=args.chaos_die_in_commit,
-        die_at=args.chaos_die_at)
+        die_at=args.chaos_die_at,
+        peer_kills=tuple(parse_peer_kill(spec, num_stages) for spec in args.chaos_peer_kill),
+        joins=tuple(sorted(_joins(args.chaos_joins))))
     return None if schedule == FaultSchedule() else schedule

@@ -1,25 +1,65 @@
-"""Types and constants shared by the parts of the coordinator (scheduler/coordinator.py and its mixins)."""
+"""Types and constants shared by the parts of the coordinator (scheduler/coordinator.py and the parts it wires)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from checkfree.net.transport import RemoteError, TransportError
 from checkfree.messages import Committed, StepFigures, as_record
 from checkfree.protocol import Timeouts
 
-__all__ = ["CoordinatorOptions", "Hook", "Member", "CoordinatorAlive", "Rollback", "CALL_ERRORS",
+__all__ = ["CoordinatorOptions", "Hook", "Member", "CoordinatorAlive", "RunClock", "Rollback", "CALL_ERRORS", "settle",
            "EVAL_ATTEMPT", "STEP_FIGURES", "step_figures", "COMMIT_FIGURES", "commit_figures"]
 
 CALL_ERRORS = (TransportError, RemoteError, asyncio.TimeoutError, OSError)
+
+T = TypeVar("T")
+
+
+async def settle(calls: Iterable[Awaitable[T]]) -> list[T | Exception]:
+    """Every call's result, or the exception it raised, in order (asyncio.gather with return_exceptions); a
+    cancellation or an exit (a BaseException that is no Exception) is not a failed call: it propagates."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r
+    return cast(list[T | Exception], results)
 
 # the coordinator's one hook point: hook(point, coordinator) at "started" (its transport is up), "iteration" (an
 # iteration starts) and "commit" (before a step's COMMIT); None in production (faults from outside:
 # scheduler/injector.py)
 Hook = Callable[[str, Any], Awaitable[None]]
+
+
+class RunClock:
+    """Where the run is: the step being run, and the iterations executed (re-runs after a rollback included: the
+    simulator's failure clock and the fault schedules'). The coordinator's training loop moves it; its parts read
+    it (an event's step, STATUS)."""
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._iteration = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def iteration(self) -> int:
+        return self._iteration
+
+    def at(self, step: int, iteration: int | None = None) -> None:
+        """The run is at `step` (and, if given, at `iteration`)."""
+        self._step = step
+        if iteration is not None:
+            self._iteration = iteration
+
+    def executed(self) -> None:
+        """One more iteration has been executed (a step committed)."""
+        self._iteration += 1
 
 
 class Rollback(Exception):
@@ -39,7 +79,7 @@ _OPTIONAL = ("hop_delay_s", "backup_bytes")  # only an emulated WAN / BAFT repor
 
 
 
-def step_figures(by_stage: dict[int, StepFigures], num_stages: int) -> dict:
+def step_figures(by_stage: Mapping[int, StepFigures], num_stages: int) -> dict:
     """A step record's figures from its stages' replies: the tensor bytes sent (summed) and, per stage
     (None: not reported), the most microbatches whose activations it held at once, their bytes, and
     its peer process's peak resident memory so far."""
@@ -49,7 +89,8 @@ def step_figures(by_stage: dict[int, StepFigures], num_stages: int) -> dict:
     return {"wire_bytes": sum(r.bytes_sent for r in by_stage.values()), **per_stage}
 
 
-COMMIT_FIGURES = ("redundant_s", "replica_bytes")  # a peer's, per committed step (redundant computation only)
+# a peer's, per committed step: redundant computation's, and the bytes of snap's copy part sent in the step
+COMMIT_FIGURES = ("redundant_s", "replica_bytes", "copy_bytes")
 
 
 def commit_figures(by_stage: dict[int, Committed | Exception], num_stages: int) -> dict:
@@ -72,6 +113,8 @@ class CoordinatorOptions:
     libp2p_port: int = 0  # --transport libp2p: TCP port of the libp2p listener (0: any free port)
     tcp_port: int = 0  # --transport tcp: port of the TCP RPC listener (0: any free port)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    relay: bool = True  # relay requests for joining peers it cannot reach (behind NAT); --no-relay: for none
+    relay_via: list[str] = field(default_factory=list)  # (a peer's flag; unused by the coordinator)
     shutdown_peers: bool = True  # tell peers the run ended (they exit unless started with --stay)
     max_attempts: int = 5  # attempts of one step before the run gives up
     save_final: bool = True  # gather every stage into final_weights.safetensors at the end

@@ -122,7 +122,8 @@ class Dashboard:
         if self.bind.local:
             return True
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.secret)
+        return (scheme.lower() == "bearer" and self.secret is not None
+                and hmac.compare_digest(token.strip().encode(), self.secret))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:

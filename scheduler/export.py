@@ -9,10 +9,18 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from checkfree.cli import add_network_arguments, network_options
 
+if TYPE_CHECKING:  # (imported where used: the command starts fast)
+    import torch
+
+    from checkfree.config import RunConfig
+
 __all__ = ["add_parser", "export_live", "gather_live"]
+
+R = TypeVar("R")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,13 +48,13 @@ async def export_live(opts: dict, output: Path) -> Path:
     return save_export(*await gather_live(opts), output)
 
 
-async def gather_live(opts: dict) -> tuple:
+async def gather_live(opts: dict) -> tuple[RunConfig, dict[int, dict[str, torch.Tensor]]]:
     """(RunConfig, {stage: state dict}): the coordinator's stage table, then each stage's peer's weights."""
     from checkfree.auth import join_token, load_secret
     from checkfree.config import config_from_dict
     from checkfree.net.transport import (TransportError, live_members_async, sign_requests, start_transport,
                                          stop_transport)
-    from checkfree.messages import GetWeights, Join, Request, Status, reply_of, request
+    from checkfree.messages import GetWeights, Join, Request, Status, reply_to, request
     from checkfree.protocol import coordinator_from_records, coordinator_key
 
     t = opts["timeouts"]
@@ -55,9 +63,15 @@ async def gather_live(opts: dict) -> tuple:
                                            opts["identity_path"], opts["startup_timeout"],
                                            transport=opts["transport"], libp2p_port=opts["libp2p_port"],
                                            tcp_port=opts["tcp_port"], secret=secret)
-    async def call(pid: str, message: Request, timeout: float) -> tuple:
+    from checkfree.net.relay import RelayTransport
+
+    transport = await RelayTransport(transport, serve_relay=False).start()  # peers behind NAT: through their relay
+    if transport.kind != "memory":
+        transport.route(dht, opts["run_id"], secret)
+
+    async def call(pid: str, message: Request[R], timeout: float) -> tuple[R, list]:
         reply, tensors = await transport.call(pid, message.rpc, request(opts["run_id"], message), timeout=timeout)
-        return reply_of(message.rpc, reply), tensors
+        return reply_to(message, reply), tensors
 
     try:
         found = await live_members_async(dht, coordinator_key(opts["run_id"]))

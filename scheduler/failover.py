@@ -22,10 +22,11 @@ from checkfree.protocol import Kind, coordinator_from_records, coordinator_key
 from checkfree.config import RunConfig
 from checkfree.rundir import read_jsonl
 from scheduler.common import (CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, CoordinatorAlive, CoordinatorOptions,
-                              heartbeat_stage, step_figures)
+                              heartbeat_stage, settle, step_figures)
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.protection import Protection
+from scheduler.retirement import Retirement
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
 from scheduler.steps import StepDriver
@@ -71,9 +72,10 @@ class Resumed:
 class Failover:
     """A standby coordinator's watch, and the takeover of a run from its peers."""
 
-    def __init__(self, opts: CoordinatorOptions, rpc: Rpc, membership: Membership, table: StageTable,
-                 outputs: Outputs) -> None:
+    def __init__(self, opts: CoordinatorOptions, rpc: Rpc, membership: Membership, retirement: Retirement,
+                 table: StageTable, outputs: Outputs) -> None:
         self.opts, self.rpc, self.members, self.table, self.out = opts, rpc, membership, table, outputs
+        self.retirement = retirement
         self.t, self.run_id, self.secret = rpc.t, rpc.run_id, rpc.secret
         self.cut_off: dict[str, int] = {}  # peer -> stage its heartbeat named, which never answered the ADOPT
 
@@ -149,9 +151,8 @@ class Failover:
         if step is None:  # no peer serves a stage: the run's record says how far it came
             step = _next_recorded(metrics) if resume else 0
         to_commit, lagging = self._serve(cfg, holders, step)
-        commits = await asyncio.gather(*(self.rpc.call(pid, Commit(step=ready.step, attempt=ready.attempt),
-                                                       self.t.rpc_timeout) for pid, (_, ready) in to_commit.items()),
-                                       return_exceptions=True)
+        commits = await settle(self.rpc.call(pid, Commit(step=ready.step, attempt=ready.attempt), self.t.rpc_timeout)
+                               for pid, (_, ready) in to_commit.items())
         last_commits: dict[str, LastCommit] = {}  # peer -> the commit completed now (its last_commit)
         for (pid, (stage, ready)), c in zip(to_commit.items(), commits):
             if isinstance(c, Exception) and pid == self.table.peer(stage):
@@ -191,7 +192,7 @@ class Failover:
         if events is not None and events.exists():
             named = {e.get("peer_id") for e in read_jsonl(events) if e.get("event") in OUT_OF_THE_RUN}
         for pid, stage in sorted(self.cut_off.items()):
-            self.members.stray(pid)
+            self.retirement.stray(pid)
             log.warning("peer %s of stage %d did not answer the takeover: it is out of the run", pid, stage)
             if cfg.train.stage_groups and stage in self.table.served() and pid not in named:
                 self.out.event("replica_lost", step=step, stage=stage, peer_id=pid, reason="cut off at the takeover",
@@ -251,8 +252,7 @@ class Failover:
             named = self._unasked(replies, live, asked)
             asked.update(named)
             new = [p for p in live if p not in replies and p != me] + named
-            adopted = await asyncio.gather(*(self.rpc.adopt(p, self.t.rpc_timeout) for p in new),
-                                           return_exceptions=True)
+            adopted = await settle(self.rpc.adopt(p, self.t.rpc_timeout) for p in new)
             for p, r in zip(new, adopted):
                 if isinstance(r, RemoteError) and r.kind == Kind.COORDINATOR_ALIVE:
                     refused[p] = str(r)

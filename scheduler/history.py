@@ -41,7 +41,8 @@ class JsonlTail:
 
     def __init__(self, path: Path, max_bytes: int) -> None:
         self.path, self.max_bytes = path, max_bytes
-        self.offset, self.inode, self.caught_up, self.reset = 0, None, False, False
+        self.offset, self.caught_up, self.reset = 0, False, False
+        self.inode: int | None = None
 
     def read(self) -> list[dict[str, Any]]:
         try:
@@ -179,7 +180,7 @@ class RunHistory:
         return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
 
     def _event(self, record: dict[str, Any]) -> None:
-        kind = record.get("event")
+        kind = str(record.get("event"))
         if (key := _COUNTED.get(kind)) is not None:
             self.counts[key] += 1
         if kind in NOTABLE:

@@ -49,8 +49,19 @@ class SwarmOptions:
     failover: str = "standby"  # standby | restart
     kill_coordinator_in: str = "step"  # step | commit
     netns: bool = False  # every process in its own network namespace (NetLab)
+    hosts: bool = False  # every process on an emulated host of its own (NetLab; implies netns)
+    nat_peers: int = 0  # with hosts: the first N peers started sit behind a NAT router each
+    host_rate_Bps: float | None = None  # with hosts: every host's link shaped to this rate (tc tbf), both ways
     progress_lines: bool = True  # print each peer's start-up milestones
 
+
+
+def _first_addr(ready_line: str) -> str:
+    """The first address a ready line gives (`... addrs=A,B`)."""
+    m = re.search(r"addrs=([^,\s]+)", ready_line)
+    if m is None:
+        raise RuntimeError(f"a ready line without addresses: {ready_line!r}")
+    return m.group(1)
 
 
 def _dashboard_note(line: str) -> str:
@@ -74,20 +85,31 @@ class LocalSwarm:
         self.kills = 0
         self.preempted = 0
         self.partitioned = 0
-        self.lab = NetLab() if opts.netns else None
+        self.lab = NetLab(opts.host_rate_Bps if opts.hosts else None) if opts.netns or opts.hosts else None
         (opts.out / "logs").mkdir(parents=True, exist_ok=True)
         # the processes' temporary directory, removed at teardown: what a SIGKILLed process cannot remove itself
         # (multiprocessing's pymp-* listener directories, torch's shared-memory manager socket) goes with it
         self.tmp = Path(tempfile.mkdtemp(prefix="checkfree-swarm-"))
         self._n = 0
 
+    def _running(self) -> Proc:
+        """The coordinator running the run now (once started)."""
+        assert self.coordinator is not None, "the coordinator has not been started"
+        return self.coordinator
+
     def _spawn(self, name: str, args: list[str], stdin=subprocess.DEVNULL) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
                SECRET_ENV: self.secret, "TMPDIR": str(self.tmp)}
-        link, prefix = 0, []
+        link, prefix = 0, list[str]()  # (no namespace: no prefix)
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
-            link, prefix, addr = self.lab.add()
+            behind_nat = self.opts.hosts and name.startswith("peer") and self._n <= self.opts.nat_peers
+            link, prefix, addr = self.lab.add_nat() if behind_nat else self.lab.add()
             args = [*args, "--host-maddrs", f"/ip4/{addr}/tcp/0"]
+            if self.opts.hosts:
+                host = self.lab.hosts[link]
+                where = (f"behind NAT (private {addr}, router {host['public']})" if behind_nat
+                         else f"public {addr}")
+                print(f"swarm: {name} on emulated host {host['ns']}, {where}", flush=True)
         return spawn(args, env, log=self.opts.out / "logs" / f"{name}.log", prefix=prefix, stdin=stdin, name=name,
                      link=link, announce=name.startswith("peer") and self.opts.progress_lines)
 
@@ -121,7 +143,12 @@ class LocalSwarm:
         if proc is None:
             print(f"swarm: asked to kill unknown peer {peer_id}", flush=True)
             return
-        if group:
+        if group and self.opts.hosts and proc.link and self.lab is not None:  # the whole machine: all its processes
+            pids = self.lab.kill_host(proc.link)
+            print(f"swarm: host {self.lab.hosts[proc.link]['ns']} of {proc.name} lost: {len(pids)} processes "
+                  f"SIGKILLed at once", flush=True)
+            kill_group(proc, gone_within=0)
+        elif group:
             kill_group(proc, gone_within=0)
         else:
             with contextlib.suppress(ProcessLookupError):
@@ -167,9 +194,11 @@ class LocalSwarm:
             self.partitioned += 1
             self.start_peer()
         if not heal:
+            stdin = self._running().popen.stdin
             with contextlib.suppress(OSError):  # the coordinator waits for this line
-                self.coordinator.popen.stdin.write("partitioned\n")
-                self.coordinator.popen.stdin.flush()
+                assert stdin is not None  # (a pipe: `_spawn_coordinator`)
+                stdin.write("partitioned\n")
+                stdin.flush()
 
     def run(self) -> int:
         o = self.opts
@@ -177,17 +206,22 @@ class LocalSwarm:
         if o.kill_coordinator_at is not None:  # it asks for its SIGKILL (a CHAOS line) where it is to die
             where = "--chaos-die-in-commit" if o.kill_coordinator_in == "commit" else "--chaos-die-at"
             extra = [where, str(o.kill_coordinator_at)]
-        self.coordinator = self._spawn_coordinator("coordinator", *extra)
-        line = self._await_ready(self.coordinator, READY_COORDINATOR)
-        self.addr = re.search(r"addrs=([^,\s]+)", line).group(1)
-        self._show_dashboard(self.coordinator)
+        coordinator = self.coordinator = self._spawn_coordinator("coordinator", *extra)
+        self.addr = _first_addr(self._await_ready(coordinator, READY_COORDINATOR))
+        self._show_dashboard(coordinator)
         if o.kill_coordinator_at is not None and o.failover == "standby":
             self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
-            self.standby_addr = re.search(r"addrs=([^,\s]+)", self._await_ready(self.standby, READY_STANDBY)).group(1)
+            self.standby_addr = _first_addr(self._await_ready(self.standby, READY_STANDBY))
         cfg = json.loads(self.config_path.read_text())
-        first = [self.start_peer() for _ in range(cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares)]
+        count = cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares
+        first = [self.start_peer() for _ in range(min(o.nat_peers, count) if o.hosts else 0)]
+        for proc in first:  # the peers behind NAT join first, so that they serve stages (not only stand by)
+            deadline = time.monotonic() + o.ready_timeout
+            while not proc.joined.wait(0.2) and proc.popen.poll() is None and time.monotonic() < deadline:
+                pass
+        first += [self.start_peer() for _ in range(count - len(first))]
         for proc in first:  # all start in parallel; a peer that cannot start is an error (while the run is on)
-            if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and self.coordinator.popen.poll() is None:
+            if (not proc.ready.wait(o.ready_timeout) or not proc.peer_id) and coordinator.popen.poll() is None:
                 raise RuntimeError(f"a peer did not start within {o.ready_timeout:g} s; see {proc.log}")
         return self._follow(cfg["train"]["num_steps"])
 
@@ -195,17 +229,19 @@ class LocalSwarm:
         bar = Progress(num_steps, "swarm", enabled=self.opts.progress)
         try:
             while True:
-                if (line := self.coordinator.lines.get()) is None:
+                if (line := self._running().lines.get()) is None:
                     break
                 if (chaos := parse_chaos_line(line)) is not None:
                     action, fields = chaos
                     if action in ("kill", "crash"):
                         self.kill_peer(fields["peer"], group=action == "kill")
-                    elif action in ("rebuild-kill", "replica-kill"):  # it kills itself mid-rebuild / mid-step
+                    elif action in ("rebuild-kill", "replica-kill", "self-kill"):  # it kills itself (its hook)
                         self.kills += 1
                         self.start_peer()
                     elif action == "term":
                         self.preempt_peer(fields["peer"])
+                    elif action == "join":  # a standby joining mid-run
+                        self.start_peer()
                     elif action in ("partition", "heal"):
                         self.partition_peer(fields["peer"], heal=action == "heal")
                     elif action == "coordinator-dies":  # where it was to die, as asked (--kill-coordinator-at/-in)
@@ -217,7 +253,7 @@ class LocalSwarm:
                     bar.write(_dashboard_note(line))
                 elif line.startswith("status:") or "Error" in line or "error" in line:
                     bar.write(line)
-            return self.coordinator.popen.wait()
+            return self._running().popen.wait()
         finally:
             bar.close()
 
@@ -230,7 +266,7 @@ class LocalSwarm:
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator's process group; the standby takes over, or a new coordinator
         is started with --takeover, bootstrapping from live peers."""
-        old = self.coordinator
+        old = self._running()
         kill_group(old, gone_within=0)
         self.old_coordinators.append(old)
         live = [p.addrs for p in self.peers if p.addrs and p.popen.poll() is None]

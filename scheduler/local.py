@@ -71,6 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--chaos-rebuild-kills", default="", metavar="ITERS",
                    help="comma-separated iterations at which the peer rebuilding a failed stage is SIGKILLed in the "
                         "middle of its rebuild (after its first weight pull); the next standby takes over")
+    c.add_argument("--chaos-joins", default="", metavar="ITERS",
+                   help="comma-separated iterations at which one more peer is started (a standby joining mid-run)")
     c.add_argument("--dump-recovery", metavar="DIR",
                    help="peers save the weights served and rebuilt in recoveries, and their final state")
     c.add_argument("--kill-coordinator-at", type=int, metavar="STEP",
@@ -86,12 +88,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--netns", action="store_true",
                    help="run every process in a network namespace of its own, wired to one bridge (needs root and "
                         "iproute2), so that --partition-trace can cut a peer's link")
+    p.add_argument("--hosts", action="store_true",
+                   help="put every process on an emulated machine of its own: a network namespace with its own "
+                        "address on a public segment, or (--nat-peers) behind a NAT router namespace of its own "
+                        "(iptables MASQUERADE, nothing in); with --wan, each host's link is shaped (tc tbf) to the "
+                        "profile's slowest link. A SIGKILL of a peer is then the loss of its whole host: every "
+                        "process on it at once. Needs root, iproute2 and iptables")
+    p.add_argument("--nat-peers", type=int, default=0, metavar="N",
+                   help="with --hosts: N peers sit behind NAT (reached through the coordinator's relay unless "
+                        "--no-relay); they are started first and the others once they have joined, so that they "
+                        "serve stages; replacements are public")
+    p.add_argument("--no-relay", action="store_true",
+                   help="relays off for every process: a peer behind NAT cannot take part (it exits with one line "
+                        "saying so)")
     c.add_argument("--partition-trace", metavar="FILE",
                    help="`step,stage` lines: cut these stages' peers off the network (alive but unreachable) at these "
                         "steps; the link comes back one iteration later (needs --netns)")
-    from scheduler.cli import add_chaos_slow_argument
+    from scheduler.cli import add_chaos_slow_argument, add_peer_kill_argument
 
     add_chaos_slow_argument(c)
+    add_peer_kill_argument(c)
     p.set_defaults(func=run_local)
 
 
@@ -118,6 +134,14 @@ def demo_trace(cfg, path: Path) -> Path | None:
     print(f"swarm: demo churn (--no-churn for a failure-free run): {what} {first} SIGKILLed at step {steps[0]}, "
           f"{what} {second} at step {steps[1]}", flush=True)
     return path
+
+
+def _peer_faults(args: argparse.Namespace, cfg, failures: list) -> bool:
+    """Whether the run's faults arm peers (a peer dies or slows down by its own fault hook): its peers are then
+    started with --fault-hook, the hook's control channel (checkfree.peer_faults); else with none."""
+    replica_kills = cfg.train.replicas > 1 and bool(failures)  # (a stage group's replica dies after a forward)
+    return bool(replica_kills or args.reduce_kill_trace or args.chaos_rebuild_kills or args.chaos_slow
+                or args.chaos_peer_kill)
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -187,15 +211,35 @@ def run_local(args: argparse.Namespace) -> int:
         raise ValueError("--partition-trace needs --netns (a partition cuts a peer's link in its network namespace)")
     if args.netns and (why := NetLab.unavailable()):
         raise ValueError(f"--netns: {why}")
+    if args.nat_peers and not args.hosts:
+        raise ValueError("--nat-peers needs --hosts (a peer behind NAT sits on an emulated host)")
+    if args.nat_peers < 0:
+        raise ValueError(f"--nat-peers must be >= 0, got {args.nat_peers}")
+    if args.hosts and (why := NetLab.nat_unavailable() if args.nat_peers else NetLab.unavailable()):
+        raise ValueError(f"--hosts: {why}")
+    if args.hosts and args.transport != "hivemind" and args.nat_peers:
+        raise ValueError("--nat-peers: only --transport hivemind reaches peers behind NAT (through a relay)")
+    if args.no_relay:
+        flags.append("--no-relay")
+    host_rate = None
+    if args.hosts and cfg.train.wan:
+        from checkfree.costmodel import get_profile
+
+        bw = get_profile(cfg.train.wan).bandwidth_Bps
+        host_rate = min(x for i, row in enumerate(bw) for j, x in enumerate(row) if i != j)
     from scheduler.cli import parse_slow
+    from scheduler.injector import parse_peer_kill
 
     parse_slow(args.chaos_slow, cfg.num_stages)  # refuse a bad spec before any process starts
+    for spec in args.chaos_peer_kill:
+        parse_peer_kill(spec, cfg.num_stages)
     run_id = args.run_id or f"local-{abs(hash(str(out.resolve()))) % 10**8}-{os.getpid()}"
     swarm = LocalSwarm(config_path, chaos_path, SwarmOptions(
         out=out, run_id=run_id, spares=args.spares, threads_per_peer=args.threads_per_peer,
         ready_timeout=args.ready_timeout, progress=not args.no_progress, shared_flags=flags,
-        peer_flags=["--dump-recovery", args.dump_recovery] if args.dump_recovery else [],
-        netns=args.netns,
+        peer_flags=(["--dump-recovery", args.dump_recovery] if args.dump_recovery else [])
+        + (["--fault-hook"] if _peer_faults(args, cfg, sched.events) else []),
+        netns=args.netns, hosts=args.hosts, nat_peers=args.nat_peers, host_rate_Bps=host_rate,
         coordinator_flags=["--save-every", str(args.save_every), "--keep-saves", str(args.keep_saves), *dashboard]
         + (["--tensorboard"] if args.tensorboard else [])
         + (["--resume", str(out)] if args.resume else [])
@@ -204,8 +248,10 @@ def run_local(args: argparse.Namespace) -> int:
         + (["--chaos-reduce-trace", args.reduce_kill_trace] if args.reduce_kill_trace else [])
         + (["--chaos-recovery-kills", args.chaos_recovery_kills] if args.chaos_recovery_kills else [])
         + (["--chaos-rebuild-kills", args.chaos_rebuild_kills] if args.chaos_rebuild_kills else [])
+        + (["--chaos-joins", args.chaos_joins] if args.chaos_joins else [])
         + (["--partition-trace", args.partition_trace] if args.partition_trace else [])
-        + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)],
+        + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)]
+        + [x for spec in args.chaos_peer_kill for x in ("--chaos-peer-kill", spec)],
         kill_coordinator_at=args.kill_coordinator_at, failover=args.coordinator_failover,
         kill_coordinator_in=args.kill_coordinator_in))
     groups = f" x {cfg.train.replicas} replicas" if cfg.train.replicas > 1 else ""
@@ -214,6 +260,9 @@ def run_local(args: argparse.Namespace) -> int:
     if cfg.train.wan:
         for line in WanEmulator(cfg).describe():
             print(f"swarm: emulated WAN {cfg.train.wan}: {line}", flush=True)
+    if host_rate is not None:
+        print(f"swarm: emulated hosts: every host's link shaped to {host_rate / 2**20:g} MiB/s each way (tc tbf; "
+              f"the {cfg.train.wan} profile's slowest link); delays per stage pair as above", flush=True)
     try:
         return swarm.run()
     finally:

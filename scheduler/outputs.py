@@ -40,6 +40,16 @@ class Outputs:
         self.writer = RunWriter(self.opts.out, cfg.to_json(), tokens_per_step=cfg.tokens_per_step, resume=resume,
                                 tensorboard=self.opts.tensorboard)
 
+    @property
+    def opened(self) -> bool:
+        """Whether the run directory is open (the run's config is known and the run has started)."""
+        return self.writer is not None
+
+    def metric(self, record: dict) -> None:
+        """One step's line in metrics.jsonl."""
+        assert self.writer is not None, "the run directory is not open"
+        self.writer.metric(record)
+
     def event(self, event: str, **fields) -> None:
         """One line in events.jsonl (none before the run directory is open)."""
         if self.writer is not None:
@@ -54,6 +64,7 @@ class Outputs:
         print(f"status: {text}", flush=True)
 
     def counts(self) -> dict[str, int]:
+        assert self.writer is not None, "the run directory is not open"
         return self.writer.counts
 
     # ---- saves -----------------------------------------------------------------------------
@@ -64,11 +75,12 @@ class Outputs:
         replies = await asyncio.gather(*(self.rpc.call(self.table.peer(s), GetState(step=step),
                                                        timeout=self.t.step_timeout)
                                          for s in range(cfg.num_stages)), return_exceptions=True)
-        bad = [s for s, r in enumerate(replies) if isinstance(r, BaseException) or r[0].next_step != step]
+        got = {s: r for s, r in enumerate(replies) if not isinstance(r, BaseException) and r[0].next_step == step}
+        bad = [s for s in range(len(replies)) if s not in got]
         if bad:
             log.warning("save at step %d skipped: stage(s) %s not at that step or unreachable", step, bad)
             return False
-        blobs = {s: r[1][0].numpy().tobytes() for s, r in enumerate(replies)}
+        blobs = {s: r[1][0].numpy().tobytes() for s, r in got.items()}
         await self.saved()
         meta = {"iteration": iteration, "run_id": self.opts.run_id}
         self._saving = asyncio.create_task(asyncio.to_thread(write_save, self.opts.out, step, blobs, meta,

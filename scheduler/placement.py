@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
@@ -24,19 +25,25 @@ from scheduler.outputs import Outputs
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "Speeds"]
 
 log = logging.getLogger("scheduler.coordinator")
+
+
+class Speeds(Protocol):
+    """Where the peers' measured speeds come from (the step driver's measure)."""
+
+    def speeds(self) -> Mapping[str, float]: ...
 
 
 class Placement:
     """Gives stages to standbys, writing the stage table through its methods."""
 
     def __init__(self, cfg: RunConfig, rpc: Rpc, table: StageTable, membership: Membership, outputs: Outputs,
-                 speeds: Callable[[], Mapping[str, float]]) -> None:
+                 measured: Speeds) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
-        self.speeds = speeds  # each peer's measured speed (the step driver's measure)
+        self.measured = measured  # each peer's measured speed (the step driver)
 
     async def assign(self, pid: str, assign: AssignRequest, timeout: float | None = None, tensors=()) -> Assigned:
         """Give `assign.stage` to `pid` (bounded by step_timeout unless told otherwise). A peer whose
@@ -61,8 +68,10 @@ class Placement:
             await asyncio.gather(*(self._assign_initial(s, pid, saved, step) for s, pid in zip(missing, pids)))
 
     async def _assign_initial(self, stage: int, pid: str, saved: dict[int, bytes] | None, step: int) -> None:
+        tensors: list[torch.Tensor]
+        assign: AssignFresh | AssignLoad
         if saved is None:
-            mode, step, tensors, assign = "fresh", 0, (), AssignFresh(stage=stage)
+            mode, step, tensors, assign = "fresh", 0, [], AssignFresh(stage=stage)
         else:
             mode, tensors = "load", [torch.frombuffer(bytearray(saved[stage]), dtype=torch.uint8)]
             assign = AssignLoad(stage=stage, step=step)
@@ -81,7 +90,7 @@ class Placement:
         keep = 0 if first else 1 if reserve is None else reserve  # standbys kept for stage recoveries
         while len(self.table.served()) == cfg.num_stages and (standbys := self.members.standbys()):
             groups = {s: self.table.group(s) for s in range(cfg.num_stages)}
-            speeds = self.speeds()
+            speeds = self.measured.speeds()
             below = [s for s in groups if len(groups[s]) < target]
             if below and len(standbys) > keep:
                 stage = min(below, key=lambda s: (len(groups[s]), -stage_load(m, groups[s], speeds), s))
@@ -118,7 +127,7 @@ class Placement:
         big = [s for s, g in groups.items() if len(g) >= 2]
         if not big:
             return None
-        m, speeds = self.cfg.train.num_microbatches, self.speeds()
+        m, speeds = self.cfg.train.num_microbatches, self.measured.speeds()
         stage = max(big, key=lambda s: (len(groups[s]), -stage_load(m, groups[s], speeds), -s))
         pid = groups[stage][-1]
         rest = self.table.leave(stage, pid)

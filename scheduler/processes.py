@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class Proc:
     peer_id: str = ""  # from a peer's ready line
     addrs: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
+    joined: threading.Event = field(default_factory=threading.Event)  # a peer's "joined run" line
     link: int = 0  # NetLab link number (0: no lab)
     name: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -46,6 +48,7 @@ class Proc:
         """Copy the process's output to its log and queue; note its peer id from the ready line, and report a
         peer's start-up milestones as they happen (where a slow start-up spends its time). Runs in a thread."""
         log = open(self.log, "a", buffering=1) if self.log is not None else None
+        assert self.popen.stdout is not None  # (a pipe)
         try:
             for line in self.popen.stdout:
                 if log is not None:
@@ -56,6 +59,11 @@ class Proc:
                           flush=True)
                     if hit[1] == "serving":
                         self.announce = False
+                if self.name.startswith("peer") and line.startswith(("checkfree: error:", "checkfree: network error:")):
+                    print(f"swarm: {self.name} gave up {time.monotonic() - self.started:.1f} s after its start: "
+                          f"{line.strip()}", flush=True)  # (its one line; the rest is in its log)
+                if "joined run" in line:
+                    self.joined.set()
                 if line.startswith(READY_PEER) and (m := re.search(r"peer_id=(\S+).*addrs=([^,\s]+)", line)):
                     self.peer_id, self.addrs = m.group(1), m.group(2)
                     self.ready.set()
@@ -73,7 +81,7 @@ class Proc:
         self.exited = time.monotonic()
 
 
-def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: list[str] = (), stdin=subprocess.DEVNULL,
+def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: Sequence[str] = (), stdin=subprocess.DEVNULL,
           name: str = "", link: int = 0, announce: bool = False) -> Proc:
     """Start `[prefix...] python -m checkfree ARGS` in a session of its own; its output lines are queued (and
     written to `log`)."""

@@ -9,6 +9,8 @@ carries out the same items: checkfree.strategies.execute):
     BackupSeal       the backup counts where every part arrived (BACKUP_COMMIT)
     RefreshReplicas  nothing to do here: every peer's COMMIT ships its gradients to its replica (peers/replicas.py)
     TakeReplicas     the named stages copy their successors' full state (TAKE_REPLICA)
+    StreamSent       snap: the parts of the streamed copies a step carried (named in its RUN_STEP, `in_step`;
+                     sent by the peers while the step computes), each acknowledged in its sender's COMMIT reply
 
 A copy counts (the `Copies` ledger) only once every stage completed it; what it cost is measured into the run's
 figures.
@@ -25,12 +27,12 @@ from pathlib import Path
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
 from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, ParitySnapshot, Protect, RecoveryPlan,
-                             RefreshReplicas, Snapshot, TakeReplicas)
+                             RefreshReplicas, Snapshot, StreamSent, StreamStep, TakeReplicas)
 from checkfree import messages as msg
-from checkfree.messages import (BackupCommit, BackupShare, Keep, KeepHolders, KeepParity, KeepStorage, Snapshotted,
-                                TakeReplica)
+from checkfree.messages import (BackupCommit, BackupShare, Committed, CopyWork, Keep, KeepHolders, KeepParity,
+                                KeepStorage, Snapshotted, TakeReplica)
 from checkfree.strategies import Strategy, storage
-from scheduler.common import CoordinatorOptions
+from scheduler.common import CoordinatorOptions, settle
 from scheduler.outputs import Outputs
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
@@ -50,6 +52,7 @@ class Protection:
         self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
         self._companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address
         self._backup_peers: dict[int, tuple[str, str]] = {}  # baft: stage -> (its peer, its backup holder's)
+        self._copy_acks: dict[int, tuple[tuple[int, int] | None, int]] = {}  # snap: the last commit's, by stage
 
     # ---- the ledger, for the recovery ------------------------------------------------------
     def lost(self, failed: set[int]) -> Copies:
@@ -59,8 +62,9 @@ class Protection:
 
     def held_by(self, stage: int) -> dict[int, int]:
         """The in-memory snapshots `stage`'s peer holds (owner stage -> step), which a handover of `stage` takes
-        along (AssignHandover.held; under ReFT its own snapshot, with its parity block)."""
-        if not self.copies.step:
+        along (AssignHandover.held; under ReFT its own snapshot, with its parity block). snap's streamed copies
+        are not taken along: they are streamed again (`protection_after_handover`)."""
+        if not self.copies.step or self.strategy.copy_format is not None:
             return {}
         return {owner: self.copies.step for owner, holders in sorted(self.copies.held.items()) if stage in holders}
 
@@ -71,6 +75,8 @@ class Protection:
         computation: the replica the leaving peer held)."""
         for stage in stages:
             self.replaced(stage)
+        if self.strategy.copy_format is not None:  # snap: the copies the leaving peers held are streamed again
+            self.copies.lose(stages)
         for item in self.strategy.protection_after_handover(tuple(sorted(stages))):
             await self.protect_item(item, step)
 
@@ -137,6 +143,8 @@ class Protection:
             await self._seal_backup(item)
         elif isinstance(item, TakeReplicas):
             await self._replicate(set(item.stages), step)
+        elif isinstance(item, StreamSent):
+            self._streamed(item)
         else:
             assert isinstance(item, RefreshReplicas), item  # (done by every peer's COMMIT)
 
@@ -144,8 +152,8 @@ class Protection:
         """SNAPSHOT on every stage (`keep(stage)`: where it goes); the sizes of the stages that completed it."""
         t0 = time.perf_counter()
         stages = self.table.served()
-        results = await asyncio.gather(*(self.rpc.call(self.table.peer(s), msg.Snapshot(step=step, keep=keep(s)),
-                                                    self.t.step_timeout) for s in stages), return_exceptions=True)
+        results = await settle(self.rpc.call(self.table.peer(s), msg.Snapshot(step=step, keep=keep(s)),
+                                             self.t.step_timeout) for s in stages)
         replies: dict[int, Snapshotted] = {s: r[0] for s, r in zip(stages, results) if not isinstance(r, Exception)}
         complete = len(replies) == len(stages)
         kind = "storage" if isinstance(keep(0), KeepStorage) else "memory"
@@ -176,8 +184,13 @@ class Protection:
         self.out.charge(stall_s=time.perf_counter() - t0, extra_memory_bytes=strategy.memory(size))
 
     def in_step(self, step: int) -> dict:
-        """RUN_STEP's `backup` field: the part of the backup in flight this step's bubbles carry, per stage."""
+        """RUN_STEP's `backup` field: the part of the backup in flight this step's bubbles carry, per stage; or
+        (snap) its `copies` field: the part of each stage's streamed copy the step carries."""
         part = self.strategy.in_step(step)
+        if isinstance(part, StreamStep):
+            return {"copies": {s: CopyWork(step=p.step, kind=p.kind, base=p.base, part=p.part, parts=p.parts,
+                                           holder=self.table.peer(p.holder), holder_stage=p.holder)
+                               for s, p in part.parts.items()}} if part.parts else {}
         if part is None or not self._backup_peers:
             return {}
         return {"backup": BackupShare(step=part.step, part=part.part,
@@ -195,6 +208,30 @@ class Protection:
         self.out.event("snapshot", step=item.step, kind="backup", complete=complete)
         if complete:
             self.copies.taken(item.step, item.holders)
+
+    # ---- snap: streamed copies -------------------------------------------------------------
+    def committed(self, commits: dict[int, Committed | Exception]) -> None:
+        """A step's COMMIT replies: the copy parts their senders' holders acknowledged (snap)."""
+        self._copy_acks = {s: (r.copy_sent, r.copy_bytes or 0) for s, r in commits.items()
+                           if isinstance(r, Committed)}
+
+    def _streamed(self, item: StreamSent) -> None:
+        """Every part the step carried that its holder acknowledged counts (an update complete with its last one:
+        recorded in the ledger); one that did not arrive voids its update (the next one is full)."""
+        moved = 0
+        for s, part in item.parts.items():
+            sent, nbytes = self._copy_acks.get(s, (None, 0))
+            if sent is None or tuple(sent) != (part.step, part.part):
+                self.strategy.copy_stream_broken(s)
+                self.out.event("copy_stream_broken", step=item.step, stage=s, copy_step=part.step, part=part.part)
+                continue
+            moved += nbytes
+            if self.strategy.copy_part_done(part):
+                self.copies.sealed(s, part.step, (part.holder,))
+                self.out.event("snapshot", step=part.step, kind="stream", stage=s, holder=part.holder,
+                               update=part.kind, parts=part.parts, complete=True)
+        held = max(self.strategy.held_bytes(h) for h in range(self.cfg.num_stages))
+        self.out.charge(bytes_moved=moved, extra_memory_bytes=held)
 
     # ---- redundant computation: replicas ------------------------------------------------
     async def _replicate(self, stages: set[int], step: int) -> int:

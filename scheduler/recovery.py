@@ -27,6 +27,7 @@ from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.placement import Placement
 from scheduler.protection import Protection
+from scheduler.retirement import Retirement
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
 
@@ -47,9 +48,10 @@ class Recovery:
     """Carries out the strategy's recovery plans on the peers."""
 
     def __init__(self, cfg: RunConfig, strategy: Strategy, rpc: Rpc, table: StageTable, membership: Membership,
-                 placement: Placement, protection: Protection, outputs: Outputs) -> None:
+                 retirement: Retirement, placement: Placement, protection: Protection, outputs: Outputs) -> None:
         self.cfg, self.strategy, self.rpc, self.table = cfg, strategy, rpc, table
-        self.members, self.placement, self.protection, self.out = membership, placement, protection, outputs
+        self.members, self.retirement, self.placement, self.protection, self.out = (membership, retirement, placement,
+                                                                                    protection, outputs)
         self.t = rpc.t
 
     async def recover(self, step: int, failed: set[int]) -> None:
@@ -70,7 +72,7 @@ class Recovery:
                 for p in gone:
                     self.members.drop(p)
                 self.out.event("failure", step=step, stage=s, strategy=strategy, peer_id=gone[0] if gone else None)
-            await self.members.retire()
+            await self.retirement.retire()
             self.strategy.interrupted()
             copies = self.protection.lost(failed)
             plan = self.strategy.recovery_plan(Failure(step, frozenset(failed), copies))
@@ -126,10 +128,12 @@ class Recovery:
         if isinstance(src, Storage):
             return src.step, StorageCopy(storage=self.protection.storage_dir), {}
         if isinstance(src, Own):
+            assert target is not None  # (a stage keeps its own copy only in a rollback)
             return target, OwnCopy(), {}
         if isinstance(src, Parity):  # (the lost member's companion may have survived its crash)
             return src.step, ParityCopy(group=[self._peer(m) for m in src.group], index=src.group.index(stage),
                                         companion=self.protection.companion(stage)), {}
+        assert isinstance(src, Holder), f"stage {stage} has no copy to take: {src}"
         alone = {} if target is not None else {  # serves from the failed step on, its components from co-holders
             "serve_step": plan.step, "edges": {c: (d, self.table.peer(d)) for c, d in src.edges.items()}}
         return src.step, PeerCopy(peer=self.table.peer(src.holder)), alone
@@ -192,6 +196,10 @@ def _describe(plan: RecoveryPlan, src: Source) -> str:
     if isinstance(src, Holder) and plan.rollback_to is None:
         return f"snapshot of step {src.step} from stage {src.holder}" + "".join(
             f", {c} copied from stage {d}" for c, d in src.edges.items())
-    where = {Holder: lambda: f"stage {src.holder}'s copy", Parity: lambda: f"parity group {list(src.group)}",
-             Storage: lambda: "storage", Init: lambda: "the initial state"}[type(src)]()
+    if isinstance(src, Holder):
+        where = f"stage {src.holder}'s copy"
+    elif isinstance(src, Parity):
+        where = f"parity group {list(src.group)}"
+    else:
+        where = {Storage: "storage", Init: "the initial state"}[type(src)]
     return f"rollback to step {plan.rollback_to} from {where}"

@@ -3,7 +3,7 @@
 RUN_STEP names, for every microbatch, the replica of each stage that computes it (checkfree.stage_groups.hop_table,
 balanced by the replicas' measured speed). A replica lost in the middle of the step (its RUN_STEP call fails, or a
 neighbour reports it, and it does not answer a ping) costs no abort while a sibling lives: REROUTE moves its
-microbatches to the sibling, which redoes them (peers/stage_group.py). Once every microbatch is done, REDUCE sums
+microbatches to the sibling, which redoes them (peers/stage_groups.py). Once every microbatch is done, REDUCE sums
 each group's gradients (gloo, over this coordinator's TCPStore); a replica lost in the reduce is handled the same
 way and the reduce runs again in the smaller group. Only when every replica of a stage is gone is the attempt
 aborted and the stage recovered by the run's strategy, as with one peer per stage.
@@ -17,7 +17,9 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+from types import MappingProxyType
 
 from msgspec.structs import replace
 
@@ -25,6 +27,7 @@ from checkfree.config import RunConfig
 from checkfree.stage_groups import hop_table, move
 from checkfree.net.addresses import listen_ips
 from checkfree.messages import Reduce, Reroute, Rerouted, RunStep, StepDone
+from scheduler.common import settle
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.rpc import Rpc
@@ -41,17 +44,17 @@ class GroupSteps:
     """The attempts of group steps, and each replica's measured speed."""
 
     def __init__(self, cfg: RunConfig, rpc: Rpc, table: StageTable, membership: Membership, outputs: Outputs,
-                 on_error: Callable[[int, str, BaseException], None], abort: Callable[[], object],
+                 on_error: Callable[[int, str, BaseException], None], abort: Callable[[], Awaitable[None]],
                  host_maddrs: list[str]) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
         self.on_error = on_error  # what a replica's failed RUN_STEP says (the step driver's rule, as for a stage)
         self.abort = abort  # ABORT on every peer of the step
         self.host_maddrs = host_maddrs
-        self.speeds: dict[str, float] = {}  # peer -> microbatches per second of computing, last measured
+        self._speeds: dict[str, float] = {}  # peer -> microbatches per second of computing, last measured
         self.rerouted = 0  # microbatches moved to a sibling, this run
         self._rerouting: dict[str, tuple[int, float]] = {}  # sibling -> (stage, when it got a lost replica's work)
-        self._store = None  # the TCPStore the groups' gloo collectives meet at (made on first use)
+        self._store: Any = None  # the TCPStore the groups' gloo collectives meet at (made on first use)
         self._store_addr = ""
 
     def measure(self, replies: dict[str, StepDone]) -> None:
@@ -60,7 +63,11 @@ class GroupSteps:
         for p, r in replies.items():
             n, busy = r.microbatches, r.computing_s
             if n > 0 and busy > 0 and math.isfinite(busy):
-                self.speeds[p] = n / busy if p not in self.speeds else 0.5 * (self.speeds[p] + n / busy)
+                self._speeds[p] = n / busy if p not in self._speeds else 0.5 * (self._speeds[p] + n / busy)
+
+    def speeds(self) -> Mapping[str, float]:
+        """Each replica's measured speed, microbatches per second (read-only)."""
+        return MappingProxyType(self._speeds)
 
     def _store_address(self) -> str:
         """host:port of the TCPStore every group's gloo collective meets at (started on first use)."""
@@ -69,9 +76,10 @@ class GroupSteps:
 
             ips = listen_ips(self.host_maddrs)
             host = ips[0][1] if ips and ips[0][1] not in ("0.0.0.0", "::") else "127.0.0.1"
-            self._store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=self.t.rpc_timeout),
-                                        wait_for_workers=False)
-            self._store_addr = f"{host}:{self._store.port}"
+            store = self._store = dist.TCPStore(host, 0, None, True,
+                                                timeout=datetime.timedelta(seconds=self.t.rpc_timeout),
+                                                wait_for_workers=False)
+            self._store_addr = f"{host}:{store.port}"
         return self._store_addr
 
     async def attempt(self, step: int, attempt: int, request: RunStep) -> dict[int, StepDone] | None:
@@ -79,12 +87,13 @@ class GroupSteps:
         replicas' microbatches moved to siblings on the way, then REDUCE in every group. None: the attempt was
         aborted (a whole stage lost, or an error that is not a lost replica); its failures are noted for detection."""
         groups = {s: self.table.group(s) for s in range(self.cfg.num_stages)}
-        hops = hop_table(request.routes, groups, self.speeds)
+        assert request.routes is not None  # (a training step's RUN_STEP names them)
+        hops = hop_table(request.routes, groups, self._speeds)
         base = replace(request, hops=hops, groups=groups)
         replies: dict[str, StepDone] = {}
         timeout = self.t.step_timeout + self.t.rpc_timeout
         tasks = {asyncio.create_task(self.rpc.call(pid, base, timeout)): pid for g in groups.values() for pid in g}
-        self.members.reports.clear()
+        self.members.take_reports()  # (those before this attempt are seen)
         ok = await self._drive(step, attempt, tasks, replies, groups, hops)
         rounds = 0
         while ok:
@@ -121,16 +130,16 @@ class GroupSteps:
         watch()
         while tasks:
             done = await self._next_done(finished)
-            self.members.reports.clear()
-            suspects = {p for p in self.members.reported if p in in_step}
+            suspects = {p for p in self.members.take_reports() if p in in_step}
             for t in [t for t in done if t in tasks]:
                 pid = tasks.pop(t)
-                if t.exception() is None:
+                error = t.exception()
+                if error is None:
                     replies[pid] = self._answered(step, pid, replies.get(pid), t.result()[0])
                     continue
                 suspects.add(pid)
-                log.info("step %d: replica %s: %s", step, pid[:12], str(t.exception())[:200])
-                self.on_error(step, pid, t.exception())
+                log.info("step %d: replica %s: %s", step, pid[:12], str(error)[:200])
+                self.on_error(step, pid, error)
             for pid in sorted(suspects):
                 if not any(pid in g for g in groups.values()):
                     continue
@@ -147,7 +156,7 @@ class GroupSteps:
         of done tasks keeps a step's waits linear in its calls (asyncio.wait over every pending call, each time
         one returns, made them quadratic)."""
         getter = asyncio.create_task(finished.get())
-        waiter = asyncio.create_task(self.members.reports.wait())
+        waiter = asyncio.create_task(self.members.wait_report())
         await asyncio.wait([getter, waiter], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         getter.cancel()
@@ -184,7 +193,7 @@ class GroupSteps:
         if len(gone) == len(siblings):  # the whole group is lost: a stage failure (recovered by the strategy), not
             return False  # replicas lost one by one with their work moved to dead siblings
         live = [p for p in siblings if p not in gone]
-        load = {p: sum(1 for row in hops if p in row) / max(self.speeds.get(p, 1.0), 1e-9) for p in live}
+        load = {p: sum(1 for row in hops if p in row) / max(self._speeds.get(p, 1.0), 1e-9) for p in live}
         to = min(live, key=lambda p: (load[p], live.index(p)))
         moved = move(hops, dead, to)
         self.members.lose_replica(stage, dead, "lost mid-step")
@@ -202,8 +211,7 @@ class GroupSteps:
         others = [p for g in groups.values() for p in g if p != to]
         for p, r in zip(others, await self.rpc.gather(others, reroute, self.t.rpc_timeout)):
             if isinstance(r, Exception):
-                self.members.suspect(p)
-                self.members.reports.set()
+                self.members.report(p)
         tasks[asyncio.create_task(self.rpc.call(to, reroute, self.t.step_timeout + self.t.rpc_timeout))] = to
         return True
 
@@ -220,7 +228,7 @@ class GroupSteps:
                                 prefix=f"{self.rpc.run_id}/s{s}/g{self.table.generation(s)}/")
                 calls[pid] = self.rpc.call(pid, reduce, self.t.step_timeout)
         pids = list(calls)
-        results = await asyncio.gather(*calls.values(), return_exceptions=True)
+        results = await settle(calls.values())
         failed = [p for p, r in zip(pids, results) if isinstance(r, Exception)]
         for p, r in zip(pids, results):
             if not isinstance(r, Exception):
@@ -244,7 +252,7 @@ class GroupSteps:
             for r in rs:
                 losses.update(r.losses)
 
-            def peak(name: str, rs: list[StepDone] = rs) -> float | None:
+            def peak(name: str, rs: list[StepDone] = rs) -> Any:
                 return max((v for r in rs if (v := getattr(r, name)) is not None), default=None)
 
             by_stage[s] = StepDone(

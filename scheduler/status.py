@@ -3,10 +3,10 @@
 
 It is built in exactly two ways:
 
-* `snapshot(coordinator, history)`: a running coordinator's live state (which peer serves which stage, the
-  replicas, the standbys, each peer's measured speed, the step) plus its run directory's history
-  (scheduler/history.py: the loss curve, the step rate, failures and recoveries). **This function is the only
-  place that reads the coordinator's state**, and it writes none of it;
+* `snapshot(view, history)`: a running coordinator's live state, as its read-only view
+  (`Coordinator.view()`: which peer serves which stage, the replicas, the standbys, each peer's measured speed,
+  the step) plus its run directory's history (scheduler/history.py: the loss curve, the step rate, failures and
+  recoveries). It reads no part of the coordinator itself;
 * `from_run_dir(out)`: a run directory alone (a finished run, or one seen from another machine): the same
   history, and each stage's last known peers folded from its events.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.history import RunHistory
 
 if TYPE_CHECKING:  # (not at run time: `checkfree status` needs no coordinator, hivemind included)
-    from scheduler.coordinator import Coordinator
+    from scheduler.coordinator import Coordinator, CoordinatorView
 
 __all__ = ["PeerState", "PeerView", "StageView", "SwarmStatus", "describe", "snapshot", "from_run_dir", "LiveStatus"]
 
@@ -46,6 +46,7 @@ class PeerView:
     peer_id: str
     state: PeerState
     microbatches_per_s: float | None = None  # measured compute speed (live only)
+    reach: str | None = None  # how the coordinator reaches it: direct | relayed (probed at its join; live only)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class SwarmStatus:
     def from_dict(cls, d: dict[str, Any]) -> SwarmStatus:
         """Inverse of `as_dict` (what `checkfree status ADDRESS` reads from /status)."""
         def peers(ps: list[dict]) -> tuple[PeerView, ...]:
-            return tuple(PeerView(p["peer_id"], PeerState(p["state"]), p.get("microbatches_per_s")) for p in ps)
+            return tuple(PeerView(p["peer_id"], PeerState(p["state"]), p.get("microbatches_per_s"), p.get("reach"))
+                         for p in ps)
 
         fields = {k: d[k] for k in cls.__dataclass_fields__}
         fields.update(stages=tuple(StageView(v["stage"], peers(v["peers"])) for v in d["stages"]),
@@ -140,34 +142,34 @@ def _history_fields(h: RunHistory) -> dict[str, Any]:
                 counts=dict(h.counts), events=tuple(h.events), complete=h.caught_up, time=time.time())
 
 
-def snapshot(coordinator: Coordinator, history: RunHistory) -> SwarmStatus:
-    """A running coordinator's state (read, never written) with its run's history."""
-    c = coordinator
+def snapshot(coordinator: CoordinatorView, history: RunHistory) -> SwarmStatus:
+    """A running coordinator's state (its read-only view) with its run's history."""
+    c, members = coordinator, coordinator.members
     cfg = c.cfg
 
-    speeds = c.driver.group_steps.speeds if cfg else {}
-
     def view(pid: str, standby: bool = False) -> PeerView:
-        m = c.members.members.get(pid)
-        state = (PeerState.LEAVING if m is None or m.leaving else PeerState.SUSPECT if pid in c.members.reported
+        state = (PeerState.LEAVING if pid not in members.known or pid in members.leaving
+                 else PeerState.SUSPECT if pid in members.suspects
                  else PeerState.STANDBY if standby else PeerState.SERVING)
-        speed = speeds.get(pid)
-        return PeerView(pid, state, speed if speed is not None and math.isfinite(speed) else None)
+        speed = c.speeds.get(pid)
+        reach = c.reach.get(pid, {}).get("mode")
+        return PeerView(pid, state, speed if speed is not None and math.isfinite(speed) else None, reach)
 
-    stages = tuple(StageView(s, tuple(view(p) for p in c.table.group(s))) for s in range(cfg.num_stages)) if cfg else ()
-    if c.members.over is not None:
-        status = c.members.over
+    stages = tuple(StageView(s, tuple(view(p) for p in c.groups.get(s, ()))) for s in range(cfg.num_stages)) if cfg \
+        else ()
+    if members.over is not None:
+        status = members.over
     elif cfg is None:
         status = "standby"  # a standby coordinator watching, or one taking over
-    elif c.out.writer is None:
+    elif not c.opened:
         status = "starting"
     elif any(not v.peers for v in stages):
         status = "waiting for peers" if not history.steps and not history.counts["failures"] else "recovering"
     else:
         status = "running"
-    step = history.steps if c.members.over is not None else c.step  # (once over: the step after the last one)
-    return SwarmStatus(source="live", run_id=c.opts.run_id, status=status, step=step, stages=stages,
-                       standbys=tuple(view(p, standby=True) for p in c.members.standbys()), **_history_fields(history))
+    step = history.steps if members.over is not None else c.step  # (once over: the step after the last one)
+    return SwarmStatus(source="live", run_id=c.run_id, status=status, step=step, stages=stages,
+                       standbys=tuple(view(p, standby=True) for p in members.standbys), **_history_fields(history))
 
 
 def from_run_dir(out: str | Path) -> SwarmStatus:
@@ -203,4 +205,4 @@ class LiveStatus:
             if time.monotonic() - self._polled >= self.min_interval:
                 await asyncio.to_thread(self.history.poll)
                 self._polled = time.monotonic()
-            return snapshot(self.coordinator, self.history)
+            return snapshot(self.coordinator.view(), self.history)

@@ -8,6 +8,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 
 from scheduler.status import SwarmStatus, describe, from_run_dir
@@ -67,7 +68,7 @@ def _sparkline(points: tuple[tuple[int, float], ...], width: int = 60) -> str:
     return "".join(SPARKS[min(7, int((v - lo) / (hi - lo) * 8)) if hi > lo else 3] for v in values)
 
 
-def _table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+def _table(rows: list[list[str]], right: Collection[int] = frozenset()) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
             for r in rows]

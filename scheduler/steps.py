@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from checkfree.config import RunConfig
 from checkfree.net.transport import RemoteError
@@ -24,6 +25,8 @@ from scheduler.stage_table import StageTable
 
 __all__ = ["StepDriver"]
 
+R = TypeVar("R")
+
 log = logging.getLogger("scheduler.coordinator")
 
 
@@ -31,10 +34,10 @@ class StepDriver:
     """Step attempts and commits, and what their failures say about the peers."""
 
     def __init__(self, cfg: RunConfig, opts: CoordinatorOptions, rpc: Rpc, table: StageTable, membership: Membership,
-                 outputs: Outputs, in_step: Callable[[int], dict]) -> None:
+                 outputs: Outputs, in_step: Callable[[int], dict], *, plus: bool) -> None:
         self.cfg, self.rpc, self.table, self.members, self.out = cfg, rpc, table, membership, outputs
         self.t = rpc.t
-        self.plus = False  # CheckFree+ routes (set by `configure`)
+        self.plus = plus  # CheckFree+ routes
         self.in_step = in_step  # RUN_STEP fields of protection that travels inside the step (BAFT's backup parts)
         self.group_steps = GroupSteps(cfg, rpc, table, membership, outputs, self.replica_error, self.abort,
                                  opts.host_maddrs)
@@ -43,8 +46,9 @@ class StepDriver:
         self.last_attempt = 0  # the attempt number that completed the newest step
         self._first_attempt: dict[int, int] = {}  # step -> first attempt number (after a takeover)
 
-    def configure(self, plus: bool) -> None:
-        self.plus = plus
+    def speeds(self) -> Mapping[str, float]:
+        """Each peer's measured speed (a group step's measure), read-only."""
+        return self.group_steps.speeds()
 
     def first_attempt(self, step: int) -> int:
         return self._first_attempt.get(step, 0)
@@ -57,12 +61,12 @@ class StepDriver:
         """`attempt` completed its step (the one COMMIT names)."""
         self.last_attempt = attempt
 
-    async def all(self, message: Request, timeout: float) -> dict[int, object | Exception]:
+    async def all(self, message: Request[R], timeout: float) -> dict[int, R | Exception]:
         """`message` to every stage's peer (every replica of a stage group); by stage, its primary's reply (a failed
         replica is reported)."""
         calls = [(s, p) for s, g in self.table.groups().items() for p in g]
         results = await self.rpc.gather([p for _, p in calls], message, timeout)
-        out = {}
+        out: dict[int, R | Exception] = {}
         for (s, p), r in zip(calls, results):
             if p != self.table.peer(s):
                 if isinstance(r, Exception) and not isinstance(r, RemoteError):
@@ -122,8 +126,9 @@ class StepDriver:
         """What a peer's failed RUN_STEP says about it: an uncorrectable soft error (the attempt is redone; a peer
         that keeps producing them is retired: its stage recovered, or in a stage group it leaves its group), or a
         straggler (slower than step_timeout: treated as failed)."""
-        stage = self.table.stage_of(pid)
-        kind = getattr(e, "kind", None)
+        if not isinstance(e, RemoteError):  # (only a peer's own error reply says what it was)
+            return
+        stage, kind = self.table.stage_of(pid), e.kind
         if kind == Kind.SOFT_ERROR:
             self.soft_counts[pid] = soft_errors(e)
             event = functools.partial(self.out.event, step=step, strategy=self.cfg.recovery.strategy)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,12 +18,14 @@ from checkfree.plans import Copies, Failure, Holder, Own, RecoveryPlan, Snapshot
 from checkfree.messages import Envelope, Join, Leave, Left, Report
 from checkfree.protocol import RPC, ProtocolError, Timeouts
 from checkfree.strategies import build_strategy
-from scheduler.common import CoordinatorOptions, Rollback
+from scheduler.common import CoordinatorOptions, Rollback, RunClock
+from scheduler.detection import Detector
 from scheduler.membership import Membership
 from scheduler.outputs import Outputs
 from scheduler.placement import Placement
 from scheduler.protection import Protection
 from scheduler.recovery import Recovery
+from scheduler.retirement import Retirement
 from scheduler.rpc import Rpc
 from scheduler.stage_table import StageTable
 from scheduler.steps import StepDriver
@@ -67,11 +69,21 @@ async def _parts(tmp_path, cfg=None):
     await rpc.start()
     table = StageTable()
     out = Outputs(opts, rpc, table)
-    members = Membership(rpc, table, out, lambda: 0)
+    members = Membership(rpc, table, out, RunClock())
     if cfg is not None:
         out.open(cfg, resume=False)
         members.configure(cfg)
     return opts, rpc, table, out, members
+
+
+def _retirement(rpc, table, members, out) -> Retirement:
+    return Retirement(rpc, table, members, out, members.clock)
+
+
+def _detector(cfg, opts, rpc, table, members, out, retirement=None) -> Detector:
+    protection = Protection(cfg, opts, build_strategy(cfg), rpc, table, out)
+    return Detector(cfg, rpc, table, members, retirement or _retirement(rpc, table, members, out), protection, out,
+                    members.clock)
 
 
 def _cfg(tiny_cfg, strategy="checkfree"):
@@ -121,7 +133,7 @@ def test_membership_admits_suspects_and_detects_alone(tiny_cfg, tmp_path):
     cfg = _cfg(tiny_cfg)
 
     async def main():
-        _, rpc, table, out, members = await _parts(tmp_path, cfg)
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
         peers = Peers(3)
         env = Envelope(run="parts")
         for pid in peers.ids:
@@ -136,9 +148,9 @@ def test_membership_admits_suspects_and_detects_alone(tiny_cfg, tmp_path):
             await members.on_report(Report(stage=table.stage_of(pid), peer_id=pid, reason="unreachable"), env,
                                     peers.ids[2])
         MEMORY.kill(peers.ids[1])
-        found = await members.detect()
+        found = await _detector(cfg, opts, rpc, table, members, out).detect()
         assert found.failed == {1} | set(range(2, cfg.num_stages)) and not found.handed_over
-        assert members.reported == {peers.ids[1]}  # the false report about peer 0 is cleared
+        assert members.view().suspects == {peers.ids[1]}  # the false report about peer 0 is cleared
         reply = await members.on_leave(Leave(), env, peers.ids[0])
         assert reply == Left(handover=True) and members.leaving(peers.ids[0])
         await rpc.stop()
@@ -159,7 +171,9 @@ def test_a_peer_serving_a_stage_it_was_never_given_is_adopted_then_retired(tiny_
     cfg = _cfg(tiny_cfg)
 
     async def main():
-        _, rpc, table, out, members = await _parts(tmp_path, cfg)
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
+        retirement = _retirement(rpc, table, members, out)
+        detector = _detector(cfg, opts, rpc, table, members, out, retirement)
         down = set()
 
         def answer(pid, name, header):
@@ -175,14 +189,14 @@ def test_a_peer_serving_a_stage_it_was_never_given_is_adopted_then_retired(tiny_
         for pid, stage in ((member, 0), (stray, 1), (joining, -1)):
             await announce(rpc.dht, members_key("parts"), pid, {"stage": stage, "state": "serving"}, 60)
         down.add(stray)
-        await members.detect()
-        await members._retire_task
-        assert stray in members.members and members.leaving(stray) and joining not in members.members
+        await detector.detect()
+        await retirement._task
+        assert members.known(stray) and members.leaving(stray) and not members.known(joining)
         assert not peers.sent(RPC.SHUTDOWN) and [p for p, _ in peers.sent(RPC.ADOPT)] == [stray]
         down.clear()  # back: adopted, then told to shut down
-        members._live_seen = (time.monotonic() - 1.0, members._live_seen[1])  # (the next read is a new one)
-        await members.detect()
-        await members._retire_task
+        detector._live_seen = (time.monotonic() - 1.0, detector._live_seen[1])  # (the next read is a new one)
+        await detector.detect()
+        await retirement._task
         assert [p for p, _ in peers.sent(RPC.ADOPT)] == [stray, stray]
         assert [p for p, _ in peers.sent(RPC.SHUTDOWN)] == [stray]
         assert [e["peer_id"] for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "retired"] == [stray]
@@ -208,7 +222,7 @@ def test_a_takeover_adopts_the_peers_whose_heartbeats_it_does_not_read(tiny_cfg,
 
     async def main():
         opts, rpc, table, out, members = await _parts(tmp_path, cfg)
-        failover = Failover(opts, rpc, members, table, out)
+        failover = Failover(opts, rpc, members, _retirement(rpc, table, members, out), table, out)
         peers = Peers(stages + 2, lambda pid, name, header: to_wire(Adopted(
             stage=serving.get(pid, -1), state="serving" if pid in serving else "standby", next_step=3, omega=1.0,
             config=cfg.to_json(), members=serving if pid in serving else {})))
@@ -226,7 +240,7 @@ def test_a_takeover_adopts_the_peers_whose_heartbeats_it_does_not_read(tiny_cfg,
 
         MEMORY.reset()  # the same run taken over again: only the standby's heartbeat is read at first
         opts, rpc, table, out, members = await _parts(tmp_path, cfg)
-        failover = Failover(opts, rpc, members, table, out)
+        failover = Failover(opts, rpc, members, _retirement(rpc, table, members, out), table, out)
         rpc.dht.heartbeat_stall = stall = 3 * TIMEOUTS.heartbeat_ttl
         peers = Peers(stages + 2, peers.answer)
         standby, replica, *primaries = peers.ids
@@ -254,7 +268,7 @@ def test_placement_fills_every_stage_and_passes_over_a_peer_that_refuses(tiny_cf
         refuse.add(peers.ids[1])
         for pid in peers.ids:
             members.admit(pid, 0.0)
-        placement = Placement(cfg, rpc, table, members, out, dict)
+        placement = Placement(cfg, rpc, table, members, out, SimpleNamespace(speeds=dict))
         await placement.fill(None, 0)
         assert table.served() == list(range(cfg.num_stages)) and peers.ids[1] not in table.primaries().values()
         assert members.leaving(peers.ids[1])  # it is retired, in case it goes on to host the stage anyway
@@ -283,7 +297,7 @@ def test_the_step_driver_runs_an_attempt_and_reads_what_its_failure_says(tiny_cf
         for s, pid in enumerate(peers.ids):
             members.admit(pid, 0.0)
             table.assign(s, pid)
-        driver = StepDriver(cfg, opts, rpc, table, members, out, lambda step: {})
+        driver = StepDriver(cfg, opts, rpc, table, members, out, lambda step: {}, plus=False)
         results = await driver.attempt(3, 0, evaluate=False)
         assert sorted(results) == list(range(cfg.num_stages))
         (_, header), *_ = peers.sent(RPC.RUN_STEP)
@@ -342,9 +356,9 @@ def test_recovery_tells_each_peer_where_the_plan_says_to_pull_from(tiny_cfg, tmp
         strategy = build_strategy(cfg)
         protection = Protection(cfg, opts, strategy, rpc, table, out)
         await protection.protect_item(strategy.protection_due(1)[0], 2)  # the snapshot of step 2
-        placement = Placement(cfg, rpc, table, members, out, dict)
-
-        recovery = Recovery(cfg, strategy, rpc, table, members, placement, protection, out)
+        placement = Placement(cfg, rpc, table, members, out, SimpleNamespace(speeds=dict))
+        recovery = Recovery(cfg, strategy, rpc, table, members, _retirement(rpc, table, members, out), placement,
+                            protection, out)
         lost = peers.ids[2]
         MEMORY.kill(lost)
         with pytest.raises(Rollback) as r:
@@ -380,17 +394,6 @@ def test_a_plan_is_a_value_the_strategy_returns(tiny_cfg):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_faults_come_from_outside():
-    """No fault schedule in the coordinator or the step path: the schedule is scheduler/injector.py's (its
-    FaultSchedule), acted out at the coordinator's one hook point and around its transport."""
-    from scheduler.injector import FaultSchedule
-
-    for path in ("scheduler/coordinator.py", "scheduler/steps.py", "scheduler/recovery.py", "peers/passes.py"):
-        assert "chaos" not in (ROOT / path).read_text(), path
-    options = {f.name for f in dataclasses.fields(CoordinatorOptions)}
-    assert not options & {f.name for f in dataclasses.fields(FaultSchedule)} and not any("chaos" in o for o in options)
 
 
 def test_messages_are_read_as_types():

@@ -269,3 +269,68 @@ def test_the_overhead_benchmark_runs_and_prints_its_side_by_side_ratio(tmp_path,
     assert r["polled_steps"] > 0 and r["idle_steps"] > 0 and r["polled_steps"] + r["idle_steps"] <= 15
     assert math.isfinite(r["ratio_polled_over_idle"]) and r["requests"]["status"] == r["requests"]["metrics"] > 0
     assert r["coordinator_cpu_share"]["polled"] > 0 and r["build_ms"]["status"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.processes  # (Chromium)
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"Chromium is not installed ({CHROMIUM}; Debian: "
+                                                          "apt-get install chromium)")
+def test_a_long_run_is_drawn_to_the_steps_it_has_run_and_each_peer_shows_how_it_is_reached(tmp_path):
+    """`--steps 100000` at step 209 with a failure at step 150: the loss chart's x axis ends where the run is (the
+    curve and the failure marker span the chart, not a sliver at its left edge), and every peer says whether the
+    coordinator reaches it directly or only through a relay (behind NAT)."""
+    import threading
+
+    from playwright.sync_api import sync_playwright
+
+    from scheduler.status import PeerState, PeerView, StageView
+
+    status = SwarmStatus(
+        source="live", run_id="long", status="running", step=209, num_steps=100_000, strategy="checkfree",
+        tokens_per_step=1024,
+        stages=(StageView(0, (PeerView("12D3KooWdirect000", PeerState.SERVING, 3.0, "direct"),)),
+                StageView(1, (PeerView("12D3KooWrelayed00", PeerState.SERVING, 2.0, "relayed"),))),
+        standbys=(PeerView("12D3KooWstandby00", PeerState.STANDBY, None, "relayed"),), loss=4.2, val_loss=None,
+        steps_per_s=1.0, loss_curve=tuple((i, 6.0 - i / 100) for i in range(209)), val_curve=(),
+        counts={"failures": 1, "recoveries": 1, "fallbacks": 0},
+        events=({"event": "failure", "step": 150, "stage": 1, "peer_id": "12D3KooWgone0000", "time": 1.0},),
+        complete=True, time=1.0)
+
+    async def source() -> SwarmStatus:
+        return status
+
+    loop, ready, stop = asyncio.new_event_loop(), threading.Event(), None
+    urls = []
+
+    async def serve() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        async with serve_dashboard(source, Bind("127.0.0.1", 0), None) as dashboard:
+            urls.append(dashboard.url)
+            ready.set()
+            await stop.wait()
+
+    server = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
+    server.start()
+    assert ready.wait(30)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
+                                                            headless=True, args=CHROMIUM_FLAGS)
+            try:
+                page = browser.new_page()
+                page.goto(urls[0])
+                page.wait_for_function("Number(document.body.dataset.updates) >= 1", timeout=60_000)
+                assert page.text_content("#loss-xmax") == "step 209 of 100000"
+                x = float(page.get_attribute("svg#loss line[data-failure-step='150']", "x1"))
+                assert 600 < x < 700, x  # 150 of 209 steps across the plot (56..888), not at its left edge (~56)
+                xs = [float(p.split(",")[0]) for p in page.get_attribute("#loss-line", "points").split()]
+                assert xs[0] < 60 and xs[-1] > 880
+                assert page.get_attribute("td[data-peer='12D3KooWdirect000'] [data-reach]", "data-reach") == "direct"
+                assert page.get_attribute("td[data-peer='12D3KooWrelayed00'] [data-reach]", "data-reach") == "relayed"
+                assert page.locator("[data-standby='12D3KooWstandby00'] [data-reach='relayed']").count() == 1
+            finally:
+                browser.close()
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        server.join(30)

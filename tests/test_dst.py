@@ -116,7 +116,9 @@ def test_the_real_process_tier_hands_each_fault_kind_to_checkfree_local(tmp_path
                         (Fault(Kind.KILL_BEFORE_STEP, 1, stage=1), Fault(Kind.KILL_GROUP, 2, stage=2),
                          Fault(Kind.KILL_MID_REDUCE, 3, stage=0), Fault(Kind.SIGTERM, 3, stage=3),
                          Fault(Kind.PARTITION, 4, stage=1), Fault(Kind.KILL_MID_REBUILD, 2),
-                         Fault(Kind.SLOW, 1, stage=0, delay_ms=20), Fault(Kind.COORDINATOR_RESTART, 4, where="commit")))
+                         Fault(Kind.SLOW, 1, stage=0, delay_ms=20), Fault(Kind.COORDINATOR_RESTART, 4, where="commit"),
+                         Fault(Kind.KILL_MID_FORWARD, 1, stage=2, replica=1, mb=3), Fault(Kind.KILL_MID_BACKWARD, 2),
+                         Fault(Kind.KILL_MID_COMMIT, 4, stage=3), Fault(Kind.JOIN, 3), Fault(Kind.JOIN, 1)))
     for netns in (True, False):
         args = local_args(schedule, tmp_path, netns)
         parsed = build_parser().parse_args(["local", *args])
@@ -127,9 +129,14 @@ def test_the_real_process_tier_hands_each_fault_kind_to_checkfree_local(tmp_path
         assert (flag("--kill-coordinator-at"), flag("--kill-coordinator-in"), flag("--coordinator-failover")) == (
             "4", "commit", "restart")
         assert {"--reduce-kill-trace", "--preempt-trace"} <= set(args)
+        assert [args[i + 1] for i, a in enumerate(args) if a == "--chaos-peer-kill"] == [
+            "forward:1:2:1:3", "backward:2:0:0:0", "commit:4:3:0:0"]
+        assert parsed.chaos_peer_kill == ["forward:1:2:1:3", "backward:2:0:0:0", "commit:4:3:0:0"]
+        assert flag("--chaos-joins") == "1,3"
         assert ("--netns" in args) is netns and ("--partition-trace" in args) is netns
         assert expected_lines(schedule, netns) == sorted(
-            [(1, 1, False), (2, 2, True), (3, 0, False)] + ([(4, 1, False)] if netns else []))
+            [(1, 1, False), (2, 2, True), (3, 0, False), (1, 2, False), (2, 0, False), (5, 3, False)]
+            + ([(4, 1, False)] if netns else []))
 
 
 def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire():
@@ -142,8 +149,10 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
     from types import SimpleNamespace
 
     from checkfree.failures import FailureSchedule
+    from checkfree.protocol import Timeouts
+    from scheduler.coordinator import CoordinatorView
     from scheduler.injector import FaultSchedule, Injector
-    from scheduler.stage_table import StageTable
+    from scheduler.membership import MembersView
 
     class Killed(Exception):
         pass
@@ -155,22 +164,27 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
         if action == "coordinator-dies":
             raise Killed
 
-    table = StageTable()
-    for stage in range(3):
-        table.assign(stage, f"p{stage}")
     schedule = FaultSchedule(kills=FailureSchedule([(1, 0)]), partition=FailureSchedule([(0, 1)]), die_at=1,
-                             handler=handler)
-    coordinator = SimpleNamespace(step=0, iteration=0, table=table, out=SimpleNamespace(event=lambda *a, **k: None))
+                             joins=(0, 0), handler=handler)
+    at = {"step": 0}
+
+    def view():
+        return CoordinatorView(run_id="r", cfg=None, step=at["step"], iteration=at["step"],
+                               groups={s: (f"p{s}",) for s in range(3)}, members=MembersView(
+                                   frozenset(), frozenset(), frozenset(), (), None), speeds={}, opened=True,
+                               last_attempt=0, timeouts=Timeouts())
+
+    coordinator = SimpleNamespace(view=view, out=SimpleNamespace(event=lambda *a, **k: None))
 
     async def main():
         injector = Injector(schedule)
         await injector("iteration", coordinator)
-        coordinator.step = coordinator.iteration = 1
+        at["step"] = 1
         with pytest.raises(Killed):
             await injector("iteration", coordinator)
         return asked
 
-    assert asyncio.run(main()) == [("partition", 0), ("heal", 1), ("coordinator-dies", 1)]
+    assert asyncio.run(main()) == [("join", 0), ("join", 0), ("partition", 0), ("heal", 1), ("coordinator-dies", 1)]
 
 
 @pytest.mark.processes
@@ -205,6 +219,26 @@ def test_a_generated_schedule_holds_in_real_processes(tmp_path, cache):
                         (Fault(Kind.KILL_BEFORE_STEP, 1, stage=1), Fault(Kind.KILL_GROUP, 3, stage=2)))
     outcome = run_real(schedule, tmp_path / "run", cache, timeout=600)
     assert outcome.fired and not outcome.divergences, "\n".join(outcome.divergences)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_peers_die_mid_forward_mid_backward_and_mid_commit_in_real_processes(tmp_path, cache):
+    """The kills inside a peer's work, in real processes: the coordinator's injector arms each victim's fault hook
+    (checkfree.peer_faults) through the control channel of a peer started with --fault-hook, and the victim SIGKILLs
+    its own process group at its (mb+1)-th forward pass, its first backward pass, or as it takes the COMMIT. The
+    same end, losses and recoveries as the simulator's, nothing left behind. (The quick cover, in one process:
+    tests/test_inprocess.py, test_peers_armed_through_their_fault_hooks_die_mid_forward_mid_backward_and_mid_commit.)"""
+    from dst.real import run_real
+
+    schedule = Schedule(Setup(strategy="checkfree", stages=4, replicas=1, steps=6, fallback="copy"),
+                        (Fault(Kind.KILL_MID_FORWARD, 1, stage=1, mb=1), Fault(Kind.KILL_MID_BACKWARD, 2, stage=2),
+                         Fault(Kind.KILL_MID_COMMIT, 3, stage=1)))
+    outcome = run_real(schedule, tmp_path / "run", cache, timeout=600)
+    assert outcome.fired and not outcome.divergences, "\n".join(outcome.divergences)
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "swarm" / "logs").glob("peer*.log"))
+    assert [w in logs for w in ("forward pass 2 of step 1", "backward pass 1 of step 2", "COMMIT of step 3")] == [
+        True] * 3
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
 def test_a_replacement_lost_during_its_rebuild_is_replaced_by_the_next_standby(tiny_cfg, tmp_path, fault):
     """Faults from outside (scheduler.injector, around the coordinator's transport): the standby chosen to rebuild
     stage 1 at step 3 is killed as its ASSIGN leaves (recovery_kills) or SIGKILLs itself after its first weight
-    pull (rebuild_kills: the field the injector adds to the ASSIGN); the next standby rebuilds the stage and the
+    pull (rebuild_kills: its fault hook armed as the ASSIGN leaves); the next standby rebuilds the stage and the
     run keeps the simulator's losses."""
     cfg = _cfg(tiny_cfg, "checkfree")
     failures = [(3, 1)]
@@ -85,6 +85,28 @@ def test_a_replacement_lost_during_its_rebuild_is_replaced_by_the_next_standby(t
     (recovery,) = _events(tmp_path / "swarm", "recovery")
     assert (retry["step"], retry["stage"]) == (recovery["step"], recovery["stage"]) == (3, 1)
     assert retry["peer_id"] in [str(f["peer"]) for _, f in swarm.killed] and recovery["peer_id"] != retry["peer_id"]
+
+
+def test_peers_armed_through_their_fault_hooks_die_mid_forward_mid_backward_and_mid_commit(tiny_cfg, tmp_path):
+    """--chaos-peer-kill: the injector arms a peer through its fault hook's control channel (checkfree.peer_faults;
+    no request carries a field for it) as the RUN_STEP (or COMMIT) that reaches it leaves. Stage 1's peer dies at
+    its second forward pass of iteration 2, stage 2's at its first backward pass of iteration 3, stage 1's new peer
+    as it takes the COMMIT of iteration 4 (the other stages commit: the stage is lost for step 5). The swarm
+    recovers each and keeps the simulator's losses."""
+    from scheduler.injector import PeerKill
+
+    cfg = _cfg(tiny_cfg, "checkfree", steps=7)
+    kills = (PeerKill("forward", 2, 1, mb=1), PeerKill("backward", 3, 2), PeerKill("commit", 4, 1))
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 3, peer_kills=kills, save_final=False)
+    failures = [(2, 1), (3, 2), (5, 1)]
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    assert [f["why"].split(" (")[0] for _, f in swarm.killed] == [
+        "peer after its forward pass 2 of step 2", "peer after its backward pass 1 of step 3",
+        "peer as it takes the COMMIT of step 4"]
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    assert [(e["step"], e["stage"]) for e in _events(tmp_path / "swarm", "recovery")] == failures
+    assert [e["during"] for e in _events(tmp_path / "swarm", "chaos_kill")] == ["forward", "backward", "commit"]
 
 
 @pytest.mark.parametrize("strategy, fallback, failures", [
@@ -202,6 +224,48 @@ def test_checkfree_plus_snap_restores_a_lone_stage_exactly_from_its_neighbours_s
     for k, v in snap.items():
         if not k.startswith("embed."):  # the embedding comes from stage 0, the live co-holder
             assert torch.equal(restored[k], v), k
+
+
+def test_snap_streams_compressed_copies_and_restores_like_the_simulator_when_a_stage_and_then_its_holder_are_lost(
+        tiny_cfg, tmp_path):
+    """snap in the swarm: every stage streams its int8 copy to the next stage's peer, one part inside each step
+    (COPY_PART, acknowledged in the sender's COMMIT). Stage 1 is lost at step 3 and restored from its copy of step
+    2 (a whole copy in steps 0-1, a delta in step 2); its holder, stage 2, is lost at step 5 and restored from its
+    own copy of step 4, taking stage 1's copy with it; stage 1, lost again at step 6 before a new whole copy
+    arrived, is rebuilt by CheckFree: the simulator's decisions, copy steps and losses, and the restored weights
+    are the decoded copy the holder kept, bit for bit."""
+    from checkfree.serialize import state_from_bytes
+    from checkfree.snapcodec import apply_update, restore_state
+
+    cfg = _cfg(tiny_cfg, "snap", steps=8)
+    cfg.strategy.snapshot_every = 2
+    failures = [(3, 1), (5, 2), (6, 1)]
+    held = {}
+
+    def keep(sw, f):  # stage 1's copy as its holder (stage 2's peer) has it, as stage 1 is killed at step 3:
+        if f["step"] == 3:  # the copy of step 0 and the complete delta of step 2, applied when asked for
+            [d] = [d for d in sw.daemons.values() if d.hosted.index == 2]
+            held[1] = apply_update(copy.deepcopy(d.streams.held[1]), state_from_bytes(d.streams.incoming[1].buf))
+
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 4, kills=FailureSchedule(failures),
+                      save_final=False, dump_dir=str(tmp_path / "dump"), on_kill=keep)
+    _simulate(cfg, tmp_path / "sim", failures)
+    assert swarm.summary["status"] == "completed"
+    _same_losses(tmp_path / "swarm", tmp_path / "sim")
+    fields = ("step", "stage", "method", "source", "snapshot_step", "copy_format", "fallback")
+    got = _events(tmp_path / "swarm", "recovery", "fallback")
+    want = _events(tmp_path / "sim", "recovery", "fallback")
+    assert [tuple(e.get(k) for k in fields) for e in got] == [tuple(e.get(k) for k in fields) for e in want] == [
+        (3, 1, "snapshot", 2, 2, "int8", None), (5, 2, "snapshot", 3, 4, "int8", None),
+        (6, 1, "average", None, None, None, "checkfree")]
+    assert held[1].step == 2
+    restored = load_file(str(tmp_path / "dump" / "restored-step3-stage1.safetensors"))
+    decoded = restore_state(held[1])["model"]
+    assert restored.keys() == decoded.keys() and all(torch.equal(restored[k], v) for k, v in decoded.items())
+    streamed = [e for e in _events(tmp_path / "swarm", "snapshot") if e["kind"] == "stream"]
+    assert {(e["stage"], e["step"]) for e in streamed} >= {(s, 0) for s in range(cfg.num_stages)}
+    metrics = read_jsonl(tmp_path / "swarm" / "metrics.jsonl")
+    assert all(0 < b for m in metrics for b in m["copy_bytes"] if b is not None)
 
 
 def test_the_swarm_runs_every_strategy_and_refuses_a_bad_combination_before_any_peer_starts(tiny_cfg, tmp_path):

@@ -56,6 +56,40 @@ def test_the_three_transports_type_check_against_the_transport_protocol(tmp_path
     assert done.returncode == 0 and "Success" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
+def test_the_type_checker_holds_over_the_three_packages(tmp_path):
+    """mypy, at the strictness pyproject.toml states, over checkfree/, peers/ and scheduler/: no errors."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "Success" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_a_call_returns_the_reply_type_of_its_request_statically(tmp_path):
+    """`Rpc.call` and the peer's `Membership.call` return the reply type of their request for the type checker
+    (a `Request[R]` is answered with an `R`): the check file's one wrong use is mypy's one error."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"),
+                           "tests/reply_types_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and "reply_types_check.py:18:" in errors[0] and '"Joined"' in errors[0] \
+        and '"Pong"' in errors[0], done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_every_request_names_its_reply_type_and_the_wire_check_uses_it():
+    """Each request type is a `Request[ReplyType]`; the replies a caller checks at run time (REPLIES) are those."""
+    from checkfree import messages
+
+    requests = [t for t in vars(messages).values() if isinstance(t, type) and issubclass(t, messages.Request)
+                and t is not messages.Request and "rpc" in vars(t)]
+    assert len(requests) >= 30
+    for kind in requests:
+        assert messages.REPLIES[kind.rpc] is messages.reply_type(kind), kind.__name__
+
+
 def test_no_private_names_cross_modules_in_the_net_package():
     """checkfree/net modules import each other's public names only."""
     import ast

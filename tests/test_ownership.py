@@ -1,12 +1,14 @@
-"""Objects own their state (style.md 13): no module under `scheduler/` or `peers/` writes an attribute of an
-object it did not create. Checked on the source with `ast`, as tests/test_layers.py checks imports.
+"""Objects own their state: no module under `scheduler/` or `peers/` writes or mutates an attribute of an object
+it did not create. Checked on the source with `ast`, as tests/test_layers.py checks imports.
 
 Within a function an attribute may be written on `self` (its own object), on an element of one of its own
 containers (`self.members[pid].leaving = ...`) and on a local variable bound in that function to an object made
 there (`run = StepRun(...)`); containers may be written when they are the object's own or local. Anything else
 is a write into another object: `self.part.field = ...`, `other.field = ...` (a parameter),
-`self.part.table[k] = ...`, `self.part.members[p].leaving = ...`, `setattr(...)`; a part that needs it changed
-asks through a method.
+`self.part.table[k] = ...`, `del self.part.table[k]`, `self.part.members[p].leaving = ...`, `setattr(...)`, and a
+mutating call on another object's container or event: `self.part.reports.clear()`, `self.part.seen.add(p)`,
+`run.tasks.add(t)` (`run` a parameter), `other.items.append(x)`; a part that needs it changed asks through a
+method (`self.part.report(p)`, `run.track(t)`). A call of a part's own method (`self.part.clear(p)`) is asking.
 """
 
 from __future__ import annotations
@@ -71,6 +73,38 @@ def _allowed(target: ast.expr, made: set[str]) -> bool:
     return _own_element(owner)
 
 
+# methods that change the container or event they are called on
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
+            "discard", "difference_update", "intersection_update", "symmetric_difference_update", "sort", "reverse",
+            "appendleft", "popleft", "set", "put_nowait"}
+
+
+def _mutated(node: ast.AST) -> ast.expr | None:
+    """The receiver of a mutating call (`x.append(...)`, `x.set()`), as the container written (None: not one)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+        return node.func.value
+    return None
+
+
+def _mutation_allowed(receiver: ast.expr, made: set[str]) -> bool:
+    """A mutating call is allowed on a local (or a parameter's plain container), on one of the object's own
+    attributes or what hangs from them through subscripts and calls (`self.x`, `self.x[k]`, `self.x.get(k)`,
+    `self._event(k)`), and on an attribute of an object made in the function."""
+    root = receiver
+    while isinstance(root, (ast.Subscript, ast.Call)):
+        if isinstance(root, ast.Subscript):
+            root = root.value
+        elif not isinstance(root.func, ast.Attribute):
+            return True  # what a plain function returned
+        elif root.func.attr in ("get", "setdefault") or (isinstance(root.func.value, ast.Name)
+                                                         and root.func.value.id in {"self", *made}):
+            root = root.func.value  # an element of a container, or what its own method (or a local's) returned
+        else:
+            return False  # what another object's method returned (`self.part.event(k).set()`, `run.event(k).set()`)
+    return isinstance(root, ast.Name) or _self_attr(root) or (
+        isinstance(root, ast.Attribute) and isinstance(root.value, ast.Name) and root.value.id in made)
+
+
 def _targets(node: ast.AST) -> list[ast.expr]:
     if isinstance(node, ast.Assign):
         out = []
@@ -79,6 +113,8 @@ def _targets(node: ast.AST) -> list[ast.expr]:
         return out
     if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
         return [node.target]
+    if isinstance(node, ast.Delete):
+        return list(node.targets)
     return []
 
 
@@ -94,6 +130,9 @@ def violations(path: Path) -> list[str]:
             for t in _targets(node):
                 if isinstance(t, (ast.Attribute, ast.Subscript)) and not _allowed(t, made):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(t)}")
+            receiver = _mutated(node)
+            if receiver is not None and not _mutation_allowed(receiver, made):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node.func)}()")
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
 
 
@@ -125,9 +164,22 @@ def test_the_check_finds_what_it_should():
         "        m = self.members.get(2)\n"
         "        m.left = True\n"
         "        out.setdefault(1, {})[2] = 3\n"
-        "        run.losses[1] = 0.5\n")  # a container of an object made here
+        "        run.losses[1] = 0.5\n"  # a container of an object made here
+        "        self.part.reports.clear()\n"  # 20
+        "        other.seen.add(1)\n"  # 21
+        "        del self.part.table[2]\n"  # 22
+        "        self.part.members[1].tasks.append(3)\n"  # 23
+        "        self.part.event('x').set()\n"  # 24
+        "        other.event('x').set()\n"  # 25
+        "        run.event('x').set()\n"
+        "        self.part.clear(1)\n"  # asking: a method of the part's own
+        "        self.seen.add(1)\n"
+        "        self._event(1).set()\n"
+        "        run.tasks.add(2)\n"
+        "        xs.append(1)\n"
+        "        out.setdefault(1, []).append(2)\n")
     try:
         got = [int(v.split(":")[1]) for v in violations(sample)]
     finally:
         sample.unlink()
-    assert got == [8, 9, 10, 11, 12, 13, 14]
+    assert got == [8, 9, 10, 11, 12, 13, 14, 20, 21, 22, 23, 24, 25]

@@ -164,5 +164,5 @@ def test_two_non_adjacent_stages_fail_in_one_step_and_a_replacement_dies_recover
     (retry,) = events(out, "recovery_retry")
     assert (retry["step"], retry["stage"]) == (4, 1) and retry["peer_id"] != rec[0]["peer_id"]
     assert summary["failures"] == 2 and summary["recoveries"] == 2 and summary["fallbacks"] == 0
-    killed = [p for p in (out / "logs").glob("peer*.log") if "CHAOS: SIGKILL of this replacement" in p.read_text()]
+    killed = [p for p in (out / "logs").glob("peer*.log") if "fault hook: SIGKILL of this replacement" in p.read_text()]
     assert len(killed) == 1 and "pulled blocks of stage" in killed[0].read_text()  # died mid-rebuild

@@ -131,6 +131,31 @@ def test_tiny_study_end_to_end_resumes_and_renders(corpus, tmp_path):
     assert not list((tmp_path / "work").rglob("saves/step-*/stage-0.bin"))[2:]  # only the two trunks keep saves
 
 
+def test_a_study_restores_stages_from_snap_copies_made_from_the_trunk_age_steps_before(corpus, tmp_path):
+    """The snap inits: the trunk also saves the steps the copies are made from (branch point minus age); a branch
+    restores the failed stage from its copy of that step (the recovery event says which), a copy of the current
+    step damages less than CheckFree's rebuild, and the curve of a copy trains on with its snapshot period."""
+    from checkfree.rundir import read_jsonl
+    from experiments.pretrained import copy_steps
+
+    study = make_study("tiny", seeds=[0], curve_stages=[1], plus_steps=0, inits=[
+        "checkfree post/stage", "snap int8 age 1", "snap int4 age 0"])
+    study.base["data"]["source"] = corpus
+    assert copy_steps(study) == [3, 4]
+    results = run_study(study, tmp_path / "work", tmp_path / "results", log=lambda m: None)
+    data = load_results(results / "results.json")
+    assert all(r["status"] == "completed" for r in data["runs"].values()), data["runs"]
+    cells = {(c["init"], c["stage"]): c for c in analyse(data)["cells"]}
+    for (init, stage), c in cells.items():
+        if init.startswith("snap"):
+            events = [e for e in read_jsonl(tmp_path / "work" / "runs" / c["run"] / "events.jsonl")
+                      if e["event"] == "recovery"]
+            assert [(e["method"], e["snapshot_step"]) for e in events][:1] == [
+                ("snapshot", 4 - int(init.split("age ")[1]))], (init, stage)
+    assert cells[("snap int4 age 0", 2)]["damage"] < cells[("checkfree post/stage", 2)]["damage"]
+    assert cells[("snap int8 age 1", 1)]["gaps"]
+
+
 def test_run_names_are_distinct():
     runs = {Run("s", "curve", "plain", 4, seed, init.label, stage, 4).name for seed in (0, 1) for init in INITS
             for stage in (1, 2)}

@@ -307,6 +307,27 @@ def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_pa
     assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5)
 
 
+# slow (CI time): test_inprocess's snap test streams, restores and falls back between real PeerDaemons (the decoded
+# copy checked bit for bit, the simulator's events and losses), and SIGKILLed real processes are recovered in
+# test_sigkill_intermediate_stage_recovered_by_checkfree
+@pytest.mark.slow
+def test_snap_streams_compressed_copies_and_restores_from_them_for_real(tmp_path, cache):
+    """snap with real processes and SIGKILLs: stage 1 restored from its int4 copy at stage 2's peer, then stage 2
+    (its holder) from its own copy at stage 3's, then stage 1, whose copy went with stage 2's peer, rebuilt by
+    CheckFree; the simulator's events and losses."""
+    args = ["--steps", "8", "--strategy", "snap", "--snapshot-every", "2", "--snapshot-format", "int4",
+            "--snapshot-group", "16", "--trace", _trace(tmp_path, [(3, 1), (5, 2), (6, 1)])]
+    proc, out = _local(tmp_path, "snap", *args, cache=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _simulate(tmp_path, "sim", *args, cache=cache)
+    fields = ("step", "stage", "method", "source", "snapshot_step", "copy_format")
+    got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
+    assert got == want == [(3, 1, "snapshot", 2, 2, "int4"), (5, 2, "snapshot", 3, 4, "int4")]
+    a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
+    assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5)
+    assert [e["method"] for e in read_jsonl(out / "events.jsonl") if e["event"] == "fallback"] == ["average"]
+
+
 # slow (CI time): test_inprocess's redundant test runs the same three kills between real PeerDaemons (promotions,
 # no attempt aborted, failure-free losses) and the golden check compares the events with the simulator's
 @pytest.mark.slow

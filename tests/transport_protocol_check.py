@@ -5,8 +5,10 @@ from checkfree.net.base import Transport
 from checkfree.net.hivemind_transport import HivemindTransport
 from checkfree.net.libp2p_transport import Libp2pTransport
 from checkfree.net.memory import MemoryTransport
+from checkfree.net.relay import RelayTransport
 from checkfree.net.tcp_transport import TcpTransport
 
 
-def conforms(h: HivemindTransport, t: TcpTransport, lp: Libp2pTransport, m: MemoryTransport) -> list[Transport]:
-    return [h, t, lp, m]
+def conforms(h: HivemindTransport, t: TcpTransport, lp: Libp2pTransport, m: MemoryTransport,
+             r: RelayTransport) -> list[Transport]:
+    return [h, t, lp, m, r]

@@ -28,6 +28,7 @@ import numpy as np
 from checkfree.serialize import state_from_bytes, state_to_bytes  # re-exported (REFT's blocks)
 
 __all__ = [
+    "BytesLike",
     "ParityBlock",
     "Raim5Block",
     "xor_bytes",
@@ -45,11 +46,13 @@ __all__ = [
     "state_from_bytes",
 ]
 
+BytesLike = bytes | bytearray | memoryview  # a state or parity block: received in place, or built
 
-def xor_bytes(members: Sequence[bytes]) -> np.ndarray:
+
+def xor_bytes(members: Sequence[BytesLike]) -> np.ndarray:
     """XOR of byte strings, each zero padded to the longest; returns a uint8 array."""
     size = max((len(m) for m in members), default=0)
-    acc = np.zeros(size, dtype=np.uint8)
+    acc: np.ndarray = np.zeros(size, dtype=np.uint8)
     for m in members:
         if not isinstance(m, (bytes, bytearray, memoryview)):
             raise ValueError(f"members must be bytes-like, got {type(m).__name__}")
@@ -98,11 +101,11 @@ class Raim5Block:
 
     holder: int
     n: int
-    parity: bytes
+    parity: BytesLike
     state_lengths: tuple[int, ...]
 
 
-def _chunk(state: bytes, n: int, c: int) -> bytes:
+def _chunk(state: BytesLike, n: int, c: int) -> bytes:
     """Chunk ``c`` of ``n-1`` equal (ceil) chunks of ``state``; the last ones may be short/empty."""
     size = -(-len(state) // (n - 1))
     return bytes(state[c * size : (c + 1) * size])
@@ -113,7 +116,7 @@ def _chunk_index(p: int, i: int, n: int) -> int:
     return (p - i - 1) % n
 
 
-def raim5_chunk(state: bytes, owner: int, holder: int, n: int) -> bytes:
+def raim5_chunk(state: BytesLike, owner: int, holder: int, n: int) -> bytes:
     """The chunk of peer ``owner``'s state that goes into peer ``holder``'s parity (a distributed encode: each
     peer sends one chunk to every other member, which XORs what it receives with `raim5_block`)."""
     if owner == holder or not (0 <= owner < n and 0 <= holder < n):
@@ -154,7 +157,7 @@ def _as_peer_map(items: Mapping[int, Any] | Sequence[Any], lost: int, n: int, wh
 
 def raim5_recover(
     lost: int,
-    states_of_survivors: Mapping[int, bytes] | Sequence[bytes | None],
+    states_of_survivors: Mapping[int, BytesLike] | Sequence[BytesLike | None],
     parity_blocks_of_survivors: Mapping[int, Raim5Block] | Sequence[Raim5Block | None],
 ) -> bytes:
     """Rebuild peer ``lost``'s state bit-exactly from all other peers' states and parity blocks."""

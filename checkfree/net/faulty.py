@@ -72,11 +72,11 @@ class FaultyTransport:
         self.inner, self.injector = inner, injector
 
     @property
-    def kind(self) -> str:  # type: ignore[override]
+    def kind(self) -> str:
         return self.inner.kind
 
     @property
-    def extra_header(self) -> dict:  # type: ignore[override]
+    def extra_header(self) -> dict:
         return self.inner.extra_header
 
     @extra_header.setter

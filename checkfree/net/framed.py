@@ -181,13 +181,15 @@ def adopt(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> FramedR
     transport.set_protocol(framed)
     # asyncio's StreamReader has no public "take what you hold without waiting": its buffer and end-of-stream
     # flag are read directly (the same attributes since Python 3.4)
-    held = bytes(reader._buffer)  # noqa: SLF001
-    reader._buffer.clear()  # noqa: SLF001
+    raw: Any = reader  # (its private attributes)
+    held = bytes(raw._buffer)  # noqa: SLF001
+    raw._buffer.clear()  # noqa: SLF001
     if len(held) > len(framed._scratch):
         framed._scratch = memoryview(bytearray(len(held)))
     framed.feed(held)
-    framed._eof = reader._eof  # noqa: SLF001
+    framed._eof = raw._eof  # noqa: SLF001
     framed._exc = reader.exception()
-    if not transport.is_closing() and not transport.is_reading():  # type: ignore[attr-defined]
-        transport.resume_reading()  # type: ignore[attr-defined]  (the StreamReader had paused it, full)
+    socket: Any = transport  # a selector transport: it reads and can be paused
+    if not socket.is_closing() and not socket.is_reading():
+        socket.resume_reading()  # (the StreamReader had paused it, full)
     return framed

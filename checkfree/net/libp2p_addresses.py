@@ -19,7 +19,7 @@ A port held by an ordinary socket does fail (``TransportError``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkfree.net.addresses import learn_addresses
@@ -38,6 +38,7 @@ class Libp2pAddressBook:
     _addresses: dict[str, list[str]]
     _host: Any
     address_resolver: Any
+    _submit: Callable[..., asyncio.Future]  # annotation only: the method is `TrioThread`'s
 
     def add_peer_address(self, maddr: str, peer_id: str | None = None) -> str:
         """Remember an address of a peer; returns its peer id.

@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from checkfree.net.errors import TransportError
@@ -148,10 +148,11 @@ class TrioThread:
 
     # ------------------------------------------------------------ trio -> asyncio bridge
 
-    async def _t_run_on_loop(self, coro: Awaitable[Any]) -> Any:
+    async def _t_run_on_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """From the trio thread: run ``coro`` on the asyncio loop and wait for its result."""
         assert self._loop is not None
-        cfut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # RuntimeError if the loop is closed
+        # RuntimeError if the loop is closed
+        cfut: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         done = trio.Event()
         token = trio.lowlevel.current_trio_token()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from checkfree.net.base import Handler
@@ -50,7 +50,7 @@ class Libp2pServer:
     read_timeout: float
     linger_timeout: float
     _submit: Callable[..., asyncio.Future]  # annotations only: the methods are `TrioThread`'s
-    _t_run_on_loop: Callable[[Awaitable[Any]], Awaitable[Any]]
+    _t_run_on_loop: Callable[[Coroutine[Any, Any, Any]], Coroutine[Any, Any, Any]]
 
     async def register(self, name: str, handler: Handler) -> None:
         """Serve ``handler`` under protocol ``/checkfree/<name>/1.0.0``; each incoming stream is its own task."""
@@ -83,10 +83,10 @@ class Libp2pServer:
                 await t_reset(stream)
                 return
             except (WireError, trio.TooSlowError) as e:
-                if isinstance(e, trio.TooSlowError):
-                    e = TimeoutError(f"request body not received within read_timeout={self.read_timeout:g} s")
-                logger.warning("%s: bad request from %s: %s: %s", name, peer, type(e).__name__, e)
-                frames = encode_message({"error": f"{type(e).__name__}: {e}"})
+                bad: Exception = e if not isinstance(e, trio.TooSlowError) else TimeoutError(
+                    f"request body not received within read_timeout={self.read_timeout:g} s")
+                logger.warning("%s: bad request from %s: %s: %s", name, peer, type(bad).__name__, bad)
+                frames = encode_message({"error": f"{type(bad).__name__}: {bad}"})
             else:
                 try:
                     frames = await self._t_run_on_loop(self._handle(name, body, peer))

@@ -244,5 +244,5 @@ def quiet_fd_handoffs() -> None:
             return
         previous(kind, value, tb)
 
-    hook._checkfree_quiet = True
+    setattr(hook, "_checkfree_quiet", True)  # (marks the hook installed: not twice)
     sys.excepthook = hook

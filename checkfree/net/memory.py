@@ -26,7 +26,7 @@ import itertools
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -124,7 +124,7 @@ class MemoryNetwork:
 
     def track(self, loop: asyncio.AbstractEventLoop) -> None:
         """Record every task of `loop` in its `SimProcess`, so that `kill` ends a whole process."""
-        loop.set_task_factory(_tracking_factory)
+        loop.set_task_factory(cast(Any, _tracking_factory))
 
     def kill(self, peer_id: str) -> None:
         """The in-process SIGKILL of ``peer_id``: unreachable from now on, its running handlers cancelled, and
@@ -206,7 +206,8 @@ class MemoryTransport:
         except asyncio.TimeoutError:
             raise TransportTimeout(f"no reply from {peer_id} to '{name}' within {timeout:g} s") from None
         except asyncio.CancelledError:
-            if task.cancelled() and not asyncio.current_task().cancelling():
+            current = asyncio.current_task()
+            if task.cancelled() and current is not None and not current.cancelling():
                 raise TransportError(f"peer {peer_id} died while handling '{name}'") from None
             raise
         reply_header, reply_tensors = decode_message(reply)

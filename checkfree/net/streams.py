@@ -99,8 +99,8 @@ async def read_body(read_some: Callable[[int], Awaitable[bytes]], length: int) -
     and trio alike. A read that fails or is abandoned releases the buffer at once: its exception often sits in a
     reference cycle (traceback -> asyncio.wait_for's frame -> the task -> the exception), which used to keep
     the buffer alive until the next garbage collection."""
-    body = np.empty(length, dtype=np.uint8)
-    view = memoryview(body)
+    body: np.ndarray = np.empty(length, dtype=np.uint8)
+    view = body.data
     pos, chunk = 0, b""
     try:
         while pos < length:
@@ -116,8 +116,8 @@ async def read_body(read_some: Callable[[int], Awaitable[bytes]], length: int) -
 
 async def read_body_into(reader: FramedReader, length: int) -> memoryview:
     """`length` bytes received in place into one fresh buffer that is not zero-filled (see `read_body`)."""
-    body = np.empty(length, dtype=np.uint8)
-    view = memoryview(body)
+    body: np.ndarray = np.empty(length, dtype=np.uint8)
+    view = body.data
     try:
         await reader.readinto(view)
     except BaseException:

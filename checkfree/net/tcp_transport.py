@@ -214,7 +214,7 @@ class TcpTransport:
     async def unregister(self, name: str) -> None:
         self._handlers.pop(name, None)
 
-    async def _on_connection(self, stream_reader: FramedReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_connection(self, stream_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         reader = adopt(stream_reader, writer)
         _nodelay(writer)
         self._serving[writer] = asyncio.current_task()  # type: ignore[assignment]

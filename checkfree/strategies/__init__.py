@@ -7,7 +7,9 @@
 * gemini: snapshots in m peers' CPU memory, global rollback;
 * reft: snapshots + XOR parity across groups of stages, global rollback;
 * baft: neighbour backups in pipeline bubbles, global rollback;
-* checkfree+snap: CheckFree+ that restores a stage alone from a neighbour's snapshot.
+* checkfree+snap: CheckFree+ that restores a stage alone from a neighbour's snapshot;
+* snap: the plain pipeline that restores a stage alone from a neighbour's compressed copy, streamed inside the
+  steps (checkfree.snapcodec), and rebuilds it by a recovery rule when that copy is lost too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from checkfree.strategies.gemini import GeminiStrategy
 from checkfree.strategies.hybrid import SnapshotAveragingStrategy
 from checkfree.strategies.redundant import RedundantStrategy
 from checkfree.strategies.reft import ReftStrategy
+from checkfree.strategies.streamed import StreamedSnapshotStrategy
 
 __all__ = ["STRATEGIES", "build_strategy", "worker_config", "Strategy", "StrategyContext", "Figures",
            "FailureOutcome"]
@@ -38,6 +41,7 @@ STRATEGIES: dict[str, Callable[[RunConfig], Strategy]] = {
     "reft": ReftStrategy,
     "baft": BaftStrategy,
     "checkfree+snap": SnapshotAveragingStrategy,
+    "snap": StreamedSnapshotStrategy,
 }
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from checkfree.baselines import BackupPlan, common_windows, plan_backup
 from checkfree.config import RunConfig
-from checkfree.plans import BackupPart, BackupSeal, BackupStart, Failure, Holder, Protect, RecoveryPlan, Snapshot
+from checkfree.plans import (BackupPart, BackupSeal, BackupStart, Failure, Holder, Protect, RecoveryPlan, Snapshot,
+                             Source)
 from checkfree.strategies.base import Figures, StrategyContext
 from checkfree.strategies.rollback import InMemoryStrategy
 
@@ -47,9 +48,10 @@ class BackupClock:
 
     def after(self, step: int) -> tuple[bool, bool]:
         """After `step` is committed: (the backup in flight is complete now, a new one is taken now)."""
-        completed = self.sent_from is not None and step - self.sent_from == self.rounds
-        if completed:
-            self.complete_step, self.sent_from = self.sent_from + 1, None
+        sent = self.sent_from
+        completed = sent is not None and step - sent == self.rounds
+        if sent is not None and completed:
+            self.complete_step, self.sent_from = sent + 1, None
         started = self.sent_from is None
         if started:
             self.sent_from = step
@@ -107,6 +109,7 @@ class BaftStrategy(InMemoryStrategy):
 
     def part_bounds(self, stage: int, part: int) -> tuple[float, float]:
         """The share [lo, hi) of `stage`'s backup that part `part` carries: the plan's bytes of that step."""
+        assert self.plans is not None, "no backup planned yet"
         plan = self.plans[stage]
         per = [sum(plan.bytes_in(k, w) for w in range(len(plan.windows))) for k in range(self.rounds)]
         total = sum(per) or 1
@@ -125,11 +128,11 @@ class BaftStrategy(InMemoryStrategy):
 
     def in_step(self, step: int) -> BackupPart | None:
         """The part of the backup in flight that step `step`'s bubbles carry (None: none)."""
-        part = self.clock.part(step)
-        if part is None or self.plans is None:
+        part, sent = self.clock.part(step), self.clock.sent_from
+        if part is None or self.plans is None or sent is None:
             return None
         stages = range(self.cfg.num_stages)
-        return BackupPart(self.clock.sent_from + 1, part, {s: self.part_bounds(s, part) for s in stages},
+        return BackupPart(sent + 1, part, {s: self.part_bounds(s, part) for s in stages},
                           {s: self.holder(s) for s in stages})
 
     def interrupted(self) -> None:
@@ -140,8 +143,8 @@ class BaftStrategy(InMemoryStrategy):
 
     def recovery_plan(self, failure: Failure) -> RecoveryPlan:
         copies = failure.copies
-        copy_of = {s: Holder(self.holder(s), copies.step) for s in failure.failed
-                   if self.holder(s) in copies.holders(s)}
+        copy_of: dict[int, Source] = {s: Holder(self.holder(s), copies.step) for s in failure.failed
+                                      if self.holder(s) in copies.holders(s)}
         lost = sorted(set(failure.failed) - set(copy_of))
         return self.rollback(failure, copy_of, {s: f"stage {s}'s backup holder {self.holder(s)} failed too"
                                                 for s in lost})
@@ -150,7 +153,8 @@ class BaftStrategy(InMemoryStrategy):
     def step_figures(self, ctx: StrategyContext, step: int) -> Figures:
         """The part of the backup in flight that this step's bubbles carried."""
         k = self.clock.part(step)
-        moved = 0 if k is None else sum(p.bytes_in(k, w) for p in self.plans for w in range(len(p.windows)))
+        moved = 0 if k is None or self.plans is None else sum(p.bytes_in(k, w) for p in self.plans
+                                                               for w in range(len(p.windows)))
         return Figures(bytes_moved=moved)
 
     def memory(self, sizes: dict[int, int]) -> int:

@@ -26,8 +26,9 @@ from torch import Tensor
 
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
-from checkfree.plans import BackupPart, Checkpoint, Failure, Protect, RecoveryPlan
+from checkfree.plans import BackupPart, Checkpoint, CopyPart, Failure, Protect, RecoveryPlan, StreamStep
 from checkfree.recovery import StateDict
+from checkfree.snapcodec import CopyFormat
 from checkfree.strategies.state import StageState
 
 __all__ = ["Figures", "FailureOutcome", "StrategyContext", "Strategy"]
@@ -121,6 +122,9 @@ class Strategy:
     # snapshot, peers/companion.py)
     peer_service: str | None = None
     restores_in_parallel: bool = False  # the simulator's price: copies and rebuilds travel at once (else in turn)
+    # streamed compressed copies (snap): their format (None: the strategy streams none); the runtimes encode, send,
+    # hold and restore them (checkfree.snapcodec), and report each part that arrived (`copy_part_done`)
+    copy_format: CopyFormat | None = None
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -145,9 +149,31 @@ class Strategy:
         (the copies the leaving peers held for others left with them)."""
         return []
 
-    def in_step(self, step: int) -> BackupPart | None:
-        """Protection that travels inside step `step` itself (BAFT: a part of the backup, in the bubbles)."""
+    def in_step(self, step: int) -> BackupPart | StreamStep | None:
+        """Protection that travels inside step `step` itself (BAFT: a part of the backup, in the bubbles; snap: the
+        parts of its streamed copies). Asked once per attempt of the step: the same answer each time."""
         return None
+
+    def copy_part_done(self, part: CopyPart) -> bool:
+        """A streamed copy's part (`StreamSent`) arrived at its holder in a committed step; whether it completed
+        its update (the runtime then records the copy of `part.step` as complete at `part.holder`)."""
+        raise NotImplementedError(f"{self.name} streams no copies")
+
+    def copy_assumed(self, stage: int, step: int) -> None:
+        """Experiments: `stage`'s copy as of `step` is complete at its holder and mirrored by its owner."""
+        raise NotImplementedError(f"{self.name} streams no copies")
+
+    def copy_stream_broken(self, stage: int) -> None:
+        """A part of `stage`'s streamed copy did not arrive: its update is void."""
+        raise NotImplementedError(f"{self.name} streams no copies")
+
+    def holder(self, stage: int) -> int:
+        """The stage whose peer holds `stage`'s copy (the strategies that keep one copy per stage at one holder)."""
+        raise NotImplementedError(f"{self.name} keeps no copy at one holder")
+
+    def held_bytes(self, holder: int) -> int:
+        """Streamed copies: the most the peer of stage `holder` keeps of others' copies (bytes)."""
+        return 0
 
     def interrupted(self) -> None:
         """A failure: protection in flight is void (BAFT's backup being sent)."""

@@ -3,8 +3,9 @@ out on the in-process stage workers, keeps the copies that protection took, and 
 model (the swarm's coordinator carries the same plans out on peers: scheduler/recovery.py).
 
 The copies live here, one per stage (which stages' peers hold it is the `Copies` ledger's business): a snapshot
-or backup's full state, reft's serialized snapshot and parity block, the replica of redundant computation, and
-the checkpoint files in storage (the swarm's layout, checkfree.strategies.storage).
+or backup's full state, reft's serialized snapshot and parity block, the replica of redundant computation, the
+checkpoint files in storage (the swarm's layout, checkfree.strategies.storage), and snap's compressed copies
+(checkfree.snapcodec: the holder's copy, which is also its owner's mirror, and the update in flight).
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import dataclasses
 import time
 
 from checkfree.baselines import Raim5Block, raim5_encode, raim5_recover
-from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, Failure, Holder, Init, Own, Parity,
+from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, CopyPart, Failure, Holder, Init, Own, Parity,
                              ParitySnapshot, Protect, RecoveryPlan, RefreshReplicas, Replica, Snapshot, Storage,
-                             TakeReplicas, abort_if_unrecoverable, plan_events)
+                             StreamSent, StreamStep, TakeReplicas, abort_if_unrecoverable, plan_events)
 from checkfree.recovery import rebuild_stage, recovered_optimizer_state
 from checkfree.serialize import state_from_bytes, state_to_bytes
+from checkfree.snapcodec import HeldCopy, apply_update, encode_update, restore_state, tree_nbytes
 from checkfree.strategies import storage
 from checkfree.strategies.base import FailureOutcome, Figures, Strategy, StrategyContext
 from checkfree.strategies.state import StageState, state_nbytes, unit_nbytes, with_components
 
-__all__ = ["SimExecutor"]
+__all__ = ["SimExecutor", "part_nbytes"]
 
 
 class SimExecutor:
@@ -39,12 +41,39 @@ class SimExecutor:
         # recovery.optimizer own: each stage's own Adam state of its blocks, by parameter name, where a copy of it is
         # at hand when the stage is rebuilt (a study puts the lost stage's saved moments here; a snapshot could)
         self.own_optimizer: dict[int, dict[str, dict]] = {}
+        self.held: dict[int, HeldCopy] = {}  # snap: each stage's compressed copy at its holder (and its mirror)
+        self.updates: dict[int, tuple[tuple, dict]] = {}  # snap: each stage's update in flight (its key, the update)
 
     # ---- protection --------------------------------------------------------------------
     def start(self, step: int) -> None:
         """Before the first step: the protection every run starts with (redundant: the replicas), not priced."""
         for item in self.strategy.protection_at_start():
             self.protect(item, step)
+
+    def prime(self, states: dict[int, StageState], step: int) -> None:
+        """snap (experiments): every stage's copy complete at its holder, a full update of `states[stage]` (its
+        state as of `step`), as if it had been streamed before."""
+        strategy = self.strategy
+        for s, state in states.items():
+            self.held[s] = apply_update(None, encode_update(state, step, strategy.copy_format, None))
+            strategy.copy_assumed(s, step)
+            self.copies.sealed(s, step, (strategy.holder(s),))
+
+    def before_step(self, step: int) -> None:
+        """Before training `step`: the protection that travels inside it (snap: an update whose first part the step
+        carries is encoded now, from the stage's state as it enters the step)."""
+        item = self.strategy.in_step(step)
+        if not isinstance(item, StreamStep):
+            return
+        for s, part in item.parts.items():
+            key = (part.step, part.kind, part.base)
+            if part.part == 0 and self.updates.get(s, ((),))[0] != key:
+                base = self.held.get(s) if part.kind == "delta" else None
+                if part.kind == "delta" and (base is None or base.step != part.base):
+                    raise AssertionError(f"stage {s}: a delta on the copy of step {part.base}, but the mirror is "
+                                         f"{'none' if base is None else base.step}")
+                self.updates[s] = (key, encode_update(self.ctx.capture(s, step), step, self.strategy.copy_format,
+                                                      base))
 
     def after_step(self, step: int) -> Figures:
         """After committing `step`: what the step itself cost the strategy, then the protection due now."""
@@ -79,11 +108,30 @@ class SimExecutor:
             self.copies.taken(item.step, item.holders)
             return Figures(extra_memory_bytes=self.strategy.memory({s: state_nbytes(st)
                                                                     for s, st in self.states.items()}))
+        if isinstance(item, StreamSent):
+            return self._streamed(item)
         if isinstance(item, (RefreshReplicas, TakeReplicas)):
             stages = range(n) if isinstance(item, RefreshReplicas) else [(s + 1) % n for s in item.stages]
             self.replicas.update({s: ctx.capture(s, step) for s in stages})
             return Figures(extra_memory_bytes=max(state_nbytes(r) for r in self.replicas.values()))
         raise AssertionError(f"unknown protection {item!r}")
+
+    def _streamed(self, item: StreamSent) -> Figures:
+        """snap: every part the step carried arrived; an update whose last part it was is applied to its holder's
+        copy (the owner's mirror), which is then complete. Priced as the parts' transfers in the step's idle link
+        time (what does not fit stalls), and the holders' memory."""
+        moved, slowest = 0, 0.0
+        for s, part in item.parts.items():
+            key, update = self.updates[s]
+            n = part_nbytes(tree_nbytes(update), part)
+            moved, slowest = moved + n, max(slowest, self.cost.transfer_s(n, s, part.holder))
+            if self.strategy.copy_part_done(part):
+                self.held[s] = apply_update(self.held.get(s) if part.kind == "delta" else None, update)
+                del self.updates[s]
+                self.copies.sealed(s, part.step, (part.holder,))
+        memory = max(self.strategy.held_bytes(h) for h in range(self.ctx.num_stages))
+        return Figures(stall_s=self.cost.background_stall_s(slowest, 1), bytes_moved=moved,
+                       extra_memory_bytes=memory)
 
     def _price_copies(self, size: dict[int, int], holders: dict[int, tuple[int, ...]]) -> Figures:
         """Every stage sends its copy to its other holders in the links' idle time: what does not fit stalls."""
@@ -117,6 +165,10 @@ class SimExecutor:
         strategy, ctx = self.strategy, self.ctx
         strategy.interrupted()
         self.copies.lose(failed)
+        if strategy.copy_format is not None:  # snap: the copies the lost peers held, and updates from or to them
+            self.held = {s: c for s, c in self.held.items() if strategy.holder(s) not in failed}
+            self.updates = {s: u for s, u in self.updates.items()
+                            if s not in failed and strategy.holder(s) not in failed}
         plan = strategy.recovery_plan(Failure(step, frozenset(failed), dataclasses.replace(self.copies)))
         abort_if_unrecoverable(plan, strategy.name, ctx.event)
         loaded = self._load(plan) if plan.copied else None
@@ -161,6 +213,11 @@ class SimExecutor:
                 blob = storage.read_stage(ctx.storage_dir, src.step, s)
                 ctx.restore(s, state_from_bytes(blob), replace=s in plan.failed)
                 moved, slowest = moved + len(blob), max(slowest, cost.storage_s(len(blob)))
+                continue
+            if isinstance(src, Holder) and src.form:  # snap: the compressed copy travels, the replacement decodes it
+                ctx.restore(s, restore_state(self.held[s]), replace=True)
+                b = self.held[s].nbytes()
+                moved, slowest = moved + b, max(slowest, cost.transfer_s(b, src.holder, s))
                 continue
             state, holder = (self.replicas[s], src.holder) if isinstance(src, Replica) else (self.states[s], src.holder)
             if isinstance(src, Holder) and src.edges:  # its components from the live co-holders
@@ -217,6 +274,11 @@ class SimExecutor:
         return Figures(bytes_moved=moved, recovery_s=self.cost.recovery_s(slowest)), coefficients, took
 
 
+def part_nbytes(total: int, part: CopyPart) -> int:
+    """The bytes of a streamed update of `total` bytes that `part` carries: [p/parts, (p+1)/parts) of them."""
+    return total * (part.part + 1) // part.parts - total * part.part // part.parts
+
+
 def _nbytes(sd: dict) -> int:
     return sum(v.numel() * v.element_size() for v in sd.values())
 
@@ -250,7 +312,7 @@ def _method(plan: RecoveryPlan) -> str:
     fb = plan.fallback
     if rebuilt and (fb is None or len(fb.reasons) < len(rebuilt)):
         parts.append(rebuilt[0].method)
-    if rebuilt and fb is not None and fb.name in ("random", "copy"):
+    if rebuilt and fb is not None and fb.name not in ("checkpoint", "abort"):
         parts.append(f"fallback-{fb.name}")
     return "+".join(parts)
 

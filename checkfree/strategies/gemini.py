@@ -14,7 +14,7 @@ from __future__ import annotations
 from checkfree.baselines import group_placement, mixed_placement
 from checkfree.config import RunConfig
 from checkfree.costmodel import CostModel
-from checkfree.plans import Failure, Holder, Protect, RecoveryPlan, Snapshot
+from checkfree.plans import Failure, Holder, Protect, RecoveryPlan, Snapshot, Source
 from checkfree.strategies.rollback import InMemoryStrategy
 
 __all__ = ["GeminiStrategy", "placement"]
@@ -52,7 +52,8 @@ class GeminiStrategy(InMemoryStrategy):
     def recovery_plan(self, failure: Failure) -> RecoveryPlan:
         copies = failure.copies
         alive = {s: copies.holders(s) for s in failure.failed}
-        copy_of = {s: Holder(self.restore_source(s, hs), copies.step) for s, hs in alive.items() if hs}
+        copy_of: dict[int, Source] = {s: Holder(self.restore_source(s, hs), copies.step) for s, hs in alive.items()
+                                      if hs}
         lost = sorted(set(failure.failed) - set(copy_of))
         reason = "every holder of stage(s) " + ", ".join(f"{s} {self.holders[s]}" for s in lost) + " failed"
         return self.rollback(failure, copy_of, {s: reason for s in lost})

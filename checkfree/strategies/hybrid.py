@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from checkfree.config import RunConfig
 from checkfree.pipeline import edge_holders
-from checkfree.plans import Failure, Holder, Protect, RecoveryPlan, Snapshot
+from checkfree.plans import Failure, Holder, Protect, RecoveryPlan, Snapshot, Source
 from checkfree.strategies.averaging import AveragingStrategy, average_plan
 
 __all__ = ["SnapshotAveragingStrategy"]
@@ -52,8 +52,8 @@ class SnapshotAveragingStrategy(AveragingStrategy):
         """Every lost stage whose snapshot's holder lives is restored from it alone (its components from the live
         co-holders); the others are averaged, the restored ones among their sources."""
         copies, failed = failure.copies, failure.failed
-        restored = {s: Holder(self.holder(s), copies.step, self.component_donors(s, failed))
-                    for s in sorted(failed) if self.holder(s) in copies.holders(s)}
+        restored: dict[int, Source] = {s: Holder(self.holder(s), copies.step, self.component_donors(s, failed))
+                                       for s in sorted(failed) if self.holder(s) in copies.holders(s)}
         rest = failed - set(restored)
         if not rest:
             return RecoveryPlan(failure.step, failed, restored)

@@ -12,7 +12,7 @@ snapshot): storage checkpoint if configured, else the declared fallback.
 from __future__ import annotations
 
 from checkfree.config import RunConfig
-from checkfree.plans import Copies, Failure, Parity, ParitySnapshot, Protect, RecoveryPlan
+from checkfree.plans import Copies, Failure, Parity, ParitySnapshot, Protect, RecoveryPlan, Source
 from checkfree.strategies.rollback import InMemoryStrategy
 
 __all__ = ["ReftStrategy", "parity_groups"]
@@ -54,7 +54,8 @@ class ReftStrategy(InMemoryStrategy):
 
     def recovery_plan(self, failure: Failure) -> RecoveryPlan:
         step = failure.copies.step
-        copy_of = {s: Parity(tuple(self.group_of(s)), step) for s in self.decodable(failure.failed, failure.copies)}
+        copy_of: dict[int, Source] = {s: Parity(tuple(self.group_of(s)), step)
+                                      for s in self.decodable(failure.failed, failure.copies)}
         lost = sorted(set(failure.failed) - set(copy_of))
         reason = f"stages {lost} failed together with another stage of their parity group (groups {self.parity_groups})"
         return self.rollback(failure, copy_of, {s: reason for s in lost})

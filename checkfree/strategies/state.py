@@ -13,10 +13,12 @@ aliases it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from checkfree.snapcodec import tree_nbytes
 from checkfree.worker import StageWorker
 
 __all__ = ["StageState", "capture_worker", "restore_worker", "with_components", "optim_to_wire", "optim_from_wire",
@@ -87,18 +89,11 @@ def optim_from_wire(keys: Any, tensors: list[torch.Tensor]) -> dict[str, dict[st
     return out
 
 
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+_nbytes = tree_nbytes
 
 
-def state_nbytes(state: StageState) -> int:
-    """Tensor bytes of a state (weights + optimizer moments + RNG)."""
+def state_nbytes(state: StageState | Sequence[Any]) -> int:
+    """Tensor bytes of a state (weights + optimizer moments + RNG), or of any nest of dicts and lists of tensors."""
     return _nbytes(state)
 
 
