@@ -224,9 +224,16 @@ def summary_markdown(record: dict, figures: Path | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_calls(results: Path) -> list[dict]:
-    return [json.loads((results / f"call{c}.json").read_text()) for c in (1, 2, "hf")
-            if (results / f"call{c}.json").is_file()]
+CALL_FILE = re.compile(r"call(\d+|hf)(?:-(\d+))?\.json")
+
+
+def load_calls(results: Path) -> list[tuple[str, dict]]:
+    """(file name, record) of every recorded call: call1, call2, then call hf's tries, the earlier ones kept as
+    `callhf-N.json` (N = 1 the first) before the latest, `callhf.json`."""
+    found = [(m, p) for p in results.glob("call*.json") if (m := CALL_FILE.fullmatch(p.name))]
+    order = {"1": 0, "2": 1, "hf": 2}
+    found.sort(key=lambda mp: (order.get(mp[0].group(1), 3), mp[0].group(2) is None, int(mp[0].group(2) or 0)))
+    return [(p.name, json.loads(p.read_text())) for _, p in found]
 
 
 def render_region(results: Path) -> str:
@@ -235,10 +242,10 @@ def render_region(results: Path) -> str:
     if not calls:
         return NO_RUN
     parts = []
-    for rec in calls:
+    for name, rec in calls:
         body = summary_markdown(rec, results / "science").split("\n", 2)[2]  # without the title: the page has its own headings
         what = " (the HF in/out check alone)" if rec.get("call") == "hf" else ""
-        parts.append(f"**Call {rec.get('call')}**{what} (`{RESULTS}/call{rec.get('call')}.json`)\n\n"
+        parts.append(f"**Call {rec.get('call')}**{what} (`{RESULTS}/{name}`)\n\n"
                      + body.replace("\n## ", "\n#### "))
     return "\n".join(parts).strip()
 
