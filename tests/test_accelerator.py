@@ -199,6 +199,21 @@ def test_science_shares_follow_the_measured_plan_and_leave_the_rest_to_the_curve
     assert list(SHARES_S) == list(SCIENCE_ITEMS)
 
 
+def test_the_default_inits_are_known_and_their_strategies_built(tmp_path):
+    """The SmolLM2 study's default inits: every label known to experiments.pretrained and its strategy in this
+    build (an unknown one is refused before a call starts, not minutes into the science phase)."""
+    from benchmarks.accelerator import DEFAULT_INITS
+    from benchmarks.accelerator.main import main
+    from experiments.pretrained import available_inits
+
+    inits, missing = available_inits(list(DEFAULT_INITS))
+    assert sorted(i.label for i in inits) == sorted(DEFAULT_INITS) and not missing
+    with pytest.raises(SystemExit):
+        main(["--call", "2", "--dry-run", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+              "--inits", "copy,nonsense"])
+    assert not any(tmp_path.iterdir())  # refused before anything was made
+
+
 def test_curve_steps_fit_the_time_from_the_measured_step_times():
     from benchmarks.accelerator.science import curve_steps
 

@@ -51,14 +51,10 @@ FP32_TOL = 1e-5  # the swarm and the simulator compute the same float32 numbers 
 # disagreement, not rounding. The run also measures the floor (the simulator against itself) and the scale (bf16
 # against float32) and reports both beside it.
 BF16_TOL = 2.0 ** -8
-# The recovery initialisations the SmolLM2 study compares (experiments.pretrained.INITS labels); add one here
-# (or with --inits) when another lands (issue 39's inits, issue 42's snapshot strategy): an unknown label is
-# refused at once, before anything runs.
-DEFAULT_INITS = ("checkfree post/stage", "uniform", "copy", "random", "identity",
-                 # issue 42's compressed neighbour snapshot (branch `snap`, not merged yet): experiments.pretrained has
-                 # the label; until a strategy named "snapshot" exists the study reports it as missing and runs the
-                 # others. When snap lands, check that its strategy is registered under this name (else rename here).
-                 "snapshot")
+# The recovery initialisations the SmolLM2 study compares (experiments.pretrained.ALL_INITS labels); add one here
+# (or with --inits) when another lands: an unknown label is refused at once, before anything runs. Issue 42's snap
+# copy as the default snap keeps it (int8, a delta sent every step: one step old at the failure).
+DEFAULT_INITS = ("checkfree post/stage", "uniform", "copy", "random", "identity", "snap int8 age 1")
 
 
 def call_key(text: str | int) -> int | str:

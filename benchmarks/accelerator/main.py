@@ -95,9 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     if out is None:
         build_parser().error("--out DIR (or $OUT) is required")
+    calls = (1, 2) if args.call == "all" else (call_key(args.call),)
+    if any("science" in CALLS[c] for c in calls) and "science" in (args.phases or "science"):
+        from experiments.pretrained import available_inits
+
+        try:  # an unknown label: refused here, before any call starts (not minutes later, in the science phase)
+            available_inits([s for s in args.inits.split(",") if s])
+        except ValueError as e:
+            build_parser().error(f"--inits: {e}")
     out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    calls = (1, 2) if args.call == "all" else (call_key(args.call),)
     code = 0
     for call in calls:
         code |= run_call(call, args, out)
