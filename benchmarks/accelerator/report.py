@@ -75,13 +75,24 @@ def _hf_lines(hf: dict) -> list[str]:
     if inw is not None:
         parts.append(f"HF in (`--init-from`): {inw.get('tensors')} tensors equal to the export's: {_yes(inw.get('ok'))}."
                      if "tensors" in inw else f"HF in (`--init-from`): {failed(inw)}.")
+    def run(name: str, r) -> str:
+        if not isinstance(r, dict):
+            return f"the {name}: {r or 'still running'}"
+        if r.get("finished") is False:
+            return f"the {name}: {r['error'].split(' (')[0]}, {r.get('steps_done')} steps written"
+        return f"the {name}: ok in {_f(r.get('wall_s'))} s" if r.get("ok") else f"the {name}: {failed(r)}"
+
     if inr is not None:
         cmp = inr.get("compare") or {}
         how = (f" (max loss difference {_f(cmp.get('max_loss_diff'), '.2e')})" if "max_loss_diff" in cmp else "")
-        parts.append(f"A run from it, swarm = simulator: {_yes(inr.get('ok'))}{how}." if "error" not in inr
-                     else f"A run from it: {failed(inr)}.")
+        runs = "" if inr.get("ok") else "; ".join(run({"sim": "simulator"}.get(n, n), inr[n])
+                                                  for n in ("sim", "swarm") if n in inr)
+        parts.append(f"A run from it, swarm = simulator: {_yes(inr.get('ok'))}{how}" + (f" ({runs})." if runs else ".")
+                     if "error" not in inr else f"A run from it: {failed(inr)}.")
     elif export is not None and export.get("ok"):
-        parts.append("A run from it: not finished.")
+        sofar = hf.get("in_runs_so_far")
+        parts.append("A run from it: not finished" + (f" ({run('simulator', sofar.get('sim'))}; "
+                                                       f"{run('swarm', sofar.get('swarm'))})." if sofar else "."))
     if not parts and hf.get("error"):
         parts.append(f"HF in/out: {failed(hf)}.")
     return [" ".join(parts)] if parts else []
