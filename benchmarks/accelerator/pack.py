@@ -324,15 +324,16 @@ def build_pack(out: Path, repo: Path, *, gguf: Path | None = None, calls: list |
                             "xz_bytes": packed.stat().st_size, "xz_sha256": sha256(packed)}
         packed.unlink()
         manifest["plan"] = plan.to_dict()
+    for d in dirs.values():
+        (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    if "gguf" in manifest:  # after the manifests: every file a call carries besides its GGUF part, at its size
         sizes = {"fixed": {str(c): {p.name: p.stat().st_size for p in (out / f"call{c}").iterdir()
                                     if not p.name.startswith("smollm2")} for c in (1, 2)},
-                 "gguf": manifest["gguf"]["xz_bytes"], "gguf_raw": src.stat().st_size,
+                 "gguf": manifest["gguf"]["xz_bytes"], "gguf_raw": manifest["gguf"]["bytes"],
                  "note": "written by python -m benchmarks.accelerator --pack (tests/test_accelerator.py plans with these); "
                          "gguf: the xz-compressed GGUF the two calls carry in parts, gguf_raw: the GGUF"}
         (repo / SIZES_FILE).parent.mkdir(parents=True, exist_ok=True)
         (repo / SIZES_FILE).write_text(json.dumps(sizes, indent=1, sort_keys=True) + "\n")
-    for d in dirs.values():
-        (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for c, d in dirs.items():
         real = tracked_bytes(repo) + sum(p.stat().st_size for p in d.iterdir())
         log(f"pack: {d.name}: {real / MiB:.1f} MiB with the repository ({', '.join(f'{p.name} {p.stat().st_size / MiB:.1f}' for p in sorted(d.iterdir()))} MiB)")
