@@ -244,11 +244,13 @@ def test_performance_page_renders_the_committed_accelerator_results():
     region = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert region == render_region(REPO / "benchmarks/results/accelerator"), \
         "docs/performance.md is stale: python -m benchmarks.accelerator --render"
-    from benchmarks.accelerator.report import TIMINGS_BEGIN, TIMINGS_END, render_timings
+    from benchmarks.accelerator.report import (HF_CPU_BEGIN, HF_CPU_END, TIMINGS_BEGIN, TIMINGS_END, render_hf_cpu,
+                                               render_timings)
 
     readme = (REPO / "benchmarks/results/accelerator/README.md").read_text()
-    assert readme.split(TIMINGS_BEGIN, 1)[1].split(TIMINGS_END, 1)[0].strip() == \
-        render_timings(REPO / "benchmarks/results/accelerator").strip(), "the results README is stale: --render"
+    for begin, end, render in ((TIMINGS_BEGIN, TIMINGS_END, render_timings), (HF_CPU_BEGIN, HF_CPU_END, render_hf_cpu)):
+        assert readme.split(begin, 1)[1].split(end, 1)[0].strip() == \
+            render(REPO / "benchmarks/results/accelerator").strip(), "the results README is stale: --render"
 
 
 def test_hostcopy_leaves_cpu_tensors_as_they_are():
@@ -468,3 +470,35 @@ def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path)
     said = json.loads((tmp_path / "out" / "call1.json").read_text())
     assert "call1/site.tar.xz is missing" in said["device_sh"]["error"]
     assert "Failed before any phase ran" in (tmp_path / "out" / "call1.md").read_text()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(90)
+def test_a_run_past_the_phases_time_is_stopped_and_recorded(tmp_path):
+    """A run still going RECORD_S before the phase's deadline is stopped (SIGTERM) and recorded as not finished,
+    with the steps it wrote: call hf's first two tries on the H200 left no trace of the run that did not end."""
+    from benchmarks.accelerator.phases import RECORD_S, Ctx, _simulate
+
+    ctx = Ctx("correctness", "hf", True, tmp_path, "cpu", "shakespeare", "tcp", [], 1, time.time() + RECORD_S + 20)
+    t0 = time.time()
+    # 20,000 steps: minutes on this CPU (a tiny step takes about 30 ms), so that it runs past its time (asked for a
+    # million, a run wrote no step within 20 s here)
+    rec = _simulate(ctx, ["--preset", "tiny", "--steps", "20000", "--eval-every", "0"], tmp_path / "run")
+    assert rec["finished"] is False and rec["ok"] is False and rec["error"].startswith("not finished within 20 s")
+    assert rec["steps_done"] > 0 and rec["steps_done"] == len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert time.time() - t0 < RECORD_S + 20  # stopped and recorded before the phase's deadline
+
+
+def test_call_hf_on_the_cpu_passed_within_the_h200s_cap():
+    """benchmarks/results/accelerator/README.md, "Call hf": both variants run on the CPU passed, each whole
+    correctness phase within the cap of the H200's second try (callhf.json), the swarm equal to the simulator."""
+    results = REPO / "benchmarks/results/accelerator"
+    h200 = json.loads((results / "callhf.json").read_text())["phases"]["correctness"]["cap_s"]
+    files = sorted((results / "cpu").glob("callhf-*.json"))
+    assert [f.name for f in files] == ["callhf-checkfree.json", "callhf-snap.json"]
+    for f in files:
+        cor = json.loads(f.read_text())["phases"]["correctness"]
+        hf = cor["results"]["hf"]
+        assert cor["status"] == "ok" and cor["wall_s"] < h200 and hf["ok"], f.name
+        assert hf["in_runs"]["compare"]["ok"] and hf["in_runs"]["swarm"]["ok"], f.name
+    assert "within the 100 s cap of the H200's second try" in (results / "README.md").read_text() and h200 == 100

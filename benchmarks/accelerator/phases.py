@@ -142,7 +142,7 @@ def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None) -> subprocess
             # SIGTERM first: `checkfree local` then stops its peers and writes what it has (SIGKILL would orphan them)
             proc.terminate()
             try:
-                out, err = proc.communicate(timeout=5)
+                out, err = proc.communicate(timeout=8)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, err = proc.communicate()
@@ -349,8 +349,8 @@ def _trace_file(ctx: Ctx, case: Case) -> Path | None:
 
 
 # seconds a run started by a phase ends before the phase's deadline: a run not finished by then is stopped and
-# recorded (how far it got, its last output) before the phase itself is stopped at its cap (main.run_phase stops
-# it up to PROGRESS_S, 5 s, early): call hf's first two tries lost every trace of the run that did not finish
+# recorded (how far it got, its last output) before the phase itself is stopped at its cap (_checkfree gives it 8 s
+# to end after SIGTERM): call hf's first two tries lost every trace of the run that did not finish
 RECORD_S = 12.0
 
 
@@ -555,9 +555,9 @@ def hf_in_and_out(ctx: Ctx, run: Path, transport: str, save=lambda res: None, sw
         save(dict(res))
         return res
     # --strategy checkfree: the check is HF in and out, swarm = simulator from the export. Without it --init-from
-    # defaults to snap (checkfree.advice), whose streamed copies are issue 42's and tested there; measured on the
-    # CPU (benchmarks/results/accelerator/README.md, "Call hf") snap costs these runs nothing, but calls hf at
-    # 1543f55 never saw them end, and the check must not hang on another strategy's machinery
+    # defaults to snap (checkfree.advice), whose streamed copies are issue 42's and tested there; calls hf at 1543f55
+    # (snap) never saw these runs end on the H200 (the CPU's figures: benchmarks/results/accelerator/README.md,
+    # "Call hf"), and this check must not wait on another strategy's machinery
     flags = ["--init-from", str(hf), "--strategy", "checkfree", "--steps", "4", "--eval-every", "0", "--seed", "5",
              "--device", ctx.device, "--data", ctx.data]
     root = ctx.work / "correctness"

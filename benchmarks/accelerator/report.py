@@ -281,11 +281,41 @@ def render_timings(results: Path) -> str:
     return timings_markdown(json.loads(path.read_text())) if path.is_file() else f"No {TIMINGS} yet."
 
 
+HF_CPU_BEGIN, HF_CPU_END = "<!-- BEGIN rendered: hf-cpu -->", "<!-- END rendered: hf-cpu -->"
+HF_CPU = "cpu"  # under the results: call hf run on the CPU (`--device cpu`), callhf-LABEL.json
+
+
+def render_hf_cpu(results: Path) -> str:
+    """Call hf's correctness part run on the CPU (its own `--preset small` run, not the dry run's tiny one), one
+    file per variant (`cpu/callhf-LABEL.json`): what each part took, and the run from the export."""
+    lines = []
+    for path in sorted((results / HF_CPU).glob("callhf-*.json")):
+        rec = json.loads(path.read_text())
+        cor = (rec.get("phases") or {}).get("correctness") or {}
+        res = cor.get("results") or {}
+        hf = res.get("hf") or {}
+        inr = hf.get("in_runs") or {}
+        walls = [("the source run", (res.get("source_run") or {}).get("wall_s"))] + \
+            [(name, (hf.get(k) or {}).get("wall_s")) for name, k in (("the export", "export"), ("HF out", "out"),
+                                                                    ("HF in", "in_weights"))] + \
+            [(f"the {name} from the export", (inr.get(k) or {}).get("wall_s")) for name, k in (("simulator", "sim"),
+                                                                                              ("swarm", "swarm"))]
+        lines.append(f"* `{HF_CPU}/{path.name}`: {commit_line(rec)}; the correctness phase {cor.get('status')} in "
+                     f"{_f(cor.get('wall_s'))} s (cap {_f(cor.get('cap_s'))} s): "
+                     + ", ".join(f"{n} {_f(w)} s" for n, w in walls) + ". " + " ".join(_hf_lines(hf)))
+    return "\n".join(lines) or f"No {HF_CPU}/callhf-*.json yet."
+
+
 def render_docs(repo: Path, results: Path | None = None) -> dict[str, bool]:
-    """Rewrite the region of docs/performance.md and the timings of the results README; whether each changed."""
+    """Rewrite the region of docs/performance.md and the rendered regions of the results README (those it has);
+    whether each page changed."""
     results = results or repo / RESULTS
     out = {"docs/performance.md": _rewrite(repo / "docs" / "performance.md", BEGIN, END, render_region(results))}
     readme = results / "README.md"
     if readme.is_file():
-        out[str(RESULTS / "README.md")] = _rewrite(readme, TIMINGS_BEGIN, TIMINGS_END, render_timings(results))
+        changed = False
+        for begin, end, render in ((TIMINGS_BEGIN, TIMINGS_END, render_timings), (HF_CPU_BEGIN, HF_CPU_END, render_hf_cpu)):
+            if begin in readme.read_text():
+                changed |= _rewrite(readme, begin, end, render(results))
+        out[str(RESULTS / "README.md")] = changed
     return out
