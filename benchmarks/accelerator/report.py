@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from benchmarks.accelerator import SCIENCE_ITEMS
+
 __all__ = ["RESULTS", "BEGIN", "END", "summary_markdown", "render_region", "render_docs", "load_calls"]
 
 RESULTS = Path("benchmarks/results/accelerator")
@@ -73,13 +75,24 @@ def _hf_lines(hf: dict) -> list[str]:
     if inw is not None:
         parts.append(f"HF in (`--init-from`): {inw.get('tensors')} tensors equal to the export's: {_yes(inw.get('ok'))}."
                      if "tensors" in inw else f"HF in (`--init-from`): {failed(inw)}.")
+    def run(name: str, r) -> str:
+        if not isinstance(r, dict):
+            return f"the {name}: {r or 'still running'}"
+        if r.get("finished") is False:
+            return f"the {name}: {r['error'].split(' (')[0]}, {r.get('steps_done')} steps written"
+        return f"the {name}: ok in {_f(r.get('wall_s'))} s" if r.get("ok") else f"the {name}: {failed(r)}"
+
     if inr is not None:
         cmp = inr.get("compare") or {}
         how = (f" (max loss difference {_f(cmp.get('max_loss_diff'), '.2e')})" if "max_loss_diff" in cmp else "")
-        parts.append(f"A run from it, swarm = simulator: {_yes(inr.get('ok'))}{how}." if "error" not in inr
-                     else f"A run from it: {failed(inr)}.")
+        runs = "" if inr.get("ok") else "; ".join(run({"sim": "simulator"}.get(n, n), inr[n])
+                                                  for n in ("sim", "swarm") if n in inr)
+        parts.append(f"A run from it, swarm = simulator: {_yes(inr.get('ok'))}{how}" + (f" ({runs})." if runs else ".")
+                     if "error" not in inr else f"A run from it: {failed(inr)}.")
     elif export is not None and export.get("ok"):
-        parts.append("A run from it: not finished.")
+        sofar = hf.get("in_runs_so_far")
+        parts.append("A run from it: not finished" + (f" ({run('simulator', sofar.get('sim'))}; "
+                                                       f"{run('swarm', sofar.get('swarm'))})." if sofar else "."))
     if not parts and hf.get("error"):
         parts.append(f"HF in/out: {failed(hf)}.")
     return [" ".join(parts)] if parts else []
@@ -149,9 +162,15 @@ def _speed(res: dict) -> list[str]:
     return lines
 
 
-def _science(res: dict) -> list[str]:
+FIGURE = re.compile(r"\[([^\]]+)\]\(([^)/\s]+\.png)\)")
+
+
+def _science(res: dict, figures: Path | None = None) -> list[str]:
+    """Each item's status and table. `figures` (the committed science folder, rendering docs/): a table's figure
+    links aimed at the item's committed copy (`figures/ITEM/NAME.png`, from docs/), a figure not committed named
+    without a link; without it (a call's own summary), the links as the study wrote them."""
     lines = []
-    for item in ("smollm2", "fig2-124m", "table2-500m"):
+    for item in ("smollm2", *SCIENCE_ITEMS):  # ("smollm2": the first run's item, curves and damage at once)
         r = res.get(item)
         if r is None:
             continue
@@ -160,7 +179,16 @@ def _science(res: dict) -> list[str]:
                      (f"; cut: {r['cut']}" if r.get("cut") and r.get("status") else "") +
                      (f"; error: `{str(r['error']).strip().splitlines()[0][:200]}`" if r.get("error") else ""))
         if r.get("table"):
-            lines += ["", "<details><summary>table</summary>", "", r["table"].strip(), "", "</details>", ""]
+            table = r["table"].strip()
+            if figures is not None:
+                def aim(m: re.Match, item: str = item) -> str:
+                    if (figures / item / m.group(2)).is_file():
+                        return f"[{m.group(1)}](../{RESULTS.as_posix()}/science/{item}/{m.group(2)})"
+                    return f"{m.group(1)} (not committed)"
+
+                table = FIGURE.sub(aim, table)
+            # markdown="1": the site (mkdocs' md_in_html) renders the table inside; GitHub does without it
+            lines += ["", '<details markdown="1"><summary>table</summary>', "", table, "", "</details>", ""]
     return lines or ["Not run."]
 
 
@@ -193,21 +221,30 @@ def commit_line(record: dict) -> str:
     return f"Commit {code.get('commit') or 'unknown'} ({_dirty(code.get('dirty'))}; from git where it ran)"
 
 
-def summary_markdown(record: dict) -> str:
-    """One call's summary (written beside callN.json on the device, printed at the end of the call)."""
+def summary_markdown(record: dict, figures: Path | None = None) -> str:
+    """One call's summary (written beside callN.json on the device, printed at the end of the call); `figures`:
+    see `_science`."""
     lines = [f"# Accelerator run, call {record.get('call')}" + (" (dry run, CPU)" if record.get("dry_run") else ""), "",
              f"{commit_line(record)}; started {record.get('started')}; {_f(record.get('wall_s'))} s.", ""]
     if record.get("device_sh"):
         lines += [f"device.sh: {record['device_sh'].get('error')} (exit {record['device_sh'].get('exit')}).", ""]
     lines += [_phase_line(n, r) for n, r in (record.get("phases") or {}).items()]
     for name, rec in (record.get("phases") or {}).items():
-        lines += ["", f"## {name}", ""] + SECTIONS[name](rec.get("results") or {})
+        results = rec.get("results") or {}
+        lines += ["", f"## {name}", ""] + (_science(results, figures) if name == "science" else SECTIONS[name](results))
     return "\n".join(lines) + "\n"
 
 
-def load_calls(results: Path) -> list[dict]:
-    return [json.loads((results / f"call{c}.json").read_text()) for c in (1, 2, "hf")
-            if (results / f"call{c}.json").is_file()]
+CALL_FILE = re.compile(r"call(\d+|hf)(?:-(\d+))?\.json")
+
+
+def load_calls(results: Path) -> list[tuple[str, dict]]:
+    """(file name, record) of every recorded call: call1, call2, then call hf's tries, the earlier ones kept as
+    `callhf-N.json` (N = 1 the first) before the latest, `callhf.json`."""
+    found = [(m, p) for p in results.glob("call*.json") if (m := CALL_FILE.fullmatch(p.name))]
+    order = {"1": 0, "2": 1, "hf": 2}
+    found.sort(key=lambda mp: (order.get(mp[0].group(1), 3), mp[0].group(2) is None, int(mp[0].group(2) or 0)))
+    return [(p.name, json.loads(p.read_text())) for _, p in found]
 
 
 def render_region(results: Path) -> str:
@@ -216,22 +253,69 @@ def render_region(results: Path) -> str:
     if not calls:
         return NO_RUN
     parts = []
-    for rec in calls:
-        body = summary_markdown(rec).split("\n", 2)[2]  # without the title: the page has its own headings
+    for name, rec in calls:
+        body = summary_markdown(rec, results / "science").split("\n", 2)[2]  # without the title: the page has its own headings
         what = " (the HF in/out check alone)" if rec.get("call") == "hf" else ""
-        parts.append(f"**Call {rec.get('call')}**{what} (`{RESULTS}/call{rec.get('call')}.json`)\n\n"
+        parts.append(f"**Call {rec.get('call')}**{what} (`{RESULTS}/{name}`)\n\n"
                      + body.replace("\n## ", "\n#### "))
     return "\n".join(parts).strip()
 
 
-def render_docs(repo: Path, results: Path | None = None) -> bool:
-    """Rewrite the region of docs/performance.md; True when it changed."""
-    page = repo / "docs" / "performance.md"
+TIMINGS_BEGIN, TIMINGS_END = "<!-- BEGIN rendered: timings -->", "<!-- END rendered: timings -->"
+
+
+def _rewrite(page: Path, begin: str, end: str, body: str) -> bool:
     text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{page}: no {BEGIN} ... {END} region")
-    new = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END),
-                 lambda _: f"{BEGIN}\n{render_region(results or repo / RESULTS)}\n{END}", text, flags=re.S)
+    if begin not in text or end not in text:
+        raise ValueError(f"{page}: no {begin} ... {end} region")
+    new = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: f"{begin}\n{body}\n{end}", text, flags=re.S)
     if new != text:
         page.write_text(new)
     return new != text
+
+
+def render_timings(results: Path) -> str:
+    from benchmarks.accelerator.timings import TIMINGS, timings_markdown
+
+    path = results / TIMINGS
+    return timings_markdown(json.loads(path.read_text())) if path.is_file() else f"No {TIMINGS} yet."
+
+
+HF_CPU_BEGIN, HF_CPU_END = "<!-- BEGIN rendered: hf-cpu -->", "<!-- END rendered: hf-cpu -->"
+HF_CPU = "cpu"  # under the results: call hf run on the CPU (`--device cpu`), callhf-LABEL.json
+
+
+def render_hf_cpu(results: Path) -> str:
+    """Call hf's correctness part run on the CPU (its own `--preset small` run, not the dry run's tiny one), one
+    file per variant (`cpu/callhf-LABEL.json`): what each part took, and the run from the export."""
+    lines = []
+    for path in sorted((results / HF_CPU).glob("callhf-*.json")):
+        rec = json.loads(path.read_text())
+        cor = (rec.get("phases") or {}).get("correctness") or {}
+        res = cor.get("results") or {}
+        hf = res.get("hf") or {}
+        inr = hf.get("in_runs") or {}
+        walls = [("the source run", (res.get("source_run") or {}).get("wall_s"))] + \
+            [(name, (hf.get(k) or {}).get("wall_s")) for name, k in (("the export", "export"), ("HF out", "out"),
+                                                                    ("HF in", "in_weights"))] + \
+            [(f"the {name} from the export", (inr.get(k) or {}).get("wall_s")) for name, k in (("simulator", "sim"),
+                                                                                              ("swarm", "swarm"))]
+        lines.append(f"* `{HF_CPU}/{path.name}`: {commit_line(rec)}; the correctness phase {cor.get('status')} in "
+                     f"{_f(cor.get('wall_s'))} s (cap {_f(cor.get('cap_s'))} s): "
+                     + ", ".join(f"{n} {_f(w)} s" for n, w in walls) + ". " + " ".join(_hf_lines(hf)))
+    return "\n".join(lines) or f"No {HF_CPU}/callhf-*.json yet."
+
+
+def render_docs(repo: Path, results: Path | None = None) -> dict[str, bool]:
+    """Rewrite the region of docs/performance.md and the rendered regions of the results README (those it has);
+    whether each page changed."""
+    results = results or repo / RESULTS
+    out = {"docs/performance.md": _rewrite(repo / "docs" / "performance.md", BEGIN, END, render_region(results))}
+    readme = results / "README.md"
+    if readme.is_file():
+        changed = False
+        for begin, end, render in ((TIMINGS_BEGIN, TIMINGS_END, render_timings), (HF_CPU_BEGIN, HF_CPU_END, render_hf_cpu)):
+            if begin in readme.read_text():
+                changed |= _rewrite(readme, begin, end, render(results))
+        out[str(RESULTS / "README.md")] = changed
+    return out

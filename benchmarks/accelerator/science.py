@@ -1,19 +1,25 @@
 """The science phase: the studies that need an accelerator, each an item in its own process, cut to the time left.
 
-Items, in priority order (the first gets the most time; each stops at its share, and what finished is reported):
+Items, in priority order, each with a share in seconds sized from the first H200 run (benchmarks/results/accelerator/
+README.md gives the measurements behind each); each stops at its share, what finished is reported, and the time an
+item leaves unused goes to the last one:
 
-* `smollm2`: the SmolLM2 recovery curves of the claims issue (experiments.pretrained's `smollm2` study on the
-  device: 6 stages, a fine-tuned trunk branched at step 10, stages 1-4 failed and rebuilt with each init of
-  `--inits`, 500 steps of 512 tokens after the failure, seed 0). The model is SmolLM2-135M-Instruct's GGUF,
-  joined from the two parts the calls carried (benchmarks.accelerator.pack) and converted with
-  `checkfree.pretrained.convert_gguf`. The corpus is the Shakespeare plays (the pack's files).
+* `smollm2-damage`: the immediate damage of every init of `--inits` at stages 1-4 (experiments.pretrained's
+  `smollm2` study on the device, 6 stages, a trunk fine-tuned to step 10, each stage failed and rebuilt, the
+  validation loss right after the rebuild: damage runs, no training after it), 4 branch processes. The model is
+  SmolLM2-135M-Instruct's GGUF, joined from the two parts the calls carried (benchmarks.accelerator.pack) and
+  converted with `checkfree.pretrained.convert_gguf`. The corpus is the Shakespeare plays (the pack's files).
 * `fig2-124m`: `checkfree experiment ablation-init --recipe paper-124m` cut to minutes: microbatches of 4
-  sequences (the paper: 128), 200 steps, one seed, failures at the 16 % rate time-compressed x30, bf16 autocast,
-  evaluated every 40 steps; Shakespeare instead of TinyStories (no dataset can be fetched there).
+  sequences (the paper: 128), 50 steps, one seed, failures at the 16 % rate time-compressed x30, bf16 autocast,
+  evaluated every 10 steps; Shakespeare instead of TinyStories (no dataset can be fetched there).
 * `table2-500m`: one Table 2 point at 500M: `checkfree experiment convergence --recipe paper-500m-table2` with
-  CheckFree only, at 16 %, against the failure-free run: microbatches of 2 sequences (the paper: 64), 100 steps,
-  x20 time compression, bf16.
+  CheckFree only, at 16 %, against the failure-free run: microbatches of 2 sequences (the paper: 64), 24 steps,
+  x20 time compression, bf16, evaluated every 8 steps.
+* `smollm2-curves`: the recovery curves (stages 1-4, every init, 512 tokens a step: 2 microbatches of 2 sequences
+  of 128), as many steps after the failure as the time left allows (at most 500; the steps a step takes, measured,
+  in `curve_steps`), 10 branch processes, on the trunk of `smollm2-damage`.
 
+The SmolLM2 study's work (its trunk's save, copied by every branch) is on a tmpfs (/dev/shm) where one has room.
 What is cut is written into each item's record (`cut`), beside its results.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,19 +35,39 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.accelerator import SCIENCE_ITEMS
 from benchmarks.accelerator.phases import Ctx, _checkfree, log
 
-ITEMS = ("smollm2", "fig2-124m", "table2-500m")
-SHARES = {"smollm2": 0.55, "fig2-124m": 0.6, "table2-500m": 1.0}  # of the time left when the item starts
-COLLECT_S = 20.0  # kept at the end of an item to collect what finished (report-only)
+ITEMS = SCIENCE_ITEMS
+# seconds each item may take on the H200 (None: what is left); the measurements behind each share: the science
+# table of benchmarks/README.md, "On a GPU" (from benchmarks/results/accelerator/timings.json)
+SHARES_S: dict[str, float | None] = {"smollm2-damage": 90, "fig2-124m": 45, "table2-500m": 50, "smollm2-curves": None}
+MIN_S = 40.0  # an item with less than this left is not started (15 s in a dry run)
+SMOLLM2_STEP_S = {1: 0.29, 14: 0.84}  # seconds a SmolLM2 simulator step took on the H200 with N processes at once
+FIG2_STEPS, TABLE2_STEPS = 50, 24  # sized to their shares (benchmarks/README.md, "On a GPU")
+SPAWN_S = 30.0  # branch processes starting on the H200 (import, CUDA, the save copied) before their first step
+
+
+def item_caps(left: float, dry: bool) -> dict[str, float]:
+    """Each item's share of `left` seconds: its SHARES_S while they fit (a dry run: an even split), the rest to the
+    last; an item whose share is under MIN_S gets 0 (not run)."""
+    if dry:
+        return {item: left / len(ITEMS) for item in ITEMS}
+    fixed = sum(v for v in SHARES_S.values() if v)
+    scale = min(1.0, left / fixed) if fixed else 1.0
+    caps = {item: (v * scale if v else max(0.0, left - fixed * scale)) for item, v in SHARES_S.items()}
+    return {item: (cap if cap >= MIN_S else 0.0) for item, cap in caps.items()}
 
 
 def phase_science(ctx: Ctx) -> None:
+    shares = item_caps(ctx.left() - 5, ctx.dry)
+    ctx.save("shares_s", {k: round(v, 1) for k, v in shares.items()})
+    spare = 0.0  # what the items before left unused
     for item in ITEMS:
         left = ctx.left() - 5
-        cap = left * SHARES[item]
-        if cap < (15 if ctx.dry else 40):
-            ctx.save(item, {"ok": False, "cut": f"not run: {left:.0f} s left"})
+        cap = min(left, shares[item] + spare) if item != ITEMS[-1] else left
+        if cap < (15 if ctx.dry else MIN_S):
+            ctx.save(item, {"ok": False, "cut": f"not run: {max(0.0, cap):.0f} s for it, {left:.0f} s left"})
             continue
         t0 = time.time()
         cmd = [sys.executable, "-m", "benchmarks.accelerator", "--run-item", item, "--call", str(ctx.call),
@@ -66,8 +93,10 @@ def phase_science(ctx: Ctx) -> None:
         rec = _item_record(ctx, item)
         if status != "ok":  # collect what finished (the runs are resumable: report-only reads the finished ones)
             rec = {**rec, **_collect(ctx, item)}
-        ctx.save(item, {**rec, "status": status, "wall_s": round(time.time() - t0, 1), "cap_s": round(cap, 1)})
-        log(f"science: {item}: {status} in {time.time() - t0:.0f} s")
+        took = time.time() - t0
+        spare = max(0.0, cap - took)
+        ctx.save(item, {**rec, "status": status, "wall_s": round(took, 1), "cap_s": round(cap, 1)})
+        log(f"science: {item}: {status} in {took:.0f} s")
 
 
 def _item_path(ctx: Ctx, item: str) -> Path:
@@ -85,7 +114,8 @@ def run_item(ctx: Ctx) -> int:
     """One item, in its own process: writes its record as it goes (ctx.path is the item's file)."""
     item = ctx.phase
     ctx.phase = f"item-{item}"  # Ctx.path -> work/callN-item-NAME.json
-    fn = {"smollm2": smollm2, "fig2-124m": fig2_124m, "table2-500m": table2_500m}[item]
+    fn = {"smollm2-damage": smollm2_damage, "fig2-124m": fig2_124m, "table2-500m": table2_500m,
+          "smollm2-curves": smollm2_curves}[item]
     from checkfree.cli import interrupt_on_signals
 
     interrupt_on_signals()  # SIGTERM at the share: the experiment's pool stops its workers, finished runs are kept
@@ -108,14 +138,14 @@ def _collect(ctx: Ctx, item: str) -> dict[str, Any]:
     """After a stopped item: the report of what finished, written by the experiment's own report-only path."""
     t0 = time.time()
     try:
-        if item == "smollm2":
-            study = _study(ctx, _item_record(ctx, item).get("model_dir"))
+        if item.startswith("smollm2"):
+            rec = _item_record(ctx, item)
+            study = _study(ctx, rec.get("model_dir"), item, rec.get("curve_steps"))
             if study is None:
                 return {"collected": "nothing: no model"}
             from experiments.pretrained import run_study
 
-            out = run_study(study, ctx.work / "science" / "work" / study.name, ctx.work / "science" / "smollm2",
-                            report_only=True, log=log)
+            out = run_study(study, _smollm2_work(ctx), ctx.work / "science" / item, report_only=True, log=log)
         else:
             from experiments.suite import run_experiment
 
@@ -137,7 +167,7 @@ def _model(ctx: Ctx) -> Path:
     """The SmolLM2 HF directory: the GGUF joined from the two parts and converted (reused when present). Dry run:
     a tiny model trained for two steps and exported (the GGUF conversion itself is tests/test_pretrained.py's),
     with its weights file cut and joined through the same functions."""
-    from benchmarks.accelerator.pack import join_parts, sha256, split_file
+    from benchmarks.accelerator.pack import join_parts, sha256, split_file, unxz_file, xz_file
 
     out = ctx.work / "science" / "model"
     if (out / "config.json").is_file():
@@ -150,12 +180,17 @@ def _model(ctx: Ctx) -> Path:
             done = _checkfree(ctx, *argv)
             if done.returncode != 0:
                 raise RuntimeError(done.stderr[-2000:])
-        weights = out / "model.safetensors"
+        weights, packed = out / "model.safetensors", ctx.work / "weights.xz"
         digest, size = sha256(weights), weights.stat().st_size
-        split_file(weights, size // 3, ctx.work / "p1", ctx.work / "p2")
+        xz_file(weights, packed, preset=0)
+        xz_digest, xz_size = sha256(packed), packed.stat().st_size
+        split_file(packed, xz_size // 3, ctx.work / "p1", ctx.work / "p2")
         weights.unlink()
-        join_parts([ctx.work / "p1", ctx.work / "p2"], weights, digest, size)
-        ctx.save("gguf", {"dry_run": "a tiny exported model stands in for SmolLM2; its weights cut and joined"})
+        packed.unlink()
+        join_parts([ctx.work / "p1", ctx.work / "p2"], packed, xz_digest, xz_size)
+        unxz_file(packed, weights, digest, size)
+        ctx.save("gguf", {"dry_run": "a tiny exported model stands in for SmolLM2; its weights xz-compressed, cut, "
+                                     "joined and decompressed"})
         return out
     if ctx.pack is None or not (ctx.pack / "manifest.json").is_file():
         raise RuntimeError("SmolLM2 travels in the pack: give --from-pack .accel-pack/call2 (benchmarks/README.md)")
@@ -164,7 +199,15 @@ def _model(ctx: Ctx) -> Path:
     if not parts[0].is_file():
         raise RuntimeError("SmolLM2's first part is not under " + str(parts[0]) + ": the machine went cold between "
                            "the calls (call 1 stores it there). Run call 1 and call 2 back to back.")
-    gguf = join_parts(parts, ctx.work / manifest["file"], manifest["sha256"], manifest["bytes"])
+    gguf = ctx.work / manifest["file"]
+    if gguf.is_file() and gguf.stat().st_size == manifest["bytes"] and sha256(gguf) == manifest["sha256"]:
+        pass  # joined by an item before (the damage item's, for the curves')
+    elif "xz_bytes" in manifest:  # the parts of the xz-compressed file (packs since the first run)
+        packed = join_parts(parts, ctx.work / (manifest["file"] + ".xz"), manifest["xz_sha256"], manifest["xz_bytes"])
+        unxz_file(packed, gguf, manifest["sha256"], manifest["bytes"])
+        packed.unlink()
+    else:
+        join_parts(parts, gguf, manifest["sha256"], manifest["bytes"])
     ctx.save("gguf", {"file": manifest["file"], "sha256": manifest["sha256"], "bytes": manifest["bytes"]})
     from checkfree.pretrained import GGUFSource, convert_gguf
 
@@ -174,23 +217,43 @@ def _model(ctx: Ctx) -> Path:
     return out
 
 
-def _study(ctx: Ctx, model: str | None):
+def _smollm2_work(ctx: Ctx) -> Path:
+    """The SmolLM2 study's work folder, the same for both items: on /dev/shm when it has 24 GiB free (every branch
+    copies the trunk's save, 2 GB, and reads it back: in memory, not on the disk), else under the work folder.
+    Decided once (a file under the work folder keeps the choice)."""
+    mark = ctx.work / "science" / "smollm2-work"
+    if mark.is_file():
+        return Path(mark.read_text().strip())
+    work = ctx.work / "science" / "work" / "smollm2"
+    shm = Path("/dev/shm")
+    if not ctx.dry and shm.is_dir() and shutil.disk_usage(shm).free >= 24 << 30:
+        work = shm / "cf-accel-smollm2"
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.write_text(str(work))
+    return work
+
+
+def _study(ctx: Ctx, model: str | None, item: str, curve_steps: int | None = None):
+    """The SmolLM2 study of an item: `smollm2-damage` fails stages 1-4 and evaluates right after the rebuild (no
+    curve); `smollm2-curves` trains `curve_steps` steps after it. Same trunk, same work folder."""
     if model is None:
         return None
     from experiments.pretrained import make_study
 
+    damage = item == "smollm2-damage"
     if ctx.dry:
-        curves = [1, 2, 3, 4] if ctx.full else [2]
-        study = make_study("smollm2", init_from=model, branch_at=[2], recover_steps=2, curve_stages=curves, seeds=[0],
-                           jobs=2, threads=1)
-        study.stages = curves
+        stages = [1, 2, 3, 4] if ctx.full else [2]
+        study = make_study("smollm2", init_from=model, branch_at=[2], recover_steps=1 if damage else curve_steps or 2,
+                           curve_stages=[] if damage else stages, seeds=[0], jobs=1 if ctx.short else 2, threads=1)
+        study.stages = stages
         study.base["train"]["seq_len"] = 16
         study.eval_every = 1
     else:
-        study = make_study("smollm2", init_from=model, branch_at=[10], recover_steps=500, curve_stages=[1, 2, 3, 4],
-                           seeds=[0], jobs=ctx.jobs, threads=1)
+        study = make_study("smollm2", init_from=model, branch_at=[10], recover_steps=1 if damage else curve_steps or 500,
+                           curve_stages=[] if damage else [1, 2, 3, 4], seeds=[0], jobs=4 if damage else 10, threads=1)
         study.stages = [1, 2, 3, 4]
         study.eval_every = 10
+    study.name = item  # the results' folder: science/ITEM/ITEM
     study.inits = list(ctx.inits)[:2] if ctx.short else list(ctx.inits)  # (the dry run: the first two, for time)
     study.base["data"]["source"] = ctx.data
     study.base["train"]["device"] = ctx.device
@@ -198,15 +261,62 @@ def _study(ctx: Ctx, model: str | None):
     return study
 
 
-def smollm2(ctx: Ctx) -> None:
-    from experiments.pretrained import available_inits, run_study
+def smollm2_damage(ctx: Ctx) -> None:
+    from experiments.pretrained import available_inits
 
     available_inits(ctx.inits)  # an unknown label: refused before anything runs
     model = _model(ctx)
     ctx.save("model_dir", str(model))
-    study = _study(ctx, str(model))
+    _run_smollm2(ctx, _study(ctx, str(model), "smollm2-damage"))
+
+
+def curve_steps(seconds: float, runs: int, jobs: int, eval_every: int, step_s: dict[int, float] = SMOLLM2_STEP_S,
+                spawn_s: float = SPAWN_S, most: int = 500) -> int:
+    """Steps after the failure that `runs` curves (`jobs` at once, in waves) finish in `seconds`: a step's time
+    with `jobs` processes interpolated between the measured points of `step_s`, each wave paying `spawn_s`;
+    a multiple of `eval_every`, at most `most` (0: not even one evaluation fits)."""
+    (n0, t0), (n1, t1) = sorted(step_s.items())[0], sorted(step_s.items())[-1]
+    per_step = t0 + (t1 - t0) * (jobs - n0) / (n1 - n0) if n1 != n0 else t0
+    waves = -(-runs // jobs)
+    steps = (seconds / waves - spawn_s) / per_step
+    return int(max(0, min(most, steps)) // eval_every * eval_every)
+
+
+def smollm2_curves(ctx: Ctx) -> None:
+    from experiments.pretrained import plan_runs
+
+    model = _model(ctx)
+    ctx.save("model_dir", str(model))
+    probe = _study(ctx, str(model), "smollm2-curves", 10)
+    try:  # the runs the plan has (inits that coincide run once); it reads the trunk's gradient norms
+        runs = len(plan_runs(probe, _smollm2_work(ctx), _inits(ctx))[0])
+    except (OSError, ValueError, KeyError, IndexError):  # no trunk yet (smollm2-damage was cut before it)
+        runs = len(_inits(ctx)) * len(probe.stages) + 1
+    if ctx.dry:
+        steps = 2
+    else:
+        steps = curve_steps(ctx.left() - 30, runs, probe.jobs, probe.eval_every)  # 30 s: the trunk if not there, report
+    ctx.save("curve_steps", steps)
+    ctx.save("curve_plan", {"runs": runs, "jobs": probe.jobs, "step_s_measured": SMOLLM2_STEP_S, "spawn_s": SPAWN_S})
+    if steps < probe.eval_every:
+        ctx.save("cut", f"not run: {ctx.left():.0f} s left, not enough for one evaluation of {runs} curves")
+        return
+    _run_smollm2(ctx, _study(ctx, str(model), "smollm2-curves", steps))
+
+
+def _inits(ctx: Ctx):
+    from experiments.pretrained import available_inits
+
+    return available_inits(ctx.inits)[0]
+
+
+def _run_smollm2(ctx: Ctx, study) -> None:
+    from experiments.pretrained import run_study
+
     ctx.save("study", {k: v for k, v in study.to_dict().items() if k != "base"})
-    out = run_study(study, ctx.work / "science" / "work" / study.name, ctx.work / "science" / "smollm2", log=log)
+    work = _smollm2_work(ctx)
+    ctx.save("work", str(work))
+    out = run_study(study, work, ctx.work / "science" / study.name, log=log)
     ctx.save("results", str(out))
     ctx.save("table", _table(out))
 
@@ -227,10 +337,10 @@ def _settings(ctx: Ctx, item: str):
                                               "target_fraction": 0.5, "out": str(ctx.work / "science" / item)}), \
             "convergence"
     if item == "fig2-124m":
-        return recipe("paper-124m", **common, steps=200, rate_scale=30.0, microbatch_size=4, autocast_bf16=True,
-                      eval_every=40, out=str(ctx.work / "science" / item)), "ablation-init"
-    return recipe("paper-500m-table2", **common, steps=100, rate_scale=20.0, microbatch_size=2, autocast_bf16=True,
-                  eval_every=20, strategies=["checkfree"], rates=[16.0], target_fraction=0.5,
+        return recipe("paper-124m", **common, steps=FIG2_STEPS, rate_scale=30.0, microbatch_size=4, autocast_bf16=True,
+                      eval_every=10, out=str(ctx.work / "science" / item)), "ablation-init"
+    return recipe("paper-500m-table2", **common, steps=TABLE2_STEPS, rate_scale=20.0, microbatch_size=2,
+                  autocast_bf16=True, eval_every=8, strategies=["checkfree"], rates=[16.0], target_fraction=0.5,
                   out=str(ctx.work / "science" / item)), "convergence"
 
 
@@ -239,10 +349,11 @@ def _run_recipe(ctx: Ctx, item: str) -> None:
 
     settings, experiment = _settings(ctx, item)
     ctx.save("settings", settings.to_dict())
-    ctx.save("cut", {"fig2-124m": "microbatches of 4 sequences (paper 128), 200 steps, 1 seed, x30 time compression, "
-                                  "Shakespeare (paper: TinyStories), evaluation every 40 steps on 4 batches",
-                     "table2-500m": "microbatches of 2 sequences (paper 64), 100 steps (paper 25,000), CheckFree at "
-                                    "16 % only, 1 seed, x20 time compression, Shakespeare (paper: OpenWebText)"}[item]
+    ctx.save("cut", {"fig2-124m": f"microbatches of 4 sequences (paper 128), {FIG2_STEPS} steps, 1 seed, x30 time "
+                                  "compression, Shakespeare (paper: TinyStories), evaluation every 10 steps on 4 batches",
+                     "table2-500m": f"microbatches of 2 sequences (paper 64), {TABLE2_STEPS} steps (paper 25,000), "
+                                    "CheckFree at 16 % only, 1 seed, x20 time compression, Shakespeare (paper: "
+                                    "OpenWebText), evaluation every 8 steps"}[item]
              if not ctx.dry else "dry run: the tiny preset")
     out = run_experiment([experiment], settings, progress=False, log=log)[experiment]
     ctx.save("results", str(out))
