@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.config import RunConfig
+from checkfree.data import build_data
 from checkfree.net.memory import MEMORY
 from checkfree.peer_faults import PeerFaults
 from checkfree.protocol import Timeouts
@@ -111,6 +112,8 @@ class InProcessSwarm:
                     t.cancel()
                 await asyncio.gather(*live, return_exceptions=True)
             MEMORY.reset()
+        if summary is None:
+            raise RuntimeError("the in-process coordinator ended without a run summary")
         return summary
 
 
@@ -128,6 +131,10 @@ def run_swarm(cfg: RunConfig, out: Path, *, peers: int, dump_dir: str | None = N
     `FaultSchedule`'s fields (kills, reduce_kills, slow, ...) and `CoordinatorOptions`' (save_final, ...)."""
     faults = {k: v for k, v in options.items() if k in FAULT_FIELDS}
     coordinator_options = {k: v for k, v in options.items() if k not in FAULT_FIELDS}
+    # as `checkfree local` does: the token cache is prepared once before the peers start (the coordinator's
+    # ASSIGN timeout is not spent on tokenizing a fresh cache)
+    build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.seq_len, seed=cfg.train.seed,
+               microbatch_size=cfg.train.microbatch_size, progress=False)
     swarm = InProcessSwarm(cfg, out, peers, coordinator_options, faults, {"dump_dir": dump_dir} if dump_dir else {},
                            on_kill)
     swarm.summary = asyncio.run(swarm.run())

@@ -9,6 +9,7 @@ last `val_fraction` of the sequences is held out for validation.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -333,6 +334,22 @@ def prepare_tokens(cfg: DataConfig, tok, corpus: str, *, progress: bool = True) 
     path, meta_path = root / f"{stem}.bin", root / f"{stem}.json"
     if meta_path.exists() and path.exists():
         return path, json.loads(meta_path.read_text())
+    # Peers started together on a fresh cache (a local swarm, the in-process swarm's threads) would each tokenize
+    # the whole corpus at once; one does, under an exclusive lock on the cache entry, and the others wait for it
+    # and read its file.
+    with open(root / f"{stem}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if meta_path.exists() and path.exists():
+                return path, json.loads(meta_path.read_text())
+            return _write_tokens(cfg, tok, root, stem, progress)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_tokens(cfg: DataConfig, tok, root: Path, stem: str, progress: bool) -> tuple[Path, dict]:
+    """Tokenize the corpus into `root/stem.bin` and its metadata `stem.json` (the caller holds the entry's lock)."""
+    path, meta_path = root / f"{stem}.bin", root / f"{stem}.json"
     _sweep_stale(root)
     dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
     eos = _eos_id(tok)

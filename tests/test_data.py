@@ -144,6 +144,40 @@ def test_a_prepared_corpus_is_mapped_not_read_again(tmp_path, monkeypatch):
     assert not torch.equal(_data(tmp_path, tmp_path / "a.txt").batch(3, 1)[0], first.batch(3, 1)[0])
 
 
+def test_peers_preparing_one_corpus_together_tokenize_it_once(tmp_path, monkeypatch):
+    """Peers started together on a fresh cache (a local swarm's processes, the in-process swarm's compute
+    threads) tokenize the corpus once: the others wait on the cache entry's lock and map its file."""
+    import threading
+
+    import checkfree.data as data
+
+    (tmp_path / "a.txt").write_text("now is the winter of our discontent made glorious summer. " * 300)
+    cfg = DataConfig(source=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "cache"))
+    corpus = data.corpus_id(cfg)
+    tok = data.load_tokenizer(cfg, None, 300, corpus)
+    writes, gate = [], threading.Barrier(4)
+    real = data._write_tokens
+
+    def counted(*args, **kw):
+        writes.append(threading.get_ident())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(data, "_write_tokens", counted)
+    got: list = []
+
+    def prepare():
+        gate.wait(timeout=30)
+        got.append(data.prepare_tokens(cfg, tok, corpus, progress=False))
+
+    threads = [threading.Thread(target=prepare) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(got) == 4 and len(writes) == 1
+    assert all(g == got[0] for g in got) and got[0][1]["tokens"] > 0
+
+
 def test_stale_and_partial_preparations_are_never_used(tmp_path):
     (tmp_path / "a.txt").write_text("all the world's a stage, and all the men and women merely players. " * 200)
     cache = tmp_path / "cache"

@@ -131,6 +131,7 @@ def test_tiny_study_end_to_end_resumes_and_renders(corpus, tmp_path):
     assert not list((tmp_path / "work").rglob("saves/step-*/stage-0.bin"))[2:]  # only the two trunks keep saves
 
 
+@pytest.mark.processes  # it starts OS processes (the quick tier's watch saw them: docs/testing.md)
 def test_a_study_restores_stages_from_snap_copies_made_from_the_trunk_age_steps_before(corpus, tmp_path):
     """The snap inits: the trunk also saves the steps the copies are made from (branch point minus age); a branch
     restores the failed stage from its copy of that step (the recovery event says which), a copy of the current
