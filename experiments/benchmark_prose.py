@@ -28,7 +28,7 @@ from pathlib import Path
 
 __all__ = ["PAGES", "Unchecked", "unchecked", "numbers", "segments"]
 
-PAGES = ["docs/dashboard.md"]
+PAGES = ["docs/control-plane.md", "docs/benchmarks.md", "docs/dashboard.md", "docs/recovery.md", "docs/wan.md"]
 
 FROM = re.compile(r"<!-- from ((?:[^\s>]+ ?)+) -->")
 CLAIM = re.compile(r"<!-- claim: ([\w.-]+) -->")
@@ -47,7 +47,7 @@ _NOT_MEASURED = re.compile(
     r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
     r"|\b\d+(?:\.\d+){3}(?::\d+)?\b|:\d{2,5}\b"
     r"|\b\d{4}-\d\d-\d\d\b|\b\d\d:\d\d(?::\d\d)?\b"
-    r"|\b(?:[Ii]ssues?|PR|Fig\.|Figs\.|Figure|Table|[Ss]ection|§|Python|torch|hivemind|CUDA|Ubuntu|v)\s*#?\d[\d.]*"
+    r"|\b(?:[Ii]ssues?|[Ii]tems?|PR|Fig\.|Figs\.|Figure|Table|[Ss]ection|§|Python|torch|hivemind|CUDA|Ubuntu|v)\s*#?\d[\d.]*"
     r"(?:(?:,| and| or|-|–) ?#?\d[\d.]*)*")
 # a number: not inside a word (int8, H200, 1F1B: a letter or digit right before, or a letter / digit right after
 # when it ends in a letter that starts a word, is part of that word)
@@ -86,6 +86,7 @@ def _prose(text: str) -> str:
     text = _FENCE.sub(_blank, text)
     text = _CODE.sub(lambda m: " " if "\n" not in m.group(0) else _blank(m), text)
     text = _LINK_TARGET.sub("]", text)
+    text = re.sub(r"^(\s*)\d+\. ", r"\1- ", text, flags=re.M)  # a numbered list's numerals
     return _OTHER_COMMENT.sub(_blank, text)
 
 
