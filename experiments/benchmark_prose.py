@@ -28,7 +28,7 @@ from pathlib import Path
 
 __all__ = ["PAGES", "Unchecked", "unchecked", "numbers", "segments"]
 
-PAGES = ["docs/control-plane.md", "docs/benchmarks.md", "docs/dashboard.md", "docs/recovery.md", "docs/wan.md"]
+PAGES = ["docs/performance.md", "docs/control-plane.md", "docs/benchmarks.md", "docs/dashboard.md", "docs/recovery.md", "docs/wan.md"]
 
 FROM = re.compile(r"<!-- from ((?:[^\s>]+ ?)+) -->")
 CLAIM = re.compile(r"<!-- claim: ([\w.-]+) -->")
@@ -51,8 +51,8 @@ _NOT_MEASURED = re.compile(
     r"(?:(?:,| and| or|-|–) ?#?\d[\d.]*)*")
 # a number: not inside a word (int8, H200, 1F1B: a letter or digit right before, or a letter / digit right after
 # when it ends in a letter that starts a word, is part of that word)
-NUMBER = re.compile(r"(?<![\w.\-/])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?(?![\w/])"
-                    r"|(?<![\w.\-/])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?=(?:%|x|×|s|ms|µs|us|h|min|MB|MiB|GB|GiB|"
+NUMBER = re.compile(r"(?:(?<![\w.\-/])|(?<=\d-))(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?(?![\w/]|[.,]\d)"
+                    r"|(?:(?<![\w.\-/])|(?<=\d-))(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![.,]\d)(?=(?:%|x|×|s|ms|µs|us|h|min|MB|MiB|GB|GiB|"
                     r"KiB|kB|B|k|M|Mbit|Gbit|Mbps|Gbps)\b)")
 
 
@@ -75,7 +75,8 @@ def _blank(match: re.Match) -> str:
 def numbers(text: str) -> list[str]:
     """The measured-looking numbers of a stretch of prose, as written."""
     text = _NOT_MEASURED.sub(" ", text)
-    return [m.group(0) for m in NUMBER.finditer(text)]
+    percent = re.compile(r"(?:[-–]\d[\d.,]*)? ?%")  # `14%`, `14 %`, and the low end of `0.15-0.17%`
+    return [m.group(0) + ("%" if percent.match(text, m.end()) else "") for m in NUMBER.finditer(text)]
 
 
 def _prose(text: str) -> str:
@@ -87,6 +88,7 @@ def _prose(text: str) -> str:
     text = _CODE.sub(lambda m: " " if "\n" not in m.group(0) else _blank(m), text)
     text = _LINK_TARGET.sub("]", text)
     text = re.sub(r"^(\s*)\d+\. ", r"\1- ", text, flags=re.M)  # a numbered list's numerals
+    text = re.sub(r"^(#+ )\d+\. ", r"\1", text, flags=re.M)  # a numbered section's
     return _OTHER_COMMENT.sub(_blank, text)
 
 
@@ -159,6 +161,12 @@ class _Held:
                     self.rounded.add(f"{float(written):.{d}f}")
 
     def holds(self, number: str) -> bool:
+        """`number` stands in the files as written or rounded; a percentage also as a fraction (`0.9%`: 0.0090)."""
+        if number.endswith("%"):
+            number = number[:-1]
+            digits = len(number.split(".")[1]) if "." in number else 0
+            if f"{float(number.replace(',', '')) / 100:.{digits + 2}f}" in self.rounded:
+                return True
         plain = number.replace(",", "")
         if plain in self.rounded:
             return True
