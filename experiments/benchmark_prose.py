@@ -9,8 +9,10 @@ or a code block is either
   when the site is built; or
 * **checked**: in the text that a marker `<!-- from FILE [FILE ...] -->` ends (from the previous marker, or the
   start of its paragraph, list item or table row, up to the marker), every number standing in one of the named
-  files as written (a thousands separator aside; `14 %` stands as `14` or `14%`); a table right after a marker
-  is checked the same way, row by row; or in the text a `<!-- claim: NAME -->` marker ends, NAME being a claim of
+  files as written or rounded (a thousands separator aside; `1.39` stands as `1.391`; `0.9 %` also as `0.0090`);
+  a table with a marker alone on the line right before or right after it is checked the same way, row by row
+  (in benchmarks/README.md a marker right before a table also says the table is the file's, line for line:
+  tests/test_docs.py); or in the text a `<!-- claim: NAME -->` marker ends, NAME being a claim of
   experiments/prose.py whose check (a function over its files) tests/test_claims.py runs.
 
 `unchecked(root)` lists every sentence that holds a number neither rendered nor checked, or a number its marker's
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 __all__ = ["PAGES", "Unchecked", "unchecked", "numbers", "segments"]
 
-PAGES = ["docs/performance.md", "docs/control-plane.md", "docs/benchmarks.md", "docs/dashboard.md", "docs/recovery.md", "docs/wan.md"]
+PAGES = ["benchmarks/README.md", "docs/performance.md", "docs/control-plane.md", "docs/benchmarks.md",
+         "docs/dashboard.md", "docs/recovery.md", "docs/wan.md"]
 
 FROM = re.compile(r"<!-- from ((?:[^\s>]+ ?)+) -->")
 CLAIM = re.compile(r"<!-- claim: ([\w.-]+) -->")
@@ -96,27 +100,33 @@ _BLOCK_START = re.compile(r"^\s*(?:[*+-] |\d+\. |#+ |\|)")
 
 
 def _blocks(text: str) -> list[tuple[int, str]]:
-    """(index of its last line, text) of each paragraph, list item, heading and table row; a marker alone on the
-    line right before a table belongs to each of its rows."""
+    """(index of its last line, text) of each paragraph, list item, heading and table row. A marker alone on the
+    line right before a table, or right after it, belongs to each of its rows."""
     out: list[tuple[int, str]] = []
     cur: list[str] = []
     table_from: str | None = None
+    rows: list[int] = []  # the rows (indices into out) of the table just read, while it has no marker
     for i, line in enumerate(text.split("\n")):
-        if not line.strip():
-            if cur:
-                out.append((i - 1, " ".join(cur)))
-            cur, table_from = [], None
-            continue
         if line.lstrip().startswith("|"):
             if cur and FROM.fullmatch(" ".join(cur).strip()):
                 table_from = " ".join(cur).strip()
             elif cur:
                 out.append((i - 1, " ".join(cur)))
             cur = []
+            if table_from is None:
+                rows.append(len(out))
             out.append((i, line if table_from is None else f"{line} {table_from}"))
             continue
-        if table_from is not None:
-            table_from = None
+        if rows and FROM.fullmatch(line.strip()):
+            out[rows[0]:] = [(j, f"{row} {line.strip()}") for j, row in out[rows[0]:]]
+            rows, table_from = [], None
+            continue
+        rows, table_from = [], None
+        if not line.strip():
+            if cur:
+                out.append((i - 1, " ".join(cur)))
+            cur = []
+            continue
         if _BLOCK_START.match(line) and cur:
             out.append((i - 1, " ".join(cur)))
             cur = []
@@ -147,18 +157,20 @@ _FILE_NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 class _Held:
-    """The numbers a set of files holds, as written and rounded: `1.39` stands in a file that says `1.391`."""
+    """The numbers a set of files holds, as written and rounded: `1.39` stands in a file that says `1.391` (half
+    up, or as Python formats the float: both `3.2` and `3.1` for `3.15`)."""
 
     def __init__(self, text: str) -> None:
+        text = re.sub(r"(?<=\d)_(?=\d{3})", "", text)  # a Python literal's separators: 50_000
         self.text = text
         self.rounded: set[str] = set()
         for m in _FILE_NUMBER.finditer(text):
             written = m.group(0).replace(",", "")
             self.rounded.add(written)
             if "." in written and "e" not in written:
-                whole, frac = written.split(".")
-                for d in range(len(frac)):
-                    self.rounded.add(f"{float(written):.{d}f}")
+                for d in range(len(written.split(".")[1])):  # rounded half up, as written in decimal
+                    self.rounded.add(str(Decimal(written).quantize(Decimal(1).scaleb(-d), ROUND_HALF_UP)))
+                    self.rounded.add(f"{float(written):.{d}f}")  # or as a float is formatted (3.15: 3.1)
 
     def holds(self, number: str) -> bool:
         """`number` stands in the files as written or rounded; a percentage also as a fraction (`0.9%`: 0.0090)."""
