@@ -17,9 +17,15 @@ or a code block is either
 
 `unchecked(root)` lists every sentence that holds a number neither rendered nor checked, or a number its marker's
 files do not hold, with the number and why; tests/test_claims.py fails naming them. What is not a measured
-number and is not looked at: numbers inside a word (`int8`, `H200`, `SmolLM2`, `1F1B`), a commit id, a date or a
-time of day, numbers in a link's target, and the number of an issue, a figure, a table or a section
-(`issue 39`, `Fig. 2`).
+number and is not looked at: code spans and code blocks (commands, settings, and result lines quoted verbatim),
+numbers inside a word (`int8`, `H200`, `SmolLM2`, `1F1B`), a commit id, a date, a time of day, an address or a
+port, numbers in a link's target, the numerals of a numbered list or section, a version after a program's name
+(`Python 3.11`), and the number of an issue, an item, a figure, a table or a section (`issue 39`, `Fig. 2`).
+
+What a check proves is that the number stands in the file named, not that it is the right one of the file's
+numbers: a small integer stands in almost any file. The marker names the file the sentence is about (the result
+file, or for a default or a setup the code that sets it); the check then catches a number retyped wrong, a
+result file re-run without its prose, and a number with no file at all.
 """
 
 from __future__ import annotations

@@ -111,13 +111,17 @@ def test_a_changed_number_in_a_result_file_fails_naming_its_sentence(tmp_path):
 def test_a_number_outside_a_rendered_region_without_a_marker_fails(tmp_path):
     from experiments.benchmark_prose import unchecked
 
-    (tmp_path / "r.txt").write_text("median 0.312 s, 14.2% of a core\n")
+    (tmp_path / "r.txt").write_text("median 0.312 s, 14.2% of a core, 1.391 CPU-s, 3.15 MB, 0.0090 CPU-s/s, 50_000\n")
     (tmp_path / "page.md").write_text(
         "Measured: 0.312 s a step, 14 % of a core. <!-- from r.txt -->\n\n"
         "A step took 0.5 s.\n\n"
+        "Rounded: 1.39 and 1.4 CPU-s, 3.1 or 3.2 MB, 0.9% of a core, 50,000 tokens; not 1.38. <!-- from r.txt -->\n\n"
         "<!-- BEGIN rendered: x -->9.99 s<!-- END rendered: x --> and `--steps 30` and\n\n"
         "```\n123 456\n```\n\n"
         "<!-- from r.txt -->\n| a | b |\n|---|---|\n| 0.312 | 7.5 |\n\n"
+        "| after | 1.391 | 8.5 |\n<!-- from r.txt -->\n\n"
+        "1. **A numbered item** of section\n\n## 2. A numbered heading\n\n"
         "Issue 39, Fig. 2, commit 953dbea, int8, SmolLM2, 127.0.0.1 hold no measured number.\n")
     found = unchecked(tmp_path, ["page.md"])
-    assert [(u.number, u.why.split(" ")[0]) for u in found] == [("0.5", "neither"), ("7.5", "not")], found
+    assert [(u.number, u.why.split(" ")[0]) for u in found] == [
+        ("0.5", "neither"), ("1.38", "not"), ("7.5", "not"), ("8.5", "not")], found
