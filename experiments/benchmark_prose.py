@@ -1,6 +1,8 @@
-"""Every number in the benchmark pages' prose is rendered from its result file or checked against it (issue 39).
+"""Every number in the prose of the experiment and benchmark pages is rendered from its result file or checked
+against it (issue 39).
 
-The pages (`PAGES`) state measured numbers in sentences around their tables. In them, a number outside a code span
+The pages (`PAGES`: the README, experiments/README.md, benchmarks/README.md and the manual's pages of measurements)
+state measured numbers in sentences around their tables. In them, a number outside a code span
 or a code block is either
 
 * **rendered**: inside a region a renderer writes (`<!-- BEGIN rendered: X -->` ... `<!-- END rendered: X -->`,
@@ -37,7 +39,8 @@ from pathlib import Path
 
 __all__ = ["PAGES", "Unchecked", "unchecked", "numbers", "segments"]
 
-PAGES = ["benchmarks/README.md", "docs/performance.md", "docs/control-plane.md", "docs/benchmarks.md",
+PAGES = ["README.md", "experiments/README.md", "docs/pretrained.md", "docs/identity.md", "benchmarks/README.md",
+         "docs/performance.md", "docs/control-plane.md", "docs/benchmarks.md",
          "docs/dashboard.md", "docs/recovery.md", "docs/wan.md"]
 
 FROM = re.compile(r"<!-- from ((?:[^\s>]+ ?)+) -->")
@@ -78,8 +81,9 @@ class Unchecked:
 
 
 def _blank(match: re.Match) -> str:
-    """The match replaced by as many newlines as it held (line numbers and paragraph breaks kept), else a space."""
-    return "\n" * match.group(0).count("\n") or " "
+    """The match replaced by as many newlines as it held (line numbers and paragraph breaks kept), else by a word
+    (a rendered number alone on its line stays inside its paragraph)."""
+    return "\n" * match.group(0).count("\n") or " (rendered) "
 
 
 def numbers(text: str) -> list[str]:

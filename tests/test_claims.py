@@ -76,10 +76,10 @@ def test_a_changed_number_fails_the_claim_that_rests_on_it_naming_its_sentence(t
     assert re.search(r"claim readme-recommendation no longer holds \(its check is false", text)
 
 
-# ---- the benchmark pages: every number rendered or checked against its file (experiments/benchmark_prose.py) ----
+# ---- the experiment and benchmark pages: every number rendered or checked against its file (benchmark_prose) ----
 
 
-def test_every_number_of_the_benchmark_pages_is_rendered_or_checked_against_its_file():
+def test_every_number_of_the_experiment_and_benchmark_pages_is_rendered_or_checked_against_its_file():
     from experiments.benchmark_prose import unchecked
 
     found = unchecked(ROOT)
