@@ -190,7 +190,8 @@ def render_section(result: dict[str, Any]) -> str:
         f"`{result['command']}` (commit {result['commit'][:12]}, one data order, {result['eval_tokens']} held-out "
         f"tokens per evaluation, {result['wall_s']:.0f} s): SmolLM2-135M in 6 stages, fine-tuned 10 steps; each of "
         "stages 1 to 4 fails at step 10 and is rebuilt by CheckFree or restored from its int8 copy of step 0 (ten "
-        "steps old). Immediate damage: the validation loss right after, minus before.",
+        "steps old). Immediate damage: the validation loss right after, minus before: one evaluation per cell, "
+        "with no interval.",
         "",
         "| stage | CheckFree damage (nats) | int8 copy damage (nats) | ratio |",
         "|---|---|---|---|",
@@ -213,7 +214,8 @@ def render_readme(result: dict[str, Any]) -> str:
     """The README's line on the copies (every number from `result`)."""
     cf = [float(v) for v in result["checkfree_damage"].values()]
     return (f"On SmolLM2, a stage restored from its int8 copy ten steps old lost at most "
-            f"{float(result['worst_ratio']):.4f} of what CheckFree's rebuild lost ({min(cf):.2f} to {max(cf):.2f} nats, stages 1 to 4: "
+            f"{float(result['worst_ratio']):.4f} of what CheckFree's rebuild lost ({min(cf):.2f} to {max(cf):.2f} nats, stages 1 to 4, "
+            f"one evaluation each of {result['eval_tokens']} held-out tokens, no interval: "
             "[recovery strategies](docs/recovery.md#snap-a-compressed-copy-at-the-neighbour)).")
 
 

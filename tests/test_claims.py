@@ -74,3 +74,54 @@ def test_a_changed_number_fails_the_claim_that_rests_on_it_naming_its_sentence(t
     text = _report(found)
     assert "every rebuild tried, averaging the neighbours included, set it back" in text and "README.md" in text
     assert re.search(r"claim readme-recommendation no longer holds \(its check is false", text)
+
+
+# ---- the experiment and benchmark pages: every number rendered or checked against its file (benchmark_prose) ----
+
+
+def test_every_number_of_the_experiment_and_benchmark_pages_is_rendered_or_checked_against_its_file():
+    from experiments.benchmark_prose import unchecked
+
+    found = unchecked(ROOT)
+    assert not found, "\n".join(map(str, found))
+
+
+def test_a_changed_number_in_a_result_file_fails_naming_its_sentence(tmp_path):
+    """A copy of the repository's pages and files with one number of benchmarks/results/dashboard.txt changed: the
+    sentence of docs/dashboard.md that quotes it is named, with the number and the file."""
+    from experiments.benchmark_prose import FROM, PAGES, unchecked
+
+    for page in PAGES:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / page, tmp_path / page)
+    for page in PAGES:
+        for files in FROM.findall((ROOT / page).read_text()):
+            for f in files.split():
+                (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / f, tmp_path / f)
+    assert unchecked(tmp_path) == []
+    path = tmp_path / "benchmarks/results/dashboard.txt"
+    path.write_text(path.read_text().replace("0.80 ms per request", "0.90 ms per request"))
+    found = unchecked(tmp_path)
+    assert found and {(u.page, u.number) for u in found} == {("docs/dashboard.md", "0.80")}, found
+    assert "The coordinator spent 0.80 ms of CPU per request" in found[0].sentence
+    assert "benchmarks/results/dashboard.txt" in str(found[0])
+
+
+def test_a_number_outside_a_rendered_region_without_a_marker_fails(tmp_path):
+    from experiments.benchmark_prose import unchecked
+
+    (tmp_path / "r.txt").write_text("median 0.312 s, 14.2% of a core, 1.391 CPU-s, 3.15 MB, 0.0090 CPU-s/s, 50_000\n")
+    (tmp_path / "page.md").write_text(
+        "Measured: 0.312 s a step, 14 % of a core. <!-- from r.txt -->\n\n"
+        "A step took 0.5 s.\n\n"
+        "Rounded: 1.39 and 1.4 CPU-s, 3.1 or 3.2 MB, 0.9% of a core, 50,000 tokens; not 1.38. <!-- from r.txt -->\n\n"
+        "<!-- BEGIN rendered: x -->9.99 s<!-- END rendered: x --> and `--steps 30` and\n\n"
+        "```\n123 456\n```\n\n"
+        "<!-- from r.txt -->\n| a | b |\n|---|---|\n| 0.312 | 7.5 |\n\n"
+        "| after | 1.391 | 8.5 |\n<!-- from r.txt -->\n\n"
+        "1. **A numbered item** of section\n\n## 2. A numbered heading\n\n"
+        "Issue 39, Fig. 2, commit 953dbea, int8, SmolLM2, 127.0.0.1 hold no measured number.\n")
+    found = unchecked(tmp_path, ["page.md"])
+    assert [(u.number, u.why.split(" ")[0]) for u in found] == [
+        ("0.5", "neither"), ("1.38", "not"), ("7.5", "not"), ("8.5", "not")], found
