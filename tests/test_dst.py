@@ -845,6 +845,36 @@ def test_a_takeover_ranks_the_claimants_of_a_stage_by_their_assignment():
     assert claimants[0][0] == "stale"  # (a replica that joined later but came less far)
 
 
+def test_a_peer_backpropagates_its_microbatches_in_order_whatever_order_their_gradients_arrive_in():
+    """The seed-41 soak's #974 (issue 37): a peer accumulated its gradients in their arrival order, and float addition
+    is not associative: two runs of one schedule differed in their losses (7e-5), and one schedule gave 6 outcomes
+    in 20 replays. A backward pass now waits for those of the earlier microbatches this peer computes; an ended
+    attempt releases it, and no wait outlasts its timeout."""
+    from peers.step import StepRun
+
+    async def main() -> None:
+        run = StepRun(0, 0, False, {}, [], remaining=4)
+        order: list[int] = []
+
+        async def backward(mb: int) -> None:
+            await run.backward_turn(mb, range(4), timeout=10)
+            order.append(mb)
+            run.mark("backward", mb)
+
+        tasks = [asyncio.create_task(backward(mb)) for mb in (3, 1, 2, 0)]
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert order == [0, 1, 2, 3]
+        ended = StepRun(0, 1, False, {}, [], remaining=4)
+        waiting = asyncio.create_task(ended.backward_turn(3, range(4), timeout=10))
+        await asyncio.sleep(0.01)
+        ended.fail("aborted by the coordinator")
+        await asyncio.wait_for(waiting, 1)
+        late = StepRun(0, 2, False, {}, [], remaining=4)
+        await asyncio.wait_for(late.backward_turn(3, range(4), timeout=0.05), 1)
+
+    asyncio.run(main())
+
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),
