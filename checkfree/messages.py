@@ -129,6 +129,9 @@ class Assign(Request["Assigned"], frozen=True, tag_field="mode", kw_only=True):
     rpc = RPC.ASSIGN
     stage: int
     release: bool = False  # a stage group's replica lets its stage go first (it rebuilds another)
+    # the run's count of assignments when this one was made (`StageTable.next_epoch`, carried on by a takeover): of
+    # two peers that claim one stage, the one assigned later is the stage's (the other was replaced)
+    epoch: int = 0
 
 
 class AssignFresh(Assign, frozen=True, tag="fresh", kw_only=True):
@@ -573,6 +576,7 @@ class Adopted(Message, frozen=True, kw_only=True):
     finished: tuple[int, int] | None = None  # the newest (step, attempt) that ended here
     last_commit: LastCommit | None = None
     snapshots: dict[int, int] = {}  # stage -> the step of its snapshot held here
+    epoch: int = 0  # the `Assign.epoch` of the assignment this peer serves its stage under
     # the peers of the newest step this peer took part in (peer -> stage): a takeover ADOPTs them even if it has not
     # read their DHT heartbeats (a refresh stalls while the DHT still routes to the dead coordinator's node)
     members: dict[str, int] = {}

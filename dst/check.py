@@ -34,10 +34,12 @@ __all__ = ["same_end", "same_losses", "same_recoveries", "same_failures", "recor
            "identical_replicas", "events"]
 
 REL = ABS = 1e-5
-# A wire of fewer bits than float32 rounds every activation and gradient that crosses a stage. A peer's backward
-# passes accumulate into its gradients in the order they arrive, and float addition is not associative: a last-bit
-# difference that flips one rounding on the wire is a step of the wire's precision in that element. Two runs of one
-# schedule then differ in their gradient norms, hence in their recovery coefficients, by ~1e-4 relative (the
+# A wire of fewer bits than float32 rounds every activation and gradient that crosses a stage. Float addition is
+# not associative, and a last-bit difference that flips one rounding on the wire is a step of the wire's precision in
+# that element. A peer's backward passes accumulated into its gradients in the order they arrived (since issue 37 in
+# microbatch order, as the simulator's: `StepRun.backward_turn`); a stage group's replicas still each sum their own
+# microbatches and the all-reduce adds the sums, an association other than the simulator's. Two runs of one
+# schedule differed in their gradient norms (in arrival order), hence in their recovery coefficients, by ~1e-4 (the
 # seed-12 soak's schedule #236, bfloat16: 0.483955 to 0.484018 in 5 replays, the simulator 0.484004), while their
 # losses, sums over every token of a step, stay within 1e-5. Their coefficients are compared to this tolerance.
 NARROW_WIRE_COEFFICIENTS_REL = 1e-3

@@ -85,6 +85,6 @@ class Assignment:
             figures = await self.rebuild.take_handover(worker, assign)
             if isinstance(assign, AssignHandover) and assign.held:  # the snapshots the leaving peer held
                 figures["bytes"] += await self.snapshots.take_held(assign.source, assign.held, stage)
-        self.hosted.serve(worker, figures.pop("omega", 0.0), step)
+        self.hosted.serve(worker, figures.pop("omega", 0.0), step, assign.epoch)
         log.info("serving stage %d (%s)", stage, type(assign).__struct_config__.tag)
         return Assigned(stage=stage, assign_s=time.perf_counter() - t0, **figures), []

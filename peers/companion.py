@@ -26,8 +26,8 @@ import time
 import torch
 
 from checkfree.auth import SECRET_ENV
-from checkfree.net.errors import TransportError
-from checkfree.net.tcp_transport import TcpTransport, start_tcp_transport
+from checkfree.net.errors import TransportError, warn_once
+from checkfree.net.tcp_transport import UNAUTHENTICATED, TcpTransport, start_tcp_transport
 from checkfree.messages import CompanionFetch, CompanionStop, CompanionStore, Ok, from_wire, reply_of, to_wire
 from checkfree.protocol import ProtocolError
 
@@ -98,8 +98,8 @@ def _alive(pid: int) -> bool:
 async def _serve(args: argparse.Namespace) -> None:
     secret = os.environ.get(SECRET_ENV)
     companion = Companion(args.peer_id, os.getppid(), args.linger)
-    t = await start_tcp_transport(companion_id(args.peer_id), (args.host,), 0,
-                                  secret=secret.encode() if secret else None)
+    t = await start_tcp_transport(companion_id(args.peer_id), (args.host,), 0,  # (its peer warned for it)
+                                  secret=secret.encode() if secret else None, warn_unauthenticated=False)
     for name, handler in ((CompanionStore.rpc, companion.on_store), (CompanionFetch.rpc, companion.on_fetch),
                           (CompanionStop.rpc, companion.on_stop)):
         await t.register(name, handler)
@@ -125,7 +125,10 @@ def main() -> None:
 # ---- the peer's and the replacement's side ------------------------------------------------------------------
 def start_companion(peer_id: str, host: str, linger: float, secret: bytes | None,
                     timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """Start a peer's companion (blocking until its ready line, bounded by `timeout`); (process, its address)."""
+    """Start a peer's companion (blocking until its ready line, bounded by `timeout`); (process, its address). Without
+    a run secret the peer warns, once per process, for every companion it starts (each its own process)."""
+    if secret is None:
+        warn_once(log, UNAUTHENTICATED.replace("--transport tcp", "reft's snapshot companion (tcp)"))
     env = {**os.environ, **({SECRET_ENV: secret.decode()} if secret else {})}
     proc = subprocess.Popen([sys.executable, "-m", "peers.companion", "--peer-id", peer_id, "--host", host,
                              "--linger", str(linger)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,

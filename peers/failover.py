@@ -47,7 +47,8 @@ class Failover:
                        ready=None if run is None else Ready(step=run.step, attempt=run.attempt, losses=dict(run.losses),
                                                            **run.figures()),
                        finished=self.steps.finished, last_commit=hosted.last_commit,
-                       snapshots=self.snapshots.steps_held(), members=dict(self.steps.members)), []
+                       snapshots=self.snapshots.steps_held(), members=dict(self.steps.members),
+                       epoch=hosted.epoch), []
 
     async def _refuse_if_alive(self, old: str, new: str) -> None:
         """Refuse the takeover by `new` if the current coordinator `old` answers at all."""

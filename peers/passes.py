@@ -282,11 +282,15 @@ class Passes:
             if run.grouped and not run.event("forward", mb).is_set():
                 # a redo: the next hop's replica sent its gradient before this peer recomputed the forward
                 await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
+            here = run.mine if run.grouped else [m for m, r in enumerate(run.routes)
+                                                 if any(h.stage == self.hosted.index for h in r)]
+            await run.backward_turn(mb, here, self.t.step_timeout)
             if run.error is not None:  # (see _forward_task: its gradient would outlive the ABORT that dropped them)
                 return
             key = (run.step, run.attempt, mb)
             grad_in = await self.compute.run(self._observed(self.hosted.serving().backward, "backward", key), key, grad,
                                              priority=BACKWARD_FIRST)
+            run.mark("backward", mb)
             if self.hook is not None:
                 self.hook(PassComputed("backward", *key))
             if run.grouped:  # kept for a sibling's redo, should the previous hop's replica be lost

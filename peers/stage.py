@@ -56,6 +56,7 @@ class HostedStage:
         self._window = OmegaWindow()
         self.data: TokenData | None = None
         self.next_step = 0  # the step this stage's weights are ready for (steps committed so far)
+        self.epoch = 0  # the epoch of the assignment this peer serves its stage under (`Assign.epoch`)
         self.last_commit: LastCommit | None = None  # the newest committed step's losses/lr/norm (for a new coordinator)
         self._configured = asyncio.Event()  # set once the run's config is known
 
@@ -117,9 +118,10 @@ class HostedStage:
         return self.worker
 
     # ---- changes (every part changes the hosted stage through these) -----------------------
-    def serve(self, worker: StageWorker, omega: float, next_step: int) -> None:
-        """Serve `worker`'s stage from now on, its weights ready for `next_step`."""
-        self.worker, self.next_step = worker, next_step
+    def serve(self, worker: StageWorker, omega: float, next_step: int, epoch: int = 0) -> None:
+        """Serve `worker`'s stage from now on, its weights ready for `next_step`, under the assignment of `epoch`
+        (`Assign.epoch`)."""
+        self.worker, self.next_step, self.epoch = worker, next_step, epoch
         self._restart_window(omega)
         self.state = PeerState.SERVING
 

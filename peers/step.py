@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -102,6 +103,26 @@ class StepRun:
 
     def backward_started(self, mb: int) -> None:
         self.backwarded.add(mb)
+
+    async def backward_turn(self, mb: int, here: Iterable[int], timeout: float) -> None:
+        """Until every microbatch before `mb` that this peer backpropagates (`here`) has done so (`mark`
+        "backward"), the attempt has ended, or `timeout` has passed. A stage's gradients then accumulate in
+        microbatch order, as the simulator's do, not in the order the gradients arrive: float addition is not
+        associative, and two runs of one schedule differed in their losses (the seed-41 soak's #974, issue 37)."""
+        deadline = time.monotonic() + timeout
+        for j in sorted(m for m in here if m < mb):
+            turn = self.event("backward", j)
+            if turn.is_set() or self.error is not None:
+                continue
+            waits = [asyncio.ensure_future(turn.wait()), asyncio.ensure_future(self.done.wait())]
+            try:
+                await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            if not turn.is_set():
+                return  # (ended, or out of time: no wait outlasts the step's timeout)
 
     def arrived(self, src: int, delay: float) -> None:
         """A pass from stage `src` took `delay` seconds one way (an emulated WAN)."""

@@ -248,10 +248,12 @@ class Coordinator:
         the training step's."""
         base = EVAL_ATTEMPT if evaluate else self.driver.first_attempt(step)
         for attempt in range(base, base + self.opts.max_attempts):
-            found = await self.detector.detect()
-            if found.handed_over:  # the copies the leaving peers held left with them
-                await self.protection.handed_over(found.handed_over, step)
-            if found.failed:
+            while True:  # (a leave is handed over once the failures found with it are recovered)
+                found = await self.detector.detect()
+                if found.handed_over:  # the copies the leaving peers held left with them
+                    await self.protection.handed_over(found.handed_over, step)
+                if not found.failed:
+                    break
                 await self.recovery.recover(step, found.failed)
             if not evaluate:
                 await self.placement.fill_groups(step, first=self.iteration == 0)

@@ -45,7 +45,8 @@ class Detector:
 
     async def detect(self) -> Detection:
         """Stages whose peer is gone (an expired heartbeat, a report confirmed by a failed ping, a leave), after the
-        lost replicas of stage groups left them; a leaving peer's stage is handed over to a standby when it can."""
+        lost replicas of stage groups left them; a leaving peer's stage is handed over to a standby when it can,
+        once no other stage failed (those are recovered first: detect again after the recovery)."""
         try:
             live = await self.heartbeats()
         except Exception as e:  # the DHT read is advisory: pings decide
@@ -57,17 +58,26 @@ class Detector:
                 log.warning("peer %s serves stage %d but is not in run %r (cut off while its coordinator was "
                             "replaced): retiring it", pid, heartbeat_stage(value), self.rpc.run_id)
                 self.retirement.stray(pid)
-        failed, handed = set(), set()
+        failed, leaving = set(), {}
         for stage, pid in self.table.primaries().items():
-            if self.members.handing_over(pid) and await self._handover(stage, pid):
-                handed.add(stage)
-                continue
-            if await self._gone(pid, live):
+            if self.members.handing_over(pid):
+                leaving[stage] = pid
+            elif await self._gone(pid, live):
                 failed.add(stage)
         if live is not None and any(p in live for p in self.retirement.unretired()):
             self.retirement.again()  # a retired peer is back: tell it again
         # a stage nobody serves (its peer died while no coordinator was there to see it)
-        return Detection(failed | (set(range(self.cfg.num_stages)) - set(self.table.served())), handed)
+        failed |= set(range(self.cfg.num_stages)) - set(self.table.served())
+        handed = set()
+        # the failures found with a leave are planned together first, from the copies as they are (the leaving
+        # peer's among them: it serves until its handover); the handover is the next detection's, once they are
+        # recovered. A handover first took copies from a stage that had failed too (the seed-7 divergence #1)
+        for stage, pid in leaving.items() if not failed else ():
+            if await self._handover(stage, pid):
+                handed.add(stage)
+            elif await self._gone(pid, live):
+                failed.add(stage)
+        return Detection(failed, handed)
 
     async def heartbeats(self) -> dict[str, dict]:
         """Peers with a live DHT heartbeat (with a run secret: only records a member signed): the newest read if it
@@ -134,7 +144,8 @@ class Detector:
         t0 = time.perf_counter()
         try:
             reply, _ = await self.rpc.call(new, AssignHandover(stage=stage, source=pid, step=step,
-                                                               held=self.protection.held_by(stage)),
+                                                               held=self.protection.held_by(stage),
+                                                               epoch=self.table.next_epoch()),
                                            timeout=self.t.step_timeout)
         except CALL_ERRORS as e:
             log.warning("handover of stage %d from %s to %s failed: %s", stage, pid, new, e)

@@ -60,6 +60,14 @@ def _next_recorded(metrics: Path) -> int:
     return max((m["step"] + 1 for m in read_jsonl(metrics)[-1:] if "step" in m), default=0)
 
 
+def _rank(claimants: list[tuple[str, Adopted]], groups: bool) -> None:
+    """The peers that claim one stage, the one that keeps it first (`Failover._serve`)."""
+    if groups:
+        claimants.sort(key=lambda x: (-_progress(x[1]), x[1].state == LEAVING, -x[1].epoch))
+    else:
+        claimants.sort(key=lambda x: (-x[1].epoch, -_progress(x[1]), x[1].state == LEAVING))
+
+
 @dataclass
 class Resumed:
     """Where a takeover found the run."""
@@ -147,7 +155,12 @@ class Failover:
             self.members.admit(pid, time.time() + i * 1e-6, configured=r.config is not None)
             if r.stage >= 0:
                 holders.setdefault(r.stage, []).append((pid, r))
-        step = max((r.next_step for hs in holders.values() for _, r in hs), default=None)
+        self.table.epochs_seen(max((r.epoch for r in replies.values()), default=0))
+        for hs in holders.values():
+            _rank(hs, cfg.train.stage_groups)
+        # (how far the run came: a stage's superseded claimant does not count)
+        step = max((r.next_step for hs in holders.values() for _, r in (hs if cfg.train.stage_groups else hs[:1])),
+                   default=None)
         if step is None:  # no peer serves a stage: the run's record says how far it came
             step = _next_recorded(metrics) if resume else 0
         to_commit, lagging = self._serve(cfg, holders, step)
@@ -206,12 +219,15 @@ class Failover:
 
         Two peers claim one stage when a handover was cut short, when one was done as the old coordinator died
         (the peer that handed its stage over is leaving), or when a partitioned peer is back after it was
-        replaced: the newest is kept (a step finished and ready to commit counts), a peer not leaving first."""
+        replaced. A stage's only peer is the one assigned last (`Adopted.epoch`: a stage is given to another peer
+        only once its peer failed or left); a stage group keeps the replicas that came furthest (a step finished
+        and ready to commit counts), a peer not leaving first, the one assigned last first. (By progress alone, a
+        ReFT peer partitioned after its commit of a step and its replacement, rolled back and ready with that step
+        again, tied: the stale one was kept and the healthy one retired, the seed-7 divergence #3.)"""
         to_commit: dict[str, tuple[int, Ready]] = {}
         lagging = []
         for stage, hs in sorted(holders.items()):
-            hs.sort(key=lambda x: (-_progress(x[1]), x[1].state == LEAVING))
-            pid, r = hs[0]
+            pid, r = hs[0]  # (ranked: `_rank`)
             self.table.assign(stage, pid)
             if r.state == LEAVING:  # its leave (SIGTERM) is under way: handed over if a standby is free
                 self.members.leaving_gracefully(pid)

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from msgspec.structs import replace
+
 from checkfree.config import RunConfig
 from checkfree.stage_groups import slowest, stage_load
 from checkfree.messages import AssignFresh, AssignLoad, AssignReplica, AssignRequest, Assigned
@@ -50,7 +52,8 @@ class Placement:
         assignment fails is passed over and, in case it is merely slow and goes on to host the stage
         anyway, retired."""
         try:
-            reply, _ = await self.rpc.call(pid, assign, timeout=timeout or self.t.step_timeout, tensors=tensors)
+            reply, _ = await self.rpc.call(pid, replace(assign, epoch=self.table.next_epoch()),
+                                           timeout=timeout or self.t.step_timeout, tensors=tensors)
         except CALL_ERRORS:
             self.members.suspect(pid)
             self.members.drop(pid)
@@ -106,7 +109,8 @@ class Placement:
         source = self.table.peer(stage)
         t0 = time.perf_counter()
         try:
-            reply, _ = await self.rpc.call(pid, AssignReplica(stage=stage, source=source, step=step),
+            reply, _ = await self.rpc.call(pid, AssignReplica(stage=stage, source=source, step=step,
+                                                                    epoch=self.table.next_epoch()),
                                            timeout=self.t.step_timeout)
         except CALL_ERRORS as e:
             log.warning("stage %d's new replica %s failed to join: %s", stage, pid, e)

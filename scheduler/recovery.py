@@ -20,6 +20,7 @@ from checkfree.plans import (Failure, Holder, Init, Own, Parity, RecoveryPlan, R
                              abort_if_unrecoverable, plan_events)
 from checkfree.messages import (AssignPromote, AssignRecover, AssignRequest, AssignRestore, Assigned, InitialState,
                                 Origin, OwnCopy, ParityCopy, PeerCopy, Restore, StorageCopy)
+from checkfree.net.transport import RemoteError
 from checkfree.recovery import Neighbours
 from checkfree.strategies import Strategy
 from scheduler.common import CALL_ERRORS, Rollback
@@ -66,6 +67,8 @@ class Recovery:
         strategy = self.cfg.recovery.strategy
         detected = time.time()
         failed, new = set(failed), set(failed)
+        new |= await self._sweep(failed)  # every peer this recovery may lean on, dead ones found now
+        failed |= new
         while True:
             for s in sorted(new):
                 gone = self.table.lose(s)  # (a stage group is lost when every replica is)
@@ -80,10 +83,10 @@ class Recovery:
             try:
                 measured = await self._carry_out(plan, detected)
                 break
-            except LostInRecovery as e:  # a stage the plan restores died too (lost with the others): plan again
+            except LostInRecovery as e:  # a peer the plan leans on died too (lost with the others): plan again
                 log.warning("stage(s) %s failed during the recovery of %s: planning again", sorted(e.stages),
                             sorted(failed))
-                new = e.stages - failed
+                new = (e.stages | await self._sweep(failed | e.stages)) - failed
                 failed |= new
         coefficients = {s: dict(zip(src.sources, measured[s].pop("coefficients", [])))
                         for s, src in plan.rebuilt.items()}
@@ -94,6 +97,31 @@ class Recovery:
         if target is not None:
             self.out.charge(lost_steps=step - target)
             raise Rollback(target)
+
+    async def _sweep(self, failed: set[int]) -> set[int]:
+        """The failures of one iteration are planned together: every peer of the stages left is pinged, so that a
+        plan never leans on one that died (or was cut off) with the failed stages but was not seen yet (a source of
+        a rebuild, a holder of a copy or replica). A stage group's dead replicas leave it (lost replicas); the
+        stages whose every peer is dead are returned, failed too. (A rebuild from a cut-off replica of a neighbour
+        stage failed on every standby in turn: the seed-7 divergence #2; a handover's replica taken from a dead
+        stage: #1.)"""
+        groups = {s: g for s, g in self.table.groups().items() if s not in failed}
+        pids = [p for g in groups.values() for p in g]
+        alive = dict(zip(pids, await asyncio.gather(*(self.rpc.alive(p) for p in pids))))
+        lost = {s for s, g in groups.items() if not any(alive[p] for p in g)}
+        for s, g in groups.items():
+            for p in g if s not in lost else ():
+                if not alive[p]:
+                    self.members.lose_replica(s, p, "lost with a failed stage")
+                    self.members.clear(p)
+        if any(not a for a in alive.values()):
+            await self.retirement.retire()
+        return lost
+
+    async def _any_dead(self) -> bool:
+        """Whether a peer serving a stage does not answer a ping."""
+        pids = [p for g in self.table.groups().values() for p in g]
+        return not all(await asyncio.gather(*(self.rpc.alive(p) for p in pids)))
 
     async def _carry_out(self, plan: RecoveryPlan, detected: float) -> dict[int, dict]:
         """The plan on the peers: live stages restore their copies (a rollback), failed stages load theirs, then
@@ -185,6 +213,8 @@ class Recovery:
             try:  # (a borrowed replica lets its old stage go first)
                 return pid, await self.placement.assign(pid, replace(assign, release=bool(borrowed))), t0
             except CALL_ERRORS as e:
+                if isinstance(e, RemoteError) and await self._any_dead():  # it failed at a source that died: the
+                    raise LostInRecovery(set()) from e  # standby is not to blame (the plan is made again)
                 log.warning("replacement %s died while taking over stage %d: %s", pid, stage, e)
                 self.out.event("recovery_retry", step=step, stage=stage, peer_id=pid, reason=str(e)[:300])
 

@@ -140,6 +140,8 @@ class GroupSteps:
                 suspects.add(pid)
                 log.info("step %d: replica %s: %s", step, pid[:12], str(error)[:200])
                 self.on_error(step, pid, error)
+            for pid in suspects:  # every one is confirmed (a ping) by the detection after an abort too: the
+                self.members.suspect(pid)  # failures of one attempt are planned together (seed-7 divergence #2)
             for pid in sorted(suspects):
                 if not any(pid in g for g in groups.values()):
                     continue

@@ -21,6 +21,7 @@ class StageTable:
         self._extra: dict[int, list[str]] = {}  # stage -> its replicas beyond the primary
         self._gen: Counter[int] = Counter()
         self.counts = Counter(replicas_joined=0, replicas_lost=0)  # the summary's stage-group figures
+        self._epoch = 0  # assignments made in this run (`Assign.epoch`), a takeover's predecessors' included
 
     # ---- reads -----------------------------------------------------------------------------
     def peer(self, stage: int) -> str:
@@ -56,6 +57,15 @@ class StageTable:
         return self._gen[stage]
 
     # ---- changes ---------------------------------------------------------------------------
+    def next_epoch(self) -> int:
+        """The epoch of an assignment made now: later than every one made before in the run."""
+        self._epoch += 1
+        return self._epoch
+
+    def epochs_seen(self, epoch: int) -> None:
+        """A takeover: the peers serve under assignments up to `epoch`; the next ones come after."""
+        self._epoch = max(self._epoch, epoch)
+
     def assign(self, stage: int, pid: str) -> None:
         """`pid` serves `stage` now, as its primary (a new stage, or a handover's replacement)."""
         self._primary[stage] = pid

@@ -76,8 +76,13 @@ class StepDriver:
         return out
 
     async def abort(self) -> None:
-        """ABORT on every peer of the run's stages: an attempt in flight ends there at once."""
-        await self.all(Abort(), self.t.rpc_timeout)
+        """ABORT on every peer of the run's stages: an attempt in flight ends there at once. A peer that does not
+        answer is a suspect (the detection pings it), a stage's primary as well as its replicas: one cut off as its
+        neighbour's group died, whose failed RUN_STEP came after the attempt had stopped, was otherwise left serving
+        its stage and the rebuild of the neighbour pulled from it (issue 37, divergence #2)."""
+        for s, r in (await self.all(Abort(), self.t.rpc_timeout)).items():
+            if isinstance(r, Exception) and not isinstance(r, RemoteError):
+                self.members.suspect(self.table.peer(s))
 
     def route_table(self, step: int, evaluate: bool) -> list[list[int]]:
         """Stage order of every microbatch of the step, CheckFree+ swaps included (announced so

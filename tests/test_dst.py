@@ -788,6 +788,93 @@ def test_a_step_task_that_outlives_the_abort_of_its_attempt_leaves_the_stage_unt
     daemon.compute.shutdown(wait=True)
     assert all(p.grad is None for p in daemon.hosted.worker.module.parameters())
 
+RESULTS = Path(__file__).resolve().parents[1] / "dst" / "results"
+
+
+def _recorded_schedule(name: str) -> Schedule:
+    return Schedule.from_json((RESULTS / f"{name}.json").read_text())
+
+
+def test_failures_found_with_a_leave_are_planned_before_its_handover(tmp_path, cache):
+    """Found by dst (seed 7, divergence #1; issue 37): redundant computation, stages 0, 2 and 3 killed as stage 1's
+    peer is SIGTERMed, in one iteration. The handover of stage 1 went first and took stage 2's replica from stage
+    2's dead peer: the swarm failed with a TransportError where the simulator aborts with the strategy's reason
+    ("stage 0's replica holder 3 failed too, stage 3's replica holder 2 failed too"). The failures found with a
+    leave are now planned first, from the copies as they are (the leaving peer serves until its handover)."""
+    _holds(_recorded_schedule("redundant-three-killed-one-sigterm-transport-error"), tmp_path, cache)
+
+
+def test_a_neighbours_replica_cut_off_as_a_group_dies_is_a_lost_replica(tmp_path, cache):
+    """Found by dst (seed 7, divergence #2, the class of the seed-41 soak's #600; issue 37): stage groups, stage
+    3's whole group killed, a replica of stage 4 cut off and one of stage 0 killed in one iteration. The group step
+    stopped at the first lost stage, and the cut-off replica, its failed RUN_STEP unnoted (a partition keeps its
+    heartbeat in-process), stayed stage 4's primary: the rebuild of stage 3 pulled from it and failed on every
+    standby in turn ("no standby peer joined within join_timeout"), where the simulator records both lost
+    replicas and rebuilds stage 3. Every failed call of an attempt is a suspect now, and a recovery pings every
+    peer it may lean on before it plans (`Recovery._sweep`); an ASSIGN that failed at a dead source plans again."""
+    _holds(_recorded_schedule("checkfree-groups-group-lost-neighbour-replica-partitioned"), tmp_path, cache)
+
+
+@pytest.mark.slow
+def test_a_takeover_keeps_the_peer_assigned_last_not_a_partitioned_one_back(tmp_path, cache):
+    """Found by dst (seed 7, divergence #3; issue 37, 4 replays in 4): reft, stage 4's peer partitioned and replaced
+    (a rollback), the coordinator killed half-way through committing the re-run step, the partition healed. The
+    stale peer and its replacement claimed stage 4 at the same progress; the takeover kept the stale one and
+    retired the healthy replacement. A stage's only peer is now the one assigned last (`Adopted.epoch`). The quick
+    cover: `test_a_takeover_ranks_the_claimants_of_a_stage_by_their_assignment`."""
+    _holds(_recorded_schedule("reft-failover-mid-commit-healthy-peer-retired"), tmp_path, cache)
+
+
+def test_a_takeover_ranks_the_claimants_of_a_stage_by_their_assignment():
+    """One peer per stage: the one assigned last keeps it, however far the other came. A stage group: the replicas
+    that came furthest, the one assigned last first among equals."""
+    from checkfree.messages import Adopted, Ready
+    from scheduler.failover import _rank
+
+    stale = ("stale", Adopted(stage=4, state="serving", next_step=3, omega=0.0, epoch=5))
+    new = ("new", Adopted(stage=4, state="serving", next_step=2, omega=0.0, epoch=9,
+                          ready=Ready(step=2, attempt=1, losses={})))
+    behind = ("behind", Adopted(stage=4, state="serving", next_step=2, omega=0.0, epoch=12))
+    for claimants in ([stale, new], [new, stale]):
+        _rank(claimants, groups=False)
+        assert claimants[0][0] == "new"
+        _rank(claimants, groups=True)
+        assert claimants[0][0] == "new"  # (the same progress: the one assigned last)
+    claimants = [stale, behind]
+    _rank(claimants, groups=True)
+    assert claimants[0][0] == "stale"  # (a replica that joined later but came less far)
+
+
+def test_a_peer_backpropagates_its_microbatches_in_order_whatever_order_their_gradients_arrive_in():
+    """The seed-41 soak's #974 (issue 37): a peer accumulated its gradients in their arrival order, and float addition
+    is not associative: two runs of one schedule differed in their losses (7e-5), and one schedule gave 6 outcomes
+    in 20 replays. A backward pass now waits for those of the earlier microbatches this peer computes; an ended
+    attempt releases it, and no wait outlasts its timeout."""
+    from peers.step import StepRun
+
+    async def main() -> None:
+        run = StepRun(0, 0, False, {}, [], remaining=4)
+        order: list[int] = []
+
+        async def backward(mb: int) -> None:
+            await run.backward_turn(mb, range(4), timeout=10)
+            order.append(mb)
+            run.mark("backward", mb)
+
+        tasks = [asyncio.create_task(backward(mb)) for mb in (3, 1, 2, 0)]
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert order == [0, 1, 2, 3]
+        ended = StepRun(0, 1, False, {}, [], remaining=4)
+        waiting = asyncio.create_task(ended.backward_turn(3, range(4), timeout=10))
+        await asyncio.sleep(0.01)
+        ended.fail("aborted by the coordinator")
+        await asyncio.wait_for(waiting, 1)
+        late = StepRun(0, 2, False, {}, [], remaining=4)
+        await asyncio.wait_for(late.backward_turn(3, range(4), timeout=0.05), 1)
+
+    asyncio.run(main())
+
+
 # ---- a fixed small set: every fault kind the in-process tier runs, at least once ------------------------------------
 FIXED = {
     "mid-forward+mid-commit": Schedule(Setup(strategy="checkfree", stages=4, steps=4),

@@ -12,7 +12,7 @@ from typing import Any
 
 from checkfree.net.wire import WireError
 
-__all__ = ["TransportError", "TransportTimeout", "RemoteError", "remote_error", "RefusalLog", "REFUSALS", "expected",
+__all__ = ["TransportError", "TransportTimeout", "RemoteError", "remote_error", "RefusalLog", "REFUSALS", "warn_once", "expected",
            "failed_request"]
 
 logger = logging.getLogger("checkfree.net.transport")
@@ -70,6 +70,17 @@ class RefusalLog:
 
 
 REFUSALS = RefusalLog()
+
+_WARNED: set[str] = set()  # the warnings this process has printed (`warn_once`)
+
+
+def warn_once(log: logging.Logger, text: str) -> None:
+    """`text` as a warning, the first time this process gives it: a warning of how a process runs (a transport
+    without a run secret) is said once, not for every transport it starts (a `checkfree chaos dst` run starts
+    hundreds)."""
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning(text)
 
 
 def expected(e: BaseException) -> bool:

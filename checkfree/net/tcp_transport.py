@@ -61,6 +61,7 @@ from checkfree.net.errors import (
     TransportError,
     TransportTimeout,
     failed_request,
+    warn_once,
 )
 from checkfree.net.framed import FramedReader, adopt
 from checkfree.net.streams import (
@@ -80,6 +81,10 @@ __all__ = ["HANDSHAKE_MAX_BYTES", "HandshakeError", "RemoteError", "TcpTransport
            "parse_tcp_maddr", "start_tcp_transport"]
 
 logger = logging.getLogger(__name__)
+
+UNAUTHENTICATED = ("--transport tcp without a run secret: peer ids are NOT authenticated and anyone who can reach "
+                   "port(s) of this process can call it; nothing is encrypted either way (use it on trusted networks "
+                   "only)")
 
 READER_LIMIT = 4 << 20  # the StreamReader's buffer until `adopt` takes the connection over (before any byte)
 POOL_IDLE_SECONDS = 30.0  # a caller drops a pooled connection idle for longer (servers wait 2x)
@@ -125,6 +130,7 @@ class TcpTransport:
         linger_timeout: float = 10.0,
         idle_timeout: float = 2 * POOL_IDLE_SECONDS,
         pool_idle: float = POOL_IDLE_SECONDS,
+        warn_unauthenticated: bool = True,
     ) -> None:
         if not peer_id or "/" in peer_id or len(peer_id.encode()) > 256:
             raise TransportError(f"invalid peer id {peer_id!r}")
@@ -136,6 +142,8 @@ class TcpTransport:
         self.linger_timeout = linger_timeout
         self.idle_timeout = idle_timeout
         self.pool_idle = pool_idle
+        # (false where the process that starts this one warned for it: reft's snapshot companion)
+        self._warn_unauthenticated = warn_unauthenticated
         self._handlers: dict[str, Handler] = {}
         self._addresses: dict[str, list[tuple[str, int]]] = {}
         self._pool = StreamPool(pool_idle, POOL_MAX_IDLE_PER_PEER)  # idle connections by peer id
@@ -156,10 +164,8 @@ class TcpTransport:
 
     async def start(self, hosts: Sequence[str] = ("127.0.0.1",), port: int = 0) -> None:
         """Listen on ``hosts`` at TCP ``port`` (0: a free port, the same one for every host)."""
-        if self.secret is None:
-            logger.warning("--transport tcp without a run secret: peer ids are NOT authenticated and anyone who "
-                           "can reach port(s) of this process can call it; nothing is encrypted either way "
-                           "(use it on trusted networks only)")
+        if self.secret is None and self._warn_unauthenticated:
+            warn_once(logger, UNAUTHENTICATED)
         try:
             for host in hosts:
                 server = await asyncio.start_server(self._on_connection, host, port, limit=READER_LIMIT)
