@@ -14,8 +14,9 @@ from checkfree.recovery import Neighbours
 from checkfree.rundir import read_jsonl
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.simulator import Simulator
-from checkfree.snapcodec import (FORMATS, CopyFormat, apply_update, encode_update, full_precision_nbytes,
-                                 held_nbytes, pack, restore_state, stage_shapes, tree_nbytes, unpack, update_nbytes)
+from checkfree.snapcodec import (FORMATS, CopyFormat, apply_update, encode_and_mirror, encode_update,
+                                 full_precision_nbytes, held_nbytes, pack, restore_state, stage_shapes, tree_nbytes,
+                                 unpack, update_nbytes)
 from checkfree.strategies import build_strategy
 
 
@@ -71,7 +72,9 @@ def test_updates_weigh_what_the_plan_says_and_the_mirror_equals_the_holders_copy
     for step in range(0, 12):
         if step:
             w = {k: v + torch.randn(v.shape, generator=g) * 2e-3 * v.abs().mean() for k, v in w.items()}
-        update = encode_update(_state(w, moments), step, fmt, mirror)
+        state = _state(w, moments)
+        update, made = encode_and_mirror(state, step, fmt, mirror)
+        assert state_to_bytes(update) == state_to_bytes(encode_update(state, step, fmt, mirror))
         assert update["kind"] == ("full" if step == 0 or not fmt.differential else "delta")
         assert tree_nbytes(update) == update_nbytes(shapes, fmt, update["kind"])
         received = state_from_bytes(state_to_bytes(update))
@@ -79,7 +82,8 @@ def test_updates_weigh_what_the_plan_says_and_the_mirror_equals_the_holders_copy
         holder = apply_update(holder if received["kind"] == "delta" else None, received)
         assert holder.step == mirror.step == step
         a, b = state_to_bytes({"c": holder.weights}), state_to_bytes({"c": mirror.weights})
-        assert a == b
+        assert a == b == state_to_bytes({"c": made.weights})  # the owner's mirror as made while encoding
+        assert made.step == step and made.meta["norm"] == holder.meta["norm"]
         got = restore_state(holder)["model"]
         for k, v in w.items():
             err = (got[k] - v).abs()
