@@ -165,19 +165,15 @@ def _decode(entry: dict, fmt: CopyFormat) -> Tensor:
 _BLOCK = 1 << 16  # values per block of the delta's row loop (the temporaries stay in cache)
 
 
-def _rebased_into(out: Tensor, codes: Tensor, scale: Tensor, new_scale: Tensor, qmax: int) -> Tensor:
-    """The held codes re-expressed on the new scales (rows whose scale changed), as float32, into `out`."""
-    out.copy_(codes)
+def _on_new_grid(codes: Tensor, scale: Tensor, new_scale: Tensor, qmax: int) -> Tensor:
+    """The held codes (int8) re-expressed on the new scales: the codes themselves where no row's scale changed,
+    else as float32 with the changed rows rounded onto their new scale (exact integers either way)."""
     changed = new_scale != scale
-    if bool(changed.any()):
-        out[changed] = torch.round(out[changed] * (scale[changed] / new_scale[changed]).unsqueeze(1)).clamp_(-qmax,
-                                                                                                             qmax)
-    return out
-
-
-def _rebased(codes: Tensor, scale: Tensor, new_scale: Tensor, qmax: int) -> Tensor:
-    """The held codes re-expressed on the new scales (rows whose scale changed), as float32."""
-    return _rebased_into(torch.empty(codes.shape, dtype=torch.float32), codes, scale, new_scale, qmax)
+    if not bool(changed.any()):
+        return codes
+    q = codes.to(torch.float32)
+    q[changed] = torch.round(q[changed] * (scale[changed] / new_scale[changed]).unsqueeze(1)).clamp_(-qmax, qmax)
+    return q
 
 
 def _row_blocks(rows: int, cols: int) -> Iterable[tuple[int, int]]:
@@ -210,11 +206,11 @@ def _delta_steps(x: Tensor, held: dict, fmt: CopyFormat) -> Generator[int, None,
     after = torch.empty(rows, cols, dtype=torch.int8)
     for r0, r1 in _row_blocks(rows, cols):
         ns = new_scale[r0:r1]
-        base = _rebased(codes[r0:r1], scale[r0:r1], ns, qmax)
+        base = _on_new_grid(codes[r0:r1], scale[r0:r1], ns, qmax)
         q = torch.div(x2[r0:r1], ns.unsqueeze(1))
         q.round_().clamp_(-qmax, qmax).sub_(base).clamp_(lo, hi)
         diff[r0:r1] = q
-        after[r0:r1] = base.add_(q).clamp_(-qmax, qmax)  # as _apply_delta: base + diff, on the grid
+        after[r0:r1] = q.add_(base).clamp_(-qmax, qmax)  # as the holder applies it: base + diff, on the grid
         yield (r1 - r0) * cols
     return ({"shape": list(x.shape), "scale": new_scale, "delta": pack(diff, bits)},
             {"shape": list(x.shape), "scale": new_scale.clone(), "codes": _store(after, fmt)})
@@ -238,7 +234,9 @@ def _apply_delta_steps(held: dict, upd: dict, fmt: CopyFormat) -> Generator[int,
     diff = unpack(upd["delta"], bits, rows * cols).view(rows, cols)
     after = torch.empty(rows, cols, dtype=torch.int8)
     for r0, r1 in _row_blocks(rows, cols):
-        base = _rebased(codes[r0:r1], scale[r0:r1], new_scale[r0:r1], qmax)
+        base = _on_new_grid(codes[r0:r1], scale[r0:r1], new_scale[r0:r1], qmax)
+        if base.dtype == torch.int8:
+            base = base.to(torch.int16)
         after[r0:r1] = base.add_(diff[r0:r1]).clamp_(-qmax, qmax)
         yield (r1 - r0) * cols
     return {"shape": list(held["shape"]), "scale": new_scale.clone(), "codes": _store(after, fmt)}
