@@ -13,13 +13,20 @@ holder's copy bit for bit (tests/test_snap.py).
     python -m benchmarks.snapcost                 # the edge stage (embedding + 5 layers, 46 M values), int8
     python -m benchmarks.snapcost --stage middle  # 5 layers (17.7 M values)
     python -m benchmarks.snapcost --format int4
+
+Each run's figures go into benchmarks/results/snapcost.json (one entry per stage, format and thread count;
+`--out` elsewhere), and the table in benchmarks/README.md is rendered from that file (`render`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +35,10 @@ from checkfree import snapcodec
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.snapcodec import CopyFormat, apply_update, encode_and_mirror, encode_update
 
+ROOT = Path(__file__).resolve().parent.parent
+RESULT = ROOT / "benchmarks" / "results" / "snapcost.json"
+BEGIN = "<!-- rendered by benchmarks.snapcost.render from benchmarks/results/snapcost.json -->"
+END = "<!-- end of the snapcost table -->"
 H, F, V, KV, LAYERS = 576, 1536, 49152, 192, 5  # SmolLM2-135M in 6 stages: 5 layers a stage
 
 
@@ -139,12 +150,37 @@ def _best(fn: Callable[[], tuple[bytearray, dict]], repeats: int) -> tuple[float
     return wall, cpu, out
 
 
+def render(result: dict[str, Any]) -> str:
+    """benchmarks/README.md's table of the runs in `result` (every number from it)."""
+    rows = [f"| {r['stage']} ({r['values'] / 1e6:.1f} M) | {r['format']} | {r['threads']} | "
+            f"{r['before']['cpu_s']:.3f} | {r['after']['cpu_s']:.3f} | "
+            f"{r['after']['cpu_s'] / r['before']['cpu_s']:.3f} | "
+            f"{r['before']['wall_s']:.3f} | {r['after']['wall_s']:.3f} | {r['load']:.1f} | "
+            f"{'yes' if r['same_update'] and r['same_mirror'] else 'NO'} |" for r in result["runs"]]
+    return "\n".join([
+        "| stage (values) | format | threads | before CPU s | after CPU s | after ÷ before | before wall s | "
+        "after wall s | load average | same update and mirror |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ])
+
+
+def update_readme(result: dict[str, Any], root: Path = ROOT) -> Path:
+    """Rewrite benchmarks/README.md's region between BEGIN and END from `result`."""
+    path = root / "benchmarks" / "README.md"
+    text = path.read_text()
+    i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
+    path.write_text(text[:i] + "\n" + render(result) + "\n" + text[j:])
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", choices=["edge", "middle"], default="edge")
     p.add_argument("--format", choices=["int8", "int4"], default="int8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (a peer's compute thread: 1)")
+    p.add_argument("--out", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     fmt = CopyFormat(args.format)
@@ -164,6 +200,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'after (encode_and_mirror)':28s} {new_w:8.3f} {new_c:8.3f}")
     print(f"same update bytes: {same_update}, same mirror: {same_mirror}")
     print(f"after/before: wall {new_w / old_w:.3f}, CPU {new_c / old_c:.3f}")
+    entry = {"stage": args.stage, "format": args.format, "values": n, "threads": args.threads,
+             "repeats": args.repeats, "load": round(os.getloadavg()[0], 2),
+             "before": {"wall_s": round(old_w, 4), "cpu_s": round(old_c, 4)},
+             "after": {"wall_s": round(new_w, 4), "cpu_s": round(new_c, 4)},
+             "same_update": same_update, "same_mirror": same_mirror}
+    out = Path(args.out) if args.out else RESULT
+    result = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    key = (args.stage, args.format, args.threads)
+    result["runs"] = sorted([r for r in result["runs"] if (r["stage"], r["format"], r["threads"]) != key] + [entry],
+                            key=lambda r: (r["stage"], r["format"], r["threads"]))
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    if out.resolve() == RESULT.resolve():
+        update_readme(result)
+    print(f"results in {out}")
     return 0 if same_update and same_mirror else 1
 
 

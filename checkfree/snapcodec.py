@@ -43,7 +43,8 @@ from torch import Tensor
 
 from checkfree.config import SNAPSHOT_FORMATS as FORMATS
 
-__all__ = ["FORMATS", "CopyFormat", "HeldCopy", "encode_update", "encode_and_mirror", "encode_steps", "apply_steps", "apply_update", "restore_state", "update_nbytes",
+__all__ = ["FORMATS", "CopyFormat", "HeldCopy", "encode_update", "encode_and_mirror", "encode_steps", "apply_steps",
+           "apply_update", "restore_state", "update_nbytes",
            "held_nbytes", "stage_shapes", "tree_nbytes", "copy_to_tree", "copy_from_tree", "pack", "unpack",
            "full_precision_nbytes"]
 

@@ -14,7 +14,8 @@ holder has the update: when the next update names it as its base (no decoding of
 The holder's side. COPY_PART's bytes are assembled per owner; a complete update is checked, and applied to the
 held copy (on the compute thread) only when it is asked for: by the next update of the same owner (whose base it
 is) or by a FETCH_SNAPSHOT of its step, so that until the coordinator knows an update complete the copy it knows
-is the one served; in slices too, and the held copy changes once the whole update is applied. A replacement restored from a copy keeps it as its mirror.
+is the one served; in slices too, and the held copy changes once the whole update is applied. A replacement
+restored from a copy keeps it as its mirror.
 """
 
 from __future__ import annotations

@@ -422,3 +422,17 @@ def test_the_current_step_copies_and_the_swarm_rounds_render_their_files_numbers
     assert render_current(current) in (tmp_path / "docs/recovery.md").read_text()
     readme = (tmp_path / "benchmarks/README.md").read_text()
     assert readme == f"a\n{SWARM_BEGIN}\n{render_swarm(swarm)}\n{SWARM_END}\nb\n"
+
+
+def test_the_codec_cost_table_is_its_result_files_and_the_rewrite_made_the_same_updates():
+    """benchmarks/README.md's snapcost table is `benchmarks.snapcost.render` of benchmarks/results/snapcost.json
+    (rewrite it with python -m benchmarks.snapcost), and every run there made the same update bytes and mirror
+    before and after the codec's rewrite."""
+    import json
+
+    from benchmarks.snapcost import BEGIN, END, RESULT, ROOT, render
+
+    result = json.loads(RESULT.read_text())
+    assert result["runs"] and all(r["same_update"] and r["same_mirror"] for r in result["runs"])
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    assert text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip() == render(result).strip()
