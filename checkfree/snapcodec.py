@@ -18,9 +18,10 @@ Updates. The first update a holder gets is `full`: every tensor encoded. After i
 an update is a `delta` on the holder's own grid: for every row (group) the scale stays unless the row's absmax
 outgrew it or fell below half of it (then the scale is the new absmax's and the held codes are re-expressed on it),
 and the update carries the new scales and, per value, the difference between the value's code on that grid and
-the held code, clipped to 4 bits (int8) or 2 bits (int4). The owner keeps a mirror of the holder's copy and makes
-it with the same `apply_update` the holder runs, so the two are equal bit for bit; every delta is computed against
-it, so a difference clipped now is sent by the next update (error feedback) and the error never accumulates: an
+the held code, clipped to 4 bits (int8) or 2 bits (int4). The owner keeps a mirror of the holder's copy: the
+codes the holder will compute (base + difference, on the grid) are computed while encoding (`encode_and_mirror`;
+integer-valued arithmetic, exact whatever the order), so the two are equal bit for bit without the owner decoding
+its own update; every delta is computed against it, so a difference clipped now is sent by the next update (error feedback) and the error never accumulates: an
 unclipped update leaves every value within half a step of its grid, as a fresh copy would. bf16 and float32 updates
 are always full (a cast has no grid to move on).
 
