@@ -18,9 +18,10 @@ Updates. The first update a holder gets is `full`: every tensor encoded. After i
 an update is a `delta` on the holder's own grid: for every row (group) the scale stays unless the row's absmax
 outgrew it or fell below half of it (then the scale is the new absmax's and the held codes are re-expressed on it),
 and the update carries the new scales and, per value, the difference between the value's code on that grid and
-the held code, clipped to 4 bits (int8) or 2 bits (int4). The owner keeps a mirror of the holder's copy and makes
-it with the same `apply_update` the holder runs, so the two are equal bit for bit; every delta is computed against
-it, so a difference clipped now is sent by the next update (error feedback) and the error never accumulates: an
+the held code, clipped to 4 bits (int8) or 2 bits (int4). The owner keeps a mirror of the holder's copy: the
+codes the holder will compute (base + difference, on the grid) are computed while encoding (`encode_and_mirror`;
+integer-valued arithmetic, exact whatever the order), so the two are equal bit for bit without the owner decoding
+its own update; every delta is computed against it, so a difference clipped now is sent by the next update (error feedback) and the error never accumulates: an
 unclipped update leaves every value within half a step of its grid, as a fresh copy would. bf16 and float32 updates
 are always full (a cast has no grid to move on).
 
@@ -34,7 +35,7 @@ whatever device trains the stage.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,8 @@ from torch import Tensor
 
 from checkfree.config import SNAPSHOT_FORMATS as FORMATS
 
-__all__ = ["FORMATS", "CopyFormat", "HeldCopy", "encode_update", "apply_update", "restore_state", "update_nbytes",
+__all__ = ["FORMATS", "CopyFormat", "HeldCopy", "encode_update", "encode_and_mirror", "encode_steps", "apply_steps",
+           "apply_update", "restore_state", "update_nbytes",
            "held_nbytes", "stage_shapes", "tree_nbytes", "copy_to_tree", "copy_from_tree", "pack", "unpack",
            "full_precision_nbytes"]
 
@@ -81,7 +83,8 @@ class CopyFormat:
 def pack(codes: Tensor, bits: int) -> Tensor:
     """Signed codes in [-2^(bits-1), 2^(bits-1)-1] packed 8/bits to a byte (uint8, little end first)."""
     per = 8 // bits
-    u = (codes.reshape(-1).to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    flat = codes.reshape(-1)
+    u = torch.add(flat if flat.dtype == torch.int8 else flat.to(torch.int8), 1 << (bits - 1)).view(torch.uint8)
     pad = (-u.numel()) % per
     if pad:
         u = torch.cat([u, torch.zeros(pad, dtype=torch.uint8)])
@@ -95,9 +98,10 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of `pack`: the first `n` codes, as int8."""
     per, mask = 8 // bits, (1 << bits) - 1
-    parts = [(packed >> (bits * i)) & mask for i in range(per)]
-    u = torch.stack(parts, dim=1).reshape(-1)[:n]
-    return (u.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+    u = torch.empty(packed.numel(), per, dtype=torch.uint8)
+    for i in range(per):
+        torch.bitwise_and(packed >> (bits * i) if i else packed, mask, out=u[:, i])
+    return u.view(-1)[:n].view(torch.int8).sub(1 << (bits - 1))
 
 
 # ---- grids -------------------------------------------------------------------------------------
@@ -160,36 +164,84 @@ def _decode(entry: dict, fmt: CopyFormat) -> Tensor:
     return (q.to(torch.float32) * entry["scale"].unsqueeze(1)).reshape(-1)[:math.prod(shape)].reshape(shape)
 
 
-def _rebased(codes: Tensor, scale: Tensor, new_scale: Tensor, qmax: int) -> Tensor:
-    """The held codes re-expressed on the new scales (rows whose scale changed), as float32."""
-    q = codes.to(torch.float32)
+_BLOCK = 1 << 18  # values per block of the delta's row loop (its float32 temporaries, 1 MiB, stay in cache)
+
+
+def _on_new_grid(codes: Tensor, scale: Tensor, new_scale: Tensor, qmax: int) -> Tensor:
+    """The held codes (int8) re-expressed on the new scales: the codes themselves where no row's scale changed,
+    else as float32 with the changed rows rounded onto their new scale (exact integers either way)."""
     changed = new_scale != scale
-    if bool(changed.any()):
-        q[changed] = torch.round(q[changed] * (scale[changed] / new_scale[changed]).unsqueeze(1)).clamp_(-qmax, qmax)
+    if not bool(changed.any()):
+        return codes
+    q = codes.to(torch.float32)
+    q[changed] = torch.round(q[changed] * (scale[changed] / new_scale[changed]).unsqueeze(1)).clamp_(-qmax, qmax)
     return q
 
 
-def _delta(x: Tensor, held: dict, fmt: CopyFormat) -> dict:
-    """The update of one held matrix to `x`: new scales and the clipped code differences (see the module)."""
+def _row_blocks(rows: int, cols: int) -> Iterable[tuple[int, int]]:
+    step = max(1, _BLOCK // max(cols, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def _delta(x: Tensor, held: dict, fmt: CopyFormat) -> tuple[dict, dict]:
+    """The update of one held matrix to `x` (`_delta_steps`, run through)."""
+    return _run(_delta_steps(x, held, fmt))
+
+
+def _delta_steps(x: Tensor, held: dict, fmt: CopyFormat) -> Generator[int, None, tuple[dict, dict]]:
+    """The update of one held matrix to `x`: new scales and the clipped code differences (see the module); and the
+    held entry after it, as `_apply_delta` makes it from the update (the owner's mirror, without decoding it).
+    Row block by row block (the float32 temporaries are a block's, not the matrix's), yielding the values done
+    after each block (a caller may pause there: `encode_steps`)."""
     qmax, bits = _QMAX[fmt.weights], _DELTA_BITS[fmt.weights]
     x2 = _as_grid(x, fmt)
     scale = held["scale"]
-    amax = x2.abs().amax(dim=1)
+    lo_x, hi_x = torch.aminmax(x2, dim=1)
+    amax = torch.maximum(hi_x, lo_x.neg())  # = x2.abs().amax(dim=1), in one pass and no |x| temporary
     moved = (amax > qmax * scale) | (amax < qmax * scale / 2)
     new_scale = torch.where(moved, (amax / qmax).clamp(min=_TINY), scale)
-    base = _rebased(_codes(held, fmt), scale, new_scale, qmax)
+    codes = _codes(held, fmt)
+    rows, cols = x2.shape
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    diff = (_quantize(x2, new_scale, qmax) - base).clamp_(lo, hi).to(torch.int8)
-    return {"shape": list(x.shape), "scale": new_scale, "delta": pack(diff, bits)}
+    diff = torch.empty(rows, cols, dtype=torch.int8)
+    after = torch.empty(rows, cols, dtype=torch.int8)
+    for r0, r1 in _row_blocks(rows, cols):
+        ns = new_scale[r0:r1]
+        base = _on_new_grid(codes[r0:r1], scale[r0:r1], ns, qmax)
+        q = torch.div(x2[r0:r1], ns.unsqueeze(1))
+        q.round_().clamp_(-qmax, qmax).sub_(base).clamp_(lo, hi)
+        diff[r0:r1] = q
+        after[r0:r1] = q.add_(base).clamp_(-qmax, qmax)  # as the holder applies it: base + diff, on the grid
+        yield (r1 - r0) * cols
+    return ({"shape": list(x.shape), "scale": new_scale, "delta": pack(diff, bits)},
+            {"shape": list(x.shape), "scale": new_scale.clone(), "codes": _store(after, fmt)})
 
 
-def _apply_delta(held: dict, upd: dict, fmt: CopyFormat) -> dict:
+def _run(gen: Generator[int, None, Any]) -> Any:
+    """A generator's return value, once it ran through."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _apply_delta_steps(held: dict, upd: dict, fmt: CopyFormat) -> Generator[int, None, dict]:
+    """One held matrix after a delta: its codes re-expressed on the new scales plus the differences, on the grid;
+    row block by row block, yielding the values done (as `_delta_steps`)."""
     qmax, bits = _QMAX[fmt.weights], _DELTA_BITS[fmt.weights]
     rows, cols = _grid_shape(tuple(held["shape"]), fmt)
-    base = _rebased(_codes(held, fmt), held["scale"], upd["scale"], qmax)
-    diff = unpack(upd["delta"], bits, rows * cols).view(rows, cols).to(torch.float32)
-    codes = (base + diff).clamp_(-qmax, qmax).to(torch.int8)
-    return {"shape": list(held["shape"]), "scale": upd["scale"].clone(), "codes": _store(codes, fmt)}
+    codes, scale, new_scale = _codes(held, fmt), held["scale"], upd["scale"]
+    diff = unpack(upd["delta"], bits, rows * cols).view(rows, cols)
+    after = torch.empty(rows, cols, dtype=torch.int8)
+    for r0, r1 in _row_blocks(rows, cols):
+        base = _on_new_grid(codes[r0:r1], scale[r0:r1], new_scale[r0:r1], qmax)
+        if base.dtype == torch.int8:
+            base = base.to(torch.int16)
+        after[r0:r1] = base.add_(diff[r0:r1]).clamp_(-qmax, qmax)
+        yield (r1 - r0) * cols
+    return {"shape": list(held["shape"]), "scale": new_scale.clone(), "codes": _store(after, fmt)}
 
 
 # ---- a stage's copy --------------------------------------------------------------------------
@@ -225,21 +277,41 @@ def _meta_of(state: dict) -> dict[str, Any]:
 def encode_update(state: dict, step: int, fmt: CopyFormat, base: HeldCopy | None) -> dict:
     """The update that brings the holder's copy `base` (None: none, a full update) to `state` (a captured
     `checkfree.strategies.state.StageState`, read only), as a tree of tensors and scalars (`checkfree.serialize`)."""
+    return encode_and_mirror(state, step, fmt, base)[0]
+
+
+def encode_and_mirror(state: dict, step: int, fmt: CopyFormat, base: HeldCopy | None) -> tuple[dict, HeldCopy]:
+    """`encode_update`'s update, and the copy the holder will have once it applied it (equal bit for bit to
+    `apply_update(base, update)`, made while encoding: the owner's next mirror without decoding the update; `base`
+    itself is not changed)."""
+    return _run(encode_steps(state, step, fmt, base))
+
+
+def encode_steps(state: dict, step: int, fmt: CopyFormat,
+                 base: HeldCopy | None) -> Generator[int, None, tuple[dict, HeldCopy]]:
+    """`encode_and_mirror` in small steps: a generator that yields the values encoded since its last yield (a
+    block of rows, or one small tensor) and returns (update, the holder's copy after it). Whoever drives it may do
+    other work between two steps (peers.streams: the stage's passes), as long as `state` does not change."""
     full = base is None or not fmt.differential
     if base is not None and base.fmt != fmt:
         raise ValueError(f"a delta on a copy of format {base.fmt} cannot be of format {fmt}")
-    weights = {}
+    weights, after = {}, {}
     for name, x in state["model"].items():
         if full or base is None or not _matrix(x):
-            weights[name] = _encode(x, fmt)
+            weights[name] = after[name] = _encode(x, fmt)
+            yield x.numel()
         else:
             if name not in base.weights:
                 raise ValueError(f"the held copy has no {name!r}")
-            weights[name] = _delta(x, base.weights[name], fmt)
+            weights[name], after[name] = yield from _delta_steps(x, base.weights[name], fmt)
+    if not full and base is not None and set(weights) != set(base.weights):
+        raise ValueError("a delta names other tensors than the held copy's")
     moments = _moments_of(state["optim"]["state"], fmt) if fmt.moments else None
-    return {"kind": "full" if full else "delta", "step": int(step), "base": None if full or base is None else base.step,
-            "format": [fmt.weights, fmt.group, fmt.moments], "weights": weights, "moments": moments,
-            "meta": _meta_of(state)}
+    meta = _meta_of(state)
+    update = {"kind": "full" if full else "delta", "step": int(step),
+              "base": None if full or base is None else base.step, "format": [fmt.weights, fmt.group, fmt.moments],
+              "weights": weights, "moments": moments, "meta": meta}
+    return update, HeldCopy(int(step), fmt, after, moments, dict(meta))
 
 
 def _format_of(tree: dict) -> CopyFormat:
@@ -253,6 +325,11 @@ def _format_of(tree: dict) -> CopyFormat:
 def apply_update(held: HeldCopy | None, update: dict) -> HeldCopy:
     """The copy after `update` (see `encode_update`): a full update replaces `held`, a delta changes it in place
     (and returns it). Malformed updates, and a delta on a copy of another step, raise ValueError."""
+    return _run(apply_steps(held, update))
+
+
+def apply_steps(held: HeldCopy | None, update: dict) -> Generator[int, None, HeldCopy]:
+    """`apply_update` in small steps (as `encode_steps`): `held` changes only once the last step is done."""
     fmt = _format_of(update)
     kind = update.get("kind")
     if kind == "full":
@@ -265,10 +342,17 @@ def apply_update(held: HeldCopy | None, update: dict) -> HeldCopy:
     if set(update["weights"]) != set(held.weights):
         raise ValueError("a delta names other tensors than the held copy's")
     for name, upd in update["weights"].items():
-        h = held.weights[name]
-        if list(upd["shape"]) != list(h["shape"]):
-            raise ValueError(f"a delta of {name!r} has shape {upd['shape']}, the held copy {h['shape']}")
-        held.weights[name] = dict(upd) if "value" in upd else _apply_delta(h, upd, fmt)
+        if list(upd["shape"]) != list(held.weights[name]["shape"]):
+            raise ValueError(f"a delta of {name!r} has shape {upd['shape']}, the held copy "
+                             f"{held.weights[name]['shape']}")
+    weights = {}
+    for name, upd in update["weights"].items():
+        if "value" in upd:
+            weights[name] = dict(upd)
+            yield upd["value"].numel()
+        else:
+            weights[name] = yield from _apply_delta_steps(held.weights[name], upd, fmt)
+    held.weights.update(weights)
     held.step, held.moments, held.meta = int(update["step"]), update["moments"], dict(update["meta"])
     return held
 

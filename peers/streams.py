@@ -3,16 +3,19 @@ checkfree.snapcodec).
 
 The owner's side. RUN_STEP names the part of this stage's copy the step carries (`CopyWork`). It is sent on its
 own task while the step computes: for part 0 the update is first encoded on the compute thread at background
-priority (behind the step's passes, in its bubbles), from the stage's state as it enters the step, against the
-owner's mirror of the holder's copy; then the part's bytes go to the holder (COPY_PART). COMMIT waits for that
-task before the optimizer step (the encoding must read the weights the step started from), and reports the part
-the holder acknowledged: the coordinator counts an update complete once every part was acknowledged in a
-committed step. The mirror takes an update once the holder has it: when the next update names it as its base.
+priority (behind the step's passes, in its bubbles), in slices of ENCODE_SLICE values so that a pass queued
+meanwhile waits for one slice only, from the stage's state as it enters the step, against the owner's mirror of
+the holder's copy; then the part's bytes go to the holder (COPY_PART). COMMIT waits for that task before the
+optimizer step (the encoding must read the weights the step started from), and reports the part the holder
+acknowledged: the coordinator counts an update complete once every part was acknowledged in a committed step. The
+encoding also makes the holder's copy after the update (`snapcodec.encode_steps`); the mirror becomes it once the
+holder has the update: when the next update names it as its base (no decoding of the owner's own update).
 
 The holder's side. COPY_PART's bytes are assembled per owner; a complete update is checked, and applied to the
 held copy (on the compute thread) only when it is asked for: by the next update of the same owner (whose base it
 is) or by a FETCH_SNAPSHOT of its step, so that until the coordinator knows an update complete the copy it knows
-is the one served. A replacement restored from a copy keeps it as its mirror.
+is the one served; in slices too, and the held copy changes once the whole update is applied. A replacement
+restored from a copy keeps it as its mirror.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 from checkfree.messages import CopyChunk, CopyWork, Ok
 from checkfree.net.transport import TransportError
 from checkfree.protocol import ProtocolError
 from checkfree.serialize import blob_tensor, state_from_bytes, state_to_bytes
-from checkfree.snapcodec import HeldCopy, apply_update, copy_from_tree, copy_to_tree, encode_update
+from checkfree.snapcodec import HeldCopy, apply_steps, copy_from_tree, copy_to_tree, encode_steps
 from checkfree.strategies.state import capture_worker
 from peers.checks import check_blob
 from peers.compute import BACKGROUND, ComputeQueue
@@ -37,7 +42,20 @@ __all__ = ["Streams", "is_copy_blob"]
 
 log = logging.getLogger(__name__)
 
+ENCODE_SLICE = 1 << 22  # values encoded per compute job (a few tens of ms): passes queued meanwhile wait no longer
 MAX_COPY_BYTES = 1 << 36  # a declared update larger than this (64 GiB) is refused before anything is allocated
+
+
+def _advance(steps: Generator[int, None, Any], values: int = ENCODE_SLICE) -> Any:
+    """On the compute thread: run an encoding (`Streams._encode`) on for about `values` values; its result once it
+    is done, else None."""
+    done = 0
+    try:
+        while done < values:
+            done += next(steps)
+    except StopIteration as stop:
+        return stop.value
+    return None
 
 
 def is_copy_blob(state: dict) -> bool:
@@ -62,7 +80,7 @@ class Streams:
         self.net, self.hosted, self.compute = membership, hosted, compute
         # the owner's side
         self.mirror: HeldCopy | None = None  # the holder's copy of this stage, as the holder has it
-        self.update: tuple[tuple, bytearray] | None = None  # the update in flight: its key, its bytes
+        self.update: tuple[tuple, bytearray, HeldCopy] | None = None  # in flight: key, bytes, the copy after it
         self._task: asyncio.Task | None = None  # the part this step sends
         self._work: CopyWork | None = None  # ...which
         self._sent: tuple[int, int] | None = None  # (copy step, part) acknowledged by the holder in this step
@@ -90,8 +108,11 @@ class Streams:
             if work.part != 0 or work.step != step:
                 raise ProtocolError(f"part {work.part} of the copy update as of step {work.step}, which this peer "
                                     "has not encoded")
-            blob = await self.compute.run(self._encode, work, priority=BACKGROUND)
-            self.update = (key, blob)
+            steps = self._encode(work)
+            while (done := await self.compute.run(_advance, steps, priority=BACKGROUND)) is None:
+                pass
+            blob, after = done
+            self.update = (key, blob, after)
         blob = self.update[1]
         total = len(blob)
         lo, hi = total * work.part // work.parts, total * (work.part + 1) // work.parts
@@ -101,8 +122,10 @@ class Streams:
                             link=(self.hosted.index, work.holder_stage))
         self._sent, self._sent_bytes = (work.step, work.part), hi - lo
 
-    def _encode(self, work: CopyWork) -> bytearray:
-        """On the compute thread: the update as of `work.step` (the stage's state now), against the mirror."""
+    def _encode(self, work: CopyWork) -> Generator[int, None, tuple[bytearray, HeldCopy]]:
+        """On the compute thread, in steps of a few million values (`_advance`; the stage's passes go between
+        them): the update as of `work.step` (the stage's state now, which no step changes before COMMIT, and COMMIT
+        waits for this), against the mirror; serialised, with the holder's copy after it (the next mirror)."""
         base = None
         if work.kind == "delta":
             self._catch_up(work.base)
@@ -114,15 +137,14 @@ class Streams:
         if fmt is None:
             raise ProtocolError("a COPY_PART's work on a peer whose strategy keeps no copies")
         state = capture_worker(self.hosted.serving(), work.step, self.hosted.omega, clone=False)
-        return state_to_bytes(encode_update(state, work.step, fmt, base))
+        update, after = yield from encode_steps(state, work.step, fmt, base)
+        return state_to_bytes(update), after
 
     def _catch_up(self, base: int | None) -> None:
         """The mirror takes the update in flight when the holder has it (it is the next update's base)."""
         if self.update is not None and self.update[0][0] == base and (self.mirror is None or
                                                                        self.mirror.step != base):
-            (step, kind, _), blob = self.update
-            self.mirror = apply_update(self.mirror if kind == "delta" else None, state_from_bytes(blob))
-            self.update = None
+            self.mirror, self.update = self.update[2], None  # made while encoding (snapcodec.encode_and_mirror)
 
     async def before_commit(self) -> tuple[tuple[int, int] | None, int | None]:
         """COMMIT: the part this step sent has been encoded and acknowledged (or failed: reported as not sent);
@@ -193,8 +215,10 @@ class Streams:
                         "dropped", owner, step, base, None if held is None else held.step)
             return
         t0 = time.perf_counter()
-        self.held[owner] = await self.compute.run(apply_update, held if kind == "delta" else None,
-                                                  state_from_bytes(inc.buf), priority=BACKGROUND)
+        steps = apply_steps(held if kind == "delta" else None, state_from_bytes(inc.buf))
+        while (after := await self.compute.run(_advance, steps, priority=BACKGROUND)) is None:
+            pass
+        self.held[owner] = after
         log.info("copy of stage %d now as of step %d (%s, applied in %.3f s)", owner, step, kind,
                  time.perf_counter() - t0)
 

@@ -14,8 +14,9 @@ from checkfree.recovery import Neighbours
 from checkfree.rundir import read_jsonl
 from checkfree.serialize import state_from_bytes, state_to_bytes
 from checkfree.simulator import Simulator
-from checkfree.snapcodec import (FORMATS, CopyFormat, apply_update, encode_update, full_precision_nbytes,
-                                 held_nbytes, pack, restore_state, stage_shapes, tree_nbytes, unpack, update_nbytes)
+from checkfree.snapcodec import (FORMATS, CopyFormat, apply_update, encode_and_mirror, encode_update,
+                                 full_precision_nbytes, held_nbytes, pack, restore_state, stage_shapes, tree_nbytes,
+                                 unpack, update_nbytes)
 from checkfree.strategies import build_strategy
 
 
@@ -71,7 +72,9 @@ def test_updates_weigh_what_the_plan_says_and_the_mirror_equals_the_holders_copy
     for step in range(0, 12):
         if step:
             w = {k: v + torch.randn(v.shape, generator=g) * 2e-3 * v.abs().mean() for k, v in w.items()}
-        update = encode_update(_state(w, moments), step, fmt, mirror)
+        state = _state(w, moments)
+        update, made = encode_and_mirror(state, step, fmt, mirror)
+        assert state_to_bytes(update) == state_to_bytes(encode_update(state, step, fmt, mirror))
         assert update["kind"] == ("full" if step == 0 or not fmt.differential else "delta")
         assert tree_nbytes(update) == update_nbytes(shapes, fmt, update["kind"])
         received = state_from_bytes(state_to_bytes(update))
@@ -79,7 +82,8 @@ def test_updates_weigh_what_the_plan_says_and_the_mirror_equals_the_holders_copy
         holder = apply_update(holder if received["kind"] == "delta" else None, received)
         assert holder.step == mirror.step == step
         a, b = state_to_bytes({"c": holder.weights}), state_to_bytes({"c": mirror.weights})
-        assert a == b
+        assert a == b == state_to_bytes({"c": made.weights})  # the owner's mirror as made while encoding
+        assert made.step == step and made.meta["norm"] == holder.meta["norm"]
         got = restore_state(holder)["model"]
         for k, v in w.items():
             err = (got[k] - v).abs()
@@ -418,3 +422,17 @@ def test_the_current_step_copies_and_the_swarm_rounds_render_their_files_numbers
     assert render_current(current) in (tmp_path / "docs/recovery.md").read_text()
     readme = (tmp_path / "benchmarks/README.md").read_text()
     assert readme == f"a\n{SWARM_BEGIN}\n{render_swarm(swarm)}\n{SWARM_END}\nb\n"
+
+
+def test_the_codec_cost_table_is_its_result_files_and_the_rewrite_made_the_same_updates():
+    """benchmarks/README.md's snapcost table is `benchmarks.snapcost.render` of benchmarks/results/snapcost.json
+    (rewrite it with python -m benchmarks.snapcost), and every run there made the same update bytes and mirror
+    before and after the codec's rewrite."""
+    import json
+
+    from benchmarks.snapcost import BEGIN, END, RESULT, ROOT, render
+
+    result = json.loads(RESULT.read_text())
+    assert result["runs"] and all(r["same_update"] and r["same_mirror"] for r in result["runs"])
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    assert text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip() == render(result).strip()
