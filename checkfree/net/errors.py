@@ -76,7 +76,7 @@ _WARNED: set[str] = set()  # the warnings this process has printed (`warn_once`)
 
 def warn_once(log: logging.Logger, text: str) -> None:
     """`text` as a warning, the first time this process gives it: a warning of how a process runs (a transport
-    without a run secret) is said once, not for every transport it starts (a `checkfree chaos dst` run starts
+    without a run secret) is said once, not for every transport it starts (a generated-schedule test run starts
     hundreds)."""
     if text not in _WARNED:
         _WARNED.add(text)
