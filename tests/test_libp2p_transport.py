@@ -209,7 +209,7 @@ def test_libp2p_malformed_raw_bytes_get_error_reply_and_service_continues() -> N
             frames = encode_message({"pieces": True}, [torch.arange(5000, dtype=torch.int32)])
             data = b"".join(frames)
             header, out = decode_body(
-                await client._submit(_write_in_pieces, client, server.peer_id, data)  # noqa: SLF001
+                await client.trio_thread.submit(_write_in_pieces, client, server.peer_id, data)
             )
             assert header["pieces"] is True and torch.equal(out[0], torch.arange(5000, dtype=torch.int32))
             header, out = await client.call(server.peer_id, "echo", {"ok": True}, [torch.ones(3)], timeout=30)
@@ -374,21 +374,21 @@ def test_address_resolver_is_asked_once_and_again_after_a_failed_dial() -> None:
                 header, _ = await client.call(server.peer_id, "echo", {"k": k}, timeout=30)
                 assert header["k"] == k
             assert asked == [server.peer_id]  # asked once, then remembered
-            client._addresses.pop(server.peer_id)  # as if never known: the next lookup finds a stale address
+            client.addresses.forget(server.peer_id)  # as if never known: the next lookup finds a stale address
             await client.call(server.peer_id, "echo", {}, timeout=30)  # the open connection still serves
-            assert client._addresses[server.peer_id] == ["/ip4/127.0.0.1/tcp/1"]
+            assert client.addresses.known(server.peer_id) == ["/ip4/127.0.0.1/tcp/1"]
 
             async def stored() -> list[str]:
                 return [str(a) for a in client._host.get_peerstore().addrs(lt.ID.from_base58(server.peer_id))]
 
-            assert await client._submit(stored) == ["/ip4/127.0.0.1/tcp/1"]  # the stale address replaced the good one
-            await client._submit(lambda: client._host.disconnect(lt.ID.from_base58(server.peer_id)))
+            assert await client.trio_thread.submit(stored) == ["/ip4/127.0.0.1/tcp/1"]  # the stale address replaced the good one
+            await client.trio_thread.submit(lambda: client._host.disconnect(lt.ID.from_base58(server.peer_id)))
             with pytest.raises(TransportError):  # dialing the stale address fails ...
                 await client.call(server.peer_id, "echo", {}, timeout=30)
-            assert server.peer_id not in client._addresses  # ... so it is forgotten and looked up again
+            assert not client.addresses.known(server.peer_id)  # ... so it is forgotten and looked up again
             with pytest.raises(TransportError, match="negative cache"):  # (py-libp2p refuses redials for 60 s)
                 await client.call(server.peer_id, "echo", {}, timeout=30)
-            assert len(asked) == 3 and await client._submit(stored) == [server.get_visible_maddrs()[0].rsplit("/p2p/")[0]]
+            assert len(asked) == 3 and await client.trio_thread.submit(stored) == [server.get_visible_maddrs()[0].rsplit("/p2p/")[0]]
         finally:
             await client.shutdown()
             await server.shutdown()

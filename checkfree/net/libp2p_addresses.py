@@ -19,26 +19,42 @@ A port held by an ordinary socket does fail (``TransportError``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from checkfree.net.addresses import learn_addresses
 from checkfree.net.errors import TransportError, TransportTimeout
-from checkfree.net.libp2p_bridge import error_text
+from checkfree.net.libp2p_bridge import TrioThread, error_text
 from checkfree.net.libp2p_support import ID, PERMANENT_ADDR_TTL, multiaddr
 
 __all__ = ["Libp2pAddressBook"]
 
 
 class Libp2pAddressBook:
-    """Mixin of `Libp2pTransport`: uses its ``_addresses`` (peer id -> transport addrs without /p2p),
-    ``_host`` (the libp2p host, in the trio thread), ``address_resolver`` and ``_submit`` (run on the trio
-    thread)."""
+    """The address book of a `Libp2pTransport`: it owns the addresses known (peer id -> transport addresses without
+    /p2p) and the ``address_resolver``, and hands them to the libp2p host's peerstore (``attach``, once the host
+    runs in the trio thread) before a dial, through the transport's `TrioThread`."""
 
-    _addresses: dict[str, list[str]]
-    _host: Any
-    address_resolver: Any
-    _submit: Callable[..., asyncio.Future]  # annotation only: the method is `TrioThread`'s
+    def __init__(self, trio_thread: TrioThread) -> None:
+        self.trio_thread = trio_thread
+        self._addresses: dict[str, list[str]] = {}
+        self._host: Any = None  # the libp2p host, from `attach` on (trio thread)
+        # asked for the addresses of a peer called by bare id when none are known (e.g. a DHT lookup)
+        self.address_resolver: Callable[[str], Awaitable[Sequence[str]]] | None = None
+
+    def attach(self, host: Any) -> None:  # trio thread, as the host starts
+        self._host = host
+
+    def use_resolver(self, resolver: Callable[[str], Awaitable[Sequence[str]]] | None) -> None:
+        self.address_resolver = resolver
+
+    def known(self, peer: str) -> list[str]:
+        """The addresses known for ``peer`` (none: an empty list)."""
+        return list(self._addresses.get(peer, ()))
+
+    def forget(self, peer: str) -> None:
+        """Forget ``peer``'s addresses (they are looked up again on the next call: moved, or a bad record)."""
+        self._addresses.pop(peer, None)
 
     def add_peer_address(self, maddr: str, peer_id: str | None = None) -> str:
         """Remember an address of a peer; returns its peer id.
@@ -66,7 +82,8 @@ class Libp2pAddressBook:
             known.append(str(addr))
         return str(peer_id)
 
-    def _target(self, peer: Any) -> tuple[str, list[str]]:
+    def target(self, peer: Any) -> tuple[str, list[str]]:
+        """``peer`` (a bare peer id, or a full multiaddr, remembered) as its id and the addresses known."""
         text = str(peer)
         if text.startswith("/"):
             text = self.add_peer_address(text)
@@ -74,14 +91,14 @@ class Libp2pAddressBook:
 
     async def connect(self, maddr: str, *, timeout: float = 30.0) -> str:
         """Dial a peer at a full multiaddr now (and remember its address); returns its peer id."""
-        peer, addrs = self._target(maddr)
+        peer, addrs = self.target(maddr)
         try:
-            await asyncio.wait_for(self._submit(self._t_connect, peer, addrs), timeout)
+            await asyncio.wait_for(self.trio_thread.submit(self._t_connect, peer, addrs), timeout)
         except asyncio.TimeoutError:
             raise TransportTimeout(f"connecting to {maddr} timed out after {timeout:g} s") from None
         return peer
 
-    def _t_remember(self, peer: str, addrs: Sequence[str]) -> Any:
+    def t_remember(self, peer: str, addrs: Sequence[str]) -> Any:
         """The peer's ID; its dialable addresses become exactly ``addrs`` (if any are given): py-libp2p dials
         only the first TCP address it holds for a peer, so a stale one must not stay in front."""
         pid = ID.from_base58(peer)
@@ -94,13 +111,13 @@ class Libp2pAddressBook:
     async def _t_connect(self, peer: str, addrs: Sequence[str]) -> None:
         from libp2p.peer.peerinfo import PeerInfo
 
-        pid = self._t_remember(peer, addrs)
+        pid = self.t_remember(peer, addrs)
         try:
             await self._host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a) for a in addrs]))
         except Exception as e:
             raise TransportError(f"cannot connect to peer {peer} at {addrs}: {error_text(e)}") from e
 
-    async def _resolve(self, peer: str, addrs: list[str]) -> list[str]:
+    async def resolve(self, peer: str, addrs: list[str]) -> list[str]:
         """``addrs``, or, when no address of ``peer`` is known, what ``address_resolver`` finds (remembered).
 
         A failed or empty lookup is not an error here: an existing connection (the peer dialed us) needs no

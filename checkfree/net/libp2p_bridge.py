@@ -1,9 +1,9 @@
 """The asyncio <-> trio bridge of `checkfree.net.libp2p_transport`: py-libp2p is trio-based and cannot share
 hivemind's asyncio loop, so the libp2p host runs ``trio.run`` in a dedicated daemon thread.
 
-asyncio -> trio (`TrioThread._submit`): a job starts in the trio thread with ``TrioToken.run_sync_soon`` and its
+asyncio -> trio (`TrioThread.submit`): a job starts in the trio thread with ``TrioToken.run_sync_soon`` and its
 result comes back through ``loop.call_soon_threadsafe`` into an asyncio future; cancelling that future (e.g. a
-timeout) cancels the trio job. trio -> asyncio (`TrioThread._t_run_on_loop`): a coroutine runs on the asyncio loop
+timeout) cancels the trio job. trio -> asyncio (`TrioThread.run_on_loop`): a coroutine runs on the asyncio loop
 via ``run_coroutine_threadsafe`` while the trio task waits for it.
 """
 
@@ -60,33 +60,74 @@ def _settle(fut: asyncio.Future, result: Any = None, exc: BaseException | None =
 
 
 class TrioThread:
-    """The trio thread a `Libp2pTransport` runs its host in (the subclass provides ``_trio_main``)."""
+    """A trio event loop in a daemon thread of its own, started from an asyncio loop, and the bridges between the
+    two. It owns the thread, the trio token and the nursery submitted jobs run in: ``start(main, ready)`` runs
+    ``await main(ready)`` under trio, and ``main`` holds ``serve(on_ready)`` open for as long as jobs may run;
+    ``stop()`` ends both."""
 
-    _loop: asyncio.AbstractEventLoop | None
-    _thread: threading.Thread | None
-    _token: Any
-    _nursery: Any
-    _stop: Any
-    _closed: bool
-    shutdown_timeout: float
+    def __init__(self, name: str, shutdown_timeout: float) -> None:
+        self.name = name
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None  # the asyncio loop that started the thread
+        self._thread: threading.Thread | None = None
+        self._token: Any = None  # the trio loop's token, once it runs
+        self._nursery: Any = None  # where submitted jobs run, while `serve` holds it open
+        self._stop: Any = None  # a trio.Event: `serve` returns once it is set
+        self._closed = False
 
-    async def _trio_main(self, ready: concurrent.futures.Future) -> None:
-        raise NotImplementedError
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
-    def _thread_main(self, ready: concurrent.futures.Future) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self, main: Callable[[concurrent.futures.Future], Awaitable[None]],
+              ready: concurrent.futures.Future) -> None:
+        """(asyncio side) Start the thread: ``await main(ready)`` under trio; ``main`` sets ``ready`` once up, and
+        an exception that ends the thread before that is set on ``ready``."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, args=(main, ready), name=self.name, daemon=True)
+        self._thread.start()
+
+    def _thread_main(self, main: Callable[[concurrent.futures.Future], Awaitable[None]],
+                     ready: concurrent.futures.Future) -> None:
         try:
-            trio.run(self._trio_main, ready)
+            trio.run(self._t_main, main, ready)
         except BaseException as e:  # noqa: BLE001 - reported to the starter or logged, never lost
             if not ready.done():
                 ready.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
             else:
                 logger.warning("libp2p trio thread ended with %s", error_text(e))
 
+    async def _t_main(self, main: Callable[[concurrent.futures.Future], Awaitable[None]],
+                      ready: concurrent.futures.Future) -> None:
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        await main(ready)
+
+    async def serve(self, on_ready: Callable[[], None]) -> None:
+        """(trio side) Hold the nursery submitted jobs run in: ``on_ready()`` once it is open, then wait for
+        ``stop()`` and cancel what still runs."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            on_ready()
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+        self._nursery = None
+
     def _request_stop(self) -> None:  # trio thread
         if self._stop is not None:
             self._stop.set()
 
-    async def _join_thread(self) -> None:
+    async def stop(self) -> None:
+        """(asyncio side) Refuse new jobs, stop the trio loop and wait for the thread (at most
+        ``shutdown_timeout``); idempotent."""
+        self._closed = True
+        if self._token is not None:
+            with contextlib.suppress(Exception):  # trio.RunFinishedError: already stopped
+                self._token.run_sync_soon(self._request_stop)
         thread = self._thread
         if thread is not None and thread.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, thread.join, self.shutdown_timeout)
@@ -95,7 +136,7 @@ class TrioThread:
 
     # ------------------------------------------------------------ asyncio -> trio bridge
 
-    def _submit(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> asyncio.Future:
+    def submit(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> asyncio.Future:
         """Run ``await fn(*args)`` as a task in the trio thread; the returned asyncio future gets its result.
 
         Cancelling the future cancels the trio task.
@@ -148,7 +189,7 @@ class TrioThread:
 
     # ------------------------------------------------------------ trio -> asyncio bridge
 
-    async def _t_run_on_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
+    async def run_on_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """From the trio thread: run ``coro`` on the asyncio loop and wait for its result."""
         assert self._loop is not None
         # RuntimeError if the loop is closed

@@ -12,15 +12,13 @@ a handler under protocol ``/checkfree/<name>/1.0.0`` and answer each incoming st
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from checkfree.net.base import Handler
 from checkfree.net.errors import TransportError, failed_request
-from checkfree.net.libp2p_bridge import error_text
+from checkfree.net.libp2p_bridge import TrioThread, error_text
 from checkfree.net.libp2p_support import (
     READ_CHUNK_BYTES,
     IncompleteRead,
@@ -40,17 +38,25 @@ logger = logging.getLogger(__name__)
 
 
 class Libp2pServer:
-    """Mixin of `Libp2pTransport`: uses its ``_handlers`` (name -> handler), ``_host`` (the libp2p host, in the
-    trio thread), ``max_message_bytes``, ``read_timeout``, ``linger_timeout``, ``_submit`` (run on the trio
-    thread) and ``_t_run_on_loop`` (run on the asyncio loop)."""
+    """The serving part of a `Libp2pTransport`: it owns the handlers, installs them on the libp2p host (``attach``,
+    once the host runs in the trio thread) and answers each incoming stream, running the handler on the asyncio
+    loop through the transport's `TrioThread`."""
 
-    _handlers: dict[str, Handler]
-    _host: Any
-    max_message_bytes: int
-    read_timeout: float
-    linger_timeout: float
-    _submit: Callable[..., asyncio.Future]  # annotations only: the methods are `TrioThread`'s
-    _t_run_on_loop: Callable[[Coroutine[Any, Any, Any]], Coroutine[Any, Any, Any]]
+    def __init__(self, trio_thread: TrioThread, *, max_message_bytes: int, read_timeout: float,
+                 linger_timeout: float) -> None:
+        self.trio_thread = trio_thread
+        self.max_message_bytes = max_message_bytes
+        self.read_timeout = read_timeout
+        self.linger_timeout = linger_timeout
+        self._handlers: dict[str, Handler] = {}
+        self._host: Any = None  # the libp2p host, from `attach` on (trio thread)
+
+    def attach(self, host: Any) -> None:  # trio thread, as the host starts
+        self._host = host
+
+    def names(self) -> list[str]:
+        """The names served."""
+        return list(self._handlers)
 
     async def register(self, name: str, handler: Handler) -> None:
         """Serve ``handler`` under protocol ``/checkfree/<name>/1.0.0``; each incoming stream is its own task."""
@@ -59,7 +65,7 @@ class Libp2pServer:
         async def install() -> None:
             self._host.set_stream_handler(protocol_id(name), functools.partial(self._t_on_stream, name))
 
-        await self._submit(install)
+        await self.trio_thread.submit(install)
 
     async def unregister(self, name: str) -> None:
         self._handlers.pop(name, None)
@@ -67,7 +73,7 @@ class Libp2pServer:
         async def remove() -> None:
             self._host.remove_stream_handler(protocol_id(name))
 
-        await self._submit(remove)
+        await self.trio_thread.submit(remove)
 
     async def _t_on_stream(self, name: str, stream: Any) -> None:
         try:
@@ -89,7 +95,7 @@ class Libp2pServer:
                 frames = encode_message({"error": f"{type(bad).__name__}: {bad}"})
             else:
                 try:
-                    frames = await self._t_run_on_loop(self._handle(name, body, peer))
+                    frames = await self.trio_thread.run_on_loop(self._handle(name, body, peer))
                 except Exception as e:  # the asyncio loop is gone
                     frames = encode_message({"error": f"{type(e).__name__}: {e}"})
             await t_write_frames(stream, frames)

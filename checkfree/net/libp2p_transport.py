@@ -13,7 +13,7 @@ async API, same wire format, same error semantics:
   (imported from there), and ``WireError`` locally for tensors or headers that cannot be encoded.
 
 This module holds the lifecycle (start, the host in the trio thread, shutdown) and the calling side; the parts
-it is assembled from:
+it is composed of (each an object it builds, the owner of its state):
 
 - serving (``register``, error replies, where handlers run): `checkfree.net.libp2p_server`;
 - addresses and fixed ports (the ways to make a peer reachable): `checkfree.net.libp2p_addresses`;
@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -84,13 +82,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_LISTEN_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
 
-class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
+class Libp2pTransport:
     """Request/response RPC over a py-libp2p host (TCP + noise + yamux) running in its own trio thread.
 
     Create with ``await start_libp2p_transport(...)``; stop with ``await t.shutdown()``.
     ``max_message_bytes`` caps requests and replies; ``read_timeout`` bounds how long the server waits
     for a (possibly stalled) request body; ``linger_timeout`` bounds how long it drains a stream after
     replying, waiting for the caller to close.
+
+    Composed of three parts, each built here with what it needs and the owner of its state: ``trio_thread`` (the
+    `TrioThread`: the thread, the trio token, the nursery jobs run in), ``server`` (the `Libp2pServer`: the
+    handlers and the incoming streams) and ``addresses`` (the `Libp2pAddressBook`: the peers' addresses and the
+    resolver). The transport owns the host (started in the trio thread and handed to the server and the address
+    book) and the calling side.
     """
 
     kind = "libp2p"  # the --transport name
@@ -111,46 +115,30 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
             ) from LIBP2P_IMPORT_ERROR
         self.listen_maddrs = [multiaddr.Multiaddr(str(m)) for m in listen_maddrs]
         self.max_message_bytes = max_message_bytes
-        self.read_timeout = read_timeout
-        self.linger_timeout = linger_timeout
         self.shutdown_timeout = shutdown_timeout
         self._key_pair = key_pair if key_pair is not None else generate_new_ed25519_identity()
-        self._handlers: dict[str, Handler] = {}
-        self._addresses: dict[str, list[str]] = {}  # peer id -> transport addrs (without /p2p)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._token: Any = None
-        self._nursery: Any = None
-        self._host: Any = None
-        self._stop: Any = None
-        self._closed = False
         self._peer_id = ID.from_pubkey(self._key_pair.public_key).to_base58()
+        self.trio_thread = TrioThread(f"libp2p-trio-{self._peer_id[-6:]}", shutdown_timeout)
+        self.server = Libp2pServer(self.trio_thread, max_message_bytes=max_message_bytes, read_timeout=read_timeout,
+                                   linger_timeout=linger_timeout)
+        self.addresses = Libp2pAddressBook(self.trio_thread)
+        self._host: Any = None  # the libp2p host, in the trio thread
         self.maddrs: list[str] = []
         self.extra_header: dict = {}  # merged into every request (e.g. the run membership token)
-        # asked for the addresses of a peer called by bare id when none are known (e.g. a DHT lookup)
-        self.address_resolver: Callable[[str], Awaitable[Sequence[str]]] | None = None
         self.tasks: set[asyncio.Task] = set()  # asyncio tasks that live as long as the transport (cancelled at shutdown)
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self, startup_timeout: float = 15.0) -> None:
         """Start the trio thread and the libp2p host; fill ``self.maddrs``. Raises ``TransportError``."""
-        if self._thread is not None:
+        if self.trio_thread.started:
             raise TransportError("libp2p transport already started")
-        self._loop = asyncio.get_running_loop()
         ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._thread_main, args=(ready,), name=f"libp2p-trio-{self._peer_id[-6:]}", daemon=True
-        )
-        self._thread.start()
+        self.trio_thread.start(self._t_main, ready)
         try:
             self.maddrs = await asyncio.wait_for(asyncio.wrap_future(ready), startup_timeout)
         except Exception as e:
-            self._closed = True
-            if self._token is not None:
-                with contextlib.suppress(Exception):
-                    self._token.run_sync_soon(self._request_stop)
-            await self._join_thread()
+            await self.trio_thread.stop()
             if isinstance(e, asyncio.TimeoutError):
                 raise TransportError(
                     f"libp2p host did not start within startup_timeout={startup_timeout:g} s"
@@ -159,9 +147,7 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
                 f"libp2p host failed to listen on {[str(m) for m in self.listen_maddrs]}: {error_text(e)}"
             ) from e
 
-    async def _trio_main(self, ready: concurrent.futures.Future) -> None:
-        self._stop = trio.Event()
-        self._token = trio.lowlevel.current_trio_token()
+    async def _t_main(self, ready: concurrent.futures.Future) -> None:
         noise = NoiseTransport(self._key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
         host = new_host(
             key_pair=self._key_pair,
@@ -170,39 +156,69 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
             listen_addrs=self.listen_maddrs,
         )
         async with host.run(listen_addrs=self.listen_maddrs):
-            async with trio.open_nursery() as nursery:
-                self._host, self._nursery = host, nursery
+            self._host = host
+            self.server.attach(host)
+            self.addresses.attach(host)
+
+            def up() -> None:
                 if not host.get_transport_addrs():
                     raise TransportError(
                         "no listener came up (address already in use, or not an address of this machine? "
                         "libp2p logged the reason)"
                     )
                 ready.set_result([str(m) for m in host.get_addrs()])
-                await self._stop.wait()
-                nursery.cancel_scope.cancel()
-            self._nursery = None
+
+            await self.trio_thread.serve(up)
             with trio.move_on_after(self.shutdown_timeout / 2) as scope:
                 scope.shield = True
                 await host.close()
 
     async def shutdown(self) -> None:
         """Unregister all handlers, close all connections and stop the trio thread (idempotent)."""
-        if self._closed:
+        if self.trio_thread.closed:
             return
         for task in self.tasks:
             task.cancel()
-        for name in list(self._handlers):
+        for name in self.server.names():
             try:
-                await self.unregister(name)
+                await self.server.unregister(name)
             except Exception as e:
                 logger.debug("unregister %s failed: %r", name, e)
-        self._closed = True
-        if self._token is not None:
-            with contextlib.suppress(Exception):  # trio.RunFinishedError: already stopped
-                self._token.run_sync_soon(self._request_stop)
-        await self._join_thread()
+        await self.trio_thread.stop()
 
-    # ------------------------------------------------------------ addresses
+    # ------------------------------------------------------------ the parts' services
+
+    async def register(self, name: str, handler: Handler) -> None:
+        """Serve ``handler`` under protocol ``/checkfree/<name>/1.0.0`` (`Libp2pServer.register`)."""
+        await self.server.register(name, handler)
+
+    async def unregister(self, name: str) -> None:
+        await self.server.unregister(name)
+
+    def add_peer_address(self, maddr: str, peer_id: str | None = None) -> str:
+        """Remember an address of a peer; returns its peer id (`Libp2pAddressBook.add_peer_address`)."""
+        return self.addresses.add_peer_address(maddr, peer_id)
+
+    async def connect(self, maddr: str, *, timeout: float = 30.0) -> str:
+        """Dial a peer at a full multiaddr now (and remember its address); returns its peer id."""
+        return await self.addresses.connect(maddr, timeout=timeout)
+
+    @property
+    def address_resolver(self) -> Callable[[str], Awaitable[Sequence[str]]] | None:
+        """Asked for the addresses of a peer called by bare id when none are known (e.g. a DHT lookup)."""
+        return self.addresses.address_resolver
+
+    @address_resolver.setter
+    def address_resolver(self, resolver: Callable[[str], Awaitable[Sequence[str]]] | None) -> None:
+        self.addresses.use_resolver(resolver)
+
+    @property
+    def read_timeout(self) -> float:
+        return self.server.read_timeout
+
+    @property
+    def linger_timeout(self) -> float:
+        return self.server.linger_timeout
 
     @property
     def peer_id(self) -> str:
@@ -231,14 +247,14 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
         unknown protocols, broken streams or invalid replies, and ``WireError`` (locally, before sending)
         for tensors/headers that cannot be encoded.
         """
-        peer, addrs = self._target(peer_id)
+        peer, addrs = self.addresses.target(peer_id)
         if self.extra_header:
             header = {**self.extra_header, **header}
         frames = encode_message(header, tensors)
 
         async def exchange() -> memoryview:
-            known = await self._resolve(peer, addrs)
-            return await self._submit(self._t_call, peer, known, name, frames)
+            known = await self.addresses.resolve(peer, addrs)
+            return await self.trio_thread.submit(self._t_call, peer, known, name, frames)
 
         try:
             body = await asyncio.wait_for(exchange(), timeout)
@@ -246,7 +262,7 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
             raise TransportTimeout(f"call '{name}' to peer {peer} timed out after {timeout:g} s") from None
         except TransportError:
             if self.address_resolver is not None:  # look the address up again next time (moved, or a bad record)
-                self._addresses.pop(peer, None)
+                self.addresses.forget(peer)
             raise
         try:
             reply_header, reply_tensors = decode_body(body)
@@ -257,7 +273,7 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
         return reply_header, reply_tensors
 
     async def _t_open(self, peer: str, addrs: Sequence[str], name: str) -> Any:
-        pid = self._t_remember(peer, addrs)
+        pid = self.addresses.t_remember(peer, addrs)
         try:
             return await self._host.new_stream(pid, [protocol_id(name)])
         except Exception as e:
@@ -294,7 +310,7 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
 
     async def raw_exchange(self, peer_id: Any, name: str, data: bytes, *, timeout: float) -> memoryview:
         """Write raw ``data`` on a new stream to ``name`` and return the body of the one reply message."""
-        peer, addrs = self._target(peer_id)
+        peer, addrs = self.addresses.target(peer_id)
 
         async def run() -> memoryview:
             stream = await self._t_open(peer, addrs, name)
@@ -305,7 +321,7 @@ class Libp2pTransport(Libp2pServer, Libp2pAddressBook, TrioThread):
                 await t_close(stream)
 
         try:
-            return await asyncio.wait_for(self._submit(run), timeout)
+            return await asyncio.wait_for(self.trio_thread.submit(run), timeout)
         except asyncio.TimeoutError:
             raise TransportTimeout(f"raw exchange with {peer} timed out after {timeout:g} s") from None
 
