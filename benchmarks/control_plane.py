@@ -1,12 +1,12 @@
 """The control plane at scale: the coordinator's CPU, messages and bytes per step against the number of peers.
 
 In-process tier (the real `Coordinator` and `PeerDaemon`s in one event loop over the memory transport,
-`benchmarks.inprocess`), N = S x R peers in stage groups (S = 8 stages, R = 1, 2, 4, 8 replicas each: N = 8, 16,
+`harness.inprocess`), N = S x R peers in stage groups (S = 8 stages, R = 1, 2, 4, 8 replicas each: N = 8, 16,
 32, 64) on a model small enough that compute is not the bottleneck (the tiny preset's shapes, one block per
 stage). Per step, from the second step on:
 
 * coordinator CPU seconds: the coordinator's own share of the one process. Each would-be process runs in its own
-  `contextvars` context (`benchmarks.inprocess.ROLE`, inherited by every task it spawns; the memory transport runs
+  `contextvars` context (`harness.inprocess.ROLE`, inherited by every task it spawns; the memory transport runs
   a request's handler in the serving transport's context), and every callback the event loop runs
   (`asyncio.Handle._run`: each step of each task) is timed with `time.thread_time()` and charged to the role of
   its context. The coordinator's share is thus exactly the event-loop time of its coroutines: its handlers, its
@@ -19,7 +19,7 @@ stage). Per step, from the second step on:
 * the step's wall time and the coordinator's CPU share of it.
 
 The coordinator's CPU per step is fitted against N on log-log axes (least squares): the growth exponent. With
-`--profile`, cProfile runs over the smallest and the largest N and the coordinator's functions (scheduler/) are
+`--profile`, cProfile runs over the smallest and the largest N and the coordinator's functions (coordinator/) are
 ranked by how their time per step grew (over N's growth): what grows faster than the peers.
 
 Real processes (`--real`, N = 8 and 16 by default): `checkfree local` (coordinator, peers, their DHT processes and
@@ -51,12 +51,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.inprocess import ROLE, InProcessSwarm
+from harness.inprocess import ROLE, InProcessSwarm
 from checkfree.config import RunConfig, preset
-from checkfree.net.memory import MemoryDHT, MemoryTransport
+from checkfree.net.in_memory import MemoryDHT, MemoryTransport
 from checkfree.protocol import Timeouts
 from checkfree.rundir import read_jsonl
-from scheduler.coordinator import Coordinator
+from coordinator.coordinator import Coordinator
 
 RESULTS = Path(__file__).parent / "results"
 SERVING: contextvars.ContextVar[str] = contextvars.ContextVar("control_plane_serving", default="")  # the RPC a task answers
@@ -212,11 +212,11 @@ def growth_exponent(ns: list[int], values: list[float]) -> float:
 
 
 def scheduler_functions(prof: cProfile.Profile, steps: int) -> dict[str, tuple[float, float]]:
-    """(own seconds, calls) per step of every function in scheduler/ (cProfile's tottime, ncalls) over the
+    """(own seconds, calls) per step of every function in coordinator/ (cProfile's tottime, ncalls) over the
     profiled steps, by 'file:line function'."""
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     return {f"{Path(f).name}:{line} {fn}": (row[2] / steps, row[1] / steps) for (f, line, fn), row in stats.items()
-            if f"{os.sep}scheduler{os.sep}" in f}
+            if f"{os.sep}coordinator{os.sep}" in f}
 
 
 def plot(rows: list[dict], exponent: float, path: Path) -> None:
@@ -343,7 +343,7 @@ def report_growth(profiles: dict[int, dict[str, tuple[float, float]]]) -> list[s
     if len(profiles) < 2:
         return []
     (n0, a), (n1, b) = sorted(profiles.items())
-    lines = [f"coordinator functions (scheduler/) by growth of their own time per step, N={n0} -> N={n1} "
+    lines = [f"coordinator functions (coordinator/) by growth of their own time per step, N={n0} -> N={n1} "
              f"(cProfile over the steps after the second; N grew x{n1 / n0:.0f}):"]
     rows = []
     for name, (t1, c1) in b.items():

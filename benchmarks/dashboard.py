@@ -28,9 +28,9 @@ import urllib.request
 from pathlib import Path
 
 from checkfree.rundir import read_jsonl
-from scheduler.dashboard import metrics_text
-from scheduler.processes import await_line, kill_group, spawn
-from scheduler.status import from_run_dir
+from ops.dashboard import metrics_text
+from swarm.processes import await_line, kill_group, spawn
+from ops.status import from_run_dir
 
 __all__ = ["main", "classify"]
 

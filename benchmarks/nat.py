@@ -60,8 +60,8 @@ def check_lines(cache: str) -> list[str]:
     import secrets
     import signal
 
-    from scheduler.netlab import NetLab
-    from scheduler.processes import await_line, kill_group, spawn
+    from swarm.netlab import NetLab
+    from swarm.processes import await_line, kill_group, spawn
 
     lab = NetLab()
     env = {**os.environ, "CHECKFREE_CACHE": cache, "CHECKFREE_SECRET": secrets.token_hex(16), "PYTHONUNBUFFERED": "1"}

@@ -45,7 +45,7 @@ CATEGORIES = [
     ("asyncio/", "asyncio"),
     ("selectors.py", "asyncio"),
     ("peers/", "peer daemon"),
-    ("scheduler/", "coordinator"),
+    ("coordinator/", "coordinator"), ("faults/", "coordinator"), ("/ops/", "coordinator"),
     ("checkfree/worker.py", "torch compute"),
     ("checkfree/model.py", "torch compute"),
     ("torch/", "torch compute"),

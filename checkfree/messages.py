@@ -54,7 +54,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class Request(Message, Generic[R], frozen=True, kw_only=True):
     """A request whose reply is an `R` (`Join` is a `Request[Joined]`): a call returns the reply type of its request,
-    for the type checker too (scheduler/rpc.py, peers/membership.py)."""
+    for the type checker too (coordinator/rpc.py, peers/membership.py)."""
 
     rpc: ClassVar[str]
 
@@ -78,7 +78,7 @@ class Ok(Message, frozen=True, kw_only=True):
 
 
 class StepFigures(Message, frozen=True, kw_only=True):
-    """What a peer measured of one step (metrics.jsonl: scheduler.common.step_figures)."""
+    """What a peer measured of one step (metrics.jsonl: coordinator.common.step_figures)."""
 
     bytes_sent: int = 0  # tensor payload bytes sent
     inflight_peak: int | None = None  # the most microbatches whose activations were held at once

@@ -16,7 +16,7 @@ such channel, and its requests carry nothing a fault needs. What it arms:
 
 The kill is `kill(peer_id, why)`: by default a SIGKILL of this process (of its process group, when it leads
 one, as the local swarm starts peers: its DHT process and p2pd die with it); an in-process harness passes its
-own (`checkfree.net.memory.MemoryNetwork.kill` and the cancellation of the peer's tasks).
+own (`checkfree.net.in_memory.MemoryNetwork.kill` and the cancellation of the peer's tasks).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ snapshot, a checkpoint, a backup started or sealed, replicas taken, the parts of
 carried). Before a step, `in_step(step)` says what protection travels inside it (BAFT's backup part, the parts
 of the `snap` strategy's streamed copies: `StreamStep`). The simulator carries plans and protection
 out on its stage workers (checkfree.strategies.execute); the coordinator by telling peers where to pull from
-(scheduler/recovery.py, scheduler/protection.py). Both record what copies exist in a `Copies` ledger, by stage
+(coordinator/recovery_driver.py, coordinator/protection.py). Both record what copies exist in a `Copies` ledger, by stage
 index, and write the events `plan_events` gives.
 """
 

@@ -371,7 +371,7 @@ class Simulator:
         if step == 0 and 0 in self.save_steps:
             self.save(0)
         bar = Progress(t.num_steps, "train", enabled=self.progress)
-        bar.n = step
+        bar.position = step
         try:
             while step < end:
                 if self.stop_signal is not None:

@@ -1,5 +1,5 @@
 """What a step's outcome means, written once for the simulator (`checkfree.simulator`) and the coordinator
-(`scheduler.steps`, `scheduler.coordinator`): when uncorrectable soft errors make a stage count as failed, and
+(`coordinator.step_driver`, `coordinator.coordinator`): when uncorrectable soft errors make a stage count as failed, and
 what each stage's commit result (its `StepStats`, or a peer's COMMIT reply) asks of the run.
 
 Both take an ``event(name, **fields)`` callable: each caller adds its own fields (the simulator the strategy,

@@ -296,7 +296,7 @@ class StageWorker:
     def flat_grad(self) -> Tensor:
         """Every parameter's accumulated gradient (zeros where none), flattened into one float32 vector in
         parameter order, then one value per parameter, 1 where it has a gradient: what the replicas of a stage
-        sum (peers/stage_groups.py). A parameter no replica has a gradient for keeps none (Adam skips it)."""
+        sum (peers/replica_group.py). A parameter no replica has a gradient for keeps none (Adam skips it)."""
         params = list(self.module.parameters())
         return torch.cat([_flat_grads(params).detach().float(),
                           torch.tensor([float(p.grad is not None) for p in params], device=self.device)])

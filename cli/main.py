@@ -1,7 +1,7 @@
 """`checkfree COMMAND ...`: the entry point (console script `checkfree`, and `python -m checkfree`).
 
 It sits above every layer: the library (`checkfree/`) defines the run flags and `simulate`; the
-peer daemon (`peers/`), the coordinator and launchers (`scheduler/`) and the experiments add
+peer daemon (`peers/`), the coordinator and launchers (`coordinator/`, `swarm/`, `faults/`, `ops/`) and the experiments add
 their own subcommands. Kept out of `checkfree/`, which must not import the layers above it.
 """
 
@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from checkfree.cli import config_from_args
+from checkfree.flags import config_from_args
 from checkfree.recovery import UnrecoverableFailure
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "MODES"]
@@ -20,15 +20,15 @@ __all__ = ["main", "build_parser", "SUBCOMMANDS", "MODES"]
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
 # does not pay for hivemind's import.
 SUBCOMMANDS = {
-    "simulate": "checkfree.cli:add_simulate",
-    "local": "scheduler.local:add_parser",
-    "scheduler": "scheduler.cli:add_parser",
-    "peer": "peers.cli:add_parser",
-    "export": "scheduler.export:add_parser",
+    "simulate": "checkfree.flags:add_simulate",
+    "local": "swarm.local_cli:add_parser",
+    "scheduler": "coordinator.scheduler_cli:add_parser",
+    "peer": "peers.peer_cli:add_parser",
+    "export": "ops.export_cli:add_parser",
     "experiment": "experiments.cli:add_parser",
-    "chaos": "scheduler.chaos:add_parser",
+    "chaos": "faults.chaos:add_parser",
     "plot": "checkfree.plot:add_parser",
-    "status": "scheduler.status_cli:add_parser",
+    "status": "ops.status_cli:add_parser",
     "pretrained": "checkfree.pretrained:add_parser",
 }
 # command -> its modes: name -> "module:function" that adds the mode's subparser to the command's modes (e.g.

@@ -1,7 +1,8 @@
 """Deterministic simulation tests: generated fault schedules run in the swarm and in the simulator, invariants
 checked after each, a divergent schedule shrunk and replayed (`checkfree chaos dst`; docs/dst.md).
 
-A layer above `peers/` and `scheduler/` (it runs coordinators and peers together), like `cli/`:
+A layer above `peers/` and the coordinator's packages (`coordinator/`, `swarm/`, `faults/`, `ops/`) (it runs
+coordinators and peers together), like `cli/`:
 
     dst/schedule.py   a schedule as data: the setup and its faults, each tied to a protocol point
     dst/generate.py   schedules drawn (and shrunk) by hypothesis; which fault kinds each tier runs

@@ -81,7 +81,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def netns_available() -> bool:
-    from scheduler.netlab import NetLab
+    from swarm.netlab import NetLab
 
     return NetLab.unavailable() is None
 

@@ -23,15 +23,15 @@ from checkfree.config import RunConfig
 from checkfree.net.faulty import FaultyTransport
 from checkfree.net.lifeline import living, process_tree
 from checkfree.net.faulty import Injector as FaultInjector
-from checkfree.net.memory import MEMORY, MemoryTransport, SimProcess
+from checkfree.net.in_memory import MEMORY, MemoryTransport, SimProcess
 from checkfree.peer_faults import Arm, PeerFaults
 from checkfree.protocol import Timeouts
 from checkfree.recovery import UnrecoverableFailure
 from dst.inject import Injector
 from dst.schedule import Kind, Schedule
 from peers.daemon import PeerDaemon, PeerOptions
-from scheduler.common import CoordinatorOptions
-from scheduler.coordinator import Coordinator
+from coordinator.common import CoordinatorOptions
+from coordinator.coordinator import Coordinator
 
 __all__ = ["SimSwarm", "TIMEOUTS", "peers_needed"]
 

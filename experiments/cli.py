@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         from experiments.dryrun import dry_run
 
         return dry_run(experiments, settings, gpu=args.gpu, mfu=args.mfu)
-    from checkfree.cli import interrupt_on_signals
+    from checkfree.flags import interrupt_on_signals
 
     interrupt_on_signals()  # SIGTERM/SIGHUP end the runs like Ctrl-C: the pool's workers with them
     dirs = run_experiment(experiments, settings, progress=not args.no_progress, command=command,

@@ -715,7 +715,7 @@ def main(args) -> int:
                        threads=args.threads)
     if study.recover_steps < 1 or study.jobs < 1 or study.threads < 1 or not study.seeds:
         raise ValueError("--recover-steps, --jobs and --threads must be >= 1 and --seeds name at least one seed")
-    from checkfree.cli import interrupt_on_signals
+    from checkfree.flags import interrupt_on_signals
 
     interrupt_on_signals()  # SIGTERM/SIGHUP end the study like Ctrl-C: its pool's workers with it
     argv = [a for a in sys.argv[1:] if a != "--report-only"]

@@ -49,7 +49,7 @@ class Assignment:
         self.hosted, self.compute, self.rebuild, self.snapshots, self.dumps = hosted, compute, rebuild, snapshots, dumps
         self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
         # how long an ASSIGN waits for this peer's JOIN reply (see HostedStage.joining)
-        self.timeout = rebuild.net.t.rpc_timeout
+        self.timeout = rebuild.membership.timeouts.rpc_timeout
 
     async def on_assign(self, assign: AssignRequest, tensors: list, peer) -> tuple[Assigned, list]:
         cfg, stage = await self.hosted.joining(self.timeout), assign.stage

@@ -35,7 +35,7 @@ class Backups:
 
     def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue,
                  snapshots: Snapshots) -> None:
-        self.net, self.hosted, self.compute, self.snapshots = membership, hosted, compute, snapshots
+        self.membership, self.hosted, self.compute, self.snapshots = membership, hosted, compute, snapshots
         self.sending: tuple[int, bytes] | None = None  # (step, serialized state)
         self.assembling: dict[int, tuple[int, bytearray, dict[int, int]]] = {}  # owner -> (step, buffer, parts)
         self.sent = 0  # bytes of parts sent (for the step's figures)
@@ -65,8 +65,8 @@ class Backups:
         await self.compute.idle()  # the bubble: nothing of this stage's to compute right now
         part = blob_tensor(memoryview(blob)[lo:hi])
         try:
-            await self.net.call(holder, BackupPart(owner=stage, step=step, offset=lo, total=len(blob)),
-                                self.net.t.step_timeout, [part], link=(stage, backup.holder_stages.get(stage, stage)))
+            await self.membership.call(holder, BackupPart(owner=stage, step=step, offset=lo, total=len(blob)),
+                                self.membership.timeouts.step_timeout, [part], link=(stage, backup.holder_stages.get(stage, stage)))
             self.sent += hi - lo
         except (TransportError, TimeoutError) as e:  # the backup stays incomplete: the coordinator keeps the last one
             log.warning("backup part of step %d not delivered to %s: %s", step, holder, e)

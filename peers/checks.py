@@ -12,7 +12,7 @@ may send it (`authorize`). Who may send what:
   down): from anyone else they could start, commit or abort steps, make this peer write files,
   or leave activations behind.
 * NEW_COORDINATOR: ADOPT, a takeover by a coordinator proving the run secret (whether the old
-  coordinator is really gone is the handler's question: peers.failover).
+  coordinator is really gone is the handler's question: peers.adoption).
 
 The rest of this module checks message contents: activations, a step's hops and senders, blobs.
 """

@@ -9,22 +9,22 @@ coordinator is told, then everything is shut down; SIGKILL is detected by the ot
 
 This module is the supervision only; each RPC is served by the part that owns its state:
 
-    peers/membership.py   joining, heartbeat, coordinator watch, leave; the admission check
-    peers/checks.py       the admission check (run, fields, who may send what) and content checks
-    peers/assign.py       ASSIGN: a standby told which stage to serve and where its state comes from
-    peers/passes.py       RUN_STEP, FORWARD, BACKWARD, COMPONENT_GRAD: running a step's microbatches
-    peers/step.py         the step state machine: the active attempt, COMMIT, ABORT
-    peers/rebuild.py     GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
-    peers/snapshots.py    SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
-    peers/parity.py       REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
-    peers/backups.py      BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
-    peers/streams.py      COPY_PART: snap's compressed copies, streamed in parts inside the steps
-    peers/replicas.py     TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
-    peers/stage_groups.py       REROUTE, GET_PASS, REDUCE: one replica of a stage group
-    peers/failover.py     ADOPT: a new coordinator takes over
-    peers/stage.py        the run config and the hosted stage
-    peers/compute.py      the one compute thread all torch work runs on
-    peers/debug.py        --dump-recovery files
+    peers/membership.py       joining, heartbeat, coordinator watch, leave; the admission check
+    peers/checks.py           the admission check (run, fields, who may send what) and content checks
+    peers/assign.py           ASSIGN: a standby told which stage to serve and where its state comes from
+    peers/passes.py           RUN_STEP, FORWARD, BACKWARD, COMPONENT_GRAD: running a step's microbatches
+    peers/step.py             the step state machine: the active attempt, COMMIT, ABORT
+    peers/rebuild.py          GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
+    peers/snapshots.py        SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
+    peers/reft_parity.py      REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
+    peers/backups.py          BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
+    peers/streamed_copies.py  COPY_PART: snap's compressed copies, streamed in parts inside the steps
+    peers/replicas.py         TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
+    peers/replica_group.py    REROUTE, GET_PASS, REDUCE: one replica of a stage group
+    peers/adoption.py         ADOPT: a new coordinator takes over
+    peers/stage.py            the run config and the hosted stage
+    peers/compute.py          the one compute thread all torch work runs on
+    peers/debug.py            --dump-recovery files
 
 Faults come from outside: the one hook (`hook`, checkfree.peer_hook; None in production) observes the points of
 the parts' work, and only when it was given one.
@@ -63,8 +63,8 @@ from peers.backups import Backups
 from peers.checks import RULES
 from peers.compute import ComputeQueue
 from peers.debug import Dumps
-from peers.failover import Failover
-from peers.stage_groups import StageGroup
+from peers.adoption import Failover
+from peers.replica_group import StageGroup
 from peers.membership import Handler, Membership, Served
 from peers.passes import Passes
 from peers.rebuild import Rebuild
@@ -72,7 +72,7 @@ from peers.replicas import Replicas
 from peers.snapshots import Snapshots
 from peers.stage import HostedStage
 from peers.step import StepTracker
-from peers.streams import Streams
+from peers.streamed_copies import Streams
 
 __all__ = ["PeerDaemon", "PeerOptions"]
 

@@ -82,7 +82,7 @@ class Membership:
 
     def __init__(self, run_id: str, timeouts: Timeouts, secret_file: str | None, hosted: HostedStage,
                  stop: asyncio.Event) -> None:
-        self.run_id, self.t, self.hosted, self.stop = run_id, timeouts, hosted, stop
+        self.run_id, self.timeouts, self.hosted, self.stop = run_id, timeouts, hosted, stop
         self.secret = load_secret(secret_file)  # None: an open swarm
         self.transport: Transport | None = None
         self.dht = None
@@ -198,7 +198,7 @@ class Membership:
         """Find the coordinator and join; the run's config, or None if told to stop first."""
         me = self.me
         join = Join(peer_id=me)  # (with a run secret its token travels in every request's envelope: `start`)
-        deadline = time.monotonic() + self.t.join_timeout
+        deadline = time.monotonic() + self.timeouts.join_timeout
         while True:
             found = None if self.stop.is_set() else self.adopter or await self._find_coordinator()
             if found is None:  # stopped (SIGTERM/SIGINT) before a coordinator was found
@@ -208,7 +208,7 @@ class Membership:
             try:
                 if self.reach is None:
                     self.reach = await self.reachability(target)
-                joined, _ = await self.call(target, join, self.t.rpc_timeout)
+                joined, _ = await self.call(target, join, self.timeouts.rpc_timeout)
                 break
             except PeerUnreachable:  # nothing a retry changes
                 raise
@@ -242,7 +242,7 @@ class Membership:
         if not reach.direct:
             relay, opts = self.relays()
             follow = (lambda: self.coordinator) if not opts.relay_via else None  # (a new coordinator relays)
-            await relay.use_relay(reach.via, self.dht, self.run_id, self.secret, self.t.rpc_timeout, follow)
+            await relay.use_relay(reach.via, self.dht, self.run_id, self.secret, self.timeouts.rpc_timeout, follow)
             print(f"peer: the coordinator could not connect to this peer (behind NAT or a firewall): reached through "
                   f"the relay {reach.via} (--no-relay to refuse)", flush=True)
         return reach
@@ -261,7 +261,7 @@ class Membership:
         except PeerUnreachable as e:
             print(f"check: {e}", flush=True)
             return 2
-        timeout, wire = self.t.rpc_timeout, self.wire()
+        timeout, wire = self.timeouts.rpc_timeout, self.wire()
         small, big = [], []
         payload = torch.zeros(nbytes // 4, dtype=torch.float32)
         for _ in range(rounds):
@@ -292,7 +292,7 @@ class Membership:
         relays = [str(Multiaddr(m)["p2p"]) for m in opts.relay_via]
         allowed = opts.relay and relay.kind == "hivemind"
         addrs = await self.own_addresses()
-        probe = await relay.probe(coordinator, addrs, allowed, self.t.rpc_timeout,
+        probe = await relay.probe(coordinator, addrs, allowed, self.timeouts.rpc_timeout,
                                            via=relays[0] if relays and allowed else None)
         if probe.get("reachable"):
             return Reachability(True, probe=probe)
@@ -314,13 +314,13 @@ class Membership:
         """The coordinator's peer id; None if this peer is told to stop while it looks."""
         key = coordinator_key(self.run_id)
         start = time.monotonic()
-        deadline, note = start + self.t.join_timeout, start + 30.0
+        deadline, note = start + self.timeouts.join_timeout, start + 30.0
         while time.monotonic() < deadline and not self.stop.is_set():
             if self.adopter is not None:  # a new coordinator ADOPTed this peer while it looked
                 return self.adopter
             if time.monotonic() > note:  # waiting is visible, never silent
                 print(f"peer: still looking for the coordinator of run {self.run_id!r} "
-                      f"({time.monotonic() - start:.0f} s of --join-timeout {self.t.join_timeout:g})", flush=True)
+                      f"({time.monotonic() - start:.0f} s of --join-timeout {self.timeouts.join_timeout:g})", flush=True)
                 note += 30.0
             try:
                 found = await self._unless_stopped(live_members_async(self.dht, key)) or {}
@@ -341,7 +341,7 @@ class Membership:
         if self.stop.is_set():
             return None
         raise TransportError(f"no coordinator for run {self.run_id!r} found in the DHT within "
-                             f"join_timeout={self.t.join_timeout:g} s: is `checkfree scheduler --run-id "
+                             f"join_timeout={self.timeouts.join_timeout:g} s: is `checkfree scheduler --run-id "
                              f"{self.run_id}` running and reachable from --initial-peers?")
 
     async def _unless_stopped(self, coro: Awaitable[Any]) -> Any:
@@ -366,11 +366,11 @@ class Membership:
             try:
                 value = {"stage": self.hosted.index, "state": self.hosted.state.value}
                 await announce(self.dht, key, me, sign_record(self.secret, self.run_id, "member", me, value,
-                                                              self.t.heartbeat_ttl),
-                               self.t.heartbeat_ttl)
+                                                              self.timeouts.heartbeat_ttl),
+                               self.timeouts.heartbeat_ttl)
             except Exception as e:  # noqa: BLE001 - a missed beat is survivable; the next one retries
                 log.warning("heartbeat failed: %r", e)
-            await self.hosted.changes(self.t.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
+            await self.hosted.changes(self.timeouts.heartbeat_ttl / HEARTBEATS_PER_TTL * random.uniform(0.8, 1.0))
 
     async def watch_coordinator(self, limit: float) -> bool:
         """Return True once no coordinator has been heard from for `limit` seconds (False once the
@@ -378,10 +378,10 @@ class Membership:
         STATUS; a new coordinator taking over ADOPTs this peer (a contact too). Without this, the
         peers of a run whose coordinator died would wait (and bill) forever."""
         while not self.run_finished:
-            await asyncio.sleep(min(self.t.heartbeat_ttl, limit / 4))
-            if self.coordinator is not None and time.monotonic() - self.last_contact > self.t.heartbeat_ttl:
+            await asyncio.sleep(min(self.timeouts.heartbeat_ttl, limit / 4))
+            if self.coordinator is not None and time.monotonic() - self.last_contact > self.timeouts.heartbeat_ttl:
                 try:
-                    await self.call(self.coordinator, Status(), min(5.0, self.t.rpc_timeout))
+                    await self.call(self.coordinator, Status(), min(5.0, self.timeouts.rpc_timeout))
                     self.heard_from_coordinator()
                 except RemoteError:  # it answers, if only with an error (e.g. taking over): alive
                     self.heard_from_coordinator()
@@ -403,7 +403,7 @@ class Membership:
         if self.coordinator is None or not tell_coordinator:
             return
         try:
-            left, _ = await self.call(self.coordinator, Leave(peer_id=self.me), min(5.0, self.t.rpc_timeout))
+            left, _ = await self.call(self.coordinator, Leave(peer_id=self.me), min(5.0, self.timeouts.rpc_timeout))
         except (TransportError, RemoteError) as e:
             log.info("could not announce leave to the coordinator: %s", e)
             return

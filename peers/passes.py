@@ -42,7 +42,7 @@ from peers.membership import Membership
 from peers.replicas import Replicas
 from peers.stage import HostedStage
 from peers.step import StepRun, StepTracker
-from peers.streams import Streams
+from peers.streamed_copies import Streams
 
 __all__ = ["Passes"]
 
@@ -55,10 +55,10 @@ class Passes:
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
                  replicas: Replicas | None = None, backups: Backups | None = None,
                  hook: PeerHook | None = None, streams: Streams | None = None) -> None:
-        self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
+        self.membership, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
         self.replicas, self.backups, self.streams = replicas, backups, streams
         self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
-        self.t = membership.t
+        self.timeouts = membership.timeouts
 
     # ---- handlers --------------------------------------------------------------------
     async def on_run_step(self, request: RunStep, tensors: list, peer) -> tuple[StepDone, list]:
@@ -76,7 +76,7 @@ class Passes:
                       remaining=len(routes))
         if request.hops is not None:  # a stage group: this peer computes the microbatches the table gives it
             run.hops, run.groups = check_hops(request, routes), check_groups(request)
-            run.mine = {mb for mb, peers in enumerate(run.hops) if self.net.me in peers}
+            run.mine = {mb for mb, peers in enumerate(run.hops) if self.membership.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
         if self.streams is not None and request.copies and not run.evaluate:  # snap: on its own task (COMMIT waits)
@@ -84,7 +84,7 @@ class Passes:
         if self.hook is not None:
             self.hook(StepStarted(run.step, run.attempt, run.evaluate, run.remaining))
         run.pending_starts = [mb for mb, hops in enumerate(routes) if hops[0].stage == stage
-                              and run.peer(mb, 0) == self.net.me]
+                              and run.peer(mb, 0) == self.membership.me]
         window = len(run.pending_starts)
         if cfg.train.schedule == "1f1b" and not run.evaluate:
             window = cfg.num_stages  # at most S microbatches in flight from this first hop
@@ -98,12 +98,12 @@ class Passes:
             send = asyncio.create_task(self.backups.send_part(request.backup))  # after the forwards queued
             run.tasks.add(send)
         try:
-            await asyncio.wait_for(run.done.wait(), self.t.step_timeout)
+            await asyncio.wait_for(run.done.wait(), self.timeouts.step_timeout)
         except TimeoutError:
             # the peer whose own computing filled most of the step is the straggler; the others were waiting
             busy = self.compute.busy() - busy0
-            straggler = busy >= self.t.step_timeout / 2
-            run.fail(f"{STEP_TIMEOUT_MARK} step {run.step} timed out after {self.t.step_timeout:g} s on stage "
+            straggler = busy >= self.timeouts.step_timeout / 2
+            run.fail(f"{STEP_TIMEOUT_MARK} step {run.step} timed out after {self.timeouts.step_timeout:g} s on stage "
                      f"{stage}, {busy:.1f} s of it computing{f' {STRAGGLER_MARK}' if straggler else ''}",
                      Kind.STRAGGLER if straggler else Kind.STEP_TIMEOUT)
         run.computing_s = self.compute.busy() - busy0
@@ -140,11 +140,11 @@ class Passes:
         the table gives a sibling may be one moved here by a REROUTE not yet arrived: the coordinator tells the
         other peers before the sibling that takes a lost replica's microbatches (they must stop sending to the dead
         one), so their passes can overtake it. Such a pass waits for the REROUTE, up to rpc_timeout."""
-        deadline = time.monotonic() + self.t.rpc_timeout
+        deadline = time.monotonic() + self.timeouts.rpc_timeout
         while True:
             moved = run.moved  # (taken before the check: a REROUTE applied after it sets this one)
             try:
-                return check_hop(run, request, self.hosted.index, self.net.me)
+                return check_hop(run, request, self.hosted.index, self.membership.me)
             except ProtocolError:
                 mb, idx = request.mb, request.hop
                 sibling = (run.grouped and 0 <= mb < len(run.routes) and 0 <= idx < len(run.routes[mb])
@@ -174,7 +174,7 @@ class Passes:
     async def on_component_grad(self, request: ComponentGrad, tensors: list, peer) -> tuple[Ok, list]:
         """CheckFree+: this holder's embedding or head gradient of a finished step, for its partner."""
         run = await self.steps.current(request.step, request.attempt)
-        await asyncio.wait_for((run.reduced if run.grouped else run.done).wait(), self.t.step_timeout)
+        await asyncio.wait_for((run.reduced if run.grouped else run.done).wait(), self.timeouts.step_timeout)
         if run.grouped and run.reduce_error is not None:
             raise StepFailed(run.reduce_error)
         if run.error is not None or request.comp not in run.component_grads:
@@ -185,7 +185,7 @@ class Passes:
         """On an emulated WAN: record the one-way delay of a pass from stage `src` (its `sent` time to its handler's
         start here, before it waited for its step's RUN_STEP)."""
         sent = request.sent
-        if self.net.wan is not None and isinstance(sent, float) and math.isfinite(sent):
+        if self.membership.wan is not None and isinstance(sent, float) and math.isfinite(sent):
             run.arrived(src, arrived - sent)
 
     # ---- the step's microbatches -------------------------------------------------------
@@ -281,10 +281,10 @@ class Passes:
         try:
             if run.grouped and not run.event("forward", mb).is_set():
                 # a redo: the next hop's replica sent its gradient before this peer recomputed the forward
-                await asyncio.wait_for(run.event("forward", mb).wait(), self.t.step_timeout)
+                await asyncio.wait_for(run.event("forward", mb).wait(), self.timeouts.step_timeout)
             here = run.mine if run.grouped else [m for m, r in enumerate(run.routes)
                                                  if any(h.stage == self.hosted.index for h in r)]
-            await run.backward_turn(mb, here, self.t.step_timeout)
+            await run.backward_turn(mb, here, self.timeouts.step_timeout)
             if run.error is not None:  # (see _forward_task: its gradient would outlive the ABORT that dropped them)
                 return
             key = (run.step, run.attempt, mb)
@@ -326,10 +326,10 @@ class Passes:
         # without blocking this loop or the compute thread (checkfree.hostcopy)
         tensors = await to_host(encode(tensor, self.hosted.joined().train.wire_dtype))
         run.count_sent(sum(t.numel() * t.element_size() for t in tensors))
-        sent = time.time() if self.net.wan is not None else None  # the receiver measures the hop's one-way delay
+        sent = time.time() if self.membership.wan is not None else None  # the receiver measures the hop's one-way delay
         try:
-            await self.net.call(target, kind(step=run.step, attempt=run.attempt, mb=mb, hop=idx, sent=sent),
-                                self.t.rpc_timeout, tensors, link=(self.hosted.index, stage))
+            await self.membership.call(target, kind(step=run.step, attempt=run.attempt, mb=mb, hop=idx, sent=sent),
+                                self.timeouts.rpc_timeout, tensors, link=(self.hosted.index, stage))
         except RemoteError as e:
             run.fail(f"stage {stage} refused {kind.rpc}: {e.remote_message}")
         except (TimeoutError, TransportError, OSError) as e:
@@ -344,14 +344,14 @@ class Passes:
         """Fail the attempt (unless told not to) and tell the coordinator which neighbour could not be reached."""
         if fail:
             run.fail(f"call to stage {stage} failed: {reason}")
-        coordinator = self.net.coordinator
+        coordinator = self.membership.coordinator
         if coordinator is None:  # (a peer computes a step only once it has joined a coordinator)
             log.warning("could not report the failure of stage %d: no coordinator known", stage)
             return
         try:
-            await self.net.call(coordinator, Report(step=run.step, attempt=run.attempt, stage=stage,
+            await self.membership.call(coordinator, Report(step=run.step, attempt=run.attempt, stage=stage,
                                                              peer_id=peer_id or run.peers.get(stage, ""),
-                                                             reason=reason[:500]), min(5.0, self.t.rpc_timeout))
+                                                             reason=reason[:500]), min(5.0, self.timeouts.rpc_timeout))
         except (TransportError, RemoteError) as e:
             log.warning("could not report the failure of stage %d: %s", stage, e)
 
@@ -361,7 +361,7 @@ class Passes:
         if not run.grouped:
             return run.peers[stage]
         theirs, mine = run.groups[stage], run.groups[self.hosted.index]
-        return theirs[mine.index(self.net.me) % len(theirs)]
+        return theirs[mine.index(self.membership.me) % len(theirs)]
 
     async def _sync_components(self, run: StepRun) -> None:
         """CheckFree+: add the partner holder's embedding/head gradient to ours (same sum on both)."""
@@ -369,9 +369,9 @@ class Passes:
         for comp in self.hosted.serving().components:
             partner = next(h for h in holders[comp] if h != self.hosted.index)
             try:
-                _, (other,) = await self.net.call(self._partner(run, partner),
+                _, (other,) = await self.membership.call(self._partner(run, partner),
                                                   ComponentGrad(step=run.step, attempt=run.attempt, comp=comp),
-                                                  self.t.rpc_timeout, link=(self.hosted.index, partner))
+                                                  self.timeouts.rpc_timeout, link=(self.hosted.index, partner))
             except RemoteError as e:
                 if e.kind != Kind.STEP_FAILED:  # (a failed reduce there: the partner is alive, nothing to report)
                     await self._report(run, partner, str(e))

@@ -43,7 +43,7 @@ class Rebuild:
 
     def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue, dumps: Dumps,
                  hook: PeerHook | None = None) -> None:
-        self.net, self.hosted, self.compute, self.dumps = membership, hosted, compute, dumps
+        self.membership, self.hosted, self.compute, self.dumps = membership, hosted, compute, dumps
         self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
 
     # ---- serving -------------------------------------------------------------------------
@@ -79,9 +79,9 @@ class Rebuild:
         """Load a leaving peer's (`source`) full state into `worker` (GET_STATE), or the replica a predecessor
         holds of a lost stage (promote: GET_REPLICA): its omega and the bytes moved."""
         stage = assign.stage  # the leaving peer serves the same stage, in the same region
-        timeout = self.net.t.step_timeout + self._allowance(stage, stage)
+        timeout = self.membership.timeouts.step_timeout + self._allowance(stage, stage)
         ask = GetReplica(step=assign.step) if isinstance(assign, AssignPromote) else GetState(step=assign.step)
-        _, (blob,) = await self.net.call(assign.source, ask, timeout, link=(stage, stage))
+        _, (blob,) = await self.membership.call(assign.source, ask, timeout, link=(stage, stage))
         omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
         return {"omega": omega, "bytes": blob.numel()}
 
@@ -133,8 +133,8 @@ class Rebuild:
         """Stage `source`'s weights of `part` for the rebuild of `stage`, its omega, and (for a component) its
         Adam state."""
         t0 = time.perf_counter()
-        timeout = self.net.t.rpc_timeout + self._allowance(source, stage)
-        w, ts = await self.net.call(peer_id, GetWeights(part=part, step=step), timeout, link=(stage, source))
+        timeout = self.membership.timeouts.rpc_timeout + self._allowance(source, stage)
+        w, ts = await self.membership.call(peer_id, GetWeights(part=part, step=step), timeout, link=(stage, source))
         log.info("pulled %s of stage %s: %.1f MB in %.3f s", part, w.stage,
                  sum(t.numel() * t.element_size() for t in ts) / 1e6, time.perf_counter() - t0)
         if self.hook is not None:
@@ -147,7 +147,7 @@ class Rebuild:
     def _allowance(self, source: int, stage: int) -> float:
         """Extra timeout for pulling stage `source`'s state to `stage` over the run's emulated link: at most its
         weights and two Adam moments in float32 (Membership.allowance; 0 on loopback)."""
-        return self.net.allowance(source, stage, 12 * stage_params(self.hosted.joined())[source])
+        return self.membership.allowance(source, stage, 12 * stage_params(self.hosted.joined())[source])
 
     def _rebuild(self, worker: StageWorker, plan: Neighbours, blocks: dict, norms: dict, edges: dict,
                  edge_optim: dict, step: int) -> dict[int, float]:

@@ -43,7 +43,7 @@ class Replicas:
     """The replica of the successor stage this peer holds (redundant computation only)."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue) -> None:
-        self.net, self.hosted, self.compute = membership, hosted, compute
+        self.membership, self.hosted, self.compute = membership, hosted, compute
         self.replica: StageWorker | None = None
         self.omega = 0.0  # the replica's omega, windowed as its stage's own (recovery.omega_window)
         self._window = OmegaWindow()
@@ -66,7 +66,7 @@ class Replicas:
         if not self.active:
             raise ProtocolError("this peer runs no redundant computation (strategy, or no stage)")
         succ = self.successor()
-        _, (blob,) = await self.net.call(take.source, GetState(step=take.step), self.net.t.step_timeout,
+        _, (blob,) = await self.membership.call(take.source, GetState(step=take.step), self.membership.timeouts.step_timeout,
                                          link=(self.hosted.index, succ))
         worker = await self.compute.run(self.hosted.build, succ, True, False)
         self.omega = await self.compute.run(self.hosted.load_bytes, worker, tensor_blob(blob))
@@ -130,8 +130,8 @@ class Replicas:
         if holder is None:
             return
         try:
-            await self.net.call(holder, ReplicaGrad(step=step, stage=self.hosted.index, names=names),
-                                self.net.t.rpc_timeout, tensors, link=(self.hosted.index, self.holder()))
+            await self.membership.call(holder, ReplicaGrad(step=step, stage=self.hosted.index, names=names),
+                                self.membership.timeouts.rpc_timeout, tensors, link=(self.hosted.index, self.holder()))
             self.shipped = sum(t.numel() * t.element_size() for t in tensors)
         except (TransportError, TimeoutError) as e:
             log.warning("replica gradients of step %d not delivered to stage %d's peer: %s", step, self.holder(), e)

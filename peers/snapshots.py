@@ -27,10 +27,10 @@ from checkfree.worker import StageWorker
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
 from peers.membership import Membership
-from peers.parity import Parity
+from peers.reft_parity import Parity
 from peers.stage import HostedStage
 from peers.step import StepTracker
-from peers.streams import Streams, is_copy_blob
+from peers.streamed_copies import Streams, is_copy_blob
 
 __all__ = ["Snapshots"]
 
@@ -42,7 +42,7 @@ class Snapshots:
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker,
                  compute: ComputeQueue, companion_host: str = "127.0.0.1", streams: Streams | None = None) -> None:
-        self.net, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
+        self.membership, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
         self.streams = streams  # snap: the compressed copies held here, and this stage's mirror
         self.held: dict[int, tuple[int, Any]] = {}  # stage -> (step, serialized full state: a bytes-like object)
         self.parity = Parity(membership, hosted, self.held, companion_host)  # reft
@@ -68,12 +68,12 @@ class Snapshots:
                                companion=self.parity.companion_addr), []
         else:
             assert isinstance(keep, KeepHolders)
-            if self.net.me in keep.peers:  # gemini keeps its own copy (a rollback of a live stage reads it)
+            if self.membership.me in keep.peers:  # gemini keeps its own copy (a rollback of a live stage reads it)
                 self.held[stage] = (step, blob)
             payload = blob_tensor(blob)
             for pid in keep.peers:
-                if pid != self.net.me:
-                    await self.net.call(pid, StoreSnapshot(owner=stage, step=step), self.net.t.step_timeout,
+                if pid != self.membership.me:
+                    await self.membership.call(pid, StoreSnapshot(owner=stage, step=step), self.membership.timeouts.step_timeout,
                                         [payload])
                     sent += len(blob)
         return Snapshotted(bytes=len(blob), sent=sent, seconds=time.perf_counter() - t0), []
@@ -123,8 +123,8 @@ class Snapshots:
                 moved += await self.parity.take_over(source, stage, step)
                 continue
             try:
-                _, tensors = await self.net.call(source, FetchSnapshot(owner=owner, step=step),
-                                                 self.net.t.step_timeout)
+                _, tensors = await self.membership.call(source, FetchSnapshot(owner=owner, step=step),
+                                                 self.membership.timeouts.step_timeout)
             except RemoteError as e:
                 if e.kind != Kind.BAD_REQUEST:
                     raise
@@ -168,12 +168,12 @@ class Snapshots:
         """The copy of `stage` at `step` from `origin`: own memory, a holder peer, or storage."""
         if isinstance(origin, StorageCopy):
             return storage.read_stage(origin.storage, step, stage)
-        if isinstance(origin, OwnCopy) or isinstance(origin, PeerCopy) and origin.peer == self.net.me:
+        if isinstance(origin, OwnCopy) or isinstance(origin, PeerCopy) and origin.peer == self.membership.me:
             held = self.held.get(stage)
             if held is None or held[0] != step:
                 raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
             return held[1]
         if not isinstance(origin, PeerCopy):
             raise ProtocolError(f"a copy of kind {type(origin).__struct_config__.tag!r} cannot restore this stage")
-        _, (blob,) = await self.net.call(origin.peer, FetchSnapshot(owner=stage, step=step), self.net.t.step_timeout)
+        _, (blob,) = await self.membership.call(origin.peer, FetchSnapshot(owner=stage, step=step), self.membership.timeouts.step_timeout)
         return tensor_blob(blob)

@@ -241,7 +241,7 @@ class ReplicaHook(Protocol):
 
 
 class StreamHook(Protocol):
-    """What a commit asks of snap's streamed copy (peers.streams.Streams): the part this step sent, encoded from
+    """What a commit asks of snap's streamed copy (peers.streamed_copies.Streams): the part this step sent, encoded from
     the weights the step started from and acknowledged by the holder, before the optimizer step changes them."""
 
     async def before_commit(self) -> tuple[tuple[int, int] | None, int | None]: ...
@@ -253,7 +253,7 @@ class StepTracker:
     def __init__(self, timeouts: Timeouts, hosted: HostedStage, compute: ComputeQueue,
                  replicas: ReplicaHook | None = None, hook: PeerHook | None = None,
                  streams: StreamHook | None = None) -> None:
-        self.t, self.hosted, self.compute, self.replicas = timeouts, hosted, compute, replicas
+        self.timeouts, self.hosted, self.compute, self.replicas = timeouts, hosted, compute, replicas
         self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
         self.streams = streams
         self.run: StepRun | None = None
@@ -289,7 +289,7 @@ class StepTracker:
         RUN_STEP reached this peer: a message for a newer step waits (up to rpc_timeout) for
         it; a message for an older or aborted attempt is refused."""
         want = (step, attempt)
-        deadline = time.monotonic() + self.t.rpc_timeout
+        deadline = time.monotonic() + self.timeouts.rpc_timeout
         while True:
             run = self.run
             have = None if run is None else (run.step, run.attempt)
@@ -300,7 +300,7 @@ class StepTracker:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ProtocolError(f"no step {want[0]} attempt {want[1]} started on this peer within "
-                                    f"rpc_timeout={self.t.rpc_timeout:g} s (active: {have})")
+                                    f"rpc_timeout={self.timeouts.rpc_timeout:g} s (active: {have})")
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), left)

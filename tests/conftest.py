@@ -112,7 +112,7 @@ def fresh_refusal_log():
 # Names whose use starts OS processes: process modules, hivemind's daemon-backed P2P and DHT (each runs a p2pd
 # process), the runtime's own spawners, and the subprocess tier's helper module (tests/swarmrun.py).
 PROCESS_STARTERS = {"subprocess", "multiprocessing", "Popen", "P2P", "DHT", "start_transport", "start_companion"}
-PROCESS_MODULES = {"subprocess", "multiprocessing", "swarmrun", "scheduler.processes", "scheduler.launcher"}
+PROCESS_MODULES = {"subprocess", "multiprocessing", "swarmrun", "swarm.processes", "swarm.launcher"}
 TESTS_DIR = Path(__file__).resolve().parent
 WATCHERS = {"no_leftover_p2pd", "_process_tier_check"}  # autouse fixtures that look for processes, start none
 
@@ -135,7 +135,7 @@ def _names(code: CodeType) -> set[str]:
 
 
 def _is_ours(obj: object) -> bool:
-    """A function defined in a file under tests/ (a test module, conftest, inprocess.py, ...)."""
+    """A function defined in a file under tests/ (a test module, conftest, swarmrun.py, ...)."""
     try:
         return inspect.isfunction(obj) and Path(inspect.getfile(obj)).resolve().parent == TESTS_DIR
     except TypeError:

@@ -3,7 +3,7 @@ statically. `joined` type-checks; `wrong` must be the one error (a JOIN is answe
 
 from checkfree.messages import AssignFresh, Assigned, Join, Joined, Pong
 from peers.membership import Membership
-from scheduler.rpc import Rpc
+from coordinator.rpc import Rpc
 
 
 async def joined(rpc: Rpc, peer: Membership) -> list[Joined | Assigned]:

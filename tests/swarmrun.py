@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 
 from checkfree.rundir import read_jsonl
-from scheduler.processes import Proc, await_line, kill_group
-from scheduler.processes import spawn as _spawn
+from swarm.processes import Proc, await_line, kill_group
+from swarm.processes import spawn as _spawn
 
 __all__ = ["local", "simulate", "trace", "events", "Proc", "spawn", "await_line", "kill_group"]
 
 
 def spawn(args: list[str], env: dict) -> Proc:
     """Start `python -m checkfree ARGS` in a session of its own; its output lines are queued
-    (scheduler.processes, the launcher's own helper)."""
+    (swarm.processes, the launcher's own helper)."""
     return _spawn(args, env)
 
 

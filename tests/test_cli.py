@@ -126,7 +126,7 @@ def test_tensorboard_gets_the_metrics_scalars(tmp_path):
 def test_demo_churn_only_kills_stages_the_strategy_recovers(tmp_path, capsys, strategy, stages, kills):
     from checkfree.config import preset
     from checkfree.failures import read_trace
-    from scheduler.local import demo_trace
+    from swarm.local_cli import demo_trace
 
     cfg = preset("tiny")
     cfg.num_stages, cfg.train.num_steps, cfg.recovery.strategy = stages, 10, strategy
@@ -160,7 +160,7 @@ def test_set_reaches_every_config_key_with_typed_checks(capsys):
 
 
 def test_help_names_each_flags_config_key_and_default():
-    from checkfree.cli import CONFIG_FLAGS, DEFAULT_PRESET
+    from checkfree.flags import CONFIG_FLAGS, DEFAULT_PRESET
     from checkfree.config import preset
 
     text = " ".join(build_parser()._subparsers._group_actions[0].choices["simulate"].format_help().split())

@@ -1,5 +1,5 @@
-"""The coordinator's parts, each built alone with what it needs (scheduler/coordinator.py wires them), over the
-in-process memory network (checkfree.net.memory). Peers here are a handful of request handlers that answer
+"""The coordinator's parts, each built alone with what it needs (coordinator/coordinator.py wires them), over the
+in-process memory network (checkfree.net.in_memory). Peers here are a handful of request handlers that answer
 what a part asks and record what it sent: the real peers meet the real coordinator in tests/test_inprocess.py.
 """
 
@@ -13,22 +13,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from checkfree.net.memory import MEMORY, MemoryTransport
+from checkfree.net.in_memory import MEMORY, MemoryTransport
 from checkfree.plans import Copies, Failure, Holder, Own, RecoveryPlan, Snapshot
 from checkfree.messages import Envelope, Join, Leave, Left, Report
 from checkfree.protocol import RPC, ProtocolError, Timeouts
 from checkfree.strategies import build_strategy
-from scheduler.common import CoordinatorOptions, Rollback, RunClock
-from scheduler.detection import Detector
-from scheduler.membership import Membership
-from scheduler.outputs import Outputs
-from scheduler.placement import Placement
-from scheduler.protection import Protection
-from scheduler.recovery import Recovery
-from scheduler.retirement import Retirement
-from scheduler.rpc import Rpc
-from scheduler.stage_table import StageTable
-from scheduler.steps import StepDriver
+from coordinator.common import CoordinatorOptions, Rollback, RunClock
+from coordinator.detection import Detector
+from coordinator.members import Membership
+from coordinator.outputs import Outputs
+from coordinator.placement import Placement
+from coordinator.protection import Protection
+from coordinator.recovery_driver import Recovery
+from coordinator.retirement import Retirement
+from coordinator.rpc import Rpc
+from coordinator.stage_table import StageTable
+from coordinator.step_driver import StepDriver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -215,7 +215,7 @@ def test_a_takeover_adopts_the_peers_whose_heartbeats_it_does_not_read(tiny_cfg,
     from checkfree.messages import Adopted, to_wire
     from checkfree.net.heartbeats import announce
     from checkfree.protocol import members_key
-    from scheduler.failover import Failover
+    from coordinator.failover import Failover
 
     cfg = _cfg(tiny_cfg)
     stages = cfg.num_stages
@@ -398,6 +398,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_messages_are_read_as_types():
     """Peers and coordinator read typed messages (checkfree.messages): no header or reply is read as a dict."""
-    found = [f"{p.relative_to(ROOT)}:{i}" for d in ("peers", "scheduler") for p in sorted((ROOT / d).glob("*.py"))
+    found = [f"{p.relative_to(ROOT)}:{i}" for d in ("peers", "coordinator", "swarm", "faults", "ops") for p in sorted((ROOT / d).glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if "header.get(" in line or "reply.get(" in line]
     assert not found, found

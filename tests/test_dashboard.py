@@ -1,4 +1,4 @@
-"""The live dashboard (scheduler/dashboard.py, scheduler/status.py, scheduler/history.py, `checkfree status`):
+"""The live dashboard (ops/dashboard.py, ops/status.py, ops/history.py, `checkfree status`):
 /status, /metrics and the table from a real coordinator in one process; the bearer check of a non-local bind;
 the history read from growing files; and the page itself in a real headless Chromium against a `checkfree local`
 swarm whose peer is SIGKILLed, seen to update without a reload."""
@@ -22,11 +22,11 @@ from checkfree.data import build_data
 from checkfree.failures import FailureSchedule
 from checkfree.rundir import RunWriter, read_jsonl
 from cli.main import main
-from inprocess import InProcessSwarm
-from scheduler.dashboard import Bind, metrics_text, parse_bind, serve_dashboard
-from scheduler.history import MAX_POINTS, RunHistory
-from scheduler.status import LiveStatus, SwarmStatus, from_run_dir
-from scheduler.status_cli import fetch_status, render
+from harness.inprocess import InProcessSwarm
+from ops.dashboard import Bind, metrics_text, parse_bind, serve_dashboard
+from ops.history import MAX_POINTS, RunHistory
+from ops.status import LiveStatus, SwarmStatus, from_run_dir
+from ops.status_cli import fetch_status, render
 from swarmrun import await_line, kill_group, spawn, trace
 
 pytestmark = pytest.mark.timeout(240)
@@ -283,7 +283,7 @@ def test_a_long_run_is_drawn_to_the_steps_it_has_run_and_each_peer_shows_how_it_
 
     from playwright.sync_api import sync_playwright
 
-    from scheduler.status import PeerState, PeerView, StageView
+    from ops.status import PeerState, PeerView, StageView
 
     status = SwarmStatus(
         source="live", run_id="long", status="running", step=209, num_steps=100_000, strategy="checkfree",

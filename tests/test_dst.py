@@ -14,7 +14,7 @@ import torch
 
 from checkfree.net.errors import TransportError
 from checkfree.net.faulty import Crossing, FaultRules, FaultyTransport, Point, Rule, delay, drop, hold, release
-from checkfree.net.memory import MemoryNetwork, MemoryTransport
+from checkfree.net.in_memory import MemoryNetwork, MemoryTransport
 from checkfree.protocol import RPC
 from dst.run import run_schedule
 from dst.schedule import Fault, Kind, Schedule, Setup
@@ -150,9 +150,9 @@ def test_a_coordinator_killed_at_a_step_dies_before_that_iterations_faults_fire(
 
     from checkfree.failures import FailureSchedule
     from checkfree.protocol import Timeouts
-    from scheduler.coordinator import CoordinatorView
-    from scheduler.injector import FaultSchedule, Injector
-    from scheduler.membership import MembersView
+    from coordinator.coordinator import CoordinatorView
+    from faults.injector import FaultSchedule, Injector
+    from coordinator.members import MembersView
 
     class Killed(Exception):
         pass
@@ -566,7 +566,7 @@ def test_a_peer_adopted_while_it_joins_joins_the_new_coordinator_not_the_dead_on
     import time
 
     from checkfree.messages import Joined, to_wire
-    from checkfree.net.memory import MemoryDHT
+    from checkfree.net.in_memory import MemoryDHT
     from checkfree.protocol import Timeouts, coordinator_key, coordinator_record
     from peers.membership import Membership
     from peers.stage import HostedStage
@@ -829,7 +829,7 @@ def test_a_takeover_ranks_the_claimants_of_a_stage_by_their_assignment():
     """One peer per stage: the one assigned last keeps it, however far the other came. A stage group: the replicas
     that came furthest, the one assigned last first among equals."""
     from checkfree.messages import Adopted, Ready
-    from scheduler.failover import _rank
+    from coordinator.failover import _rank
 
     stale = ("stale", Adopted(stage=4, state="serving", next_step=3, omega=0.0, epoch=5))
     new = ("new", Adopted(stage=4, state="serving", next_step=2, omega=0.0, epoch=9,

@@ -82,8 +82,8 @@ def test_new_peers_bootstrap_from_the_running_coordinator_and_live_peers(tmp_pat
     running coordinator's address (the standby's, once it took over) and the two newest live peers'."""
     import shutil
 
-    from scheduler.launcher import LocalSwarm, SwarmOptions
-    from scheduler.processes import Proc
+    from swarm.launcher import LocalSwarm, SwarmOptions
+    from swarm.processes import Proc
 
     def sleeper() -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)

@@ -1,8 +1,8 @@
 """Faults come from outside, checked on the source of every production module under `checkfree/`,
-`peers/` and `scheduler/` with `ast`:
+`peers/` and the coordinator's packages (`coordinator/`, `swarm/`, `faults/`, `ops/`) with `ast`:
 
 * a fault hook is called only where one was installed: a call through the coordinator's hook (`Hook`,
-  scheduler/common.py) or the peer's (`PeerHook`, checkfree/peer_hook.py), whatever the attribute, parameter
+  coordinator/common.py) or the peer's (`PeerHook`, checkfree/peer_hook.py), whatever the attribute, parameter
   or local it travels in is named, sits in the body of an `if <it> is not None:` or after an
   `if <it> is None: return` of its function (or of a function around it);
 * no production module imports a fault tool, or names "chaos";
@@ -19,19 +19,19 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("checkfree", "peers", "scheduler")
+PACKAGES = ("checkfree", "peers", "coordinator", "swarm", "ops")
 HOOK_TYPES = {"Hook", "PeerHook"}  # the coordinator's and the peer's one hook
 TOOL_MODULES = {
     "checkfree.net.faulty": "the transport wrapper of the fault injectors",
     "checkfree.peer_faults": "the peer hook that acts out armed faults, and its control channel",
-    "scheduler.injector": "the local swarm's and the in-process tier's injector (FaultSchedule)",
+    "faults.injector": "the local swarm's and the in-process tier's injector (FaultSchedule)",
 }
 FRONT_ENDS = {  # modules that may name the tools: they build them from their testing flags, or act on their requests
-    "peers/cli.py": "`checkfree peer --fault-hook` builds the peer's hook",
-    "scheduler/cli.py": "`checkfree scheduler --chaos-*` builds the coordinator's injector",
-    "scheduler/local.py": "`checkfree local` passes its chaos flags on",
-    "scheduler/launcher.py": "the local swarm's launcher acts on the injector's CHAOS lines",
-    "scheduler/chaos.py": "`checkfree chaos`: a long run under churn",
+    "peers/peer_cli.py": "`checkfree peer --fault-hook` builds the peer's hook",
+    "coordinator/scheduler_cli.py": "`checkfree scheduler --chaos-*` builds the coordinator's injector",
+    "swarm/local_cli.py": "`checkfree local` passes its chaos flags on",
+    "swarm/launcher.py": "the local swarm's launcher acts on the injector's CHAOS lines",
+    "faults/chaos.py": "`checkfree chaos`: a long run under churn",
 }
 
 
@@ -176,8 +176,8 @@ def test_no_wire_message_has_a_field_only_an_injector_sets():
     """The peer's hook is armed through its own channel (checkfree.peer_faults), not by fields of requests; the
     options of a coordinator carry no fault schedule either."""
     from checkfree import messages
-    from scheduler.common import CoordinatorOptions
-    from scheduler.injector import FaultSchedule
+    from coordinator.common import CoordinatorOptions
+    from faults.injector import FaultSchedule
 
     fields = {f for name in dir(messages) if isinstance(t := getattr(messages, name), type)
               and issubclass(t, messages.Message) for f in t.__struct_fields__}

@@ -307,7 +307,7 @@ class Live:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.dht = self.t = self._ours = None
+        self.dht = self.transport = self._ours = None
 
     def start(self, tmp: Path, cache: Path) -> None:
         env = _env(cache)
@@ -321,7 +321,7 @@ class Live:
         self._ours = ours = asyncio.run_coroutine_threadsafe(start_transport([self.coord_addr], startup_timeout=30),
                                                              self.loop)
         self.peer_id = re.search(r"peer_id=(\S+)", peer.await_line(READY_PEER, 120)).group(1)
-        self.dht, self.t = ours.result(90)
+        self.dht, self.transport = ours.result(90)
         deadline = time.monotonic() + 120
         while (pong := self.ping()) != {"stage": 0, "state": "serving"}:
             assert time.monotonic() < deadline, f"peer not serving stage 0: {pong}\n" + "\n".join(peer.out[-40:])
@@ -331,21 +331,21 @@ class Live:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def ping(self) -> dict:
-        return self.run(self.t.call(self.peer_id, RPC.PING, {"run": RUN}, timeout=10), 20)[0]
+        return self.run(self.transport.call(self.peer_id, RPC.PING, {"run": RUN}, timeout=10), 20)[0]
 
     def weights(self) -> list[torch.Tensor]:
-        header, tensors = self.run(self.t.call(self.peer_id, RPC.GET_WEIGHTS, {"run": RUN, "part": "all"},
+        header, tensors = self.run(self.transport.call(self.peer_id, RPC.GET_WEIGHTS, {"run": RUN, "part": "all"},
                                                timeout=30), 40)
         assert len(header["keys"]) == len(tensors) > 0
         return tensors
 
     def close(self) -> None:
         try:
-            if self.t is None and self._ours is not None:  # started, but setup failed before it was kept
+            if self.transport is None and self._ours is not None:  # started, but setup failed before it was kept
                 with contextlib.suppress(Exception):
-                    self.dht, self.t = self._ours.result(90)
-            if self.t is not None:
-                self.run(stop_transport(self.dht, self.t), 60)
+                    self.dht, self.transport = self._ours.result(90)
+            if self.transport is not None:
+                self.run(stop_transport(self.dht, self.transport), 60)
         finally:
             for proc in self.procs:
                 proc.kill()
@@ -439,12 +439,12 @@ def test_fuzz_live_peer_handlers(live: Live, record_property) -> None:
     async def one(kind: str, name: str, header, tensors):
         if kind == "raw":
             COUNTS["raw"] += 1
-            reply = await asyncio.wait_for(_raw(live.t, live.peer_id, name, header), 30)
+            reply = await asyncio.wait_for(_raw(live.transport, live.peer_id, name, header), 30)
             assert isinstance(reply.get("error"), str) or name in MAY_SUCCEED, (name, reply)
             return reply
         COUNTS["rpc"] += 1
         try:
-            await live.t.call(live.peer_id, name, header, tensors, timeout=RPC_TIMEOUT + 20)
+            await live.transport.call(live.peer_id, name, header, tensors, timeout=RPC_TIMEOUT + 20)
         except RemoteError as e:
             assert e.remote_message and ": " in e.remote_message, e.remote_message
             key = re.sub(r"[0-9]+|'[^']*'", "#", e.remote_message)[:60]

@@ -1,4 +1,4 @@
-"""The golden check of recovery: the simulator and the swarm (in-process tier, tests/inprocess.py) emit the same
+"""The golden check of recovery: the simulator and the swarm (in-process tier, harness/inprocess.py) emit the same
 recovery events on a fixed trace of every strategy, stage groups included.
 
 Each event is compared on what a recovery decides: the event (a recovery or a fallback), the failed step and
@@ -17,7 +17,7 @@ import pytest
 from checkfree.failures import FailureSchedule, write_trace
 from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
-from inprocess import run_swarm
+from harness.inprocess import run_swarm
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the HF tests need the
 
 from safetensors.torch import load_file
 
-from checkfree.cli import config_from_args
+from checkfree.flags import config_from_args
 from checkfree.config import ModelConfig
 from checkfree.export import load_export
 from checkfree.hf import hf_config, load_stage_state, rope_to_pairs, save_hf

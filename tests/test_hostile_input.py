@@ -73,7 +73,7 @@ class Live:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.dht = self.t = self._ours = None
+        self.dht = self.transport = self._ours = None
 
     def start(self, tmp: Path, cache: Path) -> None:
         env = _env(cache)
@@ -88,7 +88,7 @@ class Live:
                                                              self.loop)
         line = await_line(self.peer, READY_PEER, 120)
         self.peer_id = re.search(r"peer_id=(\S+)", line).group(1)
-        self.dht, self.t = ours.result(90)
+        self.dht, self.transport = ours.result(90)
         deadline = time.monotonic() + 120
         while (pong := self.ping()) != {"stage": 0, "state": "serving"}:
             assert time.monotonic() < deadline, f"peer not serving stage 0: {pong}\n{self.peer.tail()}"
@@ -104,7 +104,7 @@ class Live:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def call(self, target: str, name: str, header: dict, tensors=(), timeout: float = 30):
-        return self.run(self.t.call(target, name, header, list(tensors), timeout=timeout), timeout + 10)
+        return self.run(self.transport.call(target, name, header, list(tensors), timeout=timeout), timeout + 10)
 
     def ping(self) -> dict:
         return self.call(self.peer_id, RPC.PING, {"run": RUN}, timeout=10)[0]
@@ -137,7 +137,7 @@ class Live:
 
     async def raw(self, target: str, name: str, data: bytes, *, reply: bool = True) -> dict | None:
         """Write raw bytes on a fresh stream; return the decoded reply header (or None: close without reading)."""
-        _, reader, writer = await self.t.p2p.call_binary_stream_handler(PeerID.from_base58(target), name)
+        _, reader, writer = await self.transport.p2p.call_binary_stream_handler(PeerID.from_base58(target), name)
         try:
             writer.write(data)
             await writer.drain()
@@ -152,11 +152,11 @@ class Live:
 
     def close(self) -> None:
         try:
-            if self.t is None and self._ours is not None:  # started, but setup failed before it was kept
+            if self.transport is None and self._ours is not None:  # started, but setup failed before it was kept
                 with contextlib.suppress(Exception):
-                    self.dht, self.t = self._ours.result(90)
-            if self.t is not None:
-                self.run(stop_transport(self.dht, self.t), 60)
+                    self.dht, self.transport = self._ours.result(90)
+            if self.transport is not None:
+                self.run(stop_transport(self.dht, self.transport), 60)
         finally:
             for proc in self.procs:
                 kill_group(proc)
@@ -235,14 +235,14 @@ def test_declared_length_does_not_commit_memory_before_the_bytes_arrive(live: Li
     before = _rss_mb(pid)
 
     async def stall() -> float:
-        _, reader, writer = await live.t.p2p.call_binary_stream_handler(PeerID.from_base58(live.peer_id), RPC.FORWARD)
+        _, reader, writer = await live.transport.p2p.call_binary_stream_handler(PeerID.from_base58(live.peer_id), RPC.FORWARD)
         try:
             writer.write((1 << 30).to_bytes(8, "big") + bytes(1 << 16))
             await writer.drain()
             peak = 0.0
             for _ in range(15):  # observe the peer for ~1.5 s while the stream is open (the bug is immediate)
                 await asyncio.sleep(0.1)
-                await live.t.call(live.peer_id, RPC.PING, {"run": RUN}, timeout=10)
+                await live.transport.call(live.peer_id, RPC.PING, {"run": RUN}, timeout=10)
                 peak = max(peak, _rss_mb(pid))
             return peak
         finally:
@@ -306,9 +306,9 @@ def test_forward_backward_refuse_bad_activations_at_once(live: Live, rpc: str, c
 def test_message_for_an_inactive_step_is_refused_within_rpc_timeout(live: Live) -> None:
     """A well-formed activation for a step that never starts here waits at most rpc_timeout (5 s)."""
     async def both():
-        calls = [live.t.call(live.peer_id, RPC.FORWARD, {**FWD, "step": 10**6}, [_act()], timeout=30),
-                 live.t.call(live.peer_id, RPC.BACKWARD, {**BWD, "step": 2**63 - 1}, [_act()], timeout=30),
-                 live.t.call(live.peer_id, RPC.COMPONENT_GRAD, {"run": RUN, "step": 3, "attempt": 1, "comp": "embed"},
+        calls = [live.transport.call(live.peer_id, RPC.FORWARD, {**FWD, "step": 10**6}, [_act()], timeout=30),
+                 live.transport.call(live.peer_id, RPC.BACKWARD, {**BWD, "step": 2**63 - 1}, [_act()], timeout=30),
+                 live.transport.call(live.peer_id, RPC.COMPONENT_GRAD, {"run": RUN, "step": 3, "attempt": 1, "comp": "embed"},
                              timeout=30)]
         return await asyncio.gather(*calls, return_exceptions=True)
 
@@ -372,7 +372,7 @@ def test_snapshot_rpcs_refuse_strangers_and_stay_bounded(live: Live, tmp_path: P
     live.refused(p, RPC.SNAPSHOT, {"run": RUN, "step": 1, "keep": {"kind": "storage", "storage": str(tmp_path)}},
                  match=r"only the run's coordinator")
     assert not list(tmp_path.iterdir())  # nothing written where a stranger asked
-    live.refused(p, RPC.SNAPSHOT, {"run": RUN, "step": 1, "keep": {"kind": "holders", "peers": [str(live.t.peer_id)]}},
+    live.refused(p, RPC.SNAPSHOT, {"run": RUN, "step": 1, "keep": {"kind": "holders", "peers": [str(live.transport.peer_id)]}},
                  match=r"only the run's coordinator")
     blob = torch.zeros(4096, dtype=torch.uint8)
     for owner in (10**9, -1, 4):
@@ -389,7 +389,7 @@ def test_snapshot_rpcs_refuse_strangers_and_stay_bounded(live: Live, tmp_path: P
 
 
 def test_coordinator_refuses_bad_joins_reports_and_leaves(live: Live) -> None:
-    c, me = live.coord_id, str(live.t.peer_id)
+    c, me = live.coord_id, str(live.transport.peer_id)
     report = {"run": RUN, "step": 0, "attempt": 0, "stage": 0, "peer_id": live.peer_id, "reason": "hostile"}
     live.refused(c, RPC.REPORT, report, match=r"unknown peer .*reports are accepted from members only")
     live.refused(c, RPC.LEAVE, {"run": RUN, "peer_id": me}, match=rf"unknown peer {me}")

@@ -1,5 +1,5 @@
-"""The in-process tier (tests/inprocess.py): the real coordinator and peer daemons in one event loop over the
-memory network, faults from outside (scheduler.injector). Each test compares the swarm's run directory
+"""The in-process tier (harness/inprocess.py): the real coordinator and peer daemons in one event loop over the
+memory network, faults from outside (faults.injector). Each test compares the swarm's run directory
 with the simulator's for the same config and failures, in seconds instead of the subprocess tests' minutes."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from checkfree.abft import FaultInjector
 from checkfree.failures import FailureSchedule
 from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
-from inprocess import run_swarm
+from harness.inprocess import run_swarm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -71,7 +71,7 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
 
 @pytest.mark.parametrize("fault", ["recovery_kills", "rebuild_kills"])
 def test_a_replacement_lost_during_its_rebuild_is_replaced_by_the_next_standby(tiny_cfg, tmp_path, fault):
-    """Faults from outside (scheduler.injector, around the coordinator's transport): the standby chosen to rebuild
+    """Faults from outside (faults.injector, around the coordinator's transport): the standby chosen to rebuild
     stage 1 at step 3 is killed as its ASSIGN leaves (recovery_kills) or SIGKILLs itself after its first weight
     pull (rebuild_kills: its fault hook armed as the ASSIGN leaves); the next standby rebuilds the stage and the
     run keeps the simulator's losses."""
@@ -94,7 +94,7 @@ def test_peers_armed_through_their_fault_hooks_die_mid_forward_mid_backward_and_
     its second forward pass of iteration 2, stage 2's at its first backward pass of iteration 3, stage 1's new peer
     as it takes the COMMIT of iteration 4 (the other stages commit: the stage is lost for step 5). The swarm
     recovers each and keeps the simulator's losses."""
-    from scheduler.injector import PeerKill
+    from faults.injector import PeerKill
 
     cfg = _cfg(tiny_cfg, "checkfree", steps=7)
     kills = (PeerKill("forward", 2, 1, mb=1), PeerKill("backward", 3, 2), PeerKill("commit", 4, 1))
@@ -273,8 +273,8 @@ def test_the_swarm_runs_every_strategy_and_refuses_a_bad_combination_before_any_
     """Every strategy with every fallback (each a plan the coordinator carries out, checkfree.plans); stage groups
     only with a strategy that keeps no copies of a stage's peer."""
     from checkfree.strategies import STRATEGIES
-    from scheduler.common import CoordinatorOptions
-    from scheduler.coordinator import Coordinator
+    from coordinator.common import CoordinatorOptions
+    from coordinator.coordinator import Coordinator
 
     for name in STRATEGIES:
         for fallback in ("abort", "random", "copy"):
@@ -445,7 +445,7 @@ def test_a_stop_signal_during_a_commit_takes_effect_once_the_step_is_recorded(ti
     """SIGTERM (the coordinator's stop handler) arriving while step 6 is being committed: the commit is not cut in
     half. The step is recorded, the run stops before step 7, and the save is at step 7, where every peer is
     (before, the save was refused: the peers had committed a step the run had not recorded)."""
-    from scheduler.coordinator import Coordinator
+    from coordinator.coordinator import Coordinator
 
     commit = Coordinator._commit
 

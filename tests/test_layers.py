@@ -1,6 +1,7 @@
 """The layering rule, checked on the source: `checkfree/` (the library) imports none of the layers
-above it — `peers/`, `scheduler/`, `experiments/`, `benchmarks/`, `cli/` — not even by name
-(an importlib string); `peers/` and `scheduler/` do not import each other."""
+above it — `peers/`, `coordinator/`, `swarm/`, `faults/`, `ops/`, `experiments/`, `benchmarks/`, `cli/` — not even by name
+(an importlib string); `peers/` and the coordinator's packages (`coordinator/`, `swarm/`, `faults/`, `ops/`) do not
+import each other."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ABOVE = ("peers", "scheduler", "experiments", "benchmarks", "cli", "dst")
+ABOVE = ("peers", "coordinator", "swarm", "faults", "ops", "harness", "experiments", "benchmarks", "cli", "dst")
 
 
 def _imports(path: Path) -> set[str]:
@@ -30,8 +31,8 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("layer, forbidden", [("checkfree", ABOVE), ("peers", ("scheduler", "dst")),
-                                              ("scheduler", ("peers", "dst"))])
+@pytest.mark.parametrize("layer, forbidden", [("checkfree", ABOVE), ("peers", ("coordinator", "swarm", "faults", "ops", "harness", "dst")),
+                                              *((pkg, ("peers", "dst")) for pkg in ("coordinator", "swarm", "faults", "ops"))])
 def test_no_upward_imports(layer, forbidden):
     bad = []
     for path in sorted((ROOT / layer).rglob("*.py")):
@@ -57,7 +58,8 @@ def test_the_three_transports_type_check_against_the_transport_protocol(tmp_path
 
 
 def test_the_type_checker_holds_over_the_three_packages(tmp_path):
-    """mypy, at the strictness pyproject.toml states, over checkfree/, peers/ and scheduler/: no errors."""
+    """mypy, at the strictness pyproject.toml states, over checkfree/, peers/ and the coordinator's packages
+    (coordinator/, swarm/, faults/, ops/): no errors."""
     import subprocess
     import sys
 
@@ -111,7 +113,7 @@ def _import_graph() -> dict[str, set[str]]:
 
     root = Path(__file__).resolve().parent.parent
     mods = {}
-    for pkg in ("checkfree", "peers", "scheduler", "cli", "dst"):
+    for pkg in ("checkfree", "peers", "coordinator", "swarm", "faults", "ops", "harness", "cli", "dst"):
         for p in (root / pkg).rglob("*.py"):
             name = ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
             mods[name] = p
@@ -141,7 +143,7 @@ def _import_graph() -> dict[str, set[str]]:
 
 def test_no_import_circles():
     graph = _import_graph()
-    assert len(graph) > 80 and graph["scheduler.coordinator"] >= {"scheduler.membership", "checkfree.config"}
+    assert len(graph) > 80 and graph["coordinator.coordinator"] >= {"coordinator.members", "checkfree.config"}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(m: str, path: list[str]) -> None:

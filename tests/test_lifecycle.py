@@ -151,7 +151,7 @@ def test_kill_group_removes_the_socket_files_of_a_group_whose_leader_has_exited(
     import uuid
 
     from checkfree.net.lifeline import process_group
-    from scheduler.processes import Proc
+    from swarm.processes import Proc
 
     path = f"/tmp/hivemind-p2pd-test-{uuid.uuid4().hex[:12]}.sock"
     child = ("import socket, sys, threading; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
@@ -258,7 +258,7 @@ def test_run_writer_summary_nulls_and_resume_clock(tmp_path):
 def test_late_join_is_refused_with_a_clear_reason(tmp_path):
     """A JOIN after the run ended gets a `run over` refusal; the handler does not touch the closed
     run directory (it used to crash with `I/O operation on closed file`)."""
-    from scheduler.coordinator import Coordinator, CoordinatorOptions
+    from coordinator.coordinator import Coordinator, CoordinatorOptions
 
     cfg = preset("tiny")
     coord = Coordinator(cfg, CoordinatorOptions(run_id="r", out=str(tmp_path)))

@@ -56,7 +56,7 @@ def test_user_case_smollm2_at_its_8192_positions_is_refused_at_once(tmp_path, ca
     (tmp_path / "smollm2.json").write_text(json.dumps(SMOLLM2))
     argv = ["simulate", "--model-config", str(tmp_path / "smollm2.json"), "--stages", "6", "--steps", "3",
             "--microbatches", "2", "--microbatch-size", "2", "--seq-len", "8192", "--out", str(tmp_path / "run")]
-    from checkfree.cli import config_from_args
+    from checkfree.flags import config_from_args
     from cli.main import build_parser
 
     need = simulator_memory(config_from_args(build_parser().parse_args(argv))).total
@@ -72,7 +72,7 @@ def test_user_case_smollm2_at_its_8192_positions_is_refused_at_once(tmp_path, ca
 def test_smollm2_default_sequence_length_fits_a_24_gb_machine(tmp_path):
     """With the defaults an HF model gets (256 tokens a sequence) SmolLM2's 6-stage simulation needs a few GiB."""
     (tmp_path / "smollm2.json").write_text(json.dumps(SMOLLM2))
-    from checkfree.cli import config_from_args
+    from checkfree.flags import config_from_args
     from cli.main import build_parser
 
     cfg = config_from_args(build_parser().parse_args(["simulate", "--model-config", str(tmp_path / "smollm2.json"),
@@ -105,7 +105,7 @@ def test_estimate_within_a_factor_of_the_measured_peak_rss(tmp_path):
             "--no-progress", "--out", str(tmp_path / "run")]
     env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     peak = _peak_rss_of([sys.executable, "-m", "checkfree", *argv], env)
-    from checkfree.cli import config_from_args
+    from checkfree.flags import config_from_args
     from cli.main import build_parser
 
     est = simulator_memory(config_from_args(build_parser().parse_args(argv)))

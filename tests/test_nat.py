@@ -21,7 +21,7 @@ import pytest
 from checkfree.net.lifeline import socket_files
 from checkfree.net.relay import probe_addresses, unreachable_message
 from checkfree.rundir import read_jsonl
-from scheduler.netlab import NetLab
+from swarm.netlab import NetLab
 from swarmrun import events, simulate, trace
 
 TIMEOUTS = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--step-timeout", "15"]
@@ -82,7 +82,7 @@ def test_a_relayed_call_reaches_the_peer_as_the_callers_and_nothing_else_gets_th
     a route record not signed with the secret is ignored (A then calls B directly)."""
     from checkfree.auth import sign_record
     from checkfree.net.errors import RemoteError
-    from checkfree.net.memory import MemoryDHT, MemoryNetwork, MemoryTransport
+    from checkfree.net.in_memory import MemoryDHT, MemoryNetwork, MemoryTransport
     from checkfree.net.relay import RELAY, RELAYED, RelayTransport, route_key
 
     secret = b"0123456789abcdef-secret"

@@ -1,4 +1,5 @@
-"""Objects own their state: no module under `scheduler/` or `peers/` writes or mutates an attribute of an object
+"""Objects own their state: no module under `peers/` or the coordinator's packages (`coordinator/`, `swarm/`, `faults/`,
+`ops/`) writes or mutates an attribute of an object
 it did not create. Checked on the source with `ast`, as tests/test_layers.py checks imports.
 
 Within a function an attribute may be written on `self` (its own object), on an element of one of its own
@@ -136,7 +137,7 @@ def violations(path: Path) -> list[str]:
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
 
 
-@pytest.mark.parametrize("layer", ["scheduler", "peers"])
+@pytest.mark.parametrize("layer", ["coordinator", "swarm", "faults", "ops", "peers"])
 def test_no_module_writes_another_objects_attributes(layer):
     bad = [v for path in sorted((ROOT / layer).rglob("*.py")) for v in violations(path)]
     assert not bad, f"{len(bad)} writes into objects the module did not create:\n" + "\n".join(bad)

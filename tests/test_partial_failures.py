@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from checkfree.rundir import read_jsonl
-from scheduler.local import NetLab
+from swarm.local_cli import NetLab
 from swarmrun import events, local, simulate, trace
 
 TIMEOUTS = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--join-timeout", "120"]

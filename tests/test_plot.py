@@ -14,7 +14,7 @@ from checkfree.failures import FailureSchedule
 from checkfree.plot import event_marks, plot_run, read_run
 from checkfree.simulator import Simulator
 from cli.main import main
-from inprocess import run_swarm
+from harness.inprocess import run_swarm
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf", reason="the GGUF tests need the 'pretrained' 
 pytest.importorskip("accelerate", reason="the GGUF tests need the 'pretrained' extra")
 transformers = pytest.importorskip("transformers", reason="the GGUF tests need the 'pretrained' extra")
 
-from checkfree.cli import config_from_args
+from checkfree.flags import config_from_args
 from checkfree.config import DataConfig, ModelConfig
 from checkfree.data import build_tokenizer, eos_token
 from checkfree.hf import rope_to_halves

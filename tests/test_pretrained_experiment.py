@@ -15,7 +15,7 @@ from checkfree.hf import save_hf
 from checkfree.model import LlamaModel
 from checkfree.rundir import read_jsonl
 from cli.main import build_parser, main
-from checkfree.cli import config_from_args
+from checkfree.flags import config_from_args
 from experiments.pretrained import INITS, Run, branch_norms, make_study, run_study, signature
 from experiments.pretrained_report import analyse, load_results, render_tables
 

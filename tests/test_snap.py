@@ -268,7 +268,7 @@ def test_a_run_from_a_trained_model_gets_snap_by_default_and_a_warning_for_a_str
     import argparse
 
     from checkfree.advice import default_note, measured, warnings_for
-    from checkfree.cli import add_run_arguments, config_from_args
+    from checkfree.flags import add_run_arguments, config_from_args
     from checkfree.hf import save_hf
     from checkfree.model import LlamaModel
 

@@ -17,7 +17,7 @@ from checkfree.failures import FailureSchedule
 from checkfree.stage_groups import hop_table, move, slowest, spread
 from checkfree.rundir import read_jsonl
 from checkfree.simulator import Simulator
-from inprocess import run_swarm
+from harness.inprocess import run_swarm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -251,7 +251,7 @@ def test_a_failed_reduce_answers_the_partner_stages_component_gradient_request_a
     daemon = PeerDaemon(PeerOptions(transport="memory"))
     daemon.hosted.configure(cfg, None)
     daemon.hosted.worker = daemon.hosted.build(1)
-    assert daemon.passes.t.step_timeout > 30  # the bound below: a wait for the sums would trip it
+    assert daemon.passes.timeouts.step_timeout > 30  # the bound below: a wait for the sums would trip it
     m = cfg.train.num_microbatches
     routes = [route(cfg.num_stages, True, 0, mb, m) for mb in range(m)]
     run = StepRun(0, 0, False, {s: f"p{s}" for s in range(cfg.num_stages)}, routes, remaining=0,
@@ -305,7 +305,7 @@ def test_a_pass_that_overtakes_the_reroute_moving_its_hop_here_waits_for_it(tiny
             for mb, r in enumerate(routes)]
     run = StepRun(0, 0, False, {s: f"s{s}" for s in range(cfg.num_stages)}, routes, remaining=0, hops=hops,
                   groups={0: ["s0"], 1: [me, "dead", "other"], 2: ["s2"], 3: ["s3"]})
-    daemon.passes.t = dataclasses.replace(daemon.passes.t, rpc_timeout=2.0, heartbeat_ttl=1.0)
+    daemon.passes.timeouts = dataclasses.replace(daemon.passes.timeouts, rpc_timeout=2.0, heartbeat_ttl=1.0)
 
     async def main():
         moved = asyncio.create_task(daemon.passes._hop(run, Forward(step=0, attempt=0, mb=0, hop=1)))

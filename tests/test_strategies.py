@@ -324,12 +324,13 @@ def _strategy_reads(tree: ast.AST) -> list[tuple[str, int, bool]]:
 
 
 def test_the_runtimes_read_only_what_the_strategy_contract_declares_and_write_none_of_it(tiny_cfg_module):
-    """Everything the executors of plans (checkfree/strategies/execute.py, scheduler/protection.py,
-    scheduler/recovery.py) and the other runtime modules read from a strategy is declared on `Strategy`: a class
+    """Everything the executors of plans (checkfree/strategies/execute.py, coordinator/protection.py,
+    coordinator/recovery_driver.py) and the other runtime modules read from a strategy is declared on `Strategy`: a class
     attribute, a method, or an attribute its __init__ sets. None of them assigns or deletes a strategy's
-    attribute (the ownership test covers mutating calls under scheduler/ and peers/)."""
+    attribute (the ownership test covers mutating calls under peers/ and the coordinator's packages (coordinator/,
+    swarm/, faults/, ops/))."""
     root = Path(__file__).resolve().parent.parent
-    modules = [p for pkg in ("checkfree", "peers", "scheduler") for p in (root / pkg).rglob("*.py")
+    modules = [p for pkg in ("checkfree", "peers", "coordinator", "swarm", "faults", "ops") for p in (root / pkg).rglob("*.py")
                if "strategies" not in p.relative_to(root).parts]
     modules.append(root / "checkfree" / "strategies" / "execute.py")
     declared = set(dir(Strategy)) | set(vars(Strategy(tiny_cfg_module)))

@@ -38,7 +38,7 @@ async def _pair(kind: str) -> AsyncIterator[tuple[Transport, Transport]]:
         server = await start_libp2p_transport()
         client = await start_libp2p_transport(initial_peers=server.get_visible_maddrs())
     elif kind == "memory":
-        from checkfree.net.memory import MemoryNetwork, MemoryTransport
+        from checkfree.net.in_memory import MemoryNetwork, MemoryTransport
 
         net = MemoryNetwork()
         server, client = MemoryTransport(net), MemoryTransport(net)

@@ -4,7 +4,7 @@
 from checkfree.net.base import Transport
 from checkfree.net.hivemind_transport import HivemindTransport
 from checkfree.net.libp2p_transport import Libp2pTransport
-from checkfree.net.memory import MemoryTransport
+from checkfree.net.in_memory import MemoryTransport
 from checkfree.net.relay import RelayTransport
 from checkfree.net.tcp_transport import TcpTransport
 

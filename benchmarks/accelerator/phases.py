@@ -614,7 +614,7 @@ def _hf_in_weights(ctx: Ctx, run: Path, hf: Path) -> dict[str, Any]:
     """`--init-from` the export: every stage's weights, built on the device, equal to the run's final weights."""
     import torch
 
-    from checkfree.cli import config_from_args
+    from checkfree.flags import config_from_args
     from checkfree.export import load_export
     from checkfree.model import plan_stages, stage_to_global
     from checkfree.strategies import build_workers

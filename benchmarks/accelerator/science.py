@@ -116,7 +116,7 @@ def run_item(ctx: Ctx) -> int:
     ctx.phase = f"item-{item}"  # Ctx.path -> work/callN-item-NAME.json
     fn = {"smollm2-damage": smollm2_damage, "fig2-124m": fig2_124m, "table2-500m": table2_500m,
           "smollm2-curves": smollm2_curves}[item]
-    from checkfree.cli import interrupt_on_signals
+    from checkfree.flags import interrupt_on_signals
 
     interrupt_on_signals()  # SIGTERM at the share: the experiment's pool stops its workers, finished runs are kept
     try:

@@ -36,7 +36,7 @@ from .parity import (
     state_to_bytes,
     xor_bytes,
 )
-from .placement import (
+from .gemini_placement import (
     gemini_wasted_time,
     group_placement,
     mixed_placement,

@@ -1,6 +1,7 @@
 """Networking shared by peers and coordinator: the wire format and the P2P RPC transport.
 
-Lives in the library so that `peers/` and `scheduler/` both use it without importing each
+Lives in the library so that `peers/` and the coordinator's packages (`coordinator/`, `swarm/`, `faults/`, `ops/`) both
+use it without importing each
 other; nothing else in `checkfree` imports its modules (hivemind is loaded only there; the CLI
 reads `TRANSPORTS` from this package alone).
 

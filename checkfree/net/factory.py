@@ -110,13 +110,13 @@ async def start_transport(
     ``identity_path`` is given, and the DHT carries its addresses) or ``tcp`` (a ``TcpTransport``: direct,
     unencrypted TCP on ``tcp_port`` under the DHT's peer id, its connections authenticated with the run
     ``secret`` when there is one; the DHT carries its addresses). ``memory``: the in-process test tier's network
-    (``checkfree.net.memory``), no DHT process.
+    (``checkfree.net.in_memory``), no DHT process.
 
     Fails within ~``startup_timeout`` (+ DHT bootstrap time) with an actionable ``TransportError`` when the
     daemon does not start or no initial peer can be reached. Stop with ``await stop_transport(dht, t)``.
     """
-    if transport == "memory":  # the in-process test tier (checkfree.net.memory): one Python process only
-        from checkfree.net.memory import MEMORY, MemoryDHT, MemoryTransport
+    if transport == "memory":  # the in-process test tier (checkfree.net.in_memory): one Python process only
+        from checkfree.net.in_memory import MEMORY, MemoryDHT, MemoryTransport
 
         t = MemoryTransport(MEMORY)
         return MemoryDHT(MEMORY, t.peer_id), MEMORY.attach(t)

@@ -19,7 +19,7 @@ at REPLY, the reply's header) and may
   followed by a drop.
 
 Production code never builds one: a test harness wraps the transports it starts (the in-process network,
-`checkfree.net.memory.MemoryNetwork.wrap`). `FaultRules` is a ready-made injector: an ordered list of `Rule`s,
+`checkfree.net.in_memory.MemoryNetwork.wrap`). `FaultRules` is a ready-made injector: an ordered list of `Rule`s,
 each a point, an RPC name, a predicate and an action (`drop`, `delay`, or any coroutine), firing a bounded
 number of times; richer schedules (the deterministic simulation tests, `dst/`) write their own injector.
 """

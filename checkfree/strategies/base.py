@@ -10,7 +10,7 @@ A strategy decides and never moves anything itself:
 
 Two executors carry the decisions out: the simulator's (checkfree.strategies.execute), which prices them with the
 cost model through the ``*_figures`` / ``refill_bytes`` hooks here, in the cost model's currency (`Figures`), and
-the coordinator's (scheduler/recovery.py, scheduler/protection.py), which measures what they cost. Everything an
+the coordinator's (coordinator/recovery_driver.py, coordinator/protection.py), which measures what they cost. Everything an
 executor reads from a strategy is declared on `Strategy`, with the default of a strategy that has none of it; an
 executor never writes a strategy's fields: it reports what happened through the report methods
 (`interrupted`, `backup_taken`, `copy_part_done`, ...), and the strategy updates its own state.

@@ -1,6 +1,6 @@
 """The simulator's executor of plans: it carries a strategy's `RecoveryPlan`s and protection (checkfree.plans)
 out on the in-process stage workers, keeps the copies that protection took, and prices both with the cost
-model (the swarm's coordinator carries the same plans out on peers: scheduler/recovery.py).
+model (the swarm's coordinator carries the same plans out on peers: coordinator/recovery_driver.py).
 
 The copies live here, one per stage (which stages' peers hold it is the `Copies` ledger's business): a snapshot
 or backup's full state, reft's serialized snapshot and parity block, the replica of redundant computation, the

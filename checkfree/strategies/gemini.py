@@ -1,7 +1,7 @@
 """Gemini (SOSP'23): snapshots in the CPU memory of m peers, every K steps.
 
 Placement over the N = S peers (one stage each) is Gemini's group placement when m divides
-S, else its mixed placement (`checkfree.baselines.placement`). Each peer sends its state to
+S, else its mixed placement (`checkfree.baselines.gemini_placement`). Each peer sends its state to
 the m-1 other holders in the links' idle time; only what does not fit in K steps of idle
 time stalls. A failure rolls every stage back to the snapshot: live stages from their own
 copy, a lost stage from its live holder with the cheapest link. When every holder of a stage is gone (a
