@@ -440,7 +440,7 @@ def test_a_study_without_paired_evaluation_ranks_no_init():
     assert " < " not in conclusion(root) and "1,024 tokens" in conclusion(root)
 
 
-@pytest.mark.processes  # (its provenance asks `git` for the commit: a process, unless cached already)
+@pytest.mark.processes  # (it starts OS processes: the quick tier's watch saw them, docs/testing.md)
 @pytest.mark.timeout(300)
 def test_a_run_that_exhausts_its_iteration_budget_says_so(tmp_path, cache):
     """A rollback strategy capped at its budget ends 'budget-exhausted' (it once ended 'error': the runner called

@@ -327,6 +327,7 @@ def test_heldout_sets_are_the_same_tokens_every_time(corpus, tmp_path):
         build_heldout(cfg, ["wiki"])
 
 
+@pytest.mark.processes  # (it starts OS processes: the quick tier's watch saw them, docs/testing.md)
 def test_tiny_paired_study_ranks_only_where_the_interval_excludes_zero(corpus, tmp_path):
     """Two trunks, paired held-out evaluation on both corpora: every cell's damage with its interval, the paired
     differences, the curves' steps back inside the interval of zero and their areas; the own-Adam init coincides
