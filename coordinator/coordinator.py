@@ -368,7 +368,7 @@ class Coordinator:
 
     async def run(self) -> dict | None:
         opts = self.opts
-        pid = await self.rpc.start()
+        pid = await self.rpc.start(self.out.refused)
         if self.hook is not None:
             await self.hook("started", self)
         announcer = watcher = summary = None

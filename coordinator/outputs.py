@@ -55,6 +55,11 @@ class Outputs:
         if self.writer is not None:
             self.writer.event(event, **fields)
 
+    def refused(self, peer: str) -> None:
+        """A peer refused before its JOIN (its reachability probe carried no valid run token): recorded as a refused
+        join, as one refused at its JOIN is."""
+        self.event("join_refused", peer_id=peer, reason="bad or missing token (at its reachability probe)")
+
     def charge(self, **figures) -> None:
         """Add measured costs of fault tolerance (checkfree.strategies.base.Figures fields) to the run's."""
         self.figures = self.figures + Figures(**figures)

@@ -37,14 +37,15 @@ class Rpc:
         self.transport: Transport | None = None
         self.reach: dict[str, dict] = {}  # peer -> what the probe at its join found (direct / relayed, rtt)
 
-    async def start(self) -> str:
-        """Start the DHT and the transport; this coordinator's peer id."""
+    async def start(self, refused: Callable[[str], None] | None = None) -> str:
+        """Start the DHT and the transport; this coordinator's peer id. `refused` is told each peer whose request
+        to the relay (a joining peer's reachability probe) carried no valid run token."""
         o = self.opts
         self.dht, self.transport = await start_transport(
             o.initial_peers, o.host_maddrs, o.announce_maddrs, o.identity_path, o.startup_timeout,
             transport=o.transport, libp2p_port=o.libp2p_port, tcp_port=o.tcp_port, secret=self.secret)
         self.transport = await RelayTransport(self.transport, serve_relay=o.relay, on_probe=self._on_probe,
-                                              admit=members_only(self.secret, self.run_id)).start()
+                                              admit=members_only(self.secret, self.run_id, refused)).start()
         if self.transport.kind != "memory":
             self.transport.route(self.dht, self.run_id, self.secret)
         if self.secret is not None:  # lets a standby read the coordinator's STATUS

@@ -65,14 +65,18 @@ def route_key(run_id: str) -> str:
     return f"checkfree/{run_id}/routes"
 
 
-def members_only(secret: bytes | None, run_id: str) -> Callable[[dict, str], None] | None:
+def members_only(secret: bytes | None, run_id: str,
+                 refused: Callable[[str], None] | None = None) -> Callable[[dict, str], None] | None:
     """The admission of a relay's requests (a probe, a registration, a relayed call) in a run with a secret: only from
-    a member of run `run_id`, by the membership token its requests carry; None (anyone) in an open run."""
+    a member of run `run_id`, by the membership token its requests carry; None (anyone) in an open run. `refused`
+    (the coordinator's: its run records the refusal) is told the peer refused."""
     if secret is None:
         return None
 
     def admit(header: dict, peer: str) -> None:
         if not verify(join_token(secret, run_id, peer), header.get("token")):
+            if refused is not None:
+                refused(peer)
             raise ProtocolError(f"peer {peer} is not authorized: no membership token of run {run_id!r}",
                                 Kind.UNAUTHORIZED)
 
