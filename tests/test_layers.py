@@ -1,7 +1,7 @@
 """The layering rule, checked on the source: `checkfree/` (the library) imports none of the layers
 above it — `peers/`, `coordinator/`, `swarm/`, `faults/`, `ops/`, `experiments/`, `benchmarks/`, `cli/` — not even by name
 (an importlib string); `peers/` and the coordinator's packages (`coordinator/`, `swarm/`, `faults/`, `ops/`) do not
-import each other."""
+import each other, nor the in-process harness; `peers/` imports no command (`cli/`)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("layer, forbidden", [("checkfree", ABOVE), ("peers", ("coordinator", "swarm", "faults", "ops", "harness", "dst")),
-                                              *((pkg, ("peers", "dst")) for pkg in ("coordinator", "swarm", "faults", "ops"))])
+@pytest.mark.parametrize("layer, forbidden", [("checkfree", ABOVE),
+                                              ("peers", ("coordinator", "swarm", "faults", "ops", "harness", "dst", "cli")),
+                                              *((pkg, ("peers", "harness", "dst")) for pkg in ("coordinator", "swarm", "faults", "ops"))])
 def test_no_upward_imports(layer, forbidden):
     bad = []
     for path in sorted((ROOT / layer).rglob("*.py")):

@@ -4,7 +4,7 @@
   says which part it is: `coordinator/members.py` and `peers/membership.py`, not two `membership.py`;
 * no part names an attribute with one letter (`self.t`, `self.c`): the cost model's `S` and `M` are the paper's
   notation (stages, microbatches) and stay;
-* the layering: the library (`checkfree/`) imports none of the packages above it, not even by name; the peer
+* the layering (tests/test_layers.py holds the rule): the library (`checkfree/`) imports none of the packages above it, not even by name; the peer
   (`peers/`) and the coordinator's packages (`coordinator/`, `swarm/`, `faults/`, `ops/`) do not import each
   other; the coordinator's parts import neither the launcher, the fault injector nor the operator's tools
   (only its command, `coordinator/scheduler_cli.py`, builds those); no production package imports the harness;
@@ -18,7 +18,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
+from test_layers import _imports  # the layering rule itself is test_layers.test_no_upward_imports
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ("checkfree", "peers", "coordinator", "swarm", "faults", "ops", "harness", "cli")
@@ -30,21 +30,6 @@ COMMANDS = {"coordinator/scheduler_cli.py"}  # a package's command front-end may
 
 def _modules(*packages: str) -> list[Path]:
     return [p for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py")) if "__pycache__" not in p.parts]
-
-
-def _imports(path: Path) -> set[str]:
-    """Top-level package names `path` imports, by statement or by a dotted module-name string."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            m = re.fullmatch(r"([a-z_]+)\.[a-z_.]+(:[a-z_]+)?", node.value)
-            if m:
-                names.add(m.group(1))
-    return names
 
 
 def test_every_runtime_package_exists_and_the_scheduler_package_is_gone():
@@ -72,25 +57,6 @@ def test_no_part_has_a_one_letter_attribute():
                     and len(node.attr) == 1 and (rel, node.attr) not in PAPER_NOTATION:
                 bad.add(f"{rel}:{node.lineno}: self.{node.attr}")
     assert not bad, "\n".join(sorted(bad))
-
-
-ABOVE_THE_LIBRARY = ("peers", *COORDINATION, "harness", "cli", "dst", "experiments", "benchmarks")
-
-
-@pytest.mark.parametrize("layer, forbidden", [
-    ("checkfree", ABOVE_THE_LIBRARY),
-    ("peers", (*COORDINATION, "harness", "dst", "cli")),
-    *[(pkg, ("peers", "harness", "dst")) for pkg in COORDINATION],
-])
-def test_the_layering_rule(layer, forbidden):
-    bad = []
-    for path in _modules(layer):
-        if path == ROOT / "checkfree" / "__main__.py":  # `python -m checkfree` forwards to cli.main, by design
-            continue
-        hits = _imports(path) & set(forbidden)
-        if hits:
-            bad.append(f"{path.relative_to(ROOT)} imports {sorted(hits)}")
-    assert not bad, "\n".join(bad)
 
 
 def test_the_coordinators_parts_import_neither_the_launcher_nor_the_fault_tools_nor_the_operators_tools():
