@@ -108,10 +108,7 @@ class Streams:
             if work.part != 0 or work.step != step:
                 raise ProtocolError(f"part {work.part} of the copy update as of step {work.step}, which this peer "
                                     "has not encoded")
-            steps = self._encode(work)
-            while (done := await self.compute.run(_advance, steps, priority=BACKGROUND)) is None:
-                pass
-            blob, after = done
+            blob, after = await self._in_slices(self._encode(work))
             self.update = (key, blob, after)
         blob = self.update[1]
         total = len(blob)
@@ -121,6 +118,12 @@ class Streams:
         await self.membership.call(work.holder, chunk, self.membership.timeouts.rpc_timeout, [blob_tensor(memoryview(blob)[lo:hi])],
                             link=(self.hosted.index, work.holder_stage))
         self._sent, self._sent_bytes = (work.step, work.part), hi - lo
+
+    async def _in_slices(self, steps: Generator[int, None, Any]) -> Any:
+        """Run `steps` on the compute thread at background priority, a slice (`_advance`) per job, to its result."""
+        while (done := await self.compute.run(_advance, steps, priority=BACKGROUND)) is None:
+            pass
+        return done
 
     def _encode(self, work: CopyWork) -> Generator[int, None, tuple[bytearray, HeldCopy]]:
         """On the compute thread, in steps of a few million values (`_advance`; the stage's passes go between
@@ -215,10 +218,8 @@ class Streams:
                         "dropped", owner, step, base, None if held is None else held.step)
             return
         t0 = time.perf_counter()
-        steps = apply_steps(held if kind == "delta" else None, state_from_bytes(inc.buf))
-        while (after := await self.compute.run(_advance, steps, priority=BACKGROUND)) is None:
-            pass
-        self.held[owner] = after
+        self.held[owner] = await self._in_slices(apply_steps(held if kind == "delta" else None,
+                                                             state_from_bytes(inc.buf)))
         log.info("copy of stage %d now as of step %d (%s, applied in %.3f s)", owner, step, kind,
                  time.perf_counter() - t0)
 
