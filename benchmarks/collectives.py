@@ -153,7 +153,11 @@ def gloo_body(rank, res_q, world, port, sizes, reps, victim_ready, barrier, inbo
     for n in sizes:
         pg, formation = None, []
         for _ in range(1 + reps):  # the first formation is the warm-up
-            pg = None  # the previous group is destroyed before the next one forms
+            # the previous group is destroyed before the next one forms, but only once every rank is done with it:
+            # a rank that closed its connections while another still ran connectFullMesh on that group made the
+            # other fail with "Connection closed by peer" (seen in CI)
+            barrier.wait(BARRIER_S)
+            pg = None
             pg, dt = form(STORE_TIMEOUT_S)
             formation.append(dt)
         src, flat, times = gradient(rank, n), torch.empty(n), []
@@ -164,6 +168,7 @@ def gloo_body(rank, res_q, world, port, sizes, reps, victim_ready, barrier, inbo
             pg.allreduce([flat], opts).wait()
             times.append(time.perf_counter() - t0)
         out[n] = {"times": times[1:], "formation": formation[1:], **checks(flat, world, n, reference=rank == 0)}
+        barrier.wait(BARRIER_S)  # every rank's allreduce is over before any closes the group
         del pg
     out["kill"] = gloo_kill(rank, res_q, world, form, opts, inbox, victim_ready)
     return out
