@@ -1,7 +1,7 @@
 """Every number in the prose of the experiment and benchmark pages is rendered from its result file or checked
 against it (issue 39).
 
-The pages (`PAGES`: the README, experiments/README.md, benchmarks/README.md and the manual's pages of measurements)
+The pages (`PAGES`: the README, experiments/README.md, benchmarks/README.md and every page of the manual, docs/)
 state measured numbers in sentences around their tables. In them, a number outside a code span
 or a code block is either
 
@@ -22,7 +22,9 @@ files do not hold, with the number and why; tests/test_claims.py fails naming th
 number and is not looked at: code spans and code blocks (commands, settings, and result lines quoted verbatim),
 numbers inside a word (`int8`, `H200`, `SmolLM2`, `1F1B`), a commit id, a date, a time of day, an address or a
 port, numbers in a link's target, the numerals of a numbered list or section, a version after a program's name
-(`Python 3.11`), and the number of an issue, an item, a figure, a table or a section (`issue 39`, `Fig. 2`).
+(`Python 3.11`), the number of an issue, an item, a figure, a table or a section (`issue 39`, `Fig. 2`), a seed
+(`seed 41`: which run, not what it measured), and a numbered thing written `#N` (`#974`: the index of a dst run's
+schedule that diverged).
 
 What a check proves is that the number stands in the file named, not that it is the right one of the file's
 numbers: a small integer stands in almost any file. The marker names the file the sentence is about (the result
@@ -42,9 +44,9 @@ __all__ = ["PAGES", "Unchecked", "unchecked", "numbers", "segments"]
 PAGES = ["README.md", "experiments/README.md", "docs/pretrained.md", "docs/identity.md", "benchmarks/README.md",
          "docs/performance.md", "docs/control-plane.md", "docs/benchmarks.md", "docs/dashboard.md", "docs/recovery.md",
          "docs/wan.md", "docs/stage-groups.md", "docs/transports.md", "docs/architecture.md",
-         "docs/getting-started.md", "docs/reliability.md", "docs/huggingface.md", "docs/index.md", "docs/deploy.md"]
-# Not scanned yet: docs/dst.md and docs/testing.md (their measurements are included from result files by directives;
-# their prose holds the harness's settings and the test budgets, which no file states).
+         "docs/getting-started.md", "docs/reliability.md", "docs/huggingface.md", "docs/index.md", "docs/deploy.md",
+         "docs/dst.md", "docs/testing.md", "docs/api.md", "docs/configuration.md", "docs/glossary.md",
+         "docs/run-directory.md"]  # every page of the manual (tests/test_claims.py checks that none is missing)
 
 FROM = re.compile(r"<!-- from ((?:[^\s>]+ ?)+) -->")
 CLAIM = re.compile(r"<!-- claim: ([\w.-]+) -->")
@@ -58,13 +60,16 @@ _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
 _CODE = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
 _LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
 _OTHER_COMMENT = re.compile(r"<!--(?! from | claim: ).*?-->", re.S)
-# what is not a measured number: a commit id, a date, a time of day, a version, an issue / figure / table / section
+# what is not a measured number: a commit id, a date, a time of day, a version, an issue / figure / table / section,
+# a seed (`seed 41`: which run), a numbered finding or schedule (`#974`: the schedule of a dst run that diverged)
 _NOT_MEASURED = re.compile(
     r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
     r"|\b\d+(?:\.\d+){3}(?::\d+)?\b|:\d{2,5}\b"
     r"|\b\d{4}-\d\d-\d\d\b|\b\d\d:\d\d(?::\d\d)?\b"
-    r"|\b(?:[Ii]ssues?|[Ii]tems?|PR|RFC|Fig\.|Figs\.|Figure|Table|[Ss]ection|§|Python|torch|hivemind|CUDA|Ubuntu|v)\s*#?\d[\d.]*"
-    r"(?:(?:,| and| or|-|–) ?#?\d[\d.]*)*")
+    r"|\b(?:[Ii]ssues?|[Ii]tems?|PR|RFC|Fig\.|Figs\.|Figure|Table|[Ss]ection|§|Python|torch|hivemind|CUDA|Ubuntu|v"
+    r"|[Ss]eeds?)\s*#?\d[\d.]*"
+    r"(?:(?:,| and| or|-|–) ?#?\d[\d.]*)*"
+    r"|(?<![\w&])#\d+\b")
 # a number: not inside a word (int8, H200, 1F1B: a letter or digit right before, or a letter / digit right after
 # when it ends in a letter that starts a word, is part of that word)
 NUMBER = re.compile(r"(?:(?<![\w.\-/])|(?<=\d-))(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?(?![\w/]|[.,]\d)"

@@ -125,3 +125,20 @@ def test_a_number_outside_a_rendered_region_without_a_marker_fails(tmp_path):
     found = unchecked(tmp_path, ["page.md"])
     assert [(u.number, u.why.split(" ")[0]) for u in found] == [
         ("0.5", "neither"), ("1.38", "not"), ("7.5", "not"), ("8.5", "not")], found
+
+
+def test_a_seed_and_a_numbered_schedule_are_no_measured_numbers():
+    """A seed names a run and `#N` a schedule of a dst run (docs/dst.md: "the seed-41 soak's #974"); neither is
+    what the run measured. The counts beside them still are."""
+    from experiments.benchmark_prose import numbers
+
+    assert numbers("seed 41, seeds 7 and 9, the seed-12 soak's #236 and #103: 329 schedules, 6 divergences") == [
+        "329", "6"]
+    assert numbers("schedule #974 diverged at step 5 (20 replays, 6 outcomes)") == ["5", "20", "6"]
+
+
+def test_every_page_of_the_manual_is_scanned():
+    from experiments.benchmark_prose import PAGES
+
+    missing = sorted(p for p in (str(f.relative_to(ROOT)) for f in (ROOT / "docs").glob("*.md")) if p not in PAGES)
+    assert not missing, f"docs pages not in experiments.benchmark_prose.PAGES: {missing}"
