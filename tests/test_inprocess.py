@@ -69,6 +69,46 @@ def test_swarm_in_one_process_equals_the_simulator_through_a_kill(tiny_cfg, tmp_
         assert g.get("coefficients") == pytest.approx(w.get("coefficients"), rel=1e-5)
 
 
+def test_omega_over_the_blocks_only_in_one_process_equals_the_simulator(tiny_cfg, tmp_path):
+    """--omega-scope blocks: stage 1's replacement averages stages 0 and 2 by their blocks' gradient norms (stage
+    0's embedding excluded), in the swarm exactly as in the simulator; the metrics carry both norms (the in-process
+    form of test_swarm's real-process test, which is `slow`)."""
+    cfg = _cfg(tiny_cfg, "checkfree")
+    cfg.train.eval_every = 0
+    cfg.recovery.omega_scope = "blocks"
+    failures = [(4, 1)]
+    run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 1, kills=FailureSchedule(failures), save_final=False)
+    _simulate(cfg, tmp_path / "sim", failures)
+    swarm, sim = read_jsonl(tmp_path / "swarm" / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
+    (rec,), (sim_rec,) = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
+    assert rec["omega_scope"] == sim_rec["omega_scope"] == "blocks"
+    blocks, whole = swarm[3]["block_grad_norms"], swarm[3]["grad_norms"]  # the last step before the failure
+    assert rec["norms"] == pytest.approx([blocks[0], blocks[2]], rel=1e-5)
+    assert blocks[0] < whole[0]  # stage 0's whole-stage norm includes its embedding
+    assert rec["coefficients"] == pytest.approx(sim_rec["coefficients"], rel=1e-4)
+    assert [m["loss"] for m in swarm] == pytest.approx([m["loss"] for m in sim], rel=1e-4)
+    assert sum((m["block_grad_norms"] for m in swarm), []) == pytest.approx(
+        sum((m["block_grad_norms"] for m in sim), []), rel=1e-3)
+
+
+def test_an_int8_wire_in_one_process_equals_the_simulator_at_a_quarter_of_the_bytes(tiny_cfg, tmp_path):
+    """--wire-dtype int8: peers send int8 activations and gradients with row scales (checkfree.wirecodec), the
+    simulator applies the same round trip at each stage boundary, so both give the same losses; a step moves about
+    a quarter of a float32 step's bytes (the in-process form of test_swarm's real-process test, which is `slow`)."""
+    cfg = _cfg(tiny_cfg, "checkfree", steps=4)
+    cfg.train.eval_every = 0
+    cfg.train.wire_dtype = "int8"
+    run_swarm(cfg, tmp_path / "int8", peers=cfg.num_stages, save_final=False)
+    _simulate(cfg, tmp_path / "sim", [])
+    _same_losses(tmp_path / "int8", tmp_path / "sim")
+    f32 = copy.deepcopy(cfg)
+    f32.train.wire_dtype, f32.train.num_steps = "float32", 1
+    run_swarm(f32, tmp_path / "f32", peers=cfg.num_stages, save_final=False)
+    ratio = (read_jsonl(tmp_path / "int8" / "metrics.jsonl")[0]["wire_bytes"]
+             / read_jsonl(tmp_path / "f32" / "metrics.jsonl")[0]["wire_bytes"])
+    assert 0.2 < ratio < 0.35, ratio
+
+
 @pytest.mark.parametrize("fault", ["recovery_kills", "rebuild_kills"])
 def test_a_replacement_lost_during_its_rebuild_is_replaced_by_the_next_standby(tiny_cfg, tmp_path, fault):
     """Faults from outside (faults.injector, around the coordinator's transport): the standby chosen to rebuild
