@@ -102,6 +102,11 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
 
 # libp2p is slow (CI time): the same recovery runs over hivemind here, and a whole swarm over libp2p (1F1B) in
 # test_swarm_equals_simulator_without_failures[libp2p]
+# slow (CI time): the quick tier's smoke run (tests/test_smoke.py) SIGKILLs two stages of a real hivemind swarm and
+# rebuilds the intermediate one by the same averaging, and test_inprocess's kill test checks plain CheckFree's
+# rebuild (coefficients, losses) against the simulator; its SIGTERM handover: dst's in-process schedules draw
+# SIGTERMs (handovers) against the simulator, and test_hostile_input signals a real peer process
+@pytest.mark.slow
 @pytest.mark.parametrize("rpc_transport", ["hivemind", pytest.param("libp2p", marks=pytest.mark.slow)], indirect=True)
 def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache, rpc_transport):
     """Also: a SIGTERM (preemption notice) of stage 1 at step 3 is a lossless handover, not a failure."""
@@ -139,6 +144,10 @@ def test_sigkill_intermediate_stage_recovered_by_checkfree(tmp_path, cache, rpc_
     assert hand["source_peer"] == leave["peer_id"] and hand["peer_id"] != leave["peer_id"]
 
 
+# slow (CI time): the smoke run SIGKILLs stage 0 of a real CheckFree+ swarm (rebuilt by a copy with its embedding),
+# test_inprocess's kill test loses CheckFree+'s last stage against the simulator, and the golden check compares
+# CheckFree+'s edge recoveries (edge_sources) with the simulator's
+@pytest.mark.slow
 def test_sigkill_first_and_last_stage_under_checkfree_plus(tmp_path, cache):
     dump = tmp_path / "dump"
     proc, out = _local(tmp_path, "edges", "--steps", "12", "--strategy", "checkfree+",
@@ -220,6 +229,9 @@ def test_rollback_strategies_run_for_real_and_lose_nothing(tmp_path, cache):
                 torch.testing.assert_close(v, first[k], rtol=1e-4, atol=1e-5)
 
 
+# slow (CI time): test_inprocess's omega test runs the same failure with --omega-scope blocks between real
+# PeerDaemons and checks the same norms, coefficients and losses against the simulator
+@pytest.mark.slow
 def test_omega_over_the_blocks_only_in_swarm_and_simulator(tmp_path, cache):
     """--omega-scope blocks: stage 1's replacement averages stage 0 and stage 2 by their blocks' gradient norms
     (stage 0's embedding excluded), in the swarm exactly as in the simulator; metrics carry both norms."""
@@ -268,6 +280,9 @@ def test_identity_for_real_rebuilds_adjacent_losses_as_pass_throughs(tmp_path, c
                                                                                    rel=1e-5, abs=1e-5)
 
 
+# slow (CI time): test_inprocess's int8 test runs the same int8 wire between real PeerDaemons (every message encoded
+# by the wire format) against the simulator and checks the same quarter of the bytes
+@pytest.mark.slow
 def test_int8_wire_in_the_swarm_equals_the_simulator(tmp_path, cache):
     """--wire-dtype int8: peers send int8 activations/gradients with row scales (checkfree.wirecodec), the
     simulator applies the same round trip at each stage boundary, so both give the same losses; a step
@@ -288,7 +303,7 @@ def test_int8_wire_in_the_swarm_equals_the_simulator(tmp_path, cache):
 
 # slow (CI time): test_inprocess's snapshot test runs the same restores between real PeerDaemons and checks them bit
 # for bit, the golden check compares its events with the simulator's, and SIGKILLed real processes are recovered in
-# test_sigkill_intermediate_stage_recovered_by_checkfree
+# the quick tier's smoke run (tests/test_smoke.py)
 @pytest.mark.slow
 def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_path, cache):
     """checkfree+snap with real processes and SIGKILLs: stage 1 restored from stage 2's peer's copy of the
@@ -309,7 +324,7 @@ def test_checkfree_plus_snap_restores_from_a_neighbours_snapshot_for_real(tmp_pa
 
 # slow (CI time): test_inprocess's snap test streams, restores and falls back between real PeerDaemons (the decoded
 # copy checked bit for bit, the simulator's events and losses), and SIGKILLed real processes are recovered in
-# test_sigkill_intermediate_stage_recovered_by_checkfree
+# the quick tier's smoke run (tests/test_smoke.py)
 @pytest.mark.slow
 def test_snap_streams_compressed_copies_and_restores_from_them_for_real(tmp_path, cache):
     """snap with real processes and SIGKILLs: stage 1 restored from its int4 copy at stage 2's peer, then stage 2
@@ -411,6 +426,11 @@ def test_reft_restores_a_crashed_training_process_from_its_companion_and_a_dead_
     assert not _companions_left(), "a snapshot companion outlived the run"
 
 
+# slow (CI time): test_stage_groups runs the same losses between real PeerDaemons (a replica lost mid-step rerouted,
+# one killed mid-reduce, a whole group rebuilt by CheckFree, replicas bit-identical), and
+# test_partial_failures' stage-group test reduces with gloo across real processes in network namespaces and loses
+# a replica
+@pytest.mark.slow
 def test_stage_groups_for_real_lose_replicas_without_an_abort(tmp_path, cache):
     """Two replicas per stage as real processes (hivemind, gloo): one replica of stage 1 SIGKILLs its process
     group after its first forward of step 2, one of stage 2 half-way through step 4's all-reduce (rerouted,
