@@ -646,6 +646,7 @@ class Following(Message, frozen=True, kw_only=True):
     config: str  # the run's config (JSON)
     step: int  # the step the run is at: its newest commit is step - 1
     members: dict[str, int] = {}  # the run's live members: peer -> the stage it serves (-1: none)
+    storage: str = ""  # where the run's checkpoints are (its config's storage_dir, or the coordinator's default)
     shared: bool = False  # the standby's run directory is this coordinator's: nothing to copy
     metrics: str = ""  # the lines of metrics.jsonl after the copy's `metrics` bytes (whole lines)
     events: str = ""  # the lines of events.jsonl after the copy's `events` bytes (whole lines)

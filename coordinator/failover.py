@@ -6,6 +6,7 @@ what they cannot say (a run none of whose stages is served any more) from the co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -159,7 +160,11 @@ class Failover:
         if len(configs) != 1:
             raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
                                f"{'no' if not configs else 'different'} run configs")
-        return config_from_dict(json.loads(configs.pop())), replies
+        cfg = config_from_dict(json.loads(configs.pop()))
+        if self.copy is not None and self.copy.storage and not cfg.strategy.storage_dir:
+            # the checkpoints are where the old coordinator had them written, not in this standby's run directory
+            cfg = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, storage_dir=self.copy.storage))
+        return cfg, replies
 
     async def resume(self, cfg: RunConfig, replies: dict[str, Adopted], driver: StepDriver,
                      protection: Protection) -> Resumed:

@@ -2,7 +2,8 @@
 
 The standby keeps its own copy of the run in its own run directory: the run's config (config.json), its record
 (metrics.jsonl and events.jsonl, the coordinator's bytes appended as they grow), and, in memory, the step the run
-is at and its membership (peer -> stage). It pulls them from the live coordinator (`RecordCopy`, a long poll: the
+is at, its membership (peer -> stage) and where its checkpoints are (the storage every peer writes them to: by
+default inside the coordinator's run directory, which a standby elsewhere must be told; it must reach it too). It pulls them from the live coordinator (`RecordCopy`, a long poll: the
 coordinator answers once its record has grown past the copy, or after the poll's wait) and the coordinator serves
 them (`RecordFeed`). At the end of every step the coordinator waits (bounded by rpc_timeout) until each standby
 copying its record has that step's line: a standby's copy is never behind the newest recorded step when the next
@@ -35,6 +36,7 @@ from checkfree.protocol import ProtocolError
 from coordinator.common import CoordinatorOptions, RunClock
 from coordinator.members import Membership
 from coordinator.outputs import Outputs
+from coordinator.protection import storage_dir
 from coordinator.rpc import Rpc
 from coordinator.stage_table import StageTable
 
@@ -122,7 +124,9 @@ class RecordFeed:
     def _following(self, config: str, **fields) -> Following:
         view = self.members.view()
         members = {p: self.table.stage_of(p) for p in sorted(view.known - view.leaving)}
-        return Following(config=config, step=self.clock.step, members=members, **fields)
+        cfg = self.members.cfg
+        storage = storage_dir(cfg, self.opts) if cfg is not None else ""
+        return Following(config=config, step=self.clock.step, members=members, storage=storage, **fields)
 
     async def synced(self) -> None:
         """Until every standby copying the record holds all of it (a step's line was just written), bounded by
@@ -157,6 +161,7 @@ class RecordCopy:
         self.config: str | None = None
         self.step: int | None = None  # the step the run was at, as last heard
         self.members: dict[str, int] = {}  # the run's live members as last heard: peer -> stage (-1: none)
+        self.storage = ""  # where the run's checkpoints are, as the coordinator names them
 
     @property
     def _probe_file(self) -> Path:
@@ -188,7 +193,7 @@ class RecordCopy:
             raise BadReply("malformed FOLLOW reply: a record chunk ends in a cut line")
         fresh = self.shared is not False and not reply.shared  # copying from now on: the copy starts empty
         self.shared = reply.shared
-        self.step, self.members = reply.step, dict(reply.members)
+        self.step, self.members, self.storage = reply.step, dict(reply.members), reply.storage
         new = reply.config != self.config or any(chunks)
         if not reply.shared:
             if reply.config != self.config or fresh:

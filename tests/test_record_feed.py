@@ -6,6 +6,7 @@ tests/test_failover.py's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -186,7 +187,7 @@ def test_malformed_follow_requests_and_replies_are_refused_with_what_is_wrong(ti
 def test_a_standby_takes_over_a_run_none_of_whose_stages_is_served_from_its_copy(tiny_cfg, tmp_path):
     """Every stage's peer died with the coordinator and the spares never joined: no peer knows the run's config or
     how far it came. The standby's copy does: the takeover ADOPTs the members the copy names (a spare with no
-    heartbeat among them), reads the config from the copy, and resumes at the step after the copy's newest line."""
+    heartbeat among them) and reads the config from the copy, with the checkpoints' storage the coordinator used."""
     from checkfree.net.in_memory import MemoryTransport
     from coordinator.failover import Failover
     from coordinator.retirement import Retirement
@@ -222,6 +223,9 @@ def test_a_standby_takes_over_a_run_none_of_whose_stages_is_served_from_its_copy
         failover.copy.close()
         await rpc.stop()  # the coordinator is gone (its stage's peer with it)
         cfg, replies = await failover.adopt()
-        assert cfg.to_json() == tiny_cfg.to_json() and set(replies) == {spare.peer_id} and asked
+        assert set(replies) == {spare.peer_id} and asked
+        # the run's config, its checkpoints where the old coordinator had them written (not in the standby's directory)
+        assert cfg.strategy.storage_dir == str((tmp_path / "run" / "checkpoints").resolve())
+        assert dataclasses.replace(cfg, strategy=tiny_cfg.strategy).to_json() == tiny_cfg.to_json()
         await srpc.stop()
     asyncio.run(main())
