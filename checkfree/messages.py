@@ -40,7 +40,7 @@ __all__ = ["Message", "Request", "Envelope", "BadReply", "Ok", "StepFigures", "P
            "GetReplica", "BackupStart", "BackupTaken", "BackupPart", "BackupCommit", "BackupsHeld", "ReftChunk",
            "ReftFetch", "ParityMeta", "CompanionStore", "CompanionFetch", "CompanionStop", "Ping", "Pong",
            "Shutdown", "Ready", "LastCommit", "Adopt", "Adopted", "Join", "Joined", "Report", "Leave", "Left",
-           "Status", "RunStatus", "REQUESTS", "REPLIES", "reply_type", "to_wire", "as_record", "from_wire", "reply_of",
+           "Status", "RunStatus", "Follow", "Following", "REQUESTS", "REPLIES", "reply_type", "to_wire", "as_record", "from_wire", "reply_of",
            "reply_to",
            "required_fields", "REQUEST_FIELDS", "request", "check_request", "envelope"]
 
@@ -629,12 +629,38 @@ class RunStatus(Message, frozen=True, kw_only=True):
     config: str
 
 
+class Follow(Request["Following"], frozen=True, kw_only=True):
+    """A standby coordinator's pull of what it needs to take over (coordinator/record_feed.py). Its copy of the
+    run's record holds the first `metrics` and `events` bytes of the coordinator's metrics.jsonl and events.jsonl;
+    the reply carries what follows them, at once if there is any, else once the record grows or `wait` seconds
+    have passed (a long poll)."""
+
+    rpc = RPC.FOLLOW
+    probe: str  # a file `.standby-<probe>` the standby made in its own run directory: found, the directory is shared
+    metrics: int = 0  # bytes of metrics.jsonl the standby's copy holds
+    events: int = 0  # bytes of events.jsonl the standby's copy holds
+    wait: float = 0.0  # seconds the coordinator may hold the request while there is nothing new
+
+
+class Following(Message, frozen=True, kw_only=True):
+    config: str  # the run's config (JSON)
+    step: int  # the step the run is at: its newest commit is step - 1
+    members: dict[str, int] = {}  # the run's live members: peer -> the stage it serves (-1: none)
+    storage: str = ""  # where the run's checkpoints are (its config's storage_dir, or the coordinator's default)
+    shared: bool = False  # the standby's run directory is this coordinator's: nothing to copy
+    metrics: str = ""  # the lines of metrics.jsonl after the copy's `metrics` bytes (whole lines)
+    events: str = ""  # the lines of events.jsonl after the copy's `events` bytes (whole lines)
+    restart: bool = False  # the record is shorter than the copy (it was rewritten): the lines are from its start
+    more: bool = False  # there is more to copy than one reply carries
+
+
 # ---- the registry ------------------------------------------------------------------------------------
 REQUESTS: dict[str, Any] = {
     RPC.ASSIGN: AssignRequest, **{c.rpc: c for c in (
         RunStep, Forward, Backward, GetPass, ComponentGrad, Commit, Abort, Reroute, Reduce, GetWeights, GetState,
         Snapshot, StoreSnapshot, FetchSnapshot, Restore, TakeReplica, ReplicaGrad, GetReplica, BackupStart,
-        BackupPart, BackupCommit, CopyChunk, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status)}}
+        BackupPart, BackupCommit, CopyChunk, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status,
+        Follow)}}
 
 
 def reply_type(kind: Any) -> type:

@@ -91,6 +91,7 @@ class RPC:
     REPORT = "cf.report"  # a peer's call to a neighbour failed
     LEAVE = "cf.leave"  # graceful leave (SIGTERM)
     STATUS = "cf.status"  # stage -> peer table, step
+    FOLLOW = "cf.follow"  # a standby coordinator's copy of the run: its config, record, step and membership
 
 
 class Kind:

@@ -20,6 +20,7 @@ decides membership only):
     coordinator/protection.py       the strategy's protection (snapshots, checkpoints, backups, replicas) and its ledger
     coordinator/outputs.py          the run directory, measured figures, saves and resume, final weights
     coordinator/failover.py         a standby coordinator watching, a takeover adopting the run from its peers
+    coordinator/record_feed.py      a standby's copy of the run (config, record, step, membership) over FOLLOW
 
 This module wires them, keeps the training loop (`_train`) and the run's lifecycle (`run`). Faults come from
 outside: the one hook point (`hook`, None in production) is where faults/injector.py acts.
@@ -43,7 +44,7 @@ from checkfree.stage_groups import check_swarm_groups
 from checkfree.model import plan_stages
 from checkfree.net.transport import dht_maddrs, rpc_note
 from checkfree.pipeline import evaluates_after
-from checkfree.messages import Committed, StepDone
+from checkfree.messages import Committed, Follow, StepDone
 from checkfree.protocol import READY_COORDINATOR, READY_STANDBY, Timeouts
 from checkfree.recovery import UnrecoverableFailure
 from checkfree.steprules import StageUpdate, apply_commits
@@ -58,6 +59,7 @@ from coordinator.members import MembersView, Membership
 from coordinator.outputs import Outputs
 from coordinator.placement import Placement
 from coordinator.protection import Protection
+from coordinator.record_feed import RecordFeed
 from coordinator.recovery_driver import Recovery
 from coordinator.retirement import Retirement
 from coordinator.rpc import Rpc
@@ -121,6 +123,7 @@ class Coordinator:
         self.members = Membership(self.rpc, self.table, self.out, self.clock)
         self.retirement = Retirement(self.rpc, self.table, self.members, self.out, self.clock)
         self.failover = Failover(opts, self.rpc, self.members, self.retirement, self.table, self.out)
+        self.feed = RecordFeed(opts, self.rpc, self.members, self.table, self.clock, self.out)  # standbys' copies
         self.hook = hook  # None in production: no fault hook is called
         self.cfg: RunConfig | None = None
         self._parts: _RunParts | None = None  # (`_configure`)
@@ -232,6 +235,7 @@ class Coordinator:
                 losses = [v for r in ev.values() for v in r.losses.values()]
                 record["val_loss"] = last_val = sum(losses) / len(losses)
             self.out.metric(record)
+            await self.feed.synced()  # a standby copying the record has this step's line before the next starts
             if self.opts.save_every and (step + 1) % self.opts.save_every == 0 and step + 1 < cfg.train.num_steps:
                 await self.out.save(cfg, step + 1, self.iteration)
             c = self.out.counts()
@@ -379,6 +383,7 @@ class Coordinator:
         status, error = "failed", None
         try:
             await self.members.register()
+            await self.members.serve(Follow, self.feed.on_follow)
             addrs = ",".join(await dht_maddrs(self.rpc.dht)) + rpc_note(self.rpc.transport)
             if opts.standby:
                 print(f"{READY_STANDBY} peer_id={pid} run={opts.run_id} addrs={addrs}", flush=True)

@@ -1,9 +1,12 @@
-"""Coordinator failover: a standby coordinator watches the run's coordinator and takes over when it stops
-answering; the run's state (config, step, stage table, protection) is adopted from its peers (ADOPT)."""
+"""Coordinator failover: a standby coordinator watches the run's coordinator, keeping its own copy of the run (its
+config, record, step and membership: coordinator/record_feed.py, over FOLLOW; no disk is shared), and takes over
+when it stops answering; the run's state (config, step, stage table, protection) is adopted from its peers (ADOPT),
+what they cannot say (a run none of whose stages is served any more) from the copy."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -17,7 +20,7 @@ from checkfree.auth import join_token, verify
 from checkfree.config import config_from_dict
 from checkfree.net.heartbeats import heartbeat_stall
 from checkfree.net.transport import RemoteError, TransportError, live_members_async
-from checkfree.messages import Adopted, Commit, LastCommit, Ready, Status, as_record
+from checkfree.messages import Adopted, Commit, LastCommit, Ready, as_record
 from checkfree.protocol import Kind, coordinator_from_records, coordinator_key
 from checkfree.config import RunConfig
 from checkfree.rundir import read_jsonl
@@ -26,6 +29,7 @@ from coordinator.common import (CALL_ERRORS, EVAL_ATTEMPT, STEP_FIGURES, Coordin
 from coordinator.members import Membership
 from coordinator.outputs import Outputs
 from coordinator.protection import Protection
+from coordinator.record_feed import RecordCopy
 from coordinator.retirement import Retirement
 from coordinator.rpc import Rpc
 from coordinator.stage_table import StageTable
@@ -86,37 +90,55 @@ class Failover:
         self.retirement = retirement
         self.timeouts, self.run_id, self.secret = rpc.timeouts, rpc.run_id, rpc.secret
         self.cut_off: dict[str, int] = {}  # peer -> stage its heartbeat named, which never answered the ADOPT
+        # a standby's copy of the run in its own run directory (None: a --takeover, which has none)
+        self.copy = RecordCopy(opts.out) if opts.standby else None
 
     async def watch(self) -> None:
-        """Standby: poll the run's coordinator (found in the DHT) every heartbeat_ttl/2;
-        return once it has failed to answer twice in a row."""
+        """Standby: follow the run's coordinator (found in the DHT), bringing this standby's copy of the run up to date
+        (a long poll of heartbeat_ttl/2: FOLLOW); return once it has failed to answer twice in a row."""
+        assert self.copy is not None, "only a standby watches"
+        self.copy.start()
+        try:
+            await self._watch(self.copy)
+        finally:
+            self.copy.close()
+
+    async def _watch(self, copy: RecordCopy) -> None:
         key, watched, misses = coordinator_key(self.run_id), None, 0
         deadline = time.monotonic() + self.timeouts.join_timeout
+        wait = self.timeouts.heartbeat_ttl / 2
+        looked = -math.inf  # when the DHT was last read (every `wait` at most: an answer may come at once)
         while True:
-            try:
-                found = await live_members_async(self.rpc.dht, key) or {}
-            except Exception as e:  # the DHT read is advisory: the STATUS call decides
-                log.debug("DHT lookup of the coordinator failed: %r", e)
-                found = {}
-            current = coordinator_from_records(found, self.secret, self.run_id, self.rpc.kind, exclude=self.rpc.me)
-            if current is not None and current != watched:
-                watched, misses = current, 0
-                print(f"standby: watching coordinator {watched}", flush=True)
+            if time.monotonic() - looked >= wait:
+                looked = time.monotonic()
+                try:
+                    found = await live_members_async(self.rpc.dht, key) or {}
+                except Exception as e:  # the DHT read is advisory: the FOLLOW call decides
+                    log.debug("DHT lookup of the coordinator failed: %r", e)
+                    found = {}
+                current = coordinator_from_records(found, self.secret, self.run_id, self.rpc.kind,
+                                                   exclude=self.rpc.me)
+                if current is not None and current != watched:
+                    watched, misses = current, 0
+                    print(f"standby: watching coordinator {watched}", flush=True)
             if watched is None:
                 if time.monotonic() > deadline:
                     raise TransportError(f"no coordinator of run {self.run_id!r} found in the DHT within "
                                          f"join_timeout={self.timeouts.join_timeout:g} s: nothing to stand by for")
             else:
                 try:
-                    await self.rpc.call(watched, Status(), timeout=min(5.0, self.timeouts.rpc_timeout))
+                    reply, _ = await self.rpc.call(watched, copy.request(wait),
+                                                   timeout=wait + min(5.0, self.timeouts.rpc_timeout))
+                    copy.apply(reply)
                     misses = 0
+                    continue  # (the coordinator held the request until its record grew, or for `wait`)
                 except CALL_ERRORS as e:
                     misses += 1
                     log.info("coordinator %s did not answer (%d): %s", watched, misses, e)
                 if misses >= 2:
                     print(f"standby: coordinator {watched} stopped answering; taking over", flush=True)
                     return
-            await asyncio.sleep(self.timeouts.heartbeat_ttl / 2)
+            await asyncio.sleep(wait)
 
     async def adopt(self) -> tuple[RunConfig, dict[str, Adopted]]:
         """The run's peers (found by their DHT heartbeats) adopted by this coordinator: the run's config and each
@@ -138,7 +160,11 @@ class Failover:
         if len(configs) != 1:
             raise RuntimeError(f"cannot take over run {self.run_id!r}: its peers report "
                                f"{'no' if not configs else 'different'} run configs")
-        return config_from_dict(json.loads(configs.pop())), replies
+        cfg = config_from_dict(json.loads(configs.pop()))
+        if self.copy is not None and self.copy.storage and not cfg.strategy.storage_dir:
+            # the checkpoints are where the old coordinator had them written, not in this standby's run directory
+            cfg = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, storage_dir=self.copy.storage))
+        return cfg, replies
 
     async def resume(self, cfg: RunConfig, replies: dict[str, Adopted], driver: StepDriver,
                      protection: Protection) -> Resumed:
@@ -285,6 +311,8 @@ class Failover:
             served = {r.stage for r in replies.values() if r.stage >= 0}
             waited = time.monotonic() - start
             cfg = next((r.config for r in replies.values() if r.config), None)
+            if cfg is None and self.copy is not None:
+                cfg = self.copy.config  # a standby's copy of it
             if cfg is None and waited > 2 * self.timeouts.heartbeat_ttl:
                 cfg = self._recorded()  # no peer that knows it is left: the run directory's, if it is shared
             stages = json.loads(cfg)["num_stages"] if cfg else None
@@ -300,15 +328,16 @@ class Failover:
             await asyncio.sleep(0.2)
 
     def _unasked(self, replies: dict[str, Adopted], live: dict, asked: set[str]) -> list[str]:
-        """The peers the adopted ones name as members of their newest step that no ADOPT has reached through a
-        heartbeat (`live`) or a name (`asked`), this one aside."""
-        named = dict.fromkeys(p for r in replies.values() for p in r.members)
+        """The peers the adopted ones name as members of their newest step, and the members a standby's copy of the
+        run names, that no ADOPT has reached through a heartbeat (`live`) or a name (`asked`), this one aside."""
+        known = self.copy.members if self.copy is not None else {}
+        named = dict.fromkeys([*known, *(p for r in replies.values() for p in r.members)])
         return [p for p in named if p not in replies and p not in live and p not in asked and p != self.rpc.me]
 
     def _recorded(self) -> str | None:
-        """The run's config as its coordinator wrote it into the run directory (a standby sharing the directory,
-        as `checkfree local`'s does), for a takeover that finds no peer which knows it: every peer that had joined
-        died with the coordinator, the spares never joined. None without one."""
+        """The run's config as its coordinator wrote it into the run directory (a standby's copy of it, or the
+        directory it shares with the coordinator), for a takeover that finds no peer which knows it: every peer
+        that had joined died with the coordinator, the spares never joined. None without one."""
         path = Path(self.opts.out) / "config.json"
         try:
             return path.read_text() if path.is_file() else None

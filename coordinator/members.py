@@ -67,7 +67,11 @@ class Membership:
     async def register(self) -> None:
         for kind, handler in ((Join, self.on_join), (Report, self.on_report), (Leave, self.on_leave),
                               (Status, self.on_status)):
-            await self.rpc.register(kind.rpc, self._admitted(kind.rpc, handler))
+            await self.serve(kind, handler)
+
+    async def serve(self, kind: Any, handler: Callable[[Any, Envelope, Any], Awaitable[Message]]) -> None:
+        """Serve `kind`'s RPC with `handler`, behind the check of its request (`_admitted`)."""
+        await self.rpc.register(kind.rpc, self._admitted(kind.rpc, handler))
 
     def _admitted(self, name: str, handler: Callable[[Any, Envelope, Any], Awaitable[Message]]) -> Handler:
         """`handler` behind the check of its request (checkfree.messages: its type, then the run it names): it gets

@@ -34,6 +34,7 @@ class Outputs:
         self.figures = Figures()  # what fault tolerance cost this run, measured: summary.json, as the simulator's
         self._saving: asyncio.Task | None = None  # the save being written in the background
         self._tokenizer: asyncio.Task | None = None
+        self._grew = asyncio.Event()  # set, and replaced, whenever the record grows (`growth`)
 
     def open(self, cfg: RunConfig, *, resume: bool) -> None:
         """The run directory; `resume`: go on counting in an existing one (a resumed run, a takeover)."""
@@ -49,11 +50,22 @@ class Outputs:
         """One step's line in metrics.jsonl."""
         assert self.writer is not None, "the run directory is not open"
         self.writer.metric(record)
+        self._grown()
 
     def event(self, event: str, **fields) -> None:
         """One line in events.jsonl (none before the run directory is open)."""
         if self.writer is not None:
             self.writer.event(event, **fields)
+            self._grown()
+
+    def growth(self) -> asyncio.Event:
+        """An event set once the record (metrics.jsonl, events.jsonl) grows past what it holds now (a standby's
+        long poll waits on it: coordinator/record_feed.py)."""
+        return self._grew
+
+    def _grown(self) -> None:
+        self._grew.set()
+        self._grew = asyncio.Event()
 
     def refused(self, peer: str) -> None:
         """A peer refused before its JOIN (its reachability probe carried no valid run token): recorded as a refused

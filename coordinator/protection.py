@@ -36,7 +36,13 @@ from coordinator.outputs import Outputs
 from coordinator.rpc import Rpc
 from coordinator.stage_table import StageTable
 
-__all__ = ["Protection"]
+__all__ = ["Protection", "storage_dir"]
+
+
+def storage_dir(cfg: RunConfig, opts: CoordinatorOptions) -> str:
+    """Where the run's checkpoints are: the config's storage_dir, else <the coordinator's run directory>/checkpoints
+    (a standby taking over elsewhere is told it: coordinator/record_feed.py)."""
+    return str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
 
 
 class Protection:
@@ -47,7 +53,7 @@ class Protection:
         self.cfg, self.strategy, self.rpc, self.table, self.out = cfg, strategy, rpc, table, outputs
         self.timeouts = rpc.timeouts
         self.copies = Copies()  # the snapshots, backups and checkpoints that exist, by stage (checkfree.plans)
-        self.storage_dir = str(Path(cfg.strategy.storage_dir or Path(opts.out) / "checkpoints").resolve())
+        self.storage_dir = storage_dir(cfg, opts)
         self._companions: dict[int, str] = {}  # reft: stage -> its peer's snapshot companion address
         self._backup_peers: dict[int, tuple[str, str]] = {}  # baft: stage -> (its peer, its backup holder's)
         self._copy_acks: dict[int, tuple[tuple[int, int] | None, int]] = {}  # snap: the last commit's, by stage

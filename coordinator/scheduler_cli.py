@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--chaos-die-at", type=int, metavar="STEP", help="(local swarm) SIGKILL this coordinator's "
                    "process group as the iteration that runs step STEP starts, before that iteration's faults fire "
                    "(failover test)")
+    c.add_argument("--chaos-die-after-faults", type=int, metavar="STEP", help="(local swarm) SIGKILL this "
+                   "coordinator's process group once the faults of the iteration that runs step STEP have fired, "
+                   "before it sees them (failover test: the peers it killed die with it)")
     c.add_argument("--chaos-reduce-trace", help="(local swarm, stage groups) at these `step,stage` lines one replica "
                    "of the stage SIGKILLs itself half-way through the step's gradient all-reduce")
     c.add_argument("--partition-trace", help="(local swarm, --netns) ask the launcher to cut these `step,stage` peers "
@@ -65,8 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="take over a running run whose coordinator died: adopt its peers (give any live peer's "
                         "address as --initial-peers), rebuild the state from them, continue from their step")
     f.add_argument("--standby", action="store_true",
-                   help="hot standby: watch the run's coordinator (give its address as --initial-peers) and take "
-                        "over when it stops answering")
+                   help="hot standby: follow the run's coordinator (give its address as --initial-peers), keeping "
+                        "a copy of the run's config and record in --out (nothing is copied when --out is the "
+                        "coordinator's own run directory), and take over when it stops answering")
     p.set_defaults(func=run_scheduler)
 
 
@@ -179,7 +183,7 @@ def fault_schedule(args: argparse.Namespace, num_stages: int) -> FaultSchedule |
         recovery_kills=_iterations(args.chaos_recovery_kills, "--chaos-recovery-kills"),
         rebuild_kills=_iterations(args.chaos_rebuild_kills, "--chaos-rebuild-kills"),
         slow=parse_slow(args.chaos_slow, num_stages), die_in_commit=args.chaos_die_in_commit,
-        die_at=args.chaos_die_at,
+        die_at=args.chaos_die_at, die_after_faults=args.chaos_die_after_faults,
         peer_kills=tuple(parse_peer_kill(spec, num_stages) for spec in args.chaos_peer_kill),
         joins=tuple(sorted(_joins(args.chaos_joins))))
     return None if schedule == FaultSchedule() else schedule

@@ -225,29 +225,33 @@ def by_record_only(recorded: list[tuple[int, int, bool, str]], fired: list[Fired
 
 
 def run_schedule(schedule: Schedule, workdir: Path, cache_dir: str | None = None, *, keep: bool = False,
-                 rules: Callable[[SimSwarm], Injector] | None = None) -> Outcome:
+                 rules: Callable[[SimSwarm], Injector] | None = None, standby_apart: bool = False) -> Outcome:
     """Run `schedule` in the swarm and in the simulator under `workdir` (removed afterwards unless `keep` or a
     divergence) and check every invariant. `rules(swarm)`: more faults at protocol points, tried before the
-    schedule's (a test's `checkfree.net.faulty.FaultRules`; they must not lose a peer the simulator would not)."""
+    schedule's (a test's `checkfree.net.faulty.FaultRules`; they must not lose a peer the simulator would not).
+    `standby_apart`: the hot standby keeps its copy of the run in a directory of its own (workdir/"standby", no
+    shared disk); the run's record is checked there once it took over."""
     t0 = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = build_config(schedule.setup, cache_dir)
     outcome = Outcome(schedule)
     _warm_up(cfg)
     before = Resources.now()
-    swarm = SimSwarm(cfg, workdir / "swarm", schedule)
+    swarm = SimSwarm(cfg, workdir / "swarm", schedule, standby_out=workdir / "standby" if standby_apart else None)
     if rules is not None:
         swarm.rules = rules(swarm)
     with _logged(workdir / "log.txt"):
         summary = asyncio.run(swarm.run())
     outcome.fired, outcome.swarm = list(swarm.injector.fired), summary
     problems = outcome.divergences
-    if swarm.error and not (workdir / "swarm" / "summary.json").exists():
+    out = workdir / "swarm"  # the run's record: the standby's own directory once it took over there
+    if standby_apart and check.events(workdir / "standby", "coordinator_takeover"):
+        out = workdir / "standby"
+    if swarm.error and not (out / "summary.json").exists():
         problems.append(f"swarm failed without a summary: {swarm.error}")
     problems += swarm.leaks
     problems += [f"the fault injector failed (a harness bug): {e}" for e in swarm.injector.errors]
-    out = workdir / "swarm"
-    gone = {e.get("peer_id") for e in check.events(workdir / "swarm", "replica_lost", "leave", "retired")}
+    gone = {e.get("peer_id") for e in check.events(out, "replica_lost", "leave", "retired")}
     live = {p for g in swarm.injector.round.table.values() for p in g} - swarm.killed - gone  # the last step's
     problems += check.identical_replicas(swarm.daemons, live, schedule.setup.strategy)
     recorded = check.recorded_lines(out, swarm.injector.iteration_at, schedule.setup.replicas)

@@ -70,6 +70,9 @@ class SimSwarm:
     out: Path
     schedule: Schedule
     rules: FaultInjector | None = None  # more faults, tried before the schedule's (e.g. a test's FaultRules)
+    # the hot standby's own run directory (None: `out`, shared with the coordinator): its copy of the run comes over
+    # FOLLOW (coordinator/record_feed.py), and the run's record goes on there once it took over
+    standby_out: Path | None = None
     injector: Injector = field(init=False)
     daemons: dict[str, PeerDaemon] = field(default_factory=dict)
     hooks: dict[str, PeerFaults] = field(default_factory=dict)  # each peer's fault hook, armed by the injector
@@ -134,8 +137,8 @@ class SimSwarm:
 
     # ---- processes ----------------------------------------------------------------------------
     def _start_coordinator(self, cfg: RunConfig | None, **opts) -> _Coordinator:
-        options = CoordinatorOptions(run_id=RUN_ID, out=str(self.out), transport="memory", timeouts=TIMEOUTS,
-                                     save_final=False, **opts)
+        opts.setdefault("out", str(self.out))
+        options = CoordinatorOptions(run_id=RUN_ID, transport="memory", timeouts=TIMEOUTS, save_final=False, **opts)
         c = _Coordinator(Coordinator(cfg, options), SimProcess(f"coordinator{len(self.coordinators)}"))
         c.task = c.process.start(self._coordinate(c))
         self.coordinators.append(c)
@@ -193,7 +196,7 @@ class SimSwarm:
             first = self._start_coordinator(self.cfg)
             await self._started(first)
             if self.schedule.needs(Kind.COORDINATOR_FAILOVER):
-                await self._started(self._start_coordinator(None, standby=True))
+                await self._started(self._start_coordinator(None, standby=True, out=str(self.standby_out or self.out)))
             for _ in range(peers_needed(self.schedule)):
                 await self._start_peer()
             return await self._await_end()

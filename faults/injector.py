@@ -113,6 +113,9 @@ class FaultSchedule:
     # ...or as the iteration that runs this step starts (a partition of the last iteration healed, nothing of this
     # one fired: the coordinator that takes over fires it, so each fault fires once)
     die_at: int | None = None
+    # ...or once the faults of the iteration that runs this step fired, before it saw them (the peers it killed die
+    # with it: the coordinator that takes over finds them gone and does not fire them again, as they serve no stage)
+    die_after_faults: int | None = None
     # the in-process tier: requests (action, fields) go to this coroutine instead of to the launcher
     handler: Callable[[str, dict], Awaitable[None]] | None = None
 
@@ -195,6 +198,8 @@ class Injector:
             deadline = time.monotonic() + self.coordinator.view().timeouts.rpc_timeout
             while pid not in self.coordinator.view().members.leaving and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the preempted peer announces its leave
+        if s.die_after_faults is not None and step == s.die_after_faults:
+            await self._die(step=step, after="faults")
 
     async def _kill(self, action: str, schedule: FailureSchedule | None, iteration: int, stage: int, pid: str) -> None:
         """A scheduled kill of `stage`'s peer; in a stage group one replica mid-step, or (`all`) every one now."""

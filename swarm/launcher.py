@@ -47,7 +47,10 @@ class SwarmOptions:
     coordinator_flags: list[str] = field(default_factory=list)
     kill_coordinator_at: int | None = None
     failover: str = "standby"  # standby | restart
-    kill_coordinator_in: str = "step"  # step | commit
+    kill_coordinator_in: str = "step"  # step | commit | faults
+    # the standby coordinator's own run directory (None: --out, shared with the coordinator); it reads nothing of
+    # --out: the run's config and record reach it over the network (coordinator/record_feed.py)
+    standby_out: Path | None = None
     netns: bool = False  # every process in its own network namespace (NetLab)
     hosts: bool = False  # every process on an emulated host of its own (NetLab; implies netns)
     nat_peers: int = 0  # with hosts: the first N peers started sit behind a NAT router each
@@ -179,6 +182,21 @@ class LocalSwarm:
         return self._spawn(name, self._coordinator_args(*extra),
                            stdin=subprocess.PIPE)  # the launcher acknowledges partitions on it
 
+    def _spawn_standby(self) -> Proc:
+        """The hot standby coordinator: in --out, or (`standby_out`) in a directory of its own, given no file of
+        --out: not the run's config (it gets it from the coordinator), only the fault schedule, copied there (the
+        test's faults, which the standby fires once it runs the run)."""
+        o = self.opts
+        args = ["--standby", "--initial-peers", self.addr]
+        if o.standby_out is None:
+            return self._spawn_coordinator("coordinator-standby", *args)
+        o.standby_out.mkdir(parents=True, exist_ok=True)
+        chaos = shutil.copy(self.chaos_path, o.standby_out / "chaos_trace.csv")
+        stages = json.loads(self.config_path.read_text())["num_stages"]  # (the fault schedule's stages are checked)
+        return self._spawn("coordinator-standby", [
+            "scheduler", "--out", str(o.standby_out), "--run-id", o.run_id, "--stages", str(stages), "--chaos-trace",
+            str(chaos), "--shutdown-peers", *o.shared_flags, *o.coordinator_flags, *args], stdin=subprocess.PIPE)
+
     def partition_peer(self, peer_id: str, heal: bool = False) -> None:
         """Cut a peer's link (it stays alive but unreachable) and start a spare in its place, then tell the
         coordinator (on its stdin) that the cut is in effect; or heal the link."""
@@ -204,13 +222,14 @@ class LocalSwarm:
         o = self.opts
         extra = []
         if o.kill_coordinator_at is not None:  # it asks for its SIGKILL (a CHAOS line) where it is to die
-            where = "--chaos-die-in-commit" if o.kill_coordinator_in == "commit" else "--chaos-die-at"
+            where = {"commit": "--chaos-die-in-commit", "faults": "--chaos-die-after-faults"}.get(
+                o.kill_coordinator_in, "--chaos-die-at")
             extra = [where, str(o.kill_coordinator_at)]
         coordinator = self.coordinator = self._spawn_coordinator("coordinator", *extra)
         self.addr = _first_addr(self._await_ready(coordinator, READY_COORDINATOR))
         self._show_dashboard(coordinator)
         if o.kill_coordinator_at is not None and o.failover == "standby":
-            self.standby = self._spawn_coordinator("coordinator-standby", "--standby", "--initial-peers", self.addr)
+            self.standby = self._spawn_standby()
             self.standby_addr = _first_addr(self._await_ready(self.standby, READY_STANDBY))
         cfg = json.loads(self.config_path.read_text())
         count = cfg["num_stages"] * cfg["train"].get("replicas", 1) + o.spares

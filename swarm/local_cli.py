@@ -81,9 +81,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--coordinator-failover", choices=("standby", "restart"), default="standby",
                    help="after --kill-coordinator-at: a hot standby coordinator started with the run takes over "
                         "(default), or a new coordinator is started with --takeover")
-    c.add_argument("--kill-coordinator-in", choices=("step", "commit"), default="step",
-                   help="where the coordinator dies: between steps (SIGKILL by the launcher), or half-way through "
-                        "committing step STEP (it SIGKILLs itself after committing half of the stages)")
+    c.add_argument("--kill-coordinator-in", choices=("step", "commit", "faults"), default="step",
+                   help="where the coordinator dies: between steps (SIGKILL by the launcher), half-way through "
+                        "committing step STEP (it SIGKILLs itself after committing half of the stages), or once the "
+                        "faults of step STEP's iteration have fired, before it saw them (the peers it killed die "
+                        "with it)")
+    c.add_argument("--standby-out", metavar="DIR",
+                   help="with --coordinator-failover standby: the standby coordinator's own run directory (no "
+                        "shared disk): it gets the run's config, record and membership from the coordinator over "
+                        "the network, and the run's record goes on there once it has taken over")
     add_transport_arguments(p, port=False)
     p.add_argument("--netns", action="store_true",
                    help="run every process in a network namespace of its own, wired to one bridge (needs root and "
@@ -198,6 +204,10 @@ def run_local(args: argparse.Namespace) -> int:
     if args.kill_coordinator_at is not None and not 1 <= args.kill_coordinator_at < cfg.train.num_steps:
         raise ValueError(f"--kill-coordinator-at must be a step in 1..{cfg.train.num_steps - 1}, "
                          f"got {args.kill_coordinator_at}")
+    if args.standby_out and (args.kill_coordinator_at is None or args.coordinator_failover != "standby"):
+        raise ValueError("--standby-out needs --kill-coordinator-at with --coordinator-failover standby")
+    if args.standby_out and Path(args.standby_out).resolve() == out.resolve():
+        raise ValueError("--standby-out must be a directory of its own, not the run directory --out")
     config_path = out / "swarm_config.json"
     config_path.write_text(cfg.to_json())
     sched = schedule_from_config(cfg.failures, cfg.num_stages, cfg.train.num_steps, build_strategy(cfg).fails_edges)
@@ -253,7 +263,8 @@ def run_local(args: argparse.Namespace) -> int:
         + [x for spec in args.chaos_slow for x in ("--chaos-slow", spec)]
         + [x for spec in args.chaos_peer_kill for x in ("--chaos-peer-kill", spec)],
         kill_coordinator_at=args.kill_coordinator_at, failover=args.coordinator_failover,
-        kill_coordinator_in=args.kill_coordinator_in))
+        kill_coordinator_in=args.kill_coordinator_in,
+        standby_out=Path(args.standby_out) if args.standby_out else None))
     groups = f" x {cfg.train.replicas} replicas" if cfg.train.replicas > 1 else ""
     print(f"swarm: {cfg.num_stages} stages{groups} + {args.spares} spares, {len(sched.events)} scheduled failures, "
           f"transport {args.transport}, logs in {out / 'logs'}", flush=True)
@@ -267,8 +278,11 @@ def run_local(args: argparse.Namespace) -> int:
         return swarm.run()
     finally:
         swarm.teardown()
-        summary = out / "summary.json"
+        where = out  # the run directory, or the standby's own that the run's record went on in once it took over
+        if args.standby_out and (Path(args.standby_out) / "summary.json").exists():
+            where = Path(args.standby_out)
+        summary = where / "summary.json"
         if summary.exists():
             print(summary.read_text())
         print(f"swarm: {swarm.kills} peers SIGKILLed, {swarm.preempted} SIGTERMed, {swarm.partitioned} partitioned; "
-              f"run directory {out}", flush=True)
+              f"run directory {where}", flush=True)

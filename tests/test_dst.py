@@ -544,6 +544,27 @@ def test_a_takeover_that_finds_no_stage_served_lets_the_strategy_decide(tmp_path
     _holds(schedule, tmp_path, cache)
 
 
+def test_a_standby_with_a_directory_of_its_own_takes_over_a_run_whose_every_stage_died(tmp_path, cache):
+    """Issue 37 item 3, in-process (tests/test_failover.py has it in real processes): the coordinator and every
+    stage's peers die at once after step 0, and the standby keeps its copy of the run in a directory of its own (no
+    shared disk). It takes over from its copy (the config, step 0's line, the members, where the checkpoints are:
+    the coordinator's run directory), every stage is restored from the checkpoint of step 1, and the run ends as
+    the simulator's, recorded in the standby's directory."""
+    import json
+
+    schedule = Schedule(Setup(strategy="checkpoint", stages=2, steps=3, every=1),
+                        (Fault(Kind.COORDINATOR_FAILOVER, 1), Fault(Kind.KILL_ADJACENT, 1, stage=0)))
+    outcome = run_schedule(schedule, tmp_path / "run", cache, keep=True, standby_apart=True)
+    assert outcome.fired and not outcome.divergences, "\n".join(outcome.divergences)
+    standby = tmp_path / "run" / "standby"
+    (takeover,) = [e for e in map(json.loads, (standby / "events.jsonl").read_text().splitlines())
+                   if e["event"] == "coordinator_takeover"]
+    assert (takeover["step"], takeover["stages"], takeover["missing_stages"]) == (1, 0, [0, 1])
+    summary = json.loads((standby / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3 and summary["recoveries"] == 2
+    assert not list(standby.glob(".standby-*"))
+
+
 def test_a_handover_keeps_the_snapshots_the_leaving_peer_held(tmp_path, cache):
     """Found by dst (the 200-schedule run of seed 21, schedule #121, shrunk): gemini, stage 0 killed at step 0
     (rolled back to the initial state), then at step 1 stage 0 killed again as stage 1's peer is SIGTERMed. The

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from checkfree.rundir import read_jsonl
+from swarm.netlab import NetLab
 from swarmrun import events, local as _local, simulate, trace as _trace
 
 pytestmark = pytest.mark.timeout(400)
@@ -72,6 +73,31 @@ def test_restarted_coordinator_completes_a_half_done_commit_then_recovers(tmp_pa
     assert summary["failures"] == 1 and summary["recoveries"] == 1
     (rec,) = events(out, "recovery")
     assert rec["step"] == 7 and rec["sources"] == [1, 3]
+
+
+@pytest.mark.skipif(NetLab.unavailable() is not None, reason=f"no network namespaces: {NetLab.unavailable()}")
+def test_a_standby_with_no_shared_directory_takes_over_a_run_whose_every_stage_died(tmp_path, cache):
+    """The standby runs in a network namespace of its own with a run directory of its own, and is given no file of
+    the run (not its config): what it needs reaches it over FOLLOW. At step 2 both stages' peers are SIGKILLed, then
+    the coordinator, before it sees them die: no peer that served a stage is left, and the spares know no step. The
+    standby takes over from its copy (the config, the record of steps 0-1, the members, where the checkpoints are),
+    every stage is restored from the checkpoint of step 2, and the run completes in the standby's directory with
+    the simulator's losses and counts."""
+    args = ["--stages", "2", "--steps", "4", "--strategy", "checkpoint", "--checkpoint-every", "1",
+            "--trace", _trace(tmp_path, [(2, 0), (2, 1)])]
+    standby = tmp_path / "standby"
+    proc, out = _local(tmp_path, "swarm", *args, *FAST, "--netns", "--kill-coordinator-at", "2",
+                       "--kill-coordinator-in", "faults", "--standby-out", str(standby), cache=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, takeover, summary = _check_lossless(standby, _simulated(tmp_path, cache, *args), 4)
+    assert (takeover["step"], takeover["stages"], takeover["missing_stages"]) == (2, 0, [0, 1])
+    sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert [summary[k] for k in ("failures", "recoveries", "lost_steps")] == \
+        [sim[k] for k in ("failures", "recoveries", "lost_steps")] == [2, 2, 0]
+    assert [(e["stage"], e["source"]) for e in events(standby, "recovery")] == [(0, "storage"), (1, "storage")]
+    # the old coordinator's directory has its own part only, the standby's the whole run
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1] and not events(out, "coordinator_takeover")
+    assert not list(standby.glob(".standby-*")) and not list(out.glob(".standby-*"))
 
 
 def test_takeover_needs_an_address():

@@ -408,6 +408,13 @@ def test_coordinator_refuses_bad_joins_reports_and_leaves(live: Live) -> None:
                  match=rf"peer {me} has already joined run 'hostile' \(duplicate join refused\)")
     live.refused(c, RPC.REPORT, {**report, "stage": "0"}, match=r"field 'stage' must be int, got str")
     live.refused(c, RPC.REPORT, _drop(report, "reason"), match=r"missing field 'reason'")
+    # a standby's copy of the run (FOLLOW): a probe that is not a file name of its own, offsets, the long poll's wait
+    live.refused(c, RPC.FOLLOW, {"run": RUN}, match=r"missing field 'probe'")
+    live.refused(c, RPC.FOLLOW, {"run": RUN, "probe": "../../etc/passwd"}, match=r"is not 16-64 lowercase hex")
+    live.refused(c, RPC.FOLLOW, {"run": RUN, "probe": "ab" * 8, "metrics": -5}, match=r"offsets must be >= 0")
+    live.refused(c, RPC.FOLLOW, {"run": RUN, "probe": "ab" * 8, "wait": 1e9}, match=r"wait must be within")
+    header, _ = live.call(c, RPC.FOLLOW, {"run": RUN, "probe": "ab" * 8})
+    assert '"num_stages": 4' in header["config"] and '"event": "run_start"' in header["events"]
     live.assert_alive()
 
 

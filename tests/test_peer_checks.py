@@ -67,7 +67,8 @@ def test_malformed_requests_are_refused_with_the_field_at_fault_before_who_sent_
 
 
 def test_every_rpc_a_peer_serves_has_a_rule() -> None:
-    served = {v for k, v in vars(RPC).items() if k.isupper()} - {RPC.JOIN, RPC.REPORT, RPC.LEAVE, RPC.STATUS}
+    served = {v for k, v in vars(RPC).items() if k.isupper()} - {RPC.JOIN, RPC.REPORT, RPC.LEAVE, RPC.STATUS,
+                                                                  RPC.FOLLOW}
     assert served == set(RULES)
 
 
@@ -79,7 +80,7 @@ def test_requests_are_defined_once_and_checked_at_both_ends():
     from peers.checks import RULES
 
     served_by_peers = {n for n in vars(RPC).values() if isinstance(n, str) and n.startswith("cf.")} - {
-        RPC.JOIN, RPC.REPORT, RPC.LEAVE, RPC.STATUS}
+        RPC.JOIN, RPC.REPORT, RPC.LEAVE, RPC.STATUS, RPC.FOLLOW}
     assert set(RULES) == served_by_peers and all(RULES[n].fields == REQUEST_FIELDS[n] for n in RULES)
     forward = Forward(step=1, attempt=0, mb=2, hop=1)
     assert request("r", forward) == {"run": "r", "step": 1, "attempt": 0, "mb": 2, "hop": 1}
