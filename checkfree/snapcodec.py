@@ -304,7 +304,7 @@ def encode_steps(state: dict, step: int, fmt: CopyFormat,
                  base: HeldCopy | None) -> Generator[int, None, tuple[dict, HeldCopy]]:
     """`encode_and_mirror` in small steps: a generator that yields the values encoded since its last yield (a
     block of rows, or one small tensor) and returns (update, the holder's copy after it). Whoever drives it may do
-    other work between two steps (peers.streamed_copies: the stage's passes), as long as `state` does not change."""
+    other work between two steps, as long as `state` does not change."""
     full = base is None or not fmt.differential
     if base is not None and base.fmt != fmt:
         raise ValueError(f"a delta on a copy of format {base.fmt} cannot be of format {fmt}")
