@@ -126,7 +126,7 @@ class Streams:
             base, fmt = self._base(work)
             t0 = time.perf_counter()
             blob, after, cpu = await self.idle.run(_encode, state, work.step, fmt, base)
-            log.debug("copy update of stage %d as of step %d (%s) encoded in %.3f s (%.3f s CPU on the idle thread)",
+            log.info("copy update of stage %d as of step %d (%s) encoded in %.3f s (%.3f s CPU on the idle thread)",
                       self.hosted.index, work.step, work.kind, time.perf_counter() - t0, cpu)
             self.update = (key, blob, after)
         blob = self.update[1]
@@ -164,9 +164,12 @@ class Streams:
         task, self._task = self._task, None
         if task is None:
             return None, None
+        t0 = time.perf_counter()
         try:
             async with self.idle.urgent():  # (an encoding still running: the step waits for it)
                 await asyncio.wait_for(task, self.membership.timeouts.rpc_timeout)
+            if (waited := time.perf_counter() - t0) > 0.01:
+                log.info("COMMIT waited %.3f s for the copy part", waited)
         except (TransportError, ProtocolError, TimeoutError, asyncio.CancelledError) as e:
             log.warning("copy part not delivered: %s", str(e) or type(e).__name__)
             return None, None
