@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -278,7 +279,8 @@ def render_swarm(result: dict[str, Any]) -> str:
         f"{result['steps']} --seq-len 128 --microbatch-size 2 --microbatches 2 --no-churn`, SmolLM2-135M, real "
         f"processes: `--strategy snap` with int8 copies, an update every {_every(every)} (`--snapshot-every "
         f"{every}`, the default budget) against `--strategy checkfree` (nothing streamed). Per run the median step "
-        f"time over its steps after the first {result['skip']}{means_note}.",
+        f"time over its steps after the first {result['skip']}{means_note}."
+        + (f" Runs that failed and were run again: {', '.join(result['retried'])}." if result.get("retried") else ""),
         "",
         "| round | snap s/step | no copies s/step | snap ÷ no copies |",
         "|---|---|---|---|",
@@ -399,6 +401,7 @@ def _current(args, command: str) -> int:
 
 
 SWARM_SKIP = 2  # steps of each swarm round not timed (the first whole copy streams in the first two or three)
+SWARM_TRIES = 3  # runs of a round's `checkfree local` before the rounds give up (a loaded machine can fail a start)
 
 
 def _swarm_rounds(args) -> dict[str, Any]:
@@ -417,11 +420,19 @@ def _swarm_rounds(args) -> dict[str, Any]:
     means: dict[str, list[float]] = {"snap": [], "checkfree": []}
     runs = [("snap", ["--strategy", "snap", "--snapshot-every", str(args.swarm_every)]),
             ("checkfree", ["--strategy", "checkfree"])]
+    retried: list[str] = []
     for r in range(args.rounds):
         for name, extra in (runs if r % 2 == 0 else runs[::-1]):
             out = Path(args.work) / "rounds" / f"{name}-{r}"
             cmd = [sys.executable, "-m", "checkfree", "local", *base, *extra, "--out", str(out)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+            for attempt in range(SWARM_TRIES):  # (a run that failed, e.g. to start, is run again: `retried`)
+                if subprocess.run(cmd, stdout=subprocess.DEVNULL, timeout=3600).returncode == 0:
+                    break
+                if attempt == SWARM_TRIES - 1:
+                    raise RuntimeError(f"round {r} {name} failed {SWARM_TRIES} times: {' '.join(cmd)}")
+                retried.append(f"{name}-{r}")
+                print(f"round {r} {name}: the run failed (logs in {out / 'logs'}), run again", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
             steps = [m["step_time_s"] for m in read_jsonl(out / "metrics.jsonl")][SWARM_SKIP:]
             times[name].append(statistics.median(steps))
             means[name].append(statistics.mean(steps))
@@ -430,7 +441,8 @@ def _swarm_rounds(args) -> dict[str, Any]:
     return {"per_round": times, "median": med, "overhead": med["snap"] / med["checkfree"] - 1,
             "ratios": [a / b for a, b in zip(times["snap"], times["checkfree"])],
             "mean_per_round": means, "every": args.swarm_every,
-            "spread": {k: [min(v), max(v)] for k, v in times.items()}, "steps": args.round_steps, "skip": SWARM_SKIP}
+            "spread": {k: [min(v), max(v)] for k, v in times.items()}, "steps": args.round_steps, "skip": SWARM_SKIP,
+            "retried": retried}
 
 
 def _swarm(args, command: str) -> int:

@@ -204,6 +204,7 @@ class PeerDaemon:
             await self.snapshots.parity.close()
             self.group.close()
             self.compute.shutdown()
+            self.streams.shutdown()
             await stop_transport(net.dht, net.transport)
 
     async def _join(self) -> None:

@@ -212,6 +212,31 @@ def test_the_streams_begin_travel_in_parts_and_complete_after_their_last_part(tm
     assert strategy.in_step(10).parts[1].kind == "full"
 
 
+def test_the_peers_copy_work_runs_at_idle_priority_and_at_normal_priority_while_a_step_waits_for_it():
+    """A peer encodes and applies copy updates on its idle thread (peers.compute.IdleThread): at the OS's idle
+    priority, raised to normal while somebody waits for it (a COMMIT, a restore)."""
+    import asyncio
+    import os
+
+    from peers.compute import IdleThread
+
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no SCHED_IDLE on this OS")
+    idle = IdleThread()
+
+    async def main() -> list[int]:
+        policies = [await idle.run(os.sched_getscheduler, 0)]
+        async with idle.urgent():
+            policies.append(await idle.run(os.sched_getscheduler, 0))
+        policies.append(await idle.run(os.sched_getscheduler, 0))
+        return policies
+
+    try:
+        assert asyncio.run(main()) == [os.SCHED_IDLE, os.SCHED_OTHER, os.SCHED_IDLE]
+    finally:
+        idle.shutdown()
+
+
 def test_a_lost_stage_is_restored_from_its_copy_and_rebuilt_by_the_configured_rule_when_its_holder_went_too(tmp_path):
     """The fallback is part of the plan: stage 1's holder is stage 2; losing both, stage 2 is restored from its
     copy at stage 3 and stage 1 (copy gone) is rebuilt by the configured rule from stage 0 and the restored stage
