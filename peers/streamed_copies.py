@@ -80,6 +80,14 @@ class _Incoming:
     complete: bool = False
 
 
+
+def _seen(task: asyncio.Task) -> None:
+    """A part's task that failed where no COMMIT came for it (its attempt aborted, or the next step's part replaced
+    it): an expected end (a holder gone, a voided update), said on one debug line, not left to asyncio's "Task
+    exception was never retrieved" traceback."""
+    if not task.cancelled() and (e := task.exception()) is not None:
+        log.debug("copy part not delivered (no COMMIT waited for it): %s", str(e) or type(e).__name__)
+
 class Streams:
     """This peer's stage's copy stream (owner) and the copies it holds for others (holder)."""
 
@@ -116,8 +124,10 @@ class Streams:
             state = capture_worker(self.hosted.serving(), work.step, self.hosted.omega, clone=False)
         self._sent, self._work = None, work
         self._task = asyncio.create_task(self._send(work, step, state))
+        self._task.add_done_callback(_seen)
 
     async def _send(self, work: CopyWork, step: int, state: StageState | None) -> None:
+        """Encode (part 0) and send this step's part; its failure is COMMIT's to report (`before_commit`)."""
         key = (work.step, work.kind, work.base)
         if self.update is None or self.update[0] != key:
             if state is None:
