@@ -6,21 +6,16 @@ stage), and the queue counts the seconds it spent computing so a timed-out peer 
 whether it was the straggler.
 
 Work that no step should wait for (snap's copy updates: encoding one on its owner, applying one on its holder)
-runs on a second thread, `IdleThread`, at the operating system's idle priority: it computes only on a core that
-no other thread of the machine wants, in the bubbles of the whole swarm rather than in this stage's own (a
-stage's bubble is another stage's pass, and on a machine the peers share both want the same cores). Who needs its
-result now raises it to normal priority for as long as it waits (`IdleThread.urgent`).
+runs on a second thread, `SideThread`, beside the compute thread, at normal priority (its docstring says why not
+the OS's idle priority).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -100,51 +95,19 @@ class ComputeQueue:
         self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
-class IdleThread:
-    """One thread for work no step waits for, at the OS's idle priority (Linux's SCHED_IDLE; where there is none,
-    or it is refused, at normal priority: then it still runs beside the compute thread, torch's ops releasing the
-    GIL). `urgent()` raises it to normal priority while a caller waits for it, so that work somebody waits on is
-    never starved by a busy machine."""
+class SideThread:
+    """One thread beside the compute thread for work no step waits for (a snap copy's encoding and application), at
+    normal priority. Not at the OS's idle priority: a thread at Linux's SCHED_IDLE that runs Python code holds the
+    GIL between its torch ops, and on a busy machine it is not scheduled for long stretches while the peer's event
+    loop waits for the GIL (benchmarks/gil_priority.py: the loop's worst wake-up 15 times later; seen in a dst run
+    as healthy peers that missed their pings and were retired)."""
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idle", initializer=self._started)
-        self._tid: int | None = None  # the thread's native id, once it runs
-        self._waiting = 0  # callers in `urgent` now
-        self._lock = threading.Lock()  # (the thread's priority is set from the loop and the thread itself)
-
-    def _started(self) -> None:
-        with self._lock:
-            self._tid = threading.get_native_id()
-            self._apply()
-
-    def _apply(self) -> None:
-        """The thread's priority as `_waiting` says (under `_lock`)."""
-        if self._tid is None or not hasattr(os, "SCHED_IDLE"):
-            return
-        policy = os.SCHED_OTHER if self._waiting else os.SCHED_IDLE
-        try:
-            os.sched_setscheduler(self._tid, policy, os.sched_param(0))
-        except OSError as e:  # (a sandbox may refuse it: the work runs at normal priority)
-            log.debug("idle thread's priority not changed: %s", e)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side")
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the idle thread (after whatever runs there before it)."""
+        """`fn(*args)` on the side thread (after whatever runs there before it)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
-    @contextlib.asynccontextmanager
-    async def urgent(self) -> AsyncIterator[None]:
-        """Within this block the thread runs at normal priority (a caller waits for its work)."""
-        with self._lock:
-            self._waiting += 1
-            if self._waiting == 1:
-                self._apply()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._waiting -= 1
-                if self._waiting == 0:
-                    self._apply()
 
     def shutdown(self) -> None:
         """Stop the thread; work still queued is cancelled."""

@@ -4,19 +4,18 @@ checkfree.snapcodec).
 The owner's side. RUN_STEP names the part of this stage's copy the step carries (`CopyWork`). It is sent on its
 own task while the step computes: for part 0 the update is first encoded, from the stage's state as it enters
 the step (captured as RUN_STEP arrives: the weights themselves, no copy) against the owner's mirror of the
-holder's copy, on the peer's idle thread (`peers.compute.IdleThread`: at the OS's idle priority, so it takes the
-cycles no pass of any stage on the machine wants, beside the compute thread); then the part's bytes go to the
+holder's copy, on the peer's side thread (`peers.compute.SideThread`, beside the compute thread, at normal priority); then the part's bytes go to the
 holder (COPY_PART). COMMIT waits for that task before the optimizer step (the encoding reads the weights the step
-started from), the idle thread raised to normal priority while it waits, and reports the part the holder
+started from) and reports the part the holder
 acknowledged: the coordinator counts an update complete once every part was acknowledged in a committed step.
 The encoding also makes the holder's copy after the update (`snapcodec.encode_and_mirror`); the mirror becomes it
 once the holder has the update: when the next update names it as its base (no decoding of the owner's own update).
 
 The holder's side. COPY_PART's bytes are assembled per owner and a complete update is checked; every part is
 acknowledged as soon as it is stored. A complete update is applied to the held copy only once it is known
-complete at the coordinator: when the next update of the same owner names it as its base (then on the idle thread,
+complete at the coordinator: when the next update of the same owner names it as its base (then on the side thread,
 in its own task: the part that named it is acknowledged at once), or when a FETCH_SNAPSHOT asks for its step (at
-once, the idle thread raised); until then the copy the coordinator knows is the one served. The held copy changes
+once); until then the copy the coordinator knows is the one served. The held copy changes
 once the whole update is applied. A replacement restored from a copy keeps it as its mirror.
 """
 
@@ -36,7 +35,7 @@ from checkfree.snapcodec import (CopyFormat, HeldCopy, apply_update, copy_from_t
                                  encode_and_mirror)
 from checkfree.strategies.state import StageState, capture_worker
 from peers.checks import check_blob
-from peers.compute import ComputeQueue, IdleThread
+from peers.compute import ComputeQueue, SideThread
 from peers.membership import Membership
 from peers.stage import HostedStage
 
@@ -54,7 +53,7 @@ def is_copy_blob(state: dict) -> bool:
 
 def _encode(state: StageState, step: int, fmt: CopyFormat, base: HeldCopy | None) -> tuple[bytearray, HeldCopy,
                                                                                             float]:
-    """On the idle thread: the update of `base` to `state` as of `step`, serialised; the holder's copy after it
+    """On the side thread: the update of `base` to `state` as of `step`, serialised; the holder's copy after it
     (the next mirror); the thread's CPU seconds."""
     t0 = time.thread_time()
     update, after = encode_and_mirror(state, step, fmt, base)
@@ -62,7 +61,7 @@ def _encode(state: StageState, step: int, fmt: CopyFormat, base: HeldCopy | None
 
 
 def _apply(held: HeldCopy | None, blob: bytearray) -> tuple[HeldCopy, float]:
-    """On the idle thread: the copy after the update in `blob` (`held` itself is not changed: a delta applies to
+    """On the side thread: the copy after the update in `blob` (`held` itself is not changed: a delta applies to
     a shallow copy of it, whose changed entries are new tensors); the thread's CPU seconds."""
     t0 = time.thread_time()
     base = None if held is None else HeldCopy(held.step, held.fmt, dict(held.weights), held.moments,
@@ -93,7 +92,7 @@ class Streams:
 
     def __init__(self, membership: Membership, hosted: HostedStage, compute: ComputeQueue) -> None:
         self.membership, self.hosted, self.compute = membership, hosted, compute
-        self.idle = IdleThread()  # encodings (owner) and applications (holder) of updates
+        self.side = SideThread()  # encodings (owner) and applications (holder) of updates
         # the owner's side
         self.mirror: HeldCopy | None = None  # the holder's copy of this stage, as the holder has it
         self.update: tuple[tuple, bytearray, HeldCopy] | None = None  # in flight: key, bytes, the copy after it
@@ -135,8 +134,8 @@ class Streams:
                                     "has not encoded")
             base, fmt = self._base(work)
             t0 = time.perf_counter()
-            blob, after, cpu = await self.idle.run(_encode, state, work.step, fmt, base)
-            log.info("copy update of stage %d as of step %d (%s) encoded in %.3f s (%.3f s CPU on the idle thread)",
+            blob, after, cpu = await self.side.run(_encode, state, work.step, fmt, base)
+            log.info("copy update of stage %d as of step %d (%s) encoded in %.3f s (%.3f s CPU on the side thread)",
                       self.hosted.index, work.step, work.kind, time.perf_counter() - t0, cpu)
             self.update = (key, blob, after)
         blob = self.update[1]
@@ -176,8 +175,7 @@ class Streams:
             return None, None
         t0 = time.perf_counter()
         try:
-            async with self.idle.urgent():  # (an encoding still running: the step waits for it)
-                await asyncio.wait_for(task, self.membership.timeouts.rpc_timeout)
+            await asyncio.wait_for(task, self.membership.timeouts.rpc_timeout)
             if (waited := time.perf_counter() - t0) > 0.01:
                 log.info("COMMIT waited %.3f s for the copy part", waited)
         except (TransportError, ProtocolError, TimeoutError, asyncio.CancelledError) as e:
@@ -233,7 +231,7 @@ class Streams:
 
     def _promote(self, owner: int) -> None:
         """`owner`'s complete update is the holder's: a full one is the held copy at once (its tensors are the
-        received bytes'), a delta is applied to it in a task of its own, on the idle thread, after the update
+        received bytes'), a delta is applied to it in a task of its own, on the side thread, after the update
         before it (`_settled` waits for it)."""
         inc = self.incoming.pop(owner)
         if inc.key[1] == "full":
@@ -256,23 +254,22 @@ class Streams:
                 return
             t0 = time.perf_counter()
             try:
-                after, cpu = await self.idle.run(_apply, held if kind == "delta" else None, inc.buf)
+                after, cpu = await self.side.run(_apply, held if kind == "delta" else None, inc.buf)
             except ValueError as e:
                 log.warning("copy update of stage %d as of step %d does not apply: %s", owner, step, e)
                 return
             if self.held.get(owner) is held:  # (not dropped meanwhile)
                 self.held[owner] = after
-            log.info("copy of stage %d now as of step %d (%s, applied in %.3f s, %.3f s CPU on the idle thread)",
+            log.info("copy of stage %d now as of step %d (%s, applied in %.3f s, %.3f s CPU on the side thread)",
                      owner, step, kind, time.perf_counter() - t0, cpu)
         finally:
             if self.applying.get(owner, (None, None))[1] is asyncio.current_task():
                 del self.applying[owner]
 
     async def _settled(self, owner: int) -> None:
-        """Until `owner`'s updates being applied are (the idle thread raised meanwhile)."""
+        """Until `owner`'s updates being applied are."""
         while (applying := self.applying.get(owner)) is not None:
-            async with self.idle.urgent():
-                await asyncio.shield(applying[1])
+            await asyncio.shield(applying[1])
 
     def holds(self, owner: int, step: int) -> bool:
         held, inc, applying = self.held.get(owner), self.incoming.get(owner), self.applying.get(owner)
@@ -302,8 +299,8 @@ class Streams:
         self.applying.clear()
 
     def shutdown(self) -> None:
-        """The peer stops: the idle thread with it."""
-        self.idle.shutdown()
+        """The peer stops: the side thread with it."""
+        self.side.shutdown()
 
     @staticmethod
     def decode(blob) -> HeldCopy:
