@@ -81,6 +81,13 @@ def test_omega_over_the_blocks_only_in_one_process_equals_the_simulator(tiny_cfg
     _simulate(cfg, tmp_path / "sim", failures)
     swarm, sim = read_jsonl(tmp_path / "swarm" / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
     (rec,), (sim_rec,) = _events(tmp_path / "swarm", "recovery"), _events(tmp_path / "sim", "recovery")
+    omega_over_blocks_alike(swarm, sim, rec, sim_rec)
+
+
+def omega_over_blocks_alike(swarm: list[dict], sim: list[dict], rec: dict, sim_rec: dict) -> None:
+    """Stage 1 rebuilt at step 4 with --omega-scope blocks, in a swarm (its metrics and recovery event) as in the
+    simulator: the norms of stages 0 and 2's blocks (stage 0's embedding excluded), the same coefficients and
+    losses (test_swarm's real-process test checks its run with this too)."""
     assert rec["omega_scope"] == sim_rec["omega_scope"] == "blocks"
     blocks, whole = swarm[3]["block_grad_norms"], swarm[3]["grad_norms"]  # the last step before the failure
     assert rec["norms"] == pytest.approx([blocks[0], blocks[2]], rel=1e-5)
