@@ -99,8 +99,8 @@ class SideThread:
     """One thread beside the compute thread for work no step waits for (a snap copy's encoding and application), at
     normal priority. Not at the OS's idle priority: a thread at Linux's SCHED_IDLE that runs Python code holds the
     GIL between its torch ops, and on a busy machine it is not scheduled for long stretches while the peer's event
-    loop waits for the GIL (benchmarks/gil_priority.py: the loop's worst wake-up 15 times later than with the thread at normal
-    priority); a peer answers pings and heartbeats from that loop."""
+    loop waits for the GIL (benchmarks/gil_priority.py: the loop's worst wake-up 15 times later than with the
+    thread at normal priority); a peer answers pings and heartbeats from that loop."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side")

@@ -4,10 +4,10 @@ checkfree.snapcodec).
 The owner's side. RUN_STEP names the part of this stage's copy the step carries (`CopyWork`). It is sent on its
 own task while the step computes: for part 0 the update is first encoded, from the stage's state as it enters
 the step (captured as RUN_STEP arrives: the weights themselves, no copy) against the owner's mirror of the
-holder's copy, on the peer's side thread (`peers.compute.SideThread`, beside the compute thread, at normal priority); then the part's bytes go to the
-holder (COPY_PART). COMMIT waits for that task before the optimizer step (the encoding reads the weights the step
-started from) and reports the part the holder
-acknowledged: the coordinator counts an update complete once every part was acknowledged in a committed step.
+holder's copy, on the peer's side thread (`peers.compute.SideThread`, beside the compute thread, at normal
+priority); then the part's bytes go to the holder (COPY_PART). COMMIT waits for that task before the optimizer
+step (the encoding reads the weights the step started from) and reports the part the holder acknowledged: the
+coordinator counts an update complete once every part was acknowledged in a committed step.
 The encoding also makes the holder's copy after the update (`snapcodec.encode_and_mirror`); the mirror becomes it
 once the holder has the update: when the next update names it as its base (no decoding of the owner's own update).
 
@@ -15,8 +15,8 @@ The holder's side. COPY_PART's bytes are assembled per owner and a complete upda
 acknowledged as soon as it is stored. A complete update is applied to the held copy only once it is known
 complete at the coordinator: when the next update of the same owner names it as its base (then on the side thread,
 in its own task: the part that named it is acknowledged at once), or when a FETCH_SNAPSHOT asks for its step (at
-once); until then the copy the coordinator knows is the one served. The held copy changes
-once the whole update is applied. A replacement restored from a copy keeps it as its mirror.
+once); until then the copy the coordinator knows is the one served. The held copy changes once the whole update
+is applied. A replacement restored from a copy keeps it as its mirror.
 """
 
 from __future__ import annotations
@@ -79,13 +79,13 @@ class _Incoming:
     complete: bool = False
 
 
-
 def _seen(task: asyncio.Task) -> None:
     """A part's task that failed where no COMMIT came for it (its attempt aborted, or the next step's part replaced
     it): an expected end (a holder gone, a voided update), said on one debug line, not left to asyncio's "Task
     exception was never retrieved" traceback."""
     if not task.cancelled() and (e := task.exception()) is not None:
         log.debug("copy part not delivered (no COMMIT waited for it): %s", str(e) or type(e).__name__)
+
 
 class Streams:
     """This peer's stage's copy stream (owner) and the copies it holds for others (holder)."""
