@@ -12,9 +12,6 @@ import importlib
 import logging
 import sys
 
-from checkfree.flags import config_from_args
-from checkfree.recovery import UnrecoverableFailure
-
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "MODES"]
 
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
@@ -36,12 +33,16 @@ SUBCOMMANDS = {
 MODES = {"chaos": {"dst": "dst.cli:add_parser"}}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; `only`: a parser with that one subcommand (its module alone imported; "": none),
+    which parses that subcommand's command lines as the whole one does (`main` picks it: `_only`)."""
     parser = argparse.ArgumentParser(prog="checkfree", description="Train LLM pipelines on unreliable peers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, spec in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            continue
         module, func = spec.split(":")
         try:
             modes = getattr(importlib.import_module(module), func)(sub)
@@ -76,6 +77,11 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown or 'none'})"
 
 
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -85,9 +91,29 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _only(argv: list[str]) -> str | None:
+    """The one subcommand a command line needs the parser of (None: all of them). A process started as
+    `checkfree peer ...` then imports the peer's modules and not every other command's (the launcher's, the
+    dashboard's web server: ~0.5 s of every spawned process's start); `checkfree --version` imports none. Help
+    and any command line not of that form (an unknown command, a misspelt flag before it) get the whole parser,
+    so that their output lists every command."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is None:
+        return "" if "--version" in argv and set(argv) <= {"--version", "-v", "--verbose"} else None
+    before = argv[:argv.index(command)]
+    return command if command in SUBCOMMANDS and set(before) <= {"-v", "--verbose"} else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_in = sys.argv[1:] if argv is None else argv
+    only = _only(args_in)
+    parser = build_parser(only)
+    if only and only not in _commands(parser):  # its module is missing (an optional extra): the whole parser says so
+        parser = build_parser()
+    args = parser.parse_args(args_in)
+    from checkfree.flags import config_from_args  # (not before: `checkfree --version` imports no torch)
+    from checkfree.recovery import UnrecoverableFailure
+
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -55,6 +55,38 @@ def test_print_config_version_module_entry_and_verbose_anywhere(tmp_path):
     assert build_parser().parse_args(["local", "--threads", "2"]).threads_per_peer == 2
 
 
+_PROBE = """import json, sys
+from cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+seen = [m for m in ('torch', 'hivemind', 'aiohttp', 'swarm.launcher') if m in sys.modules]
+import checkfree.net.transport  # hivemind, without running scipy.optimize
+deferred = type(sys.modules['scipy.optimize']).__name__
+import scipy.optimize
+print(json.dumps([seen, deferred, scipy.optimize.linprog.__name__, type(sys.modules['scipy.optimize']).__name__]))
+"""
+
+
+def test_a_command_imports_only_what_it_needs():
+    """Every spawned process pays its imports (2 cores, 6-10 processes a swarm): `--version` imports no torch, a
+    peer's command line neither the launcher nor the dashboard's web server (cli.main._only: its subcommand's
+    parser alone), hivemind's import runs no scipy.optimize until it is used (checkfree.net.DEFERRED); and a
+    command line parses the same with its subcommand's parser alone as with the whole one."""
+    runs = {}
+    for args in (["--version"], ["peer", "--help"]):
+        proc = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=100)
+        assert proc.returncode == 0, proc.stderr
+        runs[args[0]] = json.loads(proc.stdout.splitlines()[-1])
+    assert runs["--version"][0] == [] and runs["peer"][0] == ["torch"]
+    assert runs["peer"][1:] == ["_Deferred", "linprog", "module"]
+    for argv in (["-v", "peer", "--initial_peers", "/ip4/1.2.3.4/tcp/1/p2p/x", "--threads", "1"],
+                 ["local", "--stages", "3", "--no-churn", "-v"], ["scheduler", "--stages", "2"],
+                 ["simulate", "--steps", "3", "--preset", "small"]):
+        assert vars(build_parser(argv[argv[0] == "-v"]).parse_args(argv)) == vars(build_parser().parse_args(argv))
+
+
 def test_simulate_output_in_a_log_file_has_no_carriage_returns(tmp_path):
     proc = subprocess.run(f"{sys.executable} -m checkfree simulate --steps 40 --eval-every 20 --out {tmp_path / 'r'} "
                           f"> {tmp_path / 'log'} 2>&1", shell=True, timeout=100)
