@@ -440,10 +440,22 @@ def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path)
     env = {**os.environ, "CF_PACK": str(tmp_path / "pack"), "CF_SITE": str(tmp_path / "site"), "OMP_NUM_THREADS": "1",
            "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     script = REPO / "benchmarks" / "accelerator" / "device.sh"
-    t0 = time.monotonic()
-    done = subprocess.run(["bash", str(script), "hf", "--dry-run", "--work", str(tmp_path / "work")],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
-    print(f"call hf, dry run: {time.monotonic() - t0:.0f} s")
+    # a failed run (no such data), beside the device command: its record says what failed
+    with (tmp_path / "broken.log").open("w") as log:
+        broken = subprocess.Popen([sys.executable, "-m", "benchmarks.accelerator", "--call", "hf", "--dry-run", "--out",
+                                   str(tmp_path / "out2"), "--work", str(tmp_path / "work2"), "--data",
+                                   str(tmp_path / "none"), "--phases", "correctness"],  # (env: the device command's)
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        t0 = time.monotonic()
+        done = subprocess.run(["bash", str(script), "hf", "--dry-run", "--work", str(tmp_path / "work")],
+                              capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+        print(f"call hf, dry run: {time.monotonic() - t0:.0f} s")
+        assert broken.wait(timeout=120) == 1, (tmp_path / "broken.log").read_text()[-3000:]
+    finally:
+        if broken.poll() is None:
+            broken.kill()
+            broken.wait()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "site" / "cf_site_probe.py").is_file() and os.access(tmp_path / "site" / "tool", os.X_OK)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["callhf.json", "callhf.log", "callhf.md"]
@@ -456,11 +468,8 @@ def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path)
     md = (tmp_path / "out" / "callhf.md").read_text()
     assert "HF out: transformers' LlamaForCausalLM" in md and "swarm = simulator: yes" in md
 
-    broken = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--call", "hf", "--dry-run", "--out",
-                             str(tmp_path / "out2"), "--work", str(tmp_path / "work2"), "--data", str(tmp_path / "none")],
-                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert broken.returncode == 1
     rec = json.loads((tmp_path / "out2" / "callhf.json").read_text())
+    assert list(rec["phases"]) == ["correctness"]
     res = rec["phases"]["correctness"]["results"]
     assert not res["source_run"]["ok"] and res["hf"]["ok"] is False and res["ok"] is False
     assert "**failed**" in (tmp_path / "out2" / "callhf.md").read_text()
