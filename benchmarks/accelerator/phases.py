@@ -131,14 +131,20 @@ def _default_data(work: Path, pack: Path | None) -> str:
     return "shakespeare"
 
 
-def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`python -m checkfree ARGV` with the run's cache, bounded by the phase's deadline."""
-    limit = max(5.0, min(timeout or 1e9, ctx.left()))
+def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None, margin: float = 0.0) -> subprocess.CompletedProcess:
+    """`python -m checkfree ARGV` with the run's cache, stopped `margin` seconds before the phase's deadline (read as
+    the run goes: a test moves it) or after `timeout` seconds, whichever comes first, but given 5 s at least."""
+    t0 = time.time()
     with subprocess.Popen([sys.executable, "-m", "checkfree", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=ctx.env()) as proc:
-        try:
-            out, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
+        while True:
+            end = max(t0 + 5.0, min(t0 + (1e9 if timeout is None else timeout), ctx.deadline - margin))
+            try:  # (in slices of a second: a TimeoutExpired of communicate() loses no output)
+                out, err = proc.communicate(timeout=max(0.0, min(1.0, end - time.time())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.time() < end:
+                    continue
             # SIGTERM first: `checkfree local` then stops its peers and writes what it has (SIGKILL would orphan them)
             proc.terminate()
             try:
@@ -146,7 +152,7 @@ def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None) -> subprocess
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(proc.args, limit, output=out, stderr=err) from None
+            raise subprocess.TimeoutExpired(proc.args, end - t0, output=out, stderr=err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -374,13 +380,13 @@ def _swarm(ctx: Ctx, flags: list[str], out: Path, spares: int, transport: str) -
     t0 = time.time()
     argv = ["local", "--out", str(out), "--no-progress", "--spares", str(spares), *churn, "--transport", transport, *flags]
     try:
-        done = _checkfree(ctx, *argv, timeout=ctx.left() - RECORD_S)
+        done = _checkfree(ctx, *argv, margin=RECORD_S)
         refused = None
         if done.returncode != 0 and "--skip-memory-check runs it anyway" in done.stderr + done.stdout:
             # a host whose memory grows as it is used can read low at first: say so, and run it anyway
             refused = (done.stderr + done.stdout).strip().splitlines()[-1][-500:]
             shutil.rmtree(out, ignore_errors=True)
-            done = _checkfree(ctx, *argv, "--skip-memory-check", timeout=ctx.left() - RECORD_S)
+            done = _checkfree(ctx, *argv, "--skip-memory-check", margin=RECORD_S)
     except subprocess.TimeoutExpired as e:
         return {**_not_finished(e, out, t0), "transport": transport}
     return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1), "transport": transport,
@@ -392,7 +398,7 @@ def _simulate(ctx: Ctx, flags: list[str], out: Path) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
     try:
-        done = _checkfree(ctx, "simulate", "--out", str(out), "--no-progress", *flags, timeout=ctx.left() - RECORD_S)
+        done = _checkfree(ctx, "simulate", "--out", str(out), "--no-progress", *flags, margin=RECORD_S)
     except subprocess.TimeoutExpired as e:
         return _not_finished(e, out, t0)
     return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1),
