@@ -761,8 +761,9 @@ def phase_speed(ctx: Ctx) -> None:
             except Exception as e:  # noqa: BLE001 - the next path still runs
                 r = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:], "wall_s": round(time.time() - t0, 1)}
             needed[what] = max(needed[what], r["wall_s"])
-            log(f"speed: {name}: " + (f"{r['period_s']:.4f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU "
-                                      f"{r['mfu']:.3%}" if r["ok"] and r["mfu"] is not None else str(r.get("error"))[:300]))
+            said = f"{r['period_s']:.4f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.3%}" \
+                if r["ok"] and r["mfu"] is not None else str(r.get("error"))[:300]
+            log(f"speed: {name}: {said}")
         with lock:
             results[name] = r
             ctx.save("paths", dict(results))
