@@ -26,6 +26,21 @@ SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, 
            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True}
 
 
+@pytest.mark.parametrize("strategy", ["checkfree", "checkfree+"])
+def test_weights_count_the_parameters_of_the_stages_as_built(strategy):
+    """The estimate counts each stage's parameters on the meta device without initialising them (no memory, and
+    no time: an initialisation there loaded torch._dynamo, seconds in every start): the counts of the stages built."""
+    from checkfree.memory import _holds
+    from checkfree.model import PipelineStage, plan_stages
+
+    cfg = preset("tiny")
+    cfg.model.num_kv_heads, cfg.recovery.strategy = 2, strategy
+    for s, spec in enumerate(plan_stages(cfg.model.num_layers, cfg.num_stages)):
+        embed, head = _holds(cfg, s)
+        built = PipelineStage(cfg.model, spec, has_embedding=embed, has_head=head)
+        assert stage_memory(cfg, s, in_flight=1).weights == 4 * sum(p.numel() for p in built.parameters())
+
+
 @pytest.mark.parametrize("shape,strategy", [
     ({"d_model": 32, "num_heads": 4, "num_layers": 8}, "checkfree"),
     ({"d_model": 64, "num_heads": 8, "num_kv_heads": 2, "num_layers": 4, "mlp_hidden": 96}, "checkfree"),

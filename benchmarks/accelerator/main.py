@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import os
 import signal
 import subprocess
@@ -105,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error(f"--inits: {e}")
     out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.dry_run and len(calls) > 1:
+        # the dry run's calls at once: on the CPU neither needs what the other leaves (call 2's science uses a tiny
+        # model of its own, not call 1's GGUF part), and one call's swarms mostly wait (start-ups, heartbeats) while
+        # the other computes. On the device they run one after the other, as the two device commands do
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            return functools.reduce(operator.or_, pool.map(lambda call: run_call(call, args, out), calls), 0)
     code = 0
     for call in calls:
         code |= run_call(call, args, out)

@@ -131,14 +131,20 @@ def _default_data(work: Path, pack: Path | None) -> str:
     return "shakespeare"
 
 
-def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`python -m checkfree ARGV` with the run's cache, bounded by the phase's deadline."""
-    limit = max(5.0, min(timeout or 1e9, ctx.left()))
+def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None, margin: float = 0.0) -> subprocess.CompletedProcess:
+    """`python -m checkfree ARGV` with the run's cache, stopped `margin` seconds before the phase's deadline (read as
+    the run goes: a test moves it) or after `timeout` seconds, whichever comes first, but given 5 s at least."""
+    t0 = time.time()
     with subprocess.Popen([sys.executable, "-m", "checkfree", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=ctx.env()) as proc:
-        try:
-            out, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
+        while True:
+            end = max(t0 + 5.0, min(t0 + (1e9 if timeout is None else timeout), ctx.deadline - margin))
+            try:  # (in slices of a second: a TimeoutExpired of communicate() loses no output)
+                out, err = proc.communicate(timeout=max(0.0, min(1.0, end - time.time())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.time() < end:
+                    continue
             # SIGTERM first: `checkfree local` then stops its peers and writes what it has (SIGKILL would orphan them)
             proc.terminate()
             try:
@@ -146,7 +152,7 @@ def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None) -> subprocess
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(proc.args, limit, output=out, stderr=err) from None
+            raise subprocess.TimeoutExpired(proc.args, end - t0, output=out, stderr=err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -374,13 +380,13 @@ def _swarm(ctx: Ctx, flags: list[str], out: Path, spares: int, transport: str) -
     t0 = time.time()
     argv = ["local", "--out", str(out), "--no-progress", "--spares", str(spares), *churn, "--transport", transport, *flags]
     try:
-        done = _checkfree(ctx, *argv, timeout=ctx.left() - RECORD_S)
+        done = _checkfree(ctx, *argv, margin=RECORD_S)
         refused = None
         if done.returncode != 0 and "--skip-memory-check runs it anyway" in done.stderr + done.stdout:
             # a host whose memory grows as it is used can read low at first: say so, and run it anyway
             refused = (done.stderr + done.stdout).strip().splitlines()[-1][-500:]
             shutil.rmtree(out, ignore_errors=True)
-            done = _checkfree(ctx, *argv, "--skip-memory-check", timeout=ctx.left() - RECORD_S)
+            done = _checkfree(ctx, *argv, "--skip-memory-check", margin=RECORD_S)
     except subprocess.TimeoutExpired as e:
         return {**_not_finished(e, out, t0), "transport": transport}
     return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1), "transport": transport,
@@ -392,7 +398,7 @@ def _simulate(ctx: Ctx, flags: list[str], out: Path) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
     try:
-        done = _checkfree(ctx, "simulate", "--out", str(out), "--no-progress", *flags, timeout=ctx.left() - RECORD_S)
+        done = _checkfree(ctx, "simulate", "--out", str(out), "--no-progress", *flags, margin=RECORD_S)
     except subprocess.TimeoutExpired as e:
         return _not_finished(e, out, t0)
     return {"ok": done.returncode == 0, "wall_s": round(time.time() - t0, 1),
@@ -456,7 +462,8 @@ def phase_correctness(ctx: Ctx) -> None:
 
     # the floor (the same simulation twice: run-to-run nondeterminism) for the bf16 cases: float32's was 0 in every
     # case of the first run (benchmarks/results/accelerator/call1.json)
-    workers = 2 if ctx.short else (4 if ctx.dry else 3 * len(cases) + 2)
+    # (the short dry run's four runs at once: two after two left its swarm waiting on the simulator runs' start-ups)
+    workers = 4 if ctx.dry else 3 * len(cases) + 2
     hf = None
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for case in cases:
@@ -664,9 +671,10 @@ def phase_hf_only(ctx: Ctx) -> None:
 
 def speed_setup(dry: bool) -> dict[str, Any]:
     """paper-124m's shape (4 stages of 3 blocks, d 512, context 512, 32k vocabulary) at 8 sequences a microbatch,
-    8 microbatches, bf16 autocast: 32,768 tokens a step. Dry run: tiny."""
+    8 microbatches, bf16 autocast: 32,768 tokens a step. Dry run: tiny in 3 stages (a first, a middle and a last
+    one, as the GPU's 4 have: one process fewer in each of its swarms and torch pipelines than 4 stages)."""
     if dry:
-        return {"preset": "tiny", "stages": 4, "microbatches": 4, "microbatch_size": 8, "bf16": False, "steps": 6,
+        return {"preset": "tiny", "stages": 3, "microbatches": 4, "microbatch_size": 8, "bf16": False, "steps": 6,
                 "warmup": 2, "recovery": ("tiny", 2, 4)}
     return {"preset": "paper-124m", "stages": 4, "microbatches": 8, "microbatch_size": 8, "bf16": True, "steps": 13,
             "warmup": 3, "recovery": ("100M-per-stage", 3, 5)}
@@ -728,33 +736,50 @@ def phase_speed(ctx: Ctx) -> None:
     root = ctx.work / "speed"
     root.mkdir(parents=True, exist_ok=True)
     needed = {k: (20.0 if ctx.dry else v) for k, v in PATH_S.items()}  # updated as they run
-    for name, kind, schedule in speed_paths(ctx.short, hivemind_ok, transport):
+    lock = threading.Lock()  # (the dry run's paths run at once)
+
+    def run_path(name: str, kind: str, schedule: str) -> None:
         if kind == "recovery":
             ctx.save("recovery", _recovery(ctx, setup, transport))
-            continue
-        if ctx.left() < needed[kind.split(":")[0]]:
-            results[name] = {"ok": False, "cut": f"{ctx.left():.0f} s left, a path of its kind needs "
-                                                 f"~{needed[kind.split(':')[0]]:.0f} s"}
-            ctx.save("paths", results)
-            continue
-        t0 = time.time()
-        try:
-            if kind == "sim":
-                r = _sim_speed(ctx, setup, extra, root / "sim")
-            elif kind == "torch":
-                r = vtp.run_torch(args, cfg, schedule)
-            else:
-                r = vtp.run_swarm(args, root / name.replace(" ", "-"), schedule, kind.split(":")[1], extra)
-            r = {"ok": True, "period_s": r["period_s"], "tokens_per_s": tokens / r["period_s"],
-                 "mfu": tokens / r["period_s"] * flops / tokens / (peak * 1e12) if peak else None,
-                 "cpu_s": r.get("cpu_s"), "losses": r.get("losses"), "wall_s": round(time.time() - t0, 1)}
-        except Exception as e:  # noqa: BLE001 - the next path still runs
-            r = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:], "wall_s": round(time.time() - t0, 1)}
-        needed[kind.split(":")[0]] = max(needed[kind.split(":")[0]], r["wall_s"])
-        results[name] = r
-        ctx.save("paths", results)
-        log(f"speed: {name}: " + (f"{r['period_s']:.4f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU "
-                                  f"{r['mfu']:.3%}" if r["ok"] and r["mfu"] is not None else str(r.get("error"))[:300]))
+            return
+        what = kind.split(":")[0]
+        if ctx.left() < needed[what]:
+            r: dict[str, Any] = {"ok": False, "cut": f"{ctx.left():.0f} s left, a path of its kind needs "
+                                                     f"~{needed[what]:.0f} s"}
+        else:
+            t0 = time.time()
+            try:
+                if kind == "sim":
+                    r = _sim_speed(ctx, setup, extra, root / "sim")
+                elif kind == "torch":
+                    r = vtp.run_torch(args, cfg, schedule)
+                else:
+                    r = vtp.run_swarm(args, root / name.replace(" ", "-"), schedule, kind.split(":")[1], extra)
+                r = {"ok": True, "period_s": r["period_s"], "tokens_per_s": tokens / r["period_s"],
+                     "mfu": tokens / r["period_s"] * flops / tokens / (peak * 1e12) if peak else None,
+                     "cpu_s": r.get("cpu_s"), "losses": r.get("losses"), "wall_s": round(time.time() - t0, 1)}
+            except Exception as e:  # noqa: BLE001 - the next path still runs
+                r = {"ok": False, "error": f"{type(e).__name__}: {e}"[-2000:], "wall_s": round(time.time() - t0, 1)}
+            needed[what] = max(needed[what], r["wall_s"])
+            said = f"{r['period_s']:.4f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.3%}" \
+                if r["ok"] and r["mfu"] is not None else str(r.get("error"))[:300]
+            log(f"speed: {name}: {said}")
+        with lock:
+            results[name] = r
+            ctx.save("paths", dict(results))
+
+    paths = speed_paths(ctx.short, hivemind_ok, transport)
+    if ctx.dry:
+        # the dry run's paths at once, 4 at a time: its figures are not measurements (toy sizes on a CPU), and each
+        # path is mostly its processes starting (one after the other: 122 s of a 301 s dry run at 093acaa); on the
+        # device they run one after the other, each on the GPU alone, in priority order
+        with ThreadPoolExecutor(max_workers=min(4, len(paths))) as pool:
+            for future in [pool.submit(run_path, *path) for path in paths]:
+                future.result()
+        results = {name: results[name] for name, _, _ in paths if name in results}  # in the paths' order
+    else:
+        for path in paths:
+            run_path(*path)
     base = results.get("torch gpipe", {})
     for name, r in results.items():
         if r.get("ok") and base.get("ok"):
@@ -790,7 +815,7 @@ def _recovery(ctx: Ctx, setup: dict, transport: str) -> dict[str, Any]:
     if ctx.left() < (20 if ctx.dry else 45):
         return {"ok": False, "cut": f"{ctx.left():.0f} s left (the first run measured it)"}
     t0 = time.time()
-    flags = (CONFIGS[name] if name in CONFIGS else ["--preset", name, "--stages", "4"]) + \
+    flags = (CONFIGS[name] if name in CONFIGS else ["--preset", name, "--stages", str(setup["stages"])]) + \
         ["--device", ctx.device, "--transport", transport, "--data", ctx.data, "--skip-memory-check"]
     root = ctx.work / "speed" / "recovery"
     shutil.rmtree(root, ignore_errors=True)

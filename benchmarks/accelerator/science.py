@@ -329,8 +329,10 @@ def _settings(ctx: Ctx, item: str):
 
     common = dict(seeds=[0], data=ctx.data, device=ctx.device, jobs=ctx.jobs, eval_batches=4)
     if ctx.dry:
+        # (the short dry run: one pool process, as its SmolLM2 study has: a second one's start-up cost more than the
+        # tiny runs it took over)
         small = dict(preset="tiny", steps=8, rate_scale=50.0, eval_every=2, microbatch_size=None, microbatches=2,
-                     autocast_bf16=False, eval_batches=1, jobs=2)
+                     autocast_bf16=False, eval_batches=1, jobs=1 if ctx.short else 2)
         if item == "fig2-124m":
             return recipe("paper-124m", **{**common, **small, "out": str(ctx.work / "science" / item)}), "ablation-init"
         return recipe("paper-500m-table2", **{**common, **small, "strategies": ["checkfree"], "rates": [16.0],
