@@ -1,0 +1,110 @@
+"""ReFT's snapshot rounds on the peers, in process (three `PeerDaemon`s over the memory network, no coordinator, no
+companion process): what a peer keeps when a round is not known complete, and a round of the same step after a
+rollback. The real-process form, under load: tests/test_swarm.py's reft crash test."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from checkfree.messages import KeepParity, OwnCopy, ParityCopy, Restore, Snapshot
+from checkfree.net.in_memory import MemoryNetwork, MemoryTransport
+from checkfree.protocol import ProtocolError
+from checkfree.serialize import state_from_bytes
+from peers.daemon import PeerDaemon, PeerOptions
+from peers.reft_parity import Parity
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _no_companion(self, step: int, blob) -> None:
+    """(The companion's keeping is test_inprocess's companion test; here the peers keep their copies alone.)"""
+
+
+def _daemons(tiny_cfg, n: int) -> list[PeerDaemon]:
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.recovery.strategy = "reft"
+    net = MemoryNetwork()
+    daemons = [PeerDaemon(PeerOptions(run_id="r", transport="memory")) for _ in range(n)]
+    for stage, d in enumerate(daemons):
+        d.membership.transport = MemoryTransport(net)
+        d.hosted.configure(cfg, None)
+        d.hosted.serve(d.hosted.build(stage), 0.0, 0)
+    return daemons
+
+
+async def _round(daemons: list[PeerDaemon], step: int, first_alone: bool = False) -> None:
+    """SNAPSHOT of `step` on every peer; `first_alone`: the first peer's chunks reach the others before their own
+    SNAPSHOT does (it then waits for their chunks)."""
+    group = [d.membership.me for d in daemons]
+    calls = [d.snapshots.on_snapshot(Snapshot(step=step, keep=KeepParity(group=group, index=i)), [], None)
+             for i, d in enumerate(daemons)]
+    first = asyncio.ensure_future(calls[0]) if first_alone else None
+    while first is not None and not first.done() and not all(0 in d.snapshots.parity.chunks.get(step, {})
+                                                              for d in daemons[1:]):
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*([first] if first is not None else []), *calls[1 if first_alone else 0:])
+
+
+def _weights(d: PeerDaemon) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in d.hosted.serving().module.state_dict().items()}
+
+
+def _nudge(daemons: list[PeerDaemon]) -> None:
+    """Every stage's weights change (as a step would)."""
+    with torch.no_grad():
+        for d in daemons:
+            for p in d.hosted.serving().module.parameters():
+                p.add_(0.01)
+
+
+def test_a_round_not_named_complete_leaves_the_last_complete_snapshot_to_roll_back_to(tiny_cfg, monkeypatch):
+    """Round 2 completes; round 4 replaces every peer's own snapshot but the coordinator never names it complete
+    (a member's reply lost or late: its ledger stays at step 2, as in the real-process reft test under load, which
+    failed with 'no own snapshot of stage 0 at step 2'). A rollback to step 2 restores each stage's own copy of
+    step 2, a lost member of step 2 decodes from parity, and RUN_STEP's settle drops the copies of step 4. Then
+    round 4 again, after the rollback: its parity blocks are built from its own chunks, not from those the
+    abandoned round 4 left behind."""
+    monkeypatch.setattr(Parity, "_keep", _no_companion)
+    daemons = _daemons(tiny_cfg, 3)
+
+    async def main():
+        for d in daemons:
+            await d._register()
+        await _round(daemons, 2)
+        at2 = [_weights(d) for d in daemons]
+        _nudge(daemons)
+        await _round(daemons, 4)  # every peer completed it; the coordinator's ledger still says step 2
+        for d in daemons:
+            await d.snapshots.on_restore(Restore(step=2, origin=OwnCopy()), [], None)
+        for d, want in zip(daemons, at2):
+            assert all(torch.equal(v, want[k]) for k, v in _weights(d).items())
+        assert all(d.snapshots.steps_held() == {d.hosted.index: 2} for d in daemons)
+        assert all(set(d.snapshots.parity.blocks) == {2} for d in daemons)
+        group = [d.membership.me for d in daemons]
+        blob, source, _ = await daemons[0].snapshots.parity.decode(2, ParityCopy(group=group, index=1))
+        assert source == "parity"
+        decoded = state_from_bytes(blob)
+        assert all(torch.equal(decoded["model"][k], v) for k, v in at2[1].items())
+
+        _nudge(daemons)  # round 4 of the run after the rollback: other weights than the abandoned round's
+        at4 = [_weights(d) for d in daemons]
+        await _round(daemons, 4, first_alone=True)
+        for d in daemons:
+            d.snapshots.settle(4)  # (the next RUN_STEP's `snapshot_step`)
+        assert all(d.snapshots.steps_held() == {d.hosted.index: 4} and set(d.snapshots.parity.blocks) == {4}
+                   for d in daemons)
+        blob, _, _ = await daemons[2].snapshots.parity.decode(4, ParityCopy(group=group, index=1))
+        decoded = state_from_bytes(blob)
+        assert all(torch.equal(decoded["model"][k], v) for k, v in at4[1].items())
+        with pytest.raises(ProtocolError, match="no own snapshot of stage 0 at step 2"):  # step 2's copies went
+            await daemons[0].snapshots.on_restore(Restore(step=2, origin=OwnCopy()), [], None)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for d in daemons:
+            d.compute.shutdown(wait=True)
