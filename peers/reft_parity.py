@@ -54,14 +54,23 @@ class Parity:
         self.blocks: dict[int, Raim5Block] = {}
         self.chunks: dict[int, dict[int, tuple[bytes, int]]] = {}  # step -> owner index -> (chunk, owner's length)
         self._arrived: dict[int, asyncio.Event] = {}
+        self.kept = False  # whether the companion took the newest snapshot
 
     def prepare(self) -> None:
         """Start the snapshot companion in the background now (joining a reft run), not at the first snapshot:
-        it takes a second or two to import its libraries, which the first snapshot would otherwise wait for."""
-        if self._starting is None:
+        it takes a second or two to import its libraries, which the first snapshot would otherwise wait for. One
+        that failed to start, or died since, is started again."""
+        starting = self._starting
+        failed = starting is not None and starting.done() and (starting.cancelled() or starting.exception() is not None)
+        if starting is None or failed or self.companion is not None and self.companion.poll() is not None:
+            self.companion = self.companion_addr = None
             self._starting = asyncio.create_task(self._start_companion())
 
     async def _start_companion(self) -> None:
+        if self._client is not None:  # (of a companion that died)
+            with contextlib.suppress(Exception):
+                await self._client.shutdown()
+            self._client = None
         companion, addr = await asyncio.to_thread(
             start_companion, self.membership.me, self.companion_host, self.membership.timeouts.join_timeout, self.membership.secret)
         self.companion, self.companion_addr = companion, addr
@@ -90,24 +99,33 @@ class Parity:
         self.blocks[step] = raim5_block(index, [got[i][0] for i in sorted(got)], lengths)
         for old in sorted(self.blocks)[:-KEEP_BLOCKS]:
             del self.blocks[old]
-        await self._keep(step, blob)
+        self.kept = await self._keep(step, blob)
         return sum(len(c) for c in chunks.values())
 
-    async def _keep(self, step: int, blob: bytes) -> None:
+    async def _keep(self, step: int, blob: bytes) -> bool:
         """Hand the snapshot and parity block to this peer's companion (started when the peer joined, or now), so
-        that they survive a crash of this process alone."""
+        that they survive a crash of this process alone; whether it took them. One that cannot (it did not start,
+        or died: it is started again at the next snapshot) does not fail the snapshot, which this peer holds, nor
+        does one that has not started within rpc_timeout: a replacement then decodes from parity."""
         self.prepare()
         assert self._starting is not None
-        await self._starting
-        assert self._client is not None  # (the companion started)
-        block = self.blocks[step]
-        store = CompanionStore(step=step, stage=self.hosted.index, holder=block.holder, n=block.n,
-                               lengths=list(block.state_lengths))
-        reply, _ = await self._client.call(companion_id(self.membership.me), store.rpc, to_wire(store),
-                                           [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
-                                            torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)],
-                                           timeout=self.membership.timeouts.step_timeout)
-        reply_of(store.rpc, reply)
+        timeout = self.membership.timeouts.rpc_timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(self._starting), timeout)
+            assert self._client is not None  # (the companion started)
+            block = self.blocks[step]
+            store = CompanionStore(step=step, stage=self.hosted.index, holder=block.holder, n=block.n,
+                                   lengths=list(block.state_lengths))
+            reply, _ = await self._client.call(companion_id(self.membership.me), store.rpc, to_wire(store),
+                                               [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                                                torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)],
+                                               timeout=timeout)
+            reply_of(store.rpc, reply)
+        except (TransportError, ProtocolError, OSError, asyncio.TimeoutError) as e:
+            log.warning("the snapshot companion did not take the snapshot of step %d (%s): a crash of this process "
+                        "will be decoded from parity", step, str(e)[:200] or type(e).__name__)
+            return False
+        return True
 
     def settle(self, step: int) -> None:
         """The newest complete snapshot is of `step` (Snapshots.settle): the parity block of any other is dropped."""

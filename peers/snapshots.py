@@ -72,7 +72,7 @@ class Snapshots:
             self.held[stage] = (step, blob)
             sent = await self.parity.snapshot(step, blob, keep.group, keep.index)
             return Snapshotted(bytes=len(blob), sent=sent, seconds=time.perf_counter() - t0,
-                               companion=self.parity.companion_addr), []
+                               companion=self.parity.companion_addr if self.parity.kept else None), []
         else:
             assert isinstance(keep, KeepHolders)
             if self.membership.me in keep.peers:  # gemini keeps its own copy (a rollback of a live stage reads it)

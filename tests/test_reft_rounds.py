@@ -20,8 +20,9 @@ from peers.reft_parity import Parity
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _no_companion(self, step: int, blob) -> None:
+async def _no_companion(self, step: int, blob) -> bool:
     """(The companion's keeping is test_inprocess's companion test; here the peers keep their copies alone.)"""
+    return False
 
 
 def _daemons(tiny_cfg, n: int) -> list[PeerDaemon]:
@@ -108,3 +109,38 @@ def test_a_round_not_named_complete_leaves_the_last_complete_snapshot_to_roll_ba
     finally:
         for d in daemons:
             d.compute.shutdown(wait=True)
+
+
+def test_a_companion_that_does_not_start_fails_no_snapshot_and_is_started_again(tiny_cfg, monkeypatch):
+    """The companion is only a second home of the snapshot (a crash of the training process alone): one that does
+    not start makes no round incomplete (the peers hold their snapshots and parity blocks; a replacement decodes
+    from parity: the reply names no companion), and it is started again at the next snapshot."""
+    from checkfree.net.errors import TransportError
+    from peers import reft_parity
+
+    starts = []
+
+    def no_start(peer_id, host, linger, secret, timeout=30.0):
+        starts.append(peer_id)
+        raise TransportError("the snapshot companion did not start within 0 s")
+
+    monkeypatch.setattr(reft_parity, "start_companion", no_start)
+    daemons = _daemons(tiny_cfg, 2)
+    group = [d.membership.me for d in daemons]
+
+    async def main():
+        for d in daemons:
+            await d._register()
+        for step in (2, 4):
+            replies = await asyncio.gather(*(d.snapshots.on_snapshot(
+                Snapshot(step=step, keep=KeepParity(group=group, index=i)), [], None) for i, d in enumerate(daemons)))
+            assert all(r.companion is None for r, _ in replies)
+            assert all(d.snapshots.steps_held() == {d.hosted.index: step} and step in d.snapshots.parity.blocks
+                       for d in daemons)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for d in daemons:
+            d.compute.shutdown(wait=True)
+    assert sorted(starts) == sorted(group * 2)
