@@ -117,6 +117,8 @@ class Snapshots:
             self.hosted.rolled_back(omega, restore.step)
         self.steps.reset()
         self.settle(restore.step)
+        if self.held.get(stage, (-1,))[0] > restore.step:  # (a round after it, left incomplete)
+            del self.held[stage]
         self.parity.rolled_back(restore.step)
         return Ok(), []
 
