@@ -106,12 +106,13 @@ class Parity:
         """Hand the snapshot and parity block to this peer's companion (started when the peer joined, or now), so
         that they survive a crash of this process alone; whether it took them. One that cannot (it did not start,
         or died: it is started again at the next snapshot) does not fail the snapshot, which this peer holds, nor
-        does one that has not started within rpc_timeout: a replacement then decodes from parity."""
+        does one still starting after half the coordinator's wait for the snapshot (step_timeout / 2; a start under
+        load, on the first snapshot): a replacement then decodes from parity."""
         self.prepare()
         assert self._starting is not None
         timeout = self.membership.timeouts.rpc_timeout
         try:
-            await asyncio.wait_for(asyncio.shield(self._starting), timeout)
+            await asyncio.wait_for(asyncio.shield(self._starting), self.membership.timeouts.step_timeout / 2)
             assert self._client is not None  # (the companion started)
             block = self.blocks[step]
             store = CompanionStore(step=step, stage=self.hosted.index, holder=block.holder, n=block.n,
