@@ -239,8 +239,8 @@ class RunStep(Request["StepDone"], frozen=True, kw_only=True):
     groups: dict[int, list[str]] | None = None  # stage groups: stage -> its replicas
     backup: BackupShare | None = None
     copies: dict[int, CopyWork] | None = None  # snap: by stage, the part of its streamed copy the step carries
-    # rollback strategies: the step of the newest snapshot every stage completed (the coordinator's ledger); a peer
-    # drops its own copy of any other (reft keeps the one before a round until the round is named complete here)
+    # reft: the step of the newest snapshot every stage completed (the coordinator's ledger); a peer keeps its own
+    # copy of the snapshot before a round until the round is named complete here, then drops the other
     snapshot_step: int | None = None
 
 
