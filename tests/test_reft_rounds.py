@@ -144,3 +144,43 @@ def test_a_companion_that_does_not_start_fails_no_snapshot_and_is_started_again(
         for d in daemons:
             d.compute.shutdown(wait=True)
     assert sorted(starts) == sorted(group * 2)
+
+
+def test_a_swarm_rolls_back_to_the_last_complete_round_when_a_later_one_was_left_incomplete(tiny_cfg, tmp_path,
+                                                                                           monkeypatch):
+    """The whole run in one process (harness/inprocess.py), the companions left out: stage 3's reply to the
+    SNAPSHOT of step 4 is lost after its round went through (every peer holds step 4; the coordinator's ledger
+    stays at step 2), then stage 2 is killed at step 5. The run rolls back to step 2 (stage 2
+    decoded from parity at step 2) and ends with the failure-free simulator's losses. Before the fix this rollback
+    failed: 'no own snapshot of stage 0 at step 2'."""
+    from checkfree.failures import FailureSchedule
+    from checkfree.rundir import read_jsonl
+    from checkfree.simulator import Simulator
+    from harness.inprocess import run_swarm
+    from peers.snapshots import Snapshots
+
+    monkeypatch.setattr(Parity, "_keep", _no_companion)
+    monkeypatch.setattr(Parity, "prepare", lambda self: None)
+    on_snapshot = Snapshots.on_snapshot
+
+    async def reply_lost(self, snapshot, tensors, peer):
+        reply = await on_snapshot(self, snapshot, tensors, peer)
+        if snapshot.step == 4 and self.hosted.index == 3:
+            raise ProtocolError("(test) the reply to the snapshot of step 4 is lost")
+        return reply
+
+    monkeypatch.setattr(Snapshots, "on_snapshot", reply_lost)
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.recovery.strategy, cfg.strategy.reft_group, cfg.strategy.snapshot_every = "reft", 4, 2
+    cfg.train.num_steps, cfg.train.eval_every = 8, 0
+    swarm = run_swarm(cfg, tmp_path / "swarm", peers=cfg.num_stages + 1, kills=FailureSchedule([(5, 2)]),
+                      save_final=False)
+    Simulator(cfg, tmp_path / "clean", progress=False).run()
+    assert swarm.summary["status"] == "completed"
+    events = read_jsonl(tmp_path / "swarm" / "events.jsonl")
+    assert [(e["step"], e["complete"]) for e in events if e["event"] == "snapshot"][:2] == [(2, True), (4, False)]
+    (rec,) = [e for e in events if e["event"] == "recovery"]
+    assert (rec["step"], rec["stage"], rec["source"], rec["rollback_to"]) == (5, 2, "parity", 2)
+    final = {m["step"]: m["loss"] for m in read_jsonl(tmp_path / "swarm" / "metrics.jsonl")}
+    clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
+    assert [final[s] for s in range(8)] == pytest.approx(clean, rel=1e-5)
