@@ -402,8 +402,9 @@ def test_reft_for_real_decodes_lost_members_from_parity(tmp_path, cache):
 # slow until it has passed repeatedly under load with fb03715: its two failures under load had one cause, found at
 # 5 CPU burners (load ~8): a REFT_CHUNK lost as the peer adopted its stream with 64 KiB or more already buffered
 # (checkfree.net.framed, fixed in fb03715), so a snapshot round was left incomplete (SNAPSHOT timed out after 90 s):
-# round 2 gave CI's 'stage 2 also recovered at step 3, both from init', round 4 the rollback's 'no own snapshot of
-# stage 0 at step 2' (an incomplete round no longer takes the rollback's copies away: 029bd7e; the quick covers are
+# round 2 gave CI's 'stage 2 also recovered at step 3, both from init' (seen here too); round 4 left incomplete
+# explains the rollback's 'no own snapshot of stage 0 at step 2' (inferred, the in-process test reproduces the
+# message; an incomplete round no longer takes the rollback's copies away: 029bd7e; the quick covers are
 # tests/test_reft_rounds.py and tests/test_framed.py). The companion serving a crashed training process runs only here
 @pytest.mark.slow
 def test_reft_restores_a_crashed_training_process_from_its_companion_and_a_dead_peer_from_parity(tmp_path, cache):
