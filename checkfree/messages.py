@@ -239,6 +239,9 @@ class RunStep(Request["StepDone"], frozen=True, kw_only=True):
     groups: dict[int, list[str]] | None = None  # stage groups: stage -> its replicas
     backup: BackupShare | None = None
     copies: dict[int, CopyWork] | None = None  # snap: by stage, the part of its streamed copy the step carries
+    # reft: the step of the newest snapshot every stage completed (the coordinator's ledger); a peer keeps its own
+    # copy of the snapshot before a round until the round is named complete here, then drops the other
+    snapshot_step: int | None = None
 
 
 class StepDone(StepFigures, frozen=True, kw_only=True):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +32,15 @@ from checkfree import messages as msg
 from checkfree.messages import (BackupCommit, BackupShare, Committed, CopyWork, Keep, KeepHolders, KeepParity,
                                 KeepStorage, Snapshotted, TakeReplica)
 from checkfree.strategies import Strategy, storage
+from checkfree.strategies.reft import ReftStrategy
 from coordinator.common import CoordinatorOptions, settle
 from coordinator.outputs import Outputs
 from coordinator.rpc import Rpc
 from coordinator.stage_table import StageTable
 
 __all__ = ["Protection", "storage_dir"]
+
+log = logging.getLogger("coordinator.coordinator")
 
 
 def storage_dir(cfg: RunConfig, opts: CoordinatorOptions) -> str:
@@ -160,6 +164,9 @@ class Protection:
                                              self.timeouts.step_timeout) for s in stages)
         replies: dict[int, Snapshotted] = {s: r[0] for s, r in zip(stages, results) if not isinstance(r, Exception)}
         complete = len(replies) == len(stages)
+        for s, r in zip(stages, results):
+            if isinstance(r, Exception):  # (the copies of the last complete round stay the ledger's)
+                log.warning("the snapshot of step %d on stage %d failed: %s", step, s, str(r)[:300])
         kind = "storage" if isinstance(keep(0), KeepStorage) else "memory"
         seconds = time.perf_counter() - t0
         sizes = {s: r.bytes for s, r in replies.items()}
@@ -188,7 +195,10 @@ class Protection:
 
     def in_step(self, step: int) -> dict:
         """RUN_STEP's `backup` field: the part of the backup in flight this step's bubbles carry, per stage; or
-        (snap) its `copies` field: the part of each stage's streamed copy the step carries."""
+        (snap) its `copies` field: the part of each stage's streamed copy the step carries; and (reft) the step of
+        the newest complete snapshot, whose copies the peers keep (a round left incomplete does not replace them)."""
+        if isinstance(self.strategy, ReftStrategy) and self.copies.step:
+            return {"snapshot_step": self.copies.step}
         part = self.strategy.in_step(step)
         if isinstance(part, StreamStep):
             return {"copies": {s: CopyWork(step=p.step, kind=p.kind, base=p.base, part=p.part, parts=p.parts,

@@ -128,7 +128,7 @@ class PeerDaemon:
                                    ips[0][1] if ips else "127.0.0.1", self.streams)
         self.backups = Backups(self.membership, self.hosted, self.compute, self.snapshots)
         self.passes = Passes(self.membership, self.hosted, self.steps, self.compute, self.replicas, self.backups,
-                             hook, self.streams)
+                             hook, self.streams, self.snapshots.settle)
         self.rebuild = Rebuild(self.membership, self.hosted, self.compute, self.dumps, hook)
         self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, hook)
         self.assignment = Assignment(self.hosted, self.compute, self.rebuild, self.snapshots, self.dumps,

@@ -54,9 +54,11 @@ class Passes:
 
     def __init__(self, membership: Membership, hosted: HostedStage, steps: StepTracker, compute: ComputeQueue,
                  replicas: Replicas | None = None, backups: Backups | None = None,
-                 hook: PeerHook | None = None, streams: Streams | None = None) -> None:
+                 hook: PeerHook | None = None, streams: Streams | None = None,
+                 settle: Callable[[int], None] | None = None) -> None:
         self.membership, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
         self.replicas, self.backups, self.streams = replicas, backups, streams
+        self.settle = settle  # the newest complete snapshot's step, as RUN_STEP names it (Snapshots.settle)
         self.hook = hook  # the peer's fault hook (checkfree.peer_hook), None in production
         self.timeouts = membership.timeouts
 
@@ -79,6 +81,8 @@ class Passes:
             run.mine = {mb for mb, peers in enumerate(run.hops) if self.membership.me in peers}
             run.remaining = len(run.mine)
         self.steps.start(run)
+        if self.settle is not None and request.snapshot_step is not None:
+            self.settle(request.snapshot_step)
         if self.streams is not None and request.copies and not run.evaluate:  # snap: on its own task (COMMIT waits)
             self.streams.step_started(request.copies.get(stage), request.step)
         if self.hook is not None:

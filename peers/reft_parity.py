@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,30 +34,43 @@ __all__ = ["Parity"]
 log = logging.getLogger(__name__)
 
 KEEP_STEPS = 2  # chunks of older snapshots than the newest two are dropped (a bound on what strangers can pile up)
+KEEP_BLOCKS = 2  # parity blocks kept: the newest, and the one before until the coordinator names a round complete
 
 
 class Parity:
     """This peer's parity block of its group's newest snapshot, and chunks arriving for it."""
 
     def __init__(self, membership: Membership, hosted: HostedStage, held: dict[int, tuple[int, Any]],
-                 companion_host: str = "127.0.0.1") -> None:
+                 own: Callable[[int, int], Any | None], companion_host: str = "127.0.0.1") -> None:
         self.membership, self.hosted, self.held = membership, hosted, held  # held: the snapshots (peers.snapshots)
+        self.own = own  # (stage, step) -> this peer's own copy of that step, if it has it (Snapshots.own)
         self.companion_host = companion_host  # where this peer's snapshot companion listens (the daemon's host)
         self.companion: subprocess.Popen | None = None
         self.companion_addr: str | None = None
         self._client: TcpTransport | None = None
         self._starting: asyncio.Task | None = None
-        self.blocks: dict[int, Raim5Block] = {}  # snapshot step -> this peer's parity block
+        # snapshot step -> this peer's parity block: the newest, and the one before it while the newest's round is
+        # not known complete (Snapshots.settle)
+        self.blocks: dict[int, Raim5Block] = {}
         self.chunks: dict[int, dict[int, tuple[bytes, int]]] = {}  # step -> owner index -> (chunk, owner's length)
         self._arrived: dict[int, asyncio.Event] = {}
+        self.kept = False  # whether the companion took the newest snapshot
 
     def prepare(self) -> None:
         """Start the snapshot companion in the background now (joining a reft run), not at the first snapshot:
-        it takes a second or two to import its libraries, which the first snapshot would otherwise wait for."""
-        if self._starting is None:
+        it takes a second or two to import its libraries, which the first snapshot would otherwise wait for. One
+        that failed to start, or died since, is started again."""
+        starting = self._starting
+        failed = starting is not None and starting.done() and (starting.cancelled() or starting.exception() is not None)
+        if starting is None or failed or self.companion is not None and self.companion.poll() is not None:
+            self.companion = self.companion_addr = None
             self._starting = asyncio.create_task(self._start_companion())
 
     async def _start_companion(self) -> None:
+        if self._client is not None:  # (of a companion that died)
+            with contextlib.suppress(Exception):
+                await self._client.shutdown()
+            self._client = None
         companion, addr = await asyncio.to_thread(
             start_companion, self.membership.me, self.companion_host, self.membership.timeouts.join_timeout, self.membership.secret)
         self.companion, self.companion_addr = companion, addr
@@ -80,26 +94,55 @@ class Parity:
                                for p, c in chunks.items()))
         await asyncio.wait_for(self._event(step).wait(), self.membership.timeouts.step_timeout)
         got = self.chunks.pop(step)
+        self._arrived.pop(step, None)  # (a later round of the same step, after a rollback, waits for its own chunks)
         lengths = [len(blob) if i == index else got[i][1] for i in range(n)]
-        self.blocks = {step: raim5_block(index, [got[i][0] for i in sorted(got)], lengths)}
-        await self._keep(step, blob)
+        self.blocks[step] = raim5_block(index, [got[i][0] for i in sorted(got)], lengths)
+        for old in sorted(self.blocks)[:-KEEP_BLOCKS]:
+            del self.blocks[old]
+        self.kept = await self._keep(step, blob)
         return sum(len(c) for c in chunks.values())
 
-    async def _keep(self, step: int, blob: bytes) -> None:
+    async def _keep(self, step: int, blob: bytes) -> bool:
         """Hand the snapshot and parity block to this peer's companion (started when the peer joined, or now), so
-        that they survive a crash of this process alone."""
+        that they survive a crash of this process alone; whether it took them. One that cannot (it did not start,
+        or died: it is started again at the next snapshot) does not fail the snapshot, which this peer holds, nor
+        does one still starting after half the coordinator's wait for the snapshot (step_timeout / 2; a start under
+        load, on the first snapshot): a replacement then decodes from parity."""
         self.prepare()
         assert self._starting is not None
-        await self._starting
-        assert self._client is not None  # (the companion started)
-        block = self.blocks[step]
-        store = CompanionStore(step=step, stage=self.hosted.index, holder=block.holder, n=block.n,
-                               lengths=list(block.state_lengths))
-        reply, _ = await self._client.call(companion_id(self.membership.me), store.rpc, to_wire(store),
-                                           [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
-                                            torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)],
-                                           timeout=self.membership.timeouts.step_timeout)
-        reply_of(store.rpc, reply)
+        timeout = self.membership.timeouts.rpc_timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(self._starting), self.membership.timeouts.step_timeout / 2)
+            assert self._client is not None  # (the companion started)
+            block = self.blocks[step]
+            store = CompanionStore(step=step, stage=self.hosted.index, holder=block.holder, n=block.n,
+                                   lengths=list(block.state_lengths))
+            reply, _ = await self._client.call(companion_id(self.membership.me), store.rpc, to_wire(store),
+                                               [torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                                                torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)],
+                                               timeout=timeout)
+            reply_of(store.rpc, reply)
+        except (TransportError, ProtocolError, OSError, asyncio.TimeoutError) as e:
+            log.warning("the snapshot companion did not take the snapshot of step %d (%s): a crash of this process "
+                        "will be decoded from parity", step, str(e)[:200] or type(e).__name__)
+            return False
+        return True
+
+    def settle(self, step: int) -> None:
+        """The newest complete snapshot is of `step` (Snapshots.settle): the parity block of any other is dropped."""
+        if step in self.blocks:
+            self.blocks = {step: self.blocks[step]}
+
+    def rolled_back(self, step: int) -> None:
+        """The run rolled back to `step`: the chunks of rounds from `step` on, taken before the rollback, are of a
+        run abandoned now; so are the parity blocks of later snapshots. (A round of the same step comes again
+        after the rollback, and must wait for its own chunks, not find those of the round before.)"""
+        for s in [s for s in self.chunks if s >= step]:
+            del self.chunks[s]
+        for s in [s for s in self._arrived if s >= step]:
+            del self._arrived[s]
+        for s in [s for s in self.blocks if s > step]:
+            del self.blocks[s]
 
     async def close(self) -> None:
         """This peer leaves: so does its companion (SIGKILL if it does not within 5 s)."""
@@ -137,11 +180,11 @@ class Parity:
     async def on_fetch(self, fetch: ReftFetch, tensors: list, peer) -> tuple[ParityMeta, list]:
         """This peer's snapshot of `step` and its parity block, for a lost member's replacement."""
         step = fetch.step
-        own, block = self.held.get(self.hosted.index), self.blocks.get(step)
-        if own is None or own[0] != step or block is None:
+        own, block = self.own(self.hosted.index, step), self.blocks.get(step)
+        if own is None or block is None:
             raise ProtocolError(f"no snapshot and parity of step {step} here")
         return (ParityMeta(holder=block.holder, n=block.n, lengths=list(block.state_lengths)),
-                [torch.frombuffer(bytearray(own[1]), dtype=torch.uint8),
+                [torch.frombuffer(bytearray(own), dtype=torch.uint8),
                  torch.frombuffer(bytearray(block.parity), dtype=torch.uint8)])
 
     async def take_over(self, source: str, stage: int, step: int) -> int:

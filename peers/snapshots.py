@@ -45,7 +45,11 @@ class Snapshots:
         self.membership, self.hosted, self.steps, self.compute = membership, hosted, steps, compute
         self.streams = streams  # snap: the compressed copies held here, and this stage's mirror
         self.held: dict[int, tuple[int, Any]] = {}  # stage -> (step, serialized full state: a bytes-like object)
-        self.parity = Parity(membership, hosted, self.held, companion_host)  # reft
+        # reft: stage -> this peer's own copy that a newer snapshot round replaced before the coordinator named that
+        # round complete (RUN_STEP's `snapshot_step`, RESTORE): a round left incomplete (a member lost or late
+        # mid-round) leaves the coordinator's ledger at the older copy, which a rollback then restores
+        self.previous: dict[int, tuple[int, Any]] = {}
+        self.parity = Parity(membership, hosted, self.held, self.own, companion_host)  # reft
 
     def steps_held(self) -> dict[int, int]:
         """The step of each snapshot held here, by stage (for a new coordinator)."""
@@ -61,11 +65,14 @@ class Snapshots:
         sent = 0
         if isinstance(keep, KeepStorage):  # the coordinator seals it once every stage has written
             await self.compute.run(storage.write_stage, keep.storage, step, stage, blob)
-        elif isinstance(keep, KeepParity):  # reft: own copy here, a chunk to each group member
+        elif isinstance(keep, KeepParity):  # reft: own copy here (the last complete one kept), a chunk to each member
+            old = self.held.get(stage)
+            if old is not None and old[0] != step:
+                self.previous[stage] = old
             self.held[stage] = (step, blob)
             sent = await self.parity.snapshot(step, blob, keep.group, keep.index)
             return Snapshotted(bytes=len(blob), sent=sent, seconds=time.perf_counter() - t0,
-                               companion=self.parity.companion_addr), []
+                               companion=self.parity.companion_addr if self.parity.kept else None), []
         else:
             assert isinstance(keep, KeepHolders)
             if self.membership.me in keep.peers:  # gemini keeps its own copy (a rollback of a live stage reads it)
@@ -91,15 +98,16 @@ class Snapshots:
         """Hand a held snapshot (snap: a compressed copy) to a replacement."""
         if self.streams is not None and self.streams.holds(fetch.owner, fetch.step):
             return Ok(), [blob_tensor(await self.streams.fetch(fetch.owner, fetch.step))]
-        held = self.held.get(fetch.owner)
-        if held is None or held[0] != fetch.step:
+        blob = self.own(fetch.owner, fetch.step)
+        if blob is None:
+            held = self.held.get(fetch.owner)
             raise ProtocolError(f"no snapshot of stage {fetch.owner} at step {fetch.step} here "
                                 f"(have: {None if held is None else held[0]})")
-        return Ok(), [blob_tensor(held[1])]
+        return Ok(), [blob_tensor(blob)]
 
     async def on_restore(self, restore: Restore, tensors: list, peer) -> tuple[Ok, list]:
         """Roll this live stage back to its copy of `step` (own memory, a holder, storage), or to its initial
-        state."""
+        state. Its own copies of later steps are of a run abandoned now, and dropped (`settle`)."""
         stage = self.hosted.serving().index
         if isinstance(restore.origin, InitialState):
             self.hosted.rolled_back(0.0, 0, await self.compute.run(self.hosted.build, stage))
@@ -108,7 +116,26 @@ class Snapshots:
             omega = await self.compute.run(self.hosted.load_bytes, self.hosted.worker, blob)
             self.hosted.rolled_back(omega, restore.step)
         self.steps.reset()
+        self.settle(restore.step)
+        if self.held.get(stage, (-1,))[0] > restore.step:  # (a round after it, left incomplete)
+            del self.held[stage]
+        self.parity.rolled_back(restore.step)
         return Ok(), []
+
+    def settle(self, step: int) -> None:
+        """The newest complete snapshot is of `step` (the coordinator's ledger, named in RUN_STEP and RESTORE): of
+        this peer's own copies (`previous`, and the newest one) and parity blocks, that of `step` is kept, the
+        other dropped (a newer one's round was left incomplete, or a rollback abandoned it)."""
+        for stage, prev in list(self.previous.items()):
+            del self.previous[stage]
+            if prev[0] == step and self.held.get(stage, (None,))[0] != step:
+                self.held[stage] = prev
+        self.parity.settle(step)
+
+    def own(self, stage: int, step: int) -> Any | None:
+        """This peer's copy of `stage` at `step` (the newest, or the one a round not known complete replaced)."""
+        return next((h[1] for h in (self.held.get(stage), self.previous.get(stage)) if h is not None and h[0] == step),
+                    None)
 
     async def take_held(self, source: str, held: dict[int, int], stage: int) -> int:
         """A handover of `stage`: hold the snapshots the leaving peer `source` holds (`held`: owner stage -> step)
@@ -169,10 +196,12 @@ class Snapshots:
         if isinstance(origin, StorageCopy):
             return storage.read_stage(origin.storage, step, stage)
         if isinstance(origin, OwnCopy) or isinstance(origin, PeerCopy) and origin.peer == self.membership.me:
-            held = self.held.get(stage)
-            if held is None or held[0] != step:
-                raise ProtocolError(f"no own snapshot of stage {stage} at step {step}")
-            return held[1]
+            blob = self.own(stage, step)
+            if blob is None:
+                held = self.held.get(stage)
+                raise ProtocolError(f"no own snapshot of stage {stage} at step {step} "
+                                    f"(have: {None if held is None else held[0]})")
+            return blob
         if not isinstance(origin, PeerCopy):
             raise ProtocolError(f"a copy of kind {type(origin).__struct_config__.tag!r} cannot restore this stage")
         _, (blob,) = await self.membership.call(origin.peer, FetchSnapshot(owner=stage, step=step), self.membership.timeouts.step_timeout)

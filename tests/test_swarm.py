@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from checkfree.recovery import checkfree_average
 from checkfree.rundir import read_jsonl
-from swarmrun import local as _local, simulate as _simulate, trace as _trace
+from swarmrun import events, local as _local, simulate as _simulate, trace as _trace
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -399,32 +399,37 @@ def test_reft_for_real_decodes_lost_members_from_parity(tmp_path, cache):
     assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
 
 
-# slow, and an open bug: under load this run fails in two ways not understood yet (CI at 84bd28e: stage 2 recovered
-# at step 3 beside stage 1, both from init; here at load 4-5, a stage's peer had "no own snapshot of stage 0 at
-# step 2" when the rollback asked for it); it passed alone at load 10. Out of the full tier until the race is found,
-# so that it does not fail CI at random: the parity decoding runs in test_inprocess's reft test (real companions),
-# the companion's keeping in test_inprocess's companion test; the companion serving a crashed training process runs
-# only here
+# slow until it has passed repeatedly under load with fb03715: its two failures under load had one cause, found at
+# 5 CPU burners (load ~8): a REFT_CHUNK lost as the peer adopted its stream with 64 KiB or more already buffered
+# (checkfree.net.framed, fixed in fb03715), so a snapshot round was left incomplete (SNAPSHOT timed out after 90 s):
+# round 2 gave CI's 'stage 2 also recovered at step 3, both from init' (seen here too); round 4 left incomplete
+# explains the rollback's 'no own snapshot of stage 0 at step 2' (inferred, the in-process test reproduces the
+# message; an incomplete round no longer takes the rollback's copies away: 029bd7e; the quick covers are
+# tests/test_reft_rounds.py and tests/test_framed.py). The companion serving a crashed training process runs only here
 @pytest.mark.slow
 def test_reft_restores_a_crashed_training_process_from_its_companion_and_a_dead_peer_from_parity(tmp_path, cache):
     """REFT's two kinds of death, with real processes: at iteration 3 only stage 1's training process is SIGKILLed
     (its snapshot companion lives on): the replacement takes the snapshot and parity block from the companion; at
     iteration 6 stage 2's whole process group is SIGKILLed (companion included): the replacement decodes it from
-    the group's parity. Both roll every stage back as the simulator does; the run ends with the failure-free
-    losses; no companion process outlives the run."""
-    args = ["--steps", "10", "--strategy", "reft", "--snapshot-every", "2"]
+    the group's parity. Both roll every stage back as the simulator does, with its losses; every snapshot round
+    completes; no companion process outlives the run."""
+    args = ["--steps", "7", "--strategy", "reft", "--snapshot-every", "2"]
     proc, out = _local(tmp_path, "reft-crash", *args, "--crash-trace", _trace(tmp_path, [(3, 1)]),
-                       "--trace", _trace(tmp_path, [(6, 2)]), cache=cache, spares=3)
+                       "--trace", _trace(tmp_path, [(6, 2)]), cache=cache, spares=2)  # (a spare for each loss)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _simulate(tmp_path, "sim", *args, "--trace", _trace(tmp_path, [(3, 1), (6, 2)]), cache=cache)
-    _simulate(tmp_path, "clean", *args, cache=cache)
+    rounds = [(e["step"], e["complete"]) for e in events(out, "snapshot")]
+    assert all(complete for _, complete in rounds), (rounds, [line for line in (
+        out / "logs" / "coordinator.log").read_text().splitlines() if "snapshot of step" in line])
+    sim = _simulate(tmp_path, "sim", *args, "--trace", _trace(tmp_path, [(3, 1), (6, 2)]), cache=cache)
     fields = ("step", "stage", "method", "rollback_to", "lost_steps", "source", "restored_from")
     got, want = _recoveries(out, fields), _recoveries(tmp_path / "sim", fields)
     assert [g[:6] for g in got] == [w[:6] for w in want]  # the same plan: decoded from parity
     assert [(g[1], g[6]) for g in got] == [(1, "companion"), (2, None)]  # ...the lost peer's companion served it
-    final = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
-    clean = [m["loss"] for m in read_jsonl(tmp_path / "clean" / "metrics.jsonl")]
-    assert [final[s] for s in range(10)] == pytest.approx(clean, rel=1e-5)
+    # every step's loss as the simulator's, the steps rolled back and run again included; the simulator's REFT ends
+    # with the failure-free run's weights (test_strategies' test_lossless_strategy_matches_failure_free_run)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [m["step"] for m in sim] == [0, 1, 2, 2, 3, 4, 4, 5, 6]
+    assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in sim], rel=1e-5)
     assert not _companions_left(), "a snapshot companion outlived the run"
 
 

@@ -184,8 +184,8 @@ def adopt(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> FramedR
     raw: Any = reader  # (its private attributes)
     held = bytes(raw._buffer)  # noqa: SLF001
     raw._buffer.clear()  # noqa: SLF001
-    if len(held) > len(framed._scratch):
-        framed._scratch = memoryview(bytearray(len(held)))
+    if len(held) >= len(framed._scratch):  # room after them: a full scratch buffer would go to the socket empty
+        framed._scratch = memoryview(bytearray(len(held) + SCRATCH_BYTES))  # ("get_buffer() returned an empty buffer")
     framed.feed(held)
     framed._eof = raw._eof  # noqa: SLF001
     framed._exc = reader.exception()

@@ -53,7 +53,6 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
-from checkfree.net.addresses import learn_addresses
 from checkfree.net.base import Handler
 from checkfree.net.errors import (
     REFUSALS,
@@ -326,6 +325,10 @@ class TcpTransport:
     async def _addresses_of(self, peer: str) -> list[tuple[str, int]]:
         """Known addresses of ``peer``, else what ``address_resolver`` finds (remembered)."""
         if not self._addresses.get(peer) and self.address_resolver is not None:
+            # (imported here: it imports hivemind's DHT, ~1 s of CPU that a process resolving no address, such as
+            # reft's snapshot companion, one per peer, does not pay)
+            from checkfree.net.addresses import learn_addresses
+
             await learn_addresses(self, peer)
         return list(self._addresses.get(peer, ()))
 
