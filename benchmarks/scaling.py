@@ -216,7 +216,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--single-child", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true",
-                   help="tiny shapes and 6 steps, every single-process run in one child: checks the harness, "
+                   help="tiny shapes and 12 steps, every single-process run in one child: checks the harness, "
                         "not a result")
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=24, help="blocks of the model (default 24: divisible by 2,3,4,6,8)")
@@ -241,7 +241,7 @@ def main() -> None:
     if args.quick:
         args.preset, args.layers, args.d_model, args.stages = "tiny", 6, 32, [2, 3]
         args.d_models, args.size_stages, args.size_layers, args.microbatches = [32, 64], 2, 6, 4
-        args.steps, args.size_steps, args.warmup = 6, 6, 2
+        args.steps, args.size_steps, args.warmup = 12, 12, 2
     load0, t0 = os.getloadavg(), time.monotonic()
     print(f"preset={args.preset} M={args.microbatches} steps={args.steps} (size sweep {args.size_steps}) + {args.warmup} "
           f"warm-up, single process at "
