@@ -17,14 +17,16 @@ benchmarks.wan (`small` with d_model 512, 8 heads) as the gradient size (one fla
     id each round, its handlers registered before a barrier): the all-reduce part alone, also a mean
     scaled by N.
 
-Every replica process is started with the spawn context; the processes of one (library, N) are released
+Every replica process is started with the spawn context (`--quick`: forked from one server process that has
+imported torch and hivemind once, a check that it runs that does not import them in each of its 17 processes); the
+processes of one (library, N) are released
 together by a barrier before each round; a round's time is its slowest replica's, and the table gives the
 median over `--reps` rounds after one warm-up round. Also checked for gloo: whether all ranks' results are
 bit-identical (sha256 of the result bytes sent back to the parent), how far they are from a float64
 reference sum, and what the survivors of a group see when one member is SIGKILLed before its allreduce.
 
     python -m benchmarks.collectives            # N = 2, 3, 4; three sizes; 7 reps (about 2-4 minutes)
-    python -m benchmarks.collectives --quick    # N = 2, 3; the small preset's stage only; 3 reps (< 60 s)
+    python -m benchmarks.collectives --quick    # N = 2, 3; the small preset's stage only; 3 reps; forkserver
 
 The last line is `collectives: gloo/hivemind ratio X.XX`: the hivemind averager's median over gloo's at the
 largest size measured, N = 2 (how many times slower the averager is).
@@ -453,7 +455,9 @@ def error_note(c: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="N = 2, 3; the small preset's stage only; 3 reps")
+    p.add_argument("--quick", action="store_true",
+                   help="N = 2, 3; the small preset's stage only; 3 reps; replicas forked from a server that has "
+                        "imported torch and hivemind")
     p.add_argument("--reps", type=int, default=None, help="timed rounds per measurement (default 7, --quick 3)")
     p.add_argument("--replicas", type=int, nargs="+", default=None, help="N values (default 2 3 4, --quick 2 3)")
     p.add_argument("--configs", nargs="+", choices=("tiny", "small", "wide"), default=None,
@@ -469,7 +473,9 @@ def main() -> None:
     names = {v: k for k, v in named.items()}
     print("gradient sizes (one middle stage): " + ", ".join(f"{names[n]} {n:,}" for n in sizes)
           + f"; N = {', '.join(map(str, worlds))}; 1 warm-up + {reps} timed rounds each", flush=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if args.quick else "spawn")
+    if args.quick:
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "hivemind", "benchmarks.collectives"])
     started = time.perf_counter()
 
     def progress(what: str) -> None:

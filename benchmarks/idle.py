@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.swarmmon import Sample, SwarmMonitor
@@ -49,6 +50,12 @@ def _wait(mon: SwarmMonitor, proc: subprocess.Popen, until, timeout: float) -> S
             return mon.samples[-1]
         time.sleep(0.2)
     raise SystemExit(f"timed out after {timeout:g} s waiting for the swarm")
+
+
+def _peers_seen(s: Sample, peers: int) -> bool:
+    """Whether the sample holds `peers` peer processes, each with its DHT process and its p2pd."""
+    counts = Counter(p.role for p in s.procs.values())
+    return all(counts[role] >= peers for role in ("peer", "peer-dht", "peer-p2pd"))
 
 
 def usage(a: Sample, b: Sample) -> dict[int, float]:
@@ -160,9 +167,8 @@ def main() -> None:
         sockets: set[str] = set()
         try:
             with SwarmMonitor(proc.pid, out / "metrics.jsonl", interval=1.0) as mon:
-                _wait(mon, proc, lambda s: s.steps >= args.warmup_steps, 600)
-                time.sleep(2.0)  # every process of the run seen by the monitor's /proc walk
-                a = mon.samples[-1]
+                # trained the warm-up steps, and every peer (the standby too) seen with its DHT process and p2pd
+                a = _wait(mon, proc, lambda s: s.steps >= args.warmup_steps and _peers_seen(s, args.stages + 1), 600)
                 b = _wait(mon, proc, lambda s: s.time - a.time >= args.seconds, args.seconds + 120)
                 sockets |= held_socket_files(set(mon.roles))
                 roles = dict(mon.roles)

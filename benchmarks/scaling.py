@@ -20,7 +20,7 @@ overhead CPU / compute CPU; and, against the first configuration of each sweep, 
 cost grew divided by how much the work grew (> 1: the cost grows faster than the work).
 
     python -m benchmarks.scaling                 # S = 2,3,4,6,8 at small x 24 layers; d = 64..512 at S = 4
-    python -m benchmarks.scaling --quick         # tiny shapes, 1-5 min with load: checks the harness
+    python -m benchmarks.scaling --quick         # tiny shapes, 1-3 min with load: checks the harness
 
 Latest results: see the README's "Benchmarks" section (recorded with the exact command).
 """
@@ -61,13 +61,20 @@ def model_shape(preset_name: str, layers: int, d_model: int, heads: int) -> dict
 
 def single(preset_name: str, shape: dict, microbatches: int, steps: int, warmup: int, threads: int) -> dict:
     """The plain loop in a child process (so that its peak memory is its own)."""
-    spec = json.dumps({"preset": preset_name, "shape": shape, "microbatches": microbatches, "steps": steps,
-                       "warmup": warmup, "threads": threads})
+    return singles(preset_name, [(shape, steps)], microbatches, warmup, threads)[0]
+
+
+def singles(preset_name: str, runs: list[tuple[dict, int]], microbatches: int, warmup: int, threads: int) -> list[dict]:
+    """The plain loop of each (shape, steps) of `runs`, one after the other in one child process; the peak memory
+    of each after the first is the peak since the one before it ended (VmHWM reset), not of a process of its own
+    (--quick: one process start instead of one per configuration)."""
+    spec = json.dumps({"preset": preset_name, "runs": runs, "microbatches": microbatches, "warmup": warmup,
+                       "threads": threads})
     done = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--single-child", spec], capture_output=True,
                           text=True, timeout=3600, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if done.returncode != 0:
         raise RuntimeError(f"single-process run failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(runs):]]
 
 
 def _single_child(spec: str) -> None:
@@ -78,14 +85,23 @@ def _single_child(spec: str) -> None:
 
     s = json.loads(spec)
     torch.set_num_threads(s["threads"])
-    cfg = preset(s["preset"])
-    sh = s["shape"]
-    cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads = sh["layers"], sh["d_model"], sh["heads"]
-    cfg.train.num_microbatches = s["microbatches"]
-    stats: dict = {}
-    t = single_process(cfg, s["steps"], s["warmup"], stats)
-    print(json.dumps({"s_per_step": t, "cpu_s_per_step": stats["cpu_s"],
-                      "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    for i, (sh, steps) in enumerate(s["runs"]):
+        cfg = preset(s["preset"])
+        cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads = sh["layers"], sh["d_model"], sh["heads"]
+        cfg.train.num_microbatches = s["microbatches"]
+        if i > 0:  # the peak from here on (the process's own, ru_maxrss, for the first run)
+            Path("/proc/self/clear_refs").write_text("5")
+        stats: dict = {}
+        t = single_process(cfg, steps, s["warmup"], stats)
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if i == 0 else _vm_hwm_kib()
+        print(json.dumps({"s_per_step": t, "cpu_s_per_step": stats["cpu_s"], "peak_mib": peak_kib / 1024}),
+              flush=True)
+
+
+def _vm_hwm_kib() -> int:
+    """This process's peak resident memory since it started or since the last VmHWM reset, in KiB."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1])
 
 
 def swarm(preset_name: str, shape: dict, stages: int, microbatches: int, steps: int, warmup: int,
@@ -128,9 +144,11 @@ def swarm(preset_name: str, shape: dict, stages: int, microbatches: int, steps: 
 
 
 def measure(preset_name: str, shape: dict, stages: int, microbatches: int, steps: int, warmup: int, threads: int,
-            tmp: Path) -> dict:
+            tmp: Path, one: dict | None = None) -> dict:
+    """One configuration: the single process (`one`: its result, measured already) and the swarm, side by side."""
     tokens = microbatches * shape["tokens_per_microbatch"]
-    one = single(preset_name, shape, microbatches, steps, warmup, threads)
+    if one is None:
+        one = single(preset_name, shape, microbatches, steps, warmup, threads)
     sw = swarm(preset_name, shape, stages, microbatches, steps, warmup, tmp)
     analytic = 2 * (stages - 1) * microbatches * shape["tokens_per_microbatch"] * shape["d_model"] * 4
     row = {"stages": stages, **shape, "microbatches": microbatches, "tokens_per_step": tokens,
@@ -197,7 +215,9 @@ def print_tables(title: str, rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--single-child", help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="tiny shapes and 12 steps: checks the harness, not a result")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes and 12 steps, every single-process run in one child: checks the harness, "
+                        "not a result")
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=24, help="blocks of the model (default 24: divisible by 2,3,4,6,8)")
     p.add_argument("--d-model", type=int, default=96, help="width in the stage sweep")
@@ -227,6 +247,12 @@ def main() -> None:
           f"warm-up, single process at "
           f"{args.threads} threads, 1 thread per peer, cores={os.cpu_count()}, load average {load0[0]:.2f}", flush=True)
     done: dict[tuple, dict] = {}
+    one: dict[tuple, dict] = {}  # --quick: every configuration's single process, measured in one child first
+    if args.quick:
+        todo = {(layers, d): steps for layers, d, steps in [(args.layers, args.d_model, args.steps)] * len(args.stages)
+                + [(args.size_layers, d, args.size_steps) for d in args.d_models]}
+        runs = [(model_shape(args.preset, layers, d, args.heads), steps) for (layers, d), steps in todo.items()]
+        one = dict(zip(todo, singles(args.preset, runs, args.microbatches, args.warmup, args.threads)))
     with tempfile.TemporaryDirectory() as tmp:
 
         def row(stages: int, layers: int, d: int, steps: int) -> dict:
@@ -234,7 +260,7 @@ def main() -> None:
             if key not in done:
                 shape = model_shape(args.preset, layers, d, args.heads)
                 done[key] = measure(args.preset, shape, stages, args.microbatches, steps, args.warmup,
-                                    args.threads, Path(tmp))
+                                    args.threads, Path(tmp), one.get((layers, d)))
             return done[key]
 
         by_stages = [row(s, args.layers, args.d_model, args.steps) for s in args.stages]

@@ -69,104 +69,121 @@ def bench_config(args):
 
 # ---------------------------------------------------------------- torch.distributed.pipelining (spawned ranks)
 
-def torch_rank(rank: int, world: int, port: int, cfg_dict: dict, schedule: str, threads: int, res_q) -> None:
-    """One stage of the torch pipeline; puts {"rank", "times", "cpu", "losses", "threads"} (or "error")."""
+def torch_rank(rank: int, world: int, port: int, cfg_dict: dict, schedules: tuple[str, ...], threads: int,
+               res_q) -> None:
+    """One stage of the torch pipeline, trained afresh under each of `schedules` in turn; puts {"rank", "runs":
+    {schedule: {"times", "cpu", "losses"}}, "threads"} (or "error")."""
     try:
-        res_q.put({"rank": rank, **_torch_rank(rank, world, port, cfg_dict, schedule, threads)})
+        res_q.put({"rank": rank, **_torch_rank(rank, world, port, cfg_dict, schedules, threads)})
     except BaseException:  # noqa: BLE001 - the parent reports it
         res_q.put({"rank": rank, "error": traceback.format_exc()})
 
 
-def _torch_rank(rank: int, world: int, port: int, cfg_dict: dict, schedule: str, threads: int) -> dict:
+def _torch_rank(rank: int, world: int, port: int, cfg_dict: dict, schedules: tuple[str, ...], threads: int) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from checkfree.config import config_from_dict
     from checkfree.data import build_data
-    from checkfree.worker import StageWorker, resolve_device
 
     torch.set_num_threads(threads)
     cfg = config_from_dict(cfg_dict)
-    m = cfg.train.num_microbatches
     store = dist.TCPStore(HOST, port, world, False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     try:
-        # the swarm's stage (same init, groups, clip, Adam) on the swarm's device: `--device` as the peers take it
-        device = resolve_device(cfg.train.device)
-        worker = StageWorker(cfg, rank, device)
-        first, last = rank == 0, rank == world - 1
-
-        class Stage(torch.nn.Module):
-            """The project's PipelineStage with its embed/head flags fixed (torch passes one tensor). On a GPU, gloo
-            carries host tensors (NCCL refuses two ranks on one GPU, gloo's send/recv takes CPU tensors): the stage
-            computes on the device and hands its output back in host memory, as a peer hands it to its transport;
-            the last stage's logits stay on the device for the loss, as on the swarm's last hop."""
-
-            def __init__(self) -> None:
-                super().__init__()
-                self.inner = worker.module
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                with worker._autocast():  # the swarm's --bf16 (logits in bf16 then: float32 as the metadata says)
-                    out = self.inner(x.to(device), embed=first, head=last).float()
-                return out if last else out.to("cpu")
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # StageWorker.forward's loss
-            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.to(logits.device).flatten()) / m
-
-        # shapes given (static metadata): no shape inference over the wire at the first step
-        b, t, c = cfg.train.microbatch_size, cfg.model.context_length, cfg.model.d_model
-        # (requires_grad is part of the metadata: without it the received activations get no gradient)
-        example_in = torch.zeros(b, t, dtype=torch.long) if first else torch.zeros(b, t, c, requires_grad=True)
-        example_out = torch.zeros(b, t, cfg.model.vocab_size if last else c, requires_grad=True)
-        stage = PipelineStage(Stage(), rank, world, torch.device("cpu"), input_args=example_in, output_args=example_out)
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        sched = kind(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)  # (every rank: it also means "train")
         data = build_data(cfg.data, vocab_size=cfg.model.vocab_size, context_length=cfg.model.context_length,
                           seed=cfg.train.seed, microbatch_size=cfg.train.microbatch_size, progress=False) \
-            if first or last else None
-        dist.barrier()
-        times, cpu, losses = [], [], []
-        for step in range(cfg.train.num_steps):
-            batches = [data.batch(step, mb) for mb in range(m)] if data is not None else []
-            if first:
-                sched.step(torch.cat([x for x, _ in batches]))
-            elif last:
-                out: list = []
-                sched.step(target=torch.cat([y for _, y in batches]), losses=out)
-                losses.append(sum(float(v.detach()) for v in out))  # as the swarm's: the microbatches' loss / M, summed
-            else:
-                sched.step()
-            worker.step(step)
-            times.append(time.time())
-            cpu.append(time.process_time())
-        dist.barrier()
-        return {"times": times, "cpu": cpu, "losses": losses,
-                "threads": [torch.get_num_threads(), torch.get_num_interop_threads()]}
+            if rank in (0, world - 1) else None
+        runs = {schedule: _torch_run(rank, world, cfg, schedule, data) for schedule in schedules}
+        return {"runs": runs, "threads": [torch.get_num_threads(), torch.get_num_interop_threads()]}
     finally:
         dist.destroy_process_group()
 
 
+def _torch_run(rank: int, world: int, cfg, schedule: str, data) -> dict:
+    """One rank's training under one schedule, from the stage's initial weights: step end times, CPU, losses."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from checkfree.worker import StageWorker, resolve_device
+
+    m = cfg.train.num_microbatches
+    # the swarm's stage (same init, groups, clip, Adam) on the swarm's device: `--device` as the peers take it
+    device = resolve_device(cfg.train.device)
+    worker = StageWorker(cfg, rank, device)
+    first, last = rank == 0, rank == world - 1
+
+    class Stage(torch.nn.Module):
+        """The project's PipelineStage with its embed/head flags fixed (torch passes one tensor). On a GPU, gloo
+        carries host tensors (NCCL refuses two ranks on one GPU, gloo's send/recv takes CPU tensors): the stage
+        computes on the device and hands its output back in host memory, as a peer hands it to its transport;
+        the last stage's logits stay on the device for the loss, as on the swarm's last hop."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = worker.module
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with worker._autocast():  # the swarm's --bf16 (logits in bf16 then: float32 as the metadata says)
+                out = self.inner(x.to(device), embed=first, head=last).float()
+            return out if last else out.to("cpu")
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # StageWorker.forward's loss
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.to(logits.device).flatten()) / m
+
+    # shapes given (static metadata): no shape inference over the wire at the first step
+    b, t, c = cfg.train.microbatch_size, cfg.model.context_length, cfg.model.d_model
+    # (requires_grad is part of the metadata: without it the received activations get no gradient)
+    example_in = torch.zeros(b, t, dtype=torch.long) if first else torch.zeros(b, t, c, requires_grad=True)
+    example_out = torch.zeros(b, t, cfg.model.vocab_size if last else c, requires_grad=True)
+    stage = PipelineStage(Stage(), rank, world, torch.device("cpu"), input_args=example_in, output_args=example_out)
+    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = kind(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)  # (every rank: it also means "train")
+    dist.barrier()
+    times, cpu, losses = [], [], []
+    for step in range(cfg.train.num_steps):
+        batches = [data.batch(step, mb) for mb in range(m)] if data is not None else []
+        if first:
+            sched.step(torch.cat([x for x, _ in batches]))
+        elif last:
+            out: list = []
+            sched.step(target=torch.cat([y for _, y in batches]), losses=out)
+            losses.append(sum(float(v.detach()) for v in out))  # as the swarm's: the microbatches' loss / M, summed
+        else:
+            sched.step()
+        worker.step(step)
+        times.append(time.time())
+        cpu.append(time.process_time())
+    dist.barrier()
+    return {"times": times, "cpu": cpu, "losses": losses}
+
+
 def run_torch(args, cfg, schedule: str) -> dict:
     """One torch.distributed.pipelining run: per-step end times (rank 0), CPU per step (all ranks), losses."""
+    return run_torch_schedules(args, cfg, (schedule,))[schedule]
+
+
+def run_torch_schedules(args, cfg, schedules: tuple[str, ...]) -> dict[str, dict]:
+    """`run_torch` of each of `schedules`, one after the other in one set of rank processes (each schedule trains
+    from the stages' initial weights): {schedule: its run}."""
     import torch.distributed as dist
 
     ctx = mp.get_context("spawn")
     store = dist.TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
     res_q = ctx.Queue()
-    procs = [ctx.Process(target=torch_rank, args=(r, args.stages, store.port, cfg.to_dict(), schedule,
+    procs = [ctx.Process(target=torch_rank, args=(r, args.stages, store.port, cfg.to_dict(), schedules,
                                                     args.threads_per_peer, res_q), daemon=True)
              for r in range(args.stages)]
     for p in procs:
         p.start()
     STARTED.update(p.pid for p in procs)
-    results, deadline = {}, time.monotonic() + RUN_TIMEOUT_S
+    results, deadline = {}, time.monotonic() + RUN_TIMEOUT_S * len(schedules)
     try:
         while len(results) < len(procs):
             r = res_q.get(timeout=max(1.0, deadline - time.monotonic()))
             if "error" in r:
-                raise RuntimeError(f"torch rank {r['rank']} ({schedule}) failed:\n{r['error']}")
+                raise RuntimeError(f"torch rank {r['rank']} ({', '.join(schedules)}) failed:\n{r['error']}")
             results[r["rank"]] = r
         for p in procs:
             p.join(timeout=60)
@@ -177,9 +194,10 @@ def run_torch(args, cfg, schedule: str) -> dict:
                 p.join()
         del store
     w = args.warmup
-    cpu = sum(_per_step(results[r]["cpu"][w:]) for r in results)
-    return {"period_s": _period(results[0]["times"][w:]), "cpu_s": cpu, "losses": results[args.stages - 1]["losses"],
-            "threads": results[0]["threads"]}
+    return {s: {"period_s": _period(results[0]["runs"][s]["times"][w:]),
+                "cpu_s": sum(_per_step(results[r]["runs"][s]["cpu"][w:]) for r in results),
+                "losses": results[args.stages - 1]["runs"][s]["losses"], "threads": results[0]["threads"]}
+            for s in schedules}
 
 
 # ---------------------------------------------------------------- the swarm (checkfree local)
@@ -250,6 +268,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, help="rounds (default 5; --quick 2)")
     p.add_argument("--threads-per-peer", type=int, default=1, help="torch threads of every rank and peer")
     p.add_argument("--no-hivemind", action="store_true", help="leave out the swarm over the default transport")
+    p.add_argument("--one-torch-launch", action="store_true",
+                   help="run the torch schedules one after the other in one set of rank processes (each from the "
+                        "initial weights), not each in its own: one start-up less per round, for a check that it "
+                        "runs (the second schedule's ranks are warm: not a comparison)")
     p.add_argument("--json", type=Path, help="also write every round's figures here")
     p.add_argument("--quick", action="store_true", help="2 rounds of 8 steps (a check that it runs)")
     args = p.parse_args()
@@ -272,8 +294,11 @@ def main() -> None:
         for r in range(args.rounds):
             res: dict[str, dict] = {}
             for name in (names if r % 2 == 0 else names[::-1]):  # (no path always runs after the same one)
+                if name in res:  # (a torch schedule run with the other: --one-torch-launch)
+                    continue
                 if name.startswith("torch "):
-                    res[name] = run_torch(args, cfg, name.split()[1])
+                    schedules = TORCH_SCHEDULES if args.one_torch_launch else (name.split()[1],)
+                    res.update((f"torch {s}", v) for s, v in run_torch_schedules(args, cfg, schedules).items())
                 else:
                     schedule, transport = swarm_paths[name]
                     res[name] = run_swarm(args, Path(tmp) / f"{name.replace(' ', '-')}-{r}", schedule, transport)

@@ -86,13 +86,20 @@ def rpc_transport(request) -> str:
     return request.param
 
 
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory) -> str:
+    """The session's token cache ($CHECKFREE_CACHE of a test's runs): the BPE is trained and the tokens are written
+    once per session (about 15 s on 2 busy cores), not once per module or test that only reads them."""
+    return str(tmp_path_factory.getbasetemp() / "cache")
+
+
 @pytest.fixture
-def tiny_cfg(tmp_path_factory):
-    """The tiny preset with a shared token cache (the BPE is trained once per session)."""
+def tiny_cfg(session_cache):
+    """The tiny preset with the session's token cache."""
     from checkfree.config import preset
 
     cfg = preset("tiny")
-    cfg.data.cache_dir = str(tmp_path_factory.getbasetemp() / "cache")
+    cfg.data.cache_dir = session_cache
     return cfg
 
 

@@ -212,13 +212,13 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"Chromium is not installed ({CHROMIUM}; Debian: "
                                                           "apt-get install chromium)")
-def test_the_page_shows_a_sigkill_and_its_recovery_without_a_reload(tmp_path, tmp_path_factory):
+def test_the_page_shows_a_sigkill_and_its_recovery_without_a_reload(tmp_path, session_cache):
     """A real `checkfree local` swarm (real processes, a SIGKILL at step 8 by --trace); headless Chromium opens the
     printed dashboard address before the failure and sees the failure and its recovery appear while the page stays
     the same document; every stage's row is rendered; a screenshot is taken (tmp_path/dashboard.png)."""
     from playwright.sync_api import sync_playwright
 
-    env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    env = {**os.environ, "CHECKFREE_CACHE": session_cache}
     args = ["local", "--preset", "tiny", "--steps", "12", "--eval-every", "6", "--out", str(tmp_path / "run"),
             "--no-progress", "--spares", "2", "--trace", trace(tmp_path, [(8, 1)]),
             "--chaos-slow", "3:0.1"]  # (at least 0.8 s a step: time for the page to load before the kill)
@@ -257,10 +257,10 @@ def test_the_page_shows_a_sigkill_and_its_recovery_without_a_reload(tmp_path, tm
 
 
 @pytest.mark.timeout(420)
-def test_the_overhead_benchmark_runs_and_prints_its_side_by_side_ratio(tmp_path, tmp_path_factory):
+def test_the_overhead_benchmark_runs_and_prints_its_side_by_side_ratio(tmp_path, session_cache):
     """benchmarks/dashboard.py --quick: one real `checkfree local` run, polled and idle windows; what it prints
     and writes (structure, never a speed)."""
-    env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    env = {**os.environ, "CHECKFREE_CACHE": session_cache}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.dashboard", "--quick", "--json", str(tmp_path / "r.json")],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -32,8 +32,8 @@ FAST = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--step-timeout", "30", "-
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(session_cache):
+    return session_cache
 
 
 def _env(cache: str) -> dict:
@@ -90,11 +90,12 @@ def test_peers_leave_when_their_coordinator_is_gone_and_leave_nothing_behind(tmp
 def test_sigterm_stops_local_swarm_and_resume_continues_the_same_losses(tmp_path, cache):
     """SIGTERM to `checkfree local` mid-run: the coordinator saves the step it was at, writes
     summary.json (`interrupted`, the true step count) and tells its peers; every process is gone
-    within 15 s. `--resume` then completes the run with the losses of an uninterrupted one."""
+    within 15 s. `--resume` then completes the run with the losses of an uninterrupted one. One spare in each run:
+    the one replacement the run needs (the failure at step 18, after the resume)."""
     out = tmp_path / "run"
     env = _env(cache)
     args = ["--steps", "24", "--eval-every", "0", "--save-every", "5", "--trace", trace(tmp_path, [(18, 2)]), *FAST]
-    launcher = spawn(["local", "--out", str(out), "--no-progress", *args], env)
+    launcher = spawn(["local", "--out", str(out), "--no-progress", "--spares", "1", *args], env)
     try:
         await_line(launcher, "swarm:", 120)
         deadline = time.monotonic() + 180
@@ -115,7 +116,7 @@ def test_sigterm_stops_local_swarm_and_resume_continues_the_same_losses(tmp_path
     saved = sorted(p.name for p in (out / "saves").iterdir())
     assert saved[-1] == f"step-{summary['steps']:08d}"  # the graceful stop saved the step it stopped at
 
-    resumed = spawn(["local", "--resume", str(out), "--no-progress"], env)
+    resumed = spawn(["local", "--resume", str(out), "--no-progress", "--spares", "1"], env)
     try:
         assert resumed.popen.wait(timeout=240) == 0, resumed.tail()
     finally:

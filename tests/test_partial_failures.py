@@ -21,8 +21,8 @@ TIMEOUTS = ["--heartbeat-ttl", "2", "--rpc-timeout", "5", "--join-timeout", "120
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(session_cache):
+    return session_cache
 
 
 def _completed(proc, out) -> dict:
@@ -44,10 +44,10 @@ def _same_losses(out, reference: list[dict]) -> list[dict]:
 def slow_run(tmp_path_factory, cache):
     """One run, two slow peers: stage 1 slow but within every timeout (0.1 s per forward/backward
     from step 1: ~0.8 s a step against step_timeout 10 s), stage 2 slower than step_timeout from
-    step 3 (3 s per forward/backward: ~24 s a step)."""
+    step 3 (3 s per forward/backward: ~24 s a step). One spare: the one replacement the run needs."""
     tmp = tmp_path_factory.mktemp("slow")
     proc, out = local(tmp, "swarm", "--steps", "7", "--eval-every", "0", *TIMEOUTS, "--step-timeout", "10",
-                      "--chaos-slow", "1:0.1@1", "--chaos-slow", "2:3@3", cache=cache)
+                      "--chaos-slow", "1:0.1@1", "--chaos-slow", "2:3@3", spares=1, cache=cache)
     # the reference: the simulator with stage 2 failing at step 3, and nothing else
     ref = simulate(tmp, "sim", "--steps", "7", "--eval-every", "0", "--trace", trace(tmp, [(3, 2)]), cache=cache)
     return proc, out, ref
