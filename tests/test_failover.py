@@ -21,8 +21,8 @@ FAST = ["--heartbeat-ttl", "2", "--rpc-timeout", "10", "--step-timeout", "60", "
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(session_cache):
+    return session_cache
 
 
 def _simulated(tmp_path, cache, *args):

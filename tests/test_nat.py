@@ -29,8 +29,8 @@ NAT_MISSING = NetLab.nat_unavailable()
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(session_cache):
+    return session_cache
 
 
 def _namespaces() -> set[str]:

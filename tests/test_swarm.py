@@ -50,8 +50,8 @@ def _recoveries(out, fields: tuple[str, ...]) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(session_cache):
+    return session_cache
 
 
 # tcp is slow (CI time): tests/test_benchmarks.py's vs-torch test trains tcp swarms (GPipe and 1F1B) whose losses must
