@@ -1064,3 +1064,49 @@ def test_a_handover_skips_a_snapshot_the_leaving_peer_no_longer_has(tiny_cfg):
     finally:
         for d in (source, new):
             d.compute.shutdown(wait=True)
+
+
+def test_a_baft_handover_takes_the_backups_in_flight_from_the_leaving_peer(tiny_cfg):
+    """The peer's side of a BAFT handover: the backup the leaving peer was sending (its own stage's) and the parts
+    of its predecessor's it was assembling come from it (BACKUP_FETCH), kept here in its place: the rest of its
+    own is sent from here, the predecessor's last part completes it here, and BACKUP_COMMIT seals both."""
+    from checkfree.messages import BackupCommit, BackupPart, BackupShare
+    from peers.daemon import PeerDaemon, PeerOptions
+
+    net = MemoryNetwork()
+    source, new, holder = (PeerDaemon(PeerOptions(run_id="r", transport="memory")) for _ in range(3))
+    for d in (source, new, holder):
+        d.membership.transport = MemoryTransport(net)
+        d.hosted.configure(tiny_cfg, None)
+    own, pred = bytes(range(200)) * 5, bytes(reversed(range(200))) * 3  # stage 1's backup, stage 0's
+
+    async def main():
+        for d in (source, new, holder):
+            await d._register()
+        source.hosted.serve(source.hosted.build(1), 0.0, 3)  # the leaving peer serves stage 1 until it has left
+        source.backups.sending = (3, own)
+        await source.backups.on_backup_part(BackupPart(owner=0, step=3, offset=0, total=len(pred)),
+                                            [torch.frombuffer(bytearray(pred[:250]), dtype=torch.uint8)], None)
+        source.backups.assembling[2] = (2, bytearray(10), {0: 10})  # a backup of another step: not in flight
+        moved = await new.backups.take_over(source.membership.me, 3)
+        assert moved == len(own) + len(pred)
+        assert new.backups.sending == (3, own) and set(new.backups.assembling) == {0}
+        new.hosted.serve(new.hosted.build(1), 0.0, 3)
+        holder.hosted.serve(holder.hosted.build(2), 0.0, 3)
+        await new.backups.on_backup_part(BackupPart(owner=0, step=3, offset=250, total=len(pred)),
+                                         [torch.frombuffer(bytearray(pred[250:]), dtype=torch.uint8)], None)
+        share = BackupShare(step=3, part=0, holders={1: holder.membership.me}, holder_stages={1: 2},
+                            bounds={1: (0.0, 1.0)})
+        await new.backups.send_part(share)
+        assert (await new.backups.on_backup_commit(BackupCommit(step=3), [], None))[0].held == [0, 1]
+        assert (await holder.backups.on_backup_commit(BackupCommit(step=3), [], None))[0].held == [1]
+        assert bytes(new.snapshots.held[0][1]) == pred and bytes(new.snapshots.held[1][1]) == own
+        assert bytes(holder.snapshots.held[1][1]) == own
+        # a leaving peer with nothing in flight at that step: nothing taken, the handover goes on
+        assert await holder.backups.take_over(source.membership.me, 5) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        for d in (source, new, holder):
+            d.compute.shutdown(wait=True)
