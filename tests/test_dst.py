@@ -836,6 +836,19 @@ def test_a_neighbours_replica_cut_off_as_a_group_dies_is_a_lost_replica(tmp_path
     _holds(_recorded_schedule("checkfree-groups-group-lost-neighbour-replica-partitioned"), tmp_path, cache)
 
 
+def test_a_baft_handover_takes_the_backup_in_flight_along(tmp_path, cache):
+    """Found by dst (seed 20261129, schedule #20, in every replay; issue 37): BAFT, stage 0's peer SIGTERMed at
+    iteration 0 hands its stage over while the backup taken after step 0 is in flight; stage 0 is killed at
+    iteration 2. The leaving peer took the backup it was sending with it, and the coordinator still named it in
+    the backup's place: the backup never sealed, and the rollback went to the initial state where the simulator,
+    where a leave loses nothing, rolls back to the backup (steps recorded: swarm [0, 1, 0, 0, 1, 2, 3], simulator
+    [0, 1, 1, 1, 2, 3]). The new peer now takes the leaving peer's backups in flight (BACKUP_FETCH) and is noted
+    in its place. The quick covers: `test_a_baft_handover_takes_the_backups_in_flight_from_the_leaving_peer`
+    (below) and, in tests/test_coordinator_parts.py,
+    `test_a_baft_handover_puts_the_new_peer_in_the_leaving_ones_place_in_the_backup_in_flight`."""
+    _holds(_recorded_schedule("baft-handover-backup-in-flight"), tmp_path, cache)
+
+
 @pytest.mark.slow
 def test_a_takeover_keeps_the_peer_assigned_last_not_a_partitioned_one_back(tmp_path, cache):
     """Found by dst (seed 7, divergence #3; issue 37, 4 replays in 4): reft, stage 4's peer partitioned and replaced
