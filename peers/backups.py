@@ -119,14 +119,14 @@ class Backups:
         """This leaving peer's backups of `step` still in flight: its own (the first tensor, if `sending`), then
         each predecessor's being assembled here, with the parts that arrived."""
         out, assembling = [], []
-        sending = self.sending is not None and self.sending[0] == fetch.step
-        if self.sending is not None and sending:
-            out.append(blob_tensor(self.sending[1]))
+        own = self.sending if self.sending is not None and self.sending[0] == fetch.step else None
+        if own is not None:
+            out.append(blob_tensor(own[1]))
         for owner, (step, buf, parts) in sorted(self.assembling.items()):
             if step == fetch.step:
                 assembling.append(BackupAssembly(owner=owner, total=len(buf), parts=dict(parts)))
                 out.append(blob_tensor(buf))
-        return BackupsInFlight(sending=sending, assembling=assembling), out
+        return BackupsInFlight(sending=own is not None, assembling=assembling), out
 
     async def take_over(self, source: str, step: int) -> int:
         """A handover: the leaving peer's (`source`) backups of `step` in flight, kept here in its place (the
