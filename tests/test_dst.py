@@ -849,6 +849,17 @@ def test_a_baft_handover_takes_the_backup_in_flight_along(tmp_path, cache):
     _holds(_recorded_schedule("baft-handover-backup-in-flight"), tmp_path, cache)
 
 
+def test_a_baft_handover_of_a_backup_holder_takes_the_backup_it_was_to_receive_along(tmp_path, cache):
+    """The holder's side of the class above (written, not generated): stage 1's peer, the holder of stage 0's
+    backup, SIGTERMed at iteration 0 while the backup taken after step 0 is in flight, stage 0 killed at iteration
+    2. Without the fix stage 0's parts went to the peer that had left, the backup never sealed, and the rollback
+    went to the initial state (steps recorded: swarm [0, 1, 0, 1, 2, 3], simulator [0, 1, 1, 2, 3], at 562e2b5);
+    now the coordinator sends them to the new peer, which restores stage 0 from it."""
+    schedule = Schedule(Setup(strategy="baft", stages=3, steps=4),
+                        (Fault(Kind.SIGTERM, 0, stage=1), Fault(Kind.KILL_BEFORE_STEP, 2, stage=0)))
+    _holds(schedule, tmp_path, cache)
+
+
 @pytest.mark.slow
 def test_a_takeover_keeps_the_peer_assigned_last_not_a_partitioned_one_back(tmp_path, cache):
     """Found by dst (seed 7, divergence #3; issue 37, 4 replays in 4): reft, stage 4's peer partitioned and replaced
