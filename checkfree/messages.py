@@ -37,8 +37,9 @@ __all__ = ["Message", "Request", "Envelope", "BadReply", "Ok", "StepFigures", "P
            "Committed", "SoftErrors", "Abort", "Reroute", "Rerouted", "Reduce", "Reduced", "GetWeights", "Weights",
            "GetState", "State", "KeepHolders", "KeepParity", "KeepStorage", "Keep", "Snapshot", "Snapshotted",
            "StoreSnapshot", "Stored", "FetchSnapshot", "Restore", "TakeReplica", "ReplicaTaken", "ReplicaGrad",
-           "GetReplica", "BackupStart", "BackupTaken", "BackupPart", "BackupCommit", "BackupsHeld", "ReftChunk",
-           "ReftFetch", "ParityMeta", "CompanionStore", "CompanionFetch", "CompanionStop", "Ping", "Pong",
+           "GetReplica", "BackupStart", "BackupTaken", "BackupPart", "BackupCommit", "BackupsHeld", "BackupFetch",
+           "BackupAssembly", "BackupsInFlight", "ReftChunk", "ReftFetch", "ParityMeta", "CompanionStore",
+           "CompanionFetch", "CompanionStop", "Ping", "Pong",
            "Shutdown", "Ready", "LastCommit", "Adopt", "Adopted", "Join", "Joined", "Report", "Leave", "Left",
            "Status", "RunStatus", "Follow", "Following", "REQUESTS", "REPLIES", "reply_type", "to_wire", "as_record", "from_wire", "reply_of",
            "reply_to",
@@ -165,11 +166,13 @@ class AssignRestore(Assign, frozen=True, tag="restore", kw_only=True):
 class AssignHandover(Assign, frozen=True, tag="handover", kw_only=True):
     """A leaving peer's (`source`) exact state, and the in-memory snapshots it holds (`held`: owner stage -> step,
     fetched from it with FETCH_SNAPSHOT; under ReFT its own, with its parity block, with REFT_FETCH): the new peer
-    holds them in its place."""
+    holds them in its place. Under BAFT, `backup`: the step of the backup in flight, whose parts the leaving peer
+    was sending and assembling (BACKUP_FETCH): the new peer sends and assembles the rest in its place."""
 
     source: str
     step: int
     held: dict[int, int] = {}
+    backup: int | None = None
 
 
 class AssignPromote(Assign, frozen=True, tag="promote", kw_only=True):
@@ -492,6 +495,29 @@ class BackupsHeld(Message, frozen=True, kw_only=True):
     held: list[int] = []
 
 
+class BackupFetch(Request["BackupsInFlight"], frozen=True, kw_only=True):
+    """A handover: the leaving peer's backups of `step` still in flight, for the peer its stage is handed to."""
+
+    rpc = RPC.BACKUP_FETCH
+    step: int
+
+
+class BackupAssembly(Message, frozen=True, kw_only=True):
+    """A predecessor's backup being assembled: `total` bytes, the parts that arrived (offset -> length)."""
+
+    owner: int
+    total: int
+    parts: dict[int, int] = {}
+
+
+class BackupsInFlight(Message, frozen=True, kw_only=True):
+    """BACKUP_FETCH's reply: the tensors are this stage's backup being sent (if `sending`), then the buffer of each
+    of `assembling`, in order."""
+
+    sending: bool = False
+    assembling: list[BackupAssembly] = []
+
+
 # ---- REFT's parity ------------------------------------------------------------------------------------
 class ReftChunk(Request[Ok], frozen=True, kw_only=True):
     rpc = RPC.REFT_CHUNK
@@ -662,8 +688,8 @@ REQUESTS: dict[str, Any] = {
     RPC.ASSIGN: AssignRequest, **{c.rpc: c for c in (
         RunStep, Forward, Backward, GetPass, ComponentGrad, Commit, Abort, Reroute, Reduce, GetWeights, GetState,
         Snapshot, StoreSnapshot, FetchSnapshot, Restore, TakeReplica, ReplicaGrad, GetReplica, BackupStart,
-        BackupPart, BackupCommit, CopyChunk, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report, Leave, Status,
-        Follow)}}
+        BackupPart, BackupCommit, BackupFetch, CopyChunk, ReftChunk, ReftFetch, Ping, Shutdown, Adopt, Join, Report,
+        Leave, Status, Follow)}}
 
 
 def reply_type(kind: Any) -> type:

@@ -77,6 +77,7 @@ class RPC:
     BACKUP_START = "cf.backup_start"  # baft: take a backup as of `step`, to be sent in the next steps' bubbles
     BACKUP_PART = "cf.backup_part"  # baft: a part of the predecessor's backup, sent in a bubble
     BACKUP_COMMIT = "cf.backup_commit"  # baft: the backup of `step` is complete where every part arrived
+    BACKUP_FETCH = "cf.backup_fetch"  # baft: a leaving peer's backups in flight, for the peer its stage is handed to
     COPY_PART = "cf.copy_part"  # snap: a part of the update of a neighbour's compressed copy, streamed in a step
     REFT_CHUNK = "cf.reft_chunk"  # reft: a chunk of a group member's snapshot, for this peer's parity block
     REFT_FETCH = "cf.reft_fetch"  # reft: this peer's snapshot and parity block, to decode a lost member

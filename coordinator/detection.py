@@ -145,6 +145,7 @@ class Detector:
         try:
             reply, _ = await self.rpc.call(new, AssignHandover(stage=stage, source=pid, step=step,
                                                                held=self.protection.held_by(stage),
+                                                               backup=self.protection.backup_in_flight(step),
                                                                epoch=self.table.next_epoch()),
                                            timeout=self.timeouts.step_timeout)
         except CALL_ERRORS as e:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from checkfree.config import RunConfig
-from checkfree.plans import (BackupSeal, BackupStart, Checkpoint, Copies, ParitySnapshot, Protect, RecoveryPlan,
-                             RefreshReplicas, Snapshot, StreamSent, StreamStep, TakeReplicas)
+from checkfree.plans import (BackupPart, BackupSeal, BackupStart, Checkpoint, Copies, ParitySnapshot, Protect,
+                             RecoveryPlan, RefreshReplicas, Snapshot, StreamSent, StreamStep, TakeReplicas)
 from checkfree import messages as msg
 from checkfree.messages import (BackupCommit, BackupShare, Committed, CopyWork, Keep, KeepHolders, KeepParity,
                                 KeepStorage, Snapshotted, TakeReplica)
@@ -76,13 +76,24 @@ class Protection:
             return {}
         return {owner: self.copies.step for owner, holders in sorted(self.copies.held.items()) if stage in holders}
 
+    def backup_in_flight(self, step: int) -> int | None:
+        """baft: the step of the backup whose parts are still to travel, from step `step` on (None: none), which a
+        handover takes along (AssignHandover.backup: the leaving peer's parts in flight, sent and assembled)."""
+        part = self.strategy.in_step(step)
+        return part.step if isinstance(part, BackupPart) and self._backup_peers else None
+
     async def handed_over(self, stages: set[int], step: int) -> None:
         """The peers of `stages` handed their state over and left. The snapshots they held went to the new peers
         with their state (the ledger keeps them; under ReFT the new peer's companion gets its copy at the next
-        snapshot, and the old one's left with it); the new peers take what the strategy says they must (redundant
-        computation: the replica the leaving peer held)."""
+        snapshot, and the old one's left with it), and so did BAFT's backup in flight (the new peers are noted in
+        the leaving ones' place); the new peers take what the strategy says they must (redundant computation: the
+        replica the leaving peer held)."""
         for stage in stages:
             self.replaced(stage)
+        # baft: the new peers send and assemble the backup in flight in the leaving ones' place (AssignHandover.backup)
+        moved = {self._backup_peers[s][0]: self.table.peer(s) for s in stages if s in self._backup_peers}
+        self._backup_peers = {s: (moved.get(own, own), moved.get(holder, holder))
+                              for s, (own, holder) in self._backup_peers.items()}
         if self.strategy.copy_format is not None:  # snap: the copies the leaving peers held are streamed again
             self.copies.lose(stages)
         for item in self.strategy.protection_after_handover(tuple(sorted(stages))):

@@ -7,7 +7,8 @@ The modes of an assignment:
 * `restore`: take the lost stage's snapshot (rollback strategies; peers.snapshots); with `edges`, its
   embedding / head from their live co-holders, and with `serve_step`, serve from that step on
   (checkfree+snap: a lone stage restored, nobody rolls back).
-* `handover`: take a leaving peer's exact state (peers.rebuild).
+* `handover`: take a leaving peer's exact state (peers.rebuild), and the copies it held (peers.snapshots; baft:
+  its backups in flight, peers.backups).
 * `promote`: take the lost stage's replica from its predecessor (`source`; redundant computation).
 * `replica`: join a stage group: a live replica's (`source`) exact state, as a handover.
 
@@ -29,6 +30,7 @@ from typing import Any
 from checkfree.messages import (AssignHandover, AssignLoad, AssignPromote, AssignRecover, AssignReplica,
                                 AssignRequest, AssignRestore, Assigned)
 from checkfree.protocol import ProtocolError
+from peers.backups import Backups
 from peers.checks import check_blob
 from peers.compute import ComputeQueue
 from peers.debug import Dumps
@@ -45,8 +47,10 @@ class Assignment:
     """Makes this standby peer serve the stage the coordinator assigns it."""
 
     def __init__(self, hosted: HostedStage, compute: ComputeQueue, rebuild: Rebuild, snapshots: Snapshots,
-                 dumps: Dumps, release: Callable[[], Awaitable[None]] | None = None) -> None:
+                 dumps: Dumps, release: Callable[[], Awaitable[None]] | None = None,
+                 backups: Backups | None = None) -> None:
         self.hosted, self.compute, self.rebuild, self.snapshots, self.dumps = hosted, compute, rebuild, snapshots, dumps
+        self.backups = backups  # baft: a handover takes the leaving peer's backups in flight
         self.release = release  # lets this peer's stage go (a stage group's replica moved to rebuild a lost stage)
         # how long an ASSIGN waits for this peer's JOIN reply (see HostedStage.joining)
         self.timeout = rebuild.membership.timeouts.rpc_timeout
@@ -85,6 +89,8 @@ class Assignment:
             figures = await self.rebuild.take_handover(worker, assign)
             if isinstance(assign, AssignHandover) and assign.held:  # the snapshots the leaving peer held
                 figures["bytes"] += await self.snapshots.take_held(assign.source, assign.held, stage)
+            if isinstance(assign, AssignHandover) and assign.backup is not None and self.backups is not None:
+                figures["bytes"] += await self.backups.take_over(assign.source, assign.backup)
         self.hosted.serve(worker, figures.pop("omega", 0.0), step, assign.epoch)
         log.info("serving stage %d (%s)", stage, type(assign).__struct_config__.tag)
         return Assigned(stage=stage, assign_s=time.perf_counter() - t0, **figures), []

@@ -6,6 +6,11 @@ run decides the timing. The coordinator names the part and its share of the back
 `checkfree.strategies.baft`). The holder assembles the parts (BACKUP_PART); at BACKUP_COMMIT a backup every part
 of which arrived becomes the holder's copy and the owner's own, in `Snapshots.held`, from where a rollback
 restores it (RESTORE, FETCH_SNAPSHOT) as gemini's snapshots.
+
+A peer that leaves (a handover) hands its backups in flight to the peer its stage goes to (BACKUP_FETCH, asked by
+that peer with the backup's step named in its ASSIGN): this stage's backup being sent, and the parts of its
+predecessors' that arrived here. The new peer sends and assembles the rest in its place, so the backup seals as
+if nobody had left (the coordinator names the new peer in the leaving one's place: coordinator/protection.py).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import logging
 
 from checkfree.net.transport import TransportError
-from checkfree.messages import (BackupCommit, BackupPart, BackupShare, BackupsHeld, BackupStart, BackupTaken, Ok)
+from checkfree.messages import (BackupAssembly, BackupCommit, BackupFetch, BackupPart, BackupShare, BackupsHeld,
+                                BackupsInFlight, BackupStart, BackupTaken, Ok)
 from checkfree.protocol import ProtocolError
 from checkfree.serialize import blob_tensor, state_to_bytes
 from checkfree.strategies.state import capture_worker, unit_nbytes
@@ -107,3 +113,41 @@ class Backups:
                 del self.assembling[owner]
                 held.append(owner)
         return BackupsHeld(held=sorted(held)), []
+
+    # ---- a handover: the backups in flight go to the new peer ------------------------------------
+    async def on_backup_fetch(self, fetch: BackupFetch, tensors: list, peer) -> tuple[BackupsInFlight, list]:
+        """This leaving peer's backups of `step` still in flight: its own (the first tensor, if `sending`), then
+        each predecessor's being assembled here, with the parts that arrived."""
+        out, assembling = [], []
+        own = self.sending if self.sending is not None and self.sending[0] == fetch.step else None
+        if own is not None:
+            out.append(blob_tensor(own[1]))
+        for owner, (step, buf, parts) in sorted(self.assembling.items()):
+            if step == fetch.step:
+                assembling.append(BackupAssembly(owner=owner, total=len(buf), parts=dict(parts)))
+                out.append(blob_tensor(buf))
+        return BackupsInFlight(sending=own is not None, assembling=assembling), out
+
+    async def take_over(self, source: str, step: int) -> int:
+        """A handover: the leaving peer's (`source`) backups of `step` in flight, kept here in its place (the
+        parts still to send go from here, those still to come arrive here); the bytes moved. None there (it
+        never took the backup): nothing taken, the backup does not seal and the coordinator keeps the last one."""
+        meta, ts = await self.membership.call(source, BackupFetch(step=step), self.membership.timeouts.step_timeout)
+        if len(ts) != int(meta.sending) + len(meta.assembling):
+            raise ProtocolError(f"BACKUP_FETCH reply carries {len(ts)} tensors for "
+                                f"{int(meta.sending) + len(meta.assembling)} backups")
+        cfg, moved = self.hosted.joined(), 0
+        if meta.sending:
+            blob = bytes(check_blob(ts[:1], "a backup in flight"))
+            self.sending, moved = (step, blob), len(blob)
+        for a, t in zip(meta.assembling, ts[int(meta.sending):]):
+            buf = bytearray(check_blob([t], "a backup being assembled"))
+            if not 0 <= a.owner < cfg.num_stages or len(buf) != a.total or \
+                    any(n < 0 or not 0 <= o <= a.total - n for o, n in a.parts.items()):
+                raise ProtocolError(f"backup of stage {a.owner} being assembled: {a.total} bytes, {len(buf)} sent, "
+                                    f"parts {sorted(a.parts.items())!r:.200}")
+            self.assembling[a.owner] = (step, buf, dict(a.parts))
+            moved += len(buf)
+        if not meta.sending and not meta.assembling:
+            log.warning("handover from %s: no backup of step %d in flight there", source, step)
+        return moved

@@ -83,6 +83,7 @@ _ACCESS: dict[str, tuple[Access, str]] = {  # who may send each RPC, and what it
     RPC.GET_REPLICA: (Access.MEMBER, ""),
     RPC.TAKE_REPLICA: (Access.COORDINATOR, "order a replica"),
     RPC.BACKUP_PART: (Access.MEMBER, ""),
+    RPC.BACKUP_FETCH: (Access.MEMBER, ""),
     RPC.COPY_PART: (Access.MEMBER, ""),
     RPC.REFT_CHUNK: (Access.MEMBER, ""),
     RPC.REFT_FETCH: (Access.MEMBER, ""),

@@ -17,7 +17,8 @@ This module is the supervision only; each RPC is served by the part that owns it
     peers/rebuild.py          GET_WEIGHTS, GET_STATE served; a replacement's pulls and rebuild
     peers/snapshots.py        SNAPSHOT, STORE_SNAPSHOT, FETCH_SNAPSHOT, RESTORE (rollback strategies)
     peers/reft_parity.py      REFT_CHUNK, REFT_FETCH: reft's parity blocks and the decode of a lost member
-    peers/backups.py          BACKUP_START, BACKUP_PART, BACKUP_COMMIT: BAFT's backups sent in the bubbles
+    peers/backups.py          BACKUP_START, BACKUP_PART, BACKUP_COMMIT, BACKUP_FETCH: BAFT's backups sent in the
+                              bubbles, and handed over with a stage
     peers/streamed_copies.py  COPY_PART: snap's compressed copies, streamed in parts inside the steps
     peers/replicas.py         TAKE_REPLICA, REPLICA_GRAD, GET_REPLICA: redundant computation's successor replica
     peers/replica_group.py    REROUTE, GET_PASS, REDUCE: one replica of a stage group
@@ -132,7 +133,7 @@ class PeerDaemon:
         self.rebuild = Rebuild(self.membership, self.hosted, self.compute, self.dumps, hook)
         self.group = StageGroup(self.membership, self.hosted, self.steps, self.compute, self.passes, hook)
         self.assignment = Assignment(self.hosted, self.compute, self.rebuild, self.snapshots, self.dumps,
-                                     self._release)
+                                     self._release, self.backups)
         self.failover = Failover(self.membership, self.hosted, self.steps, self.snapshots)
 
     def handlers(self) -> dict[str, Handler]:
@@ -149,7 +150,7 @@ class PeerDaemon:
             RPC.TAKE_REPLICA: self.replicas.on_take_replica, RPC.REPLICA_GRAD: self.replicas.on_replica_grad,
             RPC.GET_REPLICA: self.replicas.on_get_replica,
             RPC.BACKUP_START: self.backups.on_backup_start, RPC.BACKUP_PART: self.backups.on_backup_part,
-            RPC.BACKUP_COMMIT: self.backups.on_backup_commit,
+            RPC.BACKUP_COMMIT: self.backups.on_backup_commit, RPC.BACKUP_FETCH: self.backups.on_backup_fetch,
             RPC.COPY_PART: self.streams.on_copy_part,
             RPC.REFT_CHUNK: self.snapshots.parity.on_chunk, RPC.REFT_FETCH: self.snapshots.parity.on_fetch,
             RPC.REROUTE: self.group.on_reroute, RPC.GET_PASS: self.group.on_get_pass,

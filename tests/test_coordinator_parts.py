@@ -46,7 +46,7 @@ class Peers:
             t = MemoryTransport(MEMORY)
             self.ids.append(t.peer_id)
             for name in (RPC.PING, RPC.ASSIGN, RPC.RESTORE, RPC.SNAPSHOT, RPC.RUN_STEP, RPC.COMMIT, RPC.ABORT,
-                         RPC.SHUTDOWN, RPC.TAKE_REPLICA, RPC.ADOPT):
+                         RPC.SHUTDOWN, RPC.TAKE_REPLICA, RPC.ADOPT, RPC.BACKUP_START, RPC.BACKUP_COMMIT):
                 asyncio.get_running_loop().create_task(t.register(name, self._handler(t.peer_id, name)))
 
     def _handler(self, pid: str, name: str):
@@ -334,6 +334,48 @@ def test_protection_counts_a_snapshot_only_once_every_stage_took_it(tiny_cfg, tm
         assert protection.lost(set()).holders(0) == [0, 1]
         assert [h["keep"]["peers"] for p, h in peers.sent(RPC.SNAPSHOT) if p == peers.ids[2]][-1] == peers.ids[2:]
         assert protection.lost({1}).holders(0) == [0]  # the copies a lost peer held are gone with it
+        await rpc.stop()
+    asyncio.run(main())
+
+
+def test_a_baft_handover_puts_the_new_peer_in_the_leaving_ones_place_in_the_backup_in_flight(tiny_cfg, tmp_path):
+    """BAFT, stage 1's peer handed over while a backup is in flight (the class of dst's
+    baft-handover-backup-in-flight): the handover names the backup's step (the new peer takes the leaving peer's
+    parts, peers/backups.py), the next steps' bubbles send stage 1's share from the new peer and stage 0's to it,
+    and the seal counts the new peer's copies: the backup seals, as if nobody had left."""
+    from checkfree.plans import BackupSeal
+
+    cfg = _cfg(tiny_cfg, "baft")
+    n = cfg.num_stages
+
+    async def main():
+        opts, rpc, table, out, members = await _parts(tmp_path, cfg)
+        strategy = build_strategy(cfg)
+        peers = Peers(n + 1, lambda pid, name, h: {"bytes": 1000, "units": [400, 600]} if name == RPC.BACKUP_START
+                      else {"held": holds[pid]} if name == RPC.BACKUP_COMMIT else {"ok": True})
+        for s in range(n):
+            table.assign(s, peers.ids[s])
+        protection = Protection(cfg, opts, strategy, rpc, table, out)
+        for item in strategy.protection_due(0):  # the backup as of step 1 starts
+            await protection.protect_item(item, 1)
+        assert protection.backup_in_flight(1) == 1
+        new = peers.ids[n]
+        table.assign(1, new)  # (coordinator/detection.py: the handover to `new` went through)
+        await protection.handed_over({1}, 1)
+        # each peer holds its own stage's backup and those it is the holder of
+        holds = {table.peer(h): sorted({h} | {s for s in range(n) if strategy.holder(s) == h}) for h in range(n)}
+        holds[peers.ids[1]] = []  # the peer that left holds nothing any more
+        step, sealed = 1, []
+        while not sealed:
+            share = protection.in_step(step)["backup"]
+            assert share.holders == {s: table.peer(strategy.holder(s)) for s in range(n)}
+            items = strategy.protection_due(step)
+            sealed = [i for i in items if isinstance(i, BackupSeal)]
+            for item in sealed:
+                await protection.protect_item(item, step + 1)
+            step += 1
+        assert protection.lost(set()).step == 1
+        assert {p for p, _ in peers.sent(RPC.BACKUP_COMMIT)} == set(table.primaries().values())
         await rpc.stop()
     asyncio.run(main())
 

@@ -836,6 +836,30 @@ def test_a_neighbours_replica_cut_off_as_a_group_dies_is_a_lost_replica(tmp_path
     _holds(_recorded_schedule("checkfree-groups-group-lost-neighbour-replica-partitioned"), tmp_path, cache)
 
 
+def test_a_baft_handover_takes_the_backup_in_flight_along(tmp_path, cache):
+    """Found by dst (seed 20261129, schedule #20, in every replay; issue 37): BAFT, stage 0's peer SIGTERMed at
+    iteration 0 hands its stage over while the backup taken after step 0 is in flight; stage 0 is killed at
+    iteration 2. The leaving peer took the backup it was sending with it, and the coordinator still named it in
+    the backup's place: the backup never sealed, and the rollback went to the initial state where the simulator,
+    where a leave loses nothing, rolls back to the backup (steps recorded: swarm [0, 1, 0, 0, 1, 2, 3], simulator
+    [0, 1, 1, 1, 2, 3]). The new peer now takes the leaving peer's backups in flight (BACKUP_FETCH) and is noted
+    in its place. The quick covers: `test_a_baft_handover_takes_the_backups_in_flight_from_the_leaving_peer`
+    (below) and, in tests/test_coordinator_parts.py,
+    `test_a_baft_handover_puts_the_new_peer_in_the_leaving_ones_place_in_the_backup_in_flight`."""
+    _holds(_recorded_schedule("baft-handover-backup-in-flight"), tmp_path, cache)
+
+
+def test_a_baft_handover_of_a_backup_holder_takes_the_backup_it_was_to_receive_along(tmp_path, cache):
+    """The holder's side of the class above (written, not generated): stage 1's peer, the holder of stage 0's
+    backup, SIGTERMed at iteration 0 while the backup taken after step 0 is in flight, stage 0 killed at iteration
+    2. Without the fix stage 0's parts went to the peer that had left, the backup never sealed, and the rollback
+    went to the initial state (steps recorded: swarm [0, 1, 0, 1, 2, 3], simulator [0, 1, 1, 2, 3], at 562e2b5);
+    now the coordinator sends them to the new peer, which restores stage 0 from it."""
+    schedule = Schedule(Setup(strategy="baft", stages=3, steps=4),
+                        (Fault(Kind.SIGTERM, 0, stage=1), Fault(Kind.KILL_BEFORE_STEP, 2, stage=0)))
+    _holds(schedule, tmp_path, cache)
+
+
 @pytest.mark.slow
 def test_a_takeover_keeps_the_peer_assigned_last_not_a_partitioned_one_back(tmp_path, cache):
     """Found by dst (seed 7, divergence #3; issue 37, 4 replays in 4): reft, stage 4's peer partitioned and replaced
@@ -1063,4 +1087,50 @@ def test_a_handover_skips_a_snapshot_the_leaving_peer_no_longer_has(tiny_cfg):
         asyncio.run(main())
     finally:
         for d in (source, new):
+            d.compute.shutdown(wait=True)
+
+
+def test_a_baft_handover_takes_the_backups_in_flight_from_the_leaving_peer(tiny_cfg):
+    """The peer's side of a BAFT handover: the backup the leaving peer was sending (its own stage's) and the parts
+    of its predecessor's it was assembling come from it (BACKUP_FETCH), kept here in its place: the rest of its
+    own is sent from here, the predecessor's last part completes it here, and BACKUP_COMMIT seals both."""
+    from checkfree.messages import BackupCommit, BackupPart, BackupShare
+    from peers.daemon import PeerDaemon, PeerOptions
+
+    net = MemoryNetwork()
+    source, new, holder = (PeerDaemon(PeerOptions(run_id="r", transport="memory")) for _ in range(3))
+    for d in (source, new, holder):
+        d.membership.transport = MemoryTransport(net)
+        d.hosted.configure(tiny_cfg, None)
+    own, pred = bytes(range(200)) * 5, bytes(reversed(range(200))) * 3  # stage 1's backup, stage 0's
+
+    async def main():
+        for d in (source, new, holder):
+            await d._register()
+        source.hosted.serve(source.hosted.build(1), 0.0, 3)  # the leaving peer serves stage 1 until it has left
+        source.backups.sending = (3, own)
+        await source.backups.on_backup_part(BackupPart(owner=0, step=3, offset=0, total=len(pred)),
+                                            [torch.frombuffer(bytearray(pred[:250]), dtype=torch.uint8)], None)
+        source.backups.assembling[2] = (2, bytearray(10), {0: 10})  # a backup of another step: not in flight
+        moved = await new.backups.take_over(source.membership.me, 3)
+        assert moved == len(own) + len(pred)
+        assert new.backups.sending == (3, own) and set(new.backups.assembling) == {0}
+        new.hosted.serve(new.hosted.build(1), 0.0, 3)
+        holder.hosted.serve(holder.hosted.build(2), 0.0, 3)
+        await new.backups.on_backup_part(BackupPart(owner=0, step=3, offset=250, total=len(pred)),
+                                         [torch.frombuffer(bytearray(pred[250:]), dtype=torch.uint8)], None)
+        share = BackupShare(step=3, part=0, holders={1: holder.membership.me}, holder_stages={1: 2},
+                            bounds={1: (0.0, 1.0)})
+        await new.backups.send_part(share)
+        assert (await new.backups.on_backup_commit(BackupCommit(step=3), [], None))[0].held == [0, 1]
+        assert (await holder.backups.on_backup_commit(BackupCommit(step=3), [], None))[0].held == [1]
+        assert bytes(new.snapshots.held[0][1]) == pred and bytes(new.snapshots.held[1][1]) == own
+        assert bytes(holder.snapshots.held[1][1]) == own
+        # a leaving peer with nothing in flight at that step: nothing taken, the handover goes on
+        assert await holder.backups.take_over(source.membership.me, 5) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        for d in (source, new, holder):
             d.compute.shutdown(wait=True)
