@@ -62,12 +62,12 @@ def test_pipeline_model_pays_latency_once_per_hop_and_is_bandwidth_bound_when_li
     assert CostModel(bigger, base).step_s() > cm.step_s()
 
 
-def test_swarm_on_the_emulated_wan_computes_the_same_and_its_hops_take_the_configured_time(tmp_path, session_cache):
+def test_swarm_on_the_emulated_wan_computes_the_same_and_its_hops_take_the_configured_time(tmp_path, tmp_path_factory):
     """A tiny swarm on `--wan paper-geo` over the tcp transport, stage 1 SIGKILLed at step 2: the losses equal
     the simulator's (which equals a loopback swarm's: tests/test_swarm.py), every stage-to-stage hop takes its
     link's latency (+-20%, the links of 62 and 128 ms; the 4 ms link adds the loopback transport's own ~1-3 ms,
     more than 20% of it), and the replacement's weight pulls crossed the 128 ms link there and back."""
-    cache = session_cache
+    cache = str(tmp_path_factory.mktemp("cache"))
     args = ("--steps", "4", "--eval-every", "0", "--trace", trace(tmp_path, [(2, 1)]))
     proc, out = local(tmp_path, "wan", *args, "--wan", "paper-geo", "--transport", "tcp", cache=cache, spares=1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
