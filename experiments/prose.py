@@ -192,19 +192,24 @@ def tier_minutes(root: Path, path: str) -> float:
     if m:
         return int(m.group(1)) + float(m.group(2)) / 60
     m = re.search(r"(?:(\d+):)?(\d+):([\d.]+)elapsed", text)
-    if m is None:
-        raise ValueError(f"{path}: no wall time")
+    if m is None:  # pytest's own summary line: `635 passed, 1 skipped, 2 warnings in 493.61s (0:08:13)`
+        if (p := re.search(r"^=*\s*\d+ passed.* in ([\d.]+)s", text, re.M)) is None:
+            raise ValueError(f"{path}: no wall time")
+        return float(p.group(1)) / 60
     return int(m.group(1) or 0) * 60 + int(m.group(2)) + float(m.group(3)) / 60
 
 
-@claim("quick-tier-within-its-budget", "docs/testing.md", "and one real-process smoke run | 5 minutes", QUICK_TIER)
-def _quick_tier_within_budget(root: Path) -> bool:
-    return tier_minutes(root, QUICK_TIER) <= 5
+@claim("quick-tier-over-its-budget", "docs/testing.md",
+       "and one real-process smoke run | 5 minutes, which the run measured below overran", QUICK_TIER)
+def _quick_tier_over_budget(root: Path) -> bool:
+    """The quick tier's budget is 5 minutes; the measured run took more. Once a run within it is recorded, this
+    fails and the sentence is to say so."""
+    return tier_minutes(root, QUICK_TIER) > 5
 
 
-@claim("full-tier-over-its-budget-within-ci", "docs/testing.md",
-       "20 minutes, which the run measured below overran (CI allows 30)", FULL_TIER)
-def _full_tier_over_budget_within_ci(root: Path) -> bool:
-    """The full tier's budget is 20 minutes and CI stops at 30; the measured run took more than the one, less than
-    the other. Once a run within 20 minutes is recorded, this fails and the sentence is to say so."""
-    return 20 < tier_minutes(root, FULL_TIER) <= 30
+@claim("full-tier-over-ci", "docs/testing.md",
+       "20 minutes, which the run measured below overran, and CI's 30 too", FULL_TIER)
+def _full_tier_over_ci(root: Path) -> bool:
+    """The full tier's budget is 20 minutes and CI allows 30; the measured run took more than both. Once a run
+    within 30 minutes is recorded, this fails and the sentence is to say so."""
+    return tier_minutes(root, FULL_TIER) > 30
