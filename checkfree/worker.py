@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,32 @@ from checkfree.pipeline import COMPONENTS, Hop, edge_holders
 from checkfree.recovery import get_rule, omega
 
 __all__ = ["StepStats", "InFlightPeak", "StageWorker", "lr_at", "resolve_device"]
+
+
+def _no_dynamo_at_first_use() -> None:
+    """torch.optim's Optimizer marks add_param_group, zero_grad, state_dict and load_state_dict as not to be
+    compiled with torch._disable_dynamo, which imports torch._dynamo at their first call to make the mark: 2.3 to
+    2.9 s of CPU (torch 2.13, measured here) in every process that builds an optimizer, every peer and every
+    simulation, for nothing, since nothing here runs under torch.compile. Each is marked as its own disabled
+    form, which is what the first call would have cached had nothing compiled. Idempotent; where a torch has
+    other names or wrappers, nothing changes (the first call imports torch._dynamo as before)."""
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        fn = inspect.unwrap(getattr(torch.optim.Optimizer, name))
+        if getattr(fn, "__dynamo_disable", None) is None:
+            fn.__dynamo_disable = fn  # type: ignore[attr-defined]
+
+
+def _adam_step(optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step through the step's own body under no_grad, as its wrappers run it: they add the
+    optimizer's step hooks (none here: nor an LR scheduler, checkfree computes the LR) and profiler ranges, and import torch._dynamo at the first step to mark a
+    graph break for torch.compile (2.3 to 2.9 s of CPU per process, for nothing here). The same arithmetic
+    (tests/test_worker.py compares both, bit for bit)."""
+    body = inspect.unwrap(type(optimizer).step)
+    if optimizer.defaults.get("differentiable"):
+        optimizer.step()
+        return
+    with torch.no_grad():
+        body(optimizer)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -168,6 +195,7 @@ class StageWorker:
     def _new_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train
         groups = [{"params": [p for _, p in g], "name": name} for name, g in self.named_groups().items()]
+        _no_dynamo_at_first_use()
         return torch.optim.Adam(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
     def clip_groups(self) -> dict[str, list[torch.nn.Parameter]]:
@@ -340,7 +368,7 @@ class StageWorker:
             self.optimizer.zero_grad(set_to_none=True)
             return StepStats(pre, post, lr, skipped=True, block_grad_norm_pre=block_pre,
                              block_grad_norm_post=block_post)
-        self.optimizer.step()
+        _adam_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         # one host sync (not one per parameter): a stage with non-finite weights is reported as failed
         finite = bool(torch.stack([torch.isfinite(p).all() for p in self.module.parameters()]).all())
