@@ -64,9 +64,10 @@ def test_pipeline_model_pays_latency_once_per_hop_and_is_bandwidth_bound_when_li
 
 def test_swarm_on_the_emulated_wan_computes_the_same_and_its_hops_take_the_configured_time(tmp_path, tmp_path_factory):
     """A tiny swarm on `--wan paper-geo` over the tcp transport, stage 1 SIGKILLed at step 2: the losses equal
-    the simulator's (which equals a loopback swarm's: tests/test_swarm.py), every stage-to-stage hop takes its
-    link's latency (+-20%, the links of 62 and 128 ms; the 4 ms link adds the loopback transport's own ~1-3 ms,
-    more than 20% of it), and the replacement's weight pulls crossed the 128 ms link there and back."""
+    the simulator's (which equals a loopback swarm's: tests/test_swarm.py), no pass arrives before its link's
+    latency, each hop's least delay over steps 1-3 is its link's latency (+-20%, the links of 62 and 128 ms; the
+    4 ms link adds the loopback transport's own ~1-3 ms, more than 20% of it: within 50 ms), and the
+    replacement's weight pulls crossed the 128 ms link there and back."""
     cache = str(tmp_path_factory.mktemp("cache"))
     args = ("--steps", "4", "--eval-every", "0", "--trace", trace(tmp_path, [(2, 1)]))
     proc, out = local(tmp_path, "wan", *args, "--wan", "paper-geo", "--transport", "tcp", cache=cache, spares=1)
@@ -76,14 +77,22 @@ def test_swarm_on_the_emulated_wan_computes_the_same_and_its_hops_take_the_confi
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in sim], rel=1e-5)
     wan = WanEmulator(_cfg())
-    for m in (metrics[1], metrics[3]):  # steps 0 and 2 pay the peers' (the replacement's) first-use costs: a busy
-        # event loop receiving its first passes adds ~0.1 s to the delays measured there
+    delays: dict[tuple[int, int], list[float]] = {}
+    for m in metrics:
         for dst, by_src in enumerate(m["hop_delay_s"]):
             for src, delay in by_src.items():
                 lat, _ = wan.link(int(src), dst)
-                if lat >= 0.05:
-                    assert delay == pytest.approx(lat, rel=0.2), (src, dst, delay)
-                else:
-                    assert lat <= delay <= lat + 0.05, (src, dst, delay)
+                assert delay >= lat - 1e-3, (m["step"], src, dst, delay)  # no pass outruns its link
+                if m["step"] != 0:  # step 0 pays the peers' first-use costs (~0.1 s more on every hop)
+                    delays.setdefault((int(src), dst), []).append(delay)
+    assert len(delays) == 6  # every link, both ways
+    for (src, dst), seen in delays.items():
+        # the least of a hop's steps (a loaded machine only adds to the delay, a busy event loop at either end:
+        # CI once saw 0.23 s on the 62 ms link at step 1); its precision is benchmarks/wan.py's to measure
+        lat, _ = wan.link(src, dst)
+        if lat >= 0.05:
+            assert min(seen) == pytest.approx(lat, rel=0.2), (src, dst, seen)
+        else:
+            assert min(seen) <= lat + 0.05, (src, dst, seen)
     (rec,) = events(out, "recovery")
     assert rec["stage"] == 1 and rec["transfer_s"] >= 2 * 0.128  # the pull from stage 2: request and reply
