@@ -32,7 +32,6 @@ from checkfree import messages as msg
 from checkfree.messages import (BackupCommit, BackupShare, Committed, CopyWork, Keep, KeepHolders, KeepParity,
                                 KeepStorage, Snapshotted, TakeReplica)
 from checkfree.strategies import Strategy, storage
-from checkfree.strategies.reft import ReftStrategy
 from coordinator.common import CoordinatorOptions, settle
 from coordinator.outputs import Outputs
 from coordinator.rpc import Rpc
@@ -206,9 +205,10 @@ class Protection:
 
     def in_step(self, step: int) -> dict:
         """RUN_STEP's `backup` field: the part of the backup in flight this step's bubbles carry, per stage; or
-        (snap) its `copies` field: the part of each stage's streamed copy the step carries; and (reft) the step of
-        the newest complete snapshot, whose copies the peers keep (a round left incomplete does not replace them)."""
-        if isinstance(self.strategy, ReftStrategy) and self.copies.step:
+        (snap) its `copies` field: the part of each stage's streamed copy the step carries; and (a strategy that
+        `names_complete_rounds`: reft) the step of the newest complete snapshot, whose copies the peers keep (a round
+        left incomplete does not replace them)."""
+        if self.strategy.names_complete_rounds and self.copies.step:
             return {"snapshot_step": self.copies.step}
         part = self.strategy.in_step(step)
         if isinstance(part, StreamStep):

@@ -55,6 +55,15 @@ class Snapshots:
         """The step of each snapshot held here, by stage (for a new coordinator)."""
         return {k: v[0] for k, v in self.held.items()}
 
+    def _own_or_refuse(self, stage: int, step: int, what: str) -> Any:
+        """The copy of `stage` as of `step` held here (`own`); a ProtocolError naming the step held if none."""
+        blob = self.own(stage, step)
+        if blob is None:
+            held = self.held.get(stage)
+            raise ProtocolError(f"no {what} of stage {stage} at step {step} here "
+                                f"(have: {None if held is None else held[0]})")
+        return blob
+
     # ---- handlers --------------------------------------------------------------------
     async def on_snapshot(self, snapshot: Snapshot, tensors: list, peer) -> tuple[Snapshotted, list]:
         """Capture this stage's full state as of `step` and keep it where `keep` says: in memory (if this peer is
@@ -98,12 +107,7 @@ class Snapshots:
         """Hand a held snapshot (snap: a compressed copy) to a replacement."""
         if self.streams is not None and self.streams.holds(fetch.owner, fetch.step):
             return Ok(), [blob_tensor(await self.streams.fetch(fetch.owner, fetch.step))]
-        blob = self.own(fetch.owner, fetch.step)
-        if blob is None:
-            held = self.held.get(fetch.owner)
-            raise ProtocolError(f"no snapshot of stage {fetch.owner} at step {fetch.step} here "
-                                f"(have: {None if held is None else held[0]})")
-        return Ok(), [blob_tensor(blob)]
+        return Ok(), [blob_tensor(self._own_or_refuse(fetch.owner, fetch.step, "snapshot"))]
 
     async def on_restore(self, restore: Restore, tensors: list, peer) -> tuple[Ok, list]:
         """Roll this live stage back to its copy of `step` (own memory, a holder, storage), or to its initial
@@ -196,12 +200,7 @@ class Snapshots:
         if isinstance(origin, StorageCopy):
             return storage.read_stage(origin.storage, step, stage)
         if isinstance(origin, OwnCopy) or isinstance(origin, PeerCopy) and origin.peer == self.membership.me:
-            blob = self.own(stage, step)
-            if blob is None:
-                held = self.held.get(stage)
-                raise ProtocolError(f"no own snapshot of stage {stage} at step {step} "
-                                    f"(have: {None if held is None else held[0]})")
-            return blob
+            return self._own_or_refuse(stage, step, "own snapshot")
         if not isinstance(origin, PeerCopy):
             raise ProtocolError(f"a copy of kind {type(origin).__struct_config__.tag!r} cannot restore this stage")
         _, (blob,) = await self.membership.call(origin.peer, FetchSnapshot(owner=stage, step=step), self.membership.timeouts.step_timeout)

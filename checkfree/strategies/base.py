@@ -136,6 +136,9 @@ class Strategy:
     # streamed compressed copies (snap): their format (None: the strategy streams none); the runtimes encode, send,
     # hold and restore them (checkfree.snapcodec), and report each part that arrived (`copy_part_done`)
     copy_format: CopyFormat | None = None
+    # in-memory snapshot rounds the peers replace only once the coordinator names the new round complete
+    # (RUN_STEP's `snapshot_step`): until then they keep the last complete one, which a rollback restores (reft)
+    names_complete_rounds: bool = False
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

@@ -29,6 +29,7 @@ def parity_groups(num_stages: int, n: int) -> list[list[int]]:
 class ReftStrategy(InMemoryStrategy):
     name = "reft"
     peer_service = "companion"  # the swarm keeps each peer's snapshot in a crash-surviving companion process too
+    names_complete_rounds = True  # a round left incomplete (a member lost mid-round) replaces no peer's copy
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
