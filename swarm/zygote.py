@@ -97,9 +97,11 @@ class ZygoteProcess:
 
 class Zygote:
     """The client side: starts the fork server (`python -m swarm.zygote`) with `env`, in the background (it imports
-    for some seconds; the first `popen` waits for it), and forks children from it."""
+    for some seconds; the first `popen` waits for it), and forks children from it. `preload`: the modules it
+    imports (None: cli.main.PRELOAD)."""
 
-    def __init__(self, env: Mapping[str, str], ready_timeout: float = 120.0) -> None:
+    def __init__(self, env: Mapping[str, str], ready_timeout: float = 120.0,
+                 preload: Sequence[str] | None = None) -> None:
         self.env = dict(env)
         self.ready_timeout = ready_timeout
         self.dead = False
@@ -116,7 +118,8 @@ class Zygote:
         pad = "-" * ROOM  # argv room the children's command lines are written into
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "swarm.zygote", str(theirs.fileno()), pad], env=self.env,
+                [sys.executable, "-m", "swarm.zygote", str(theirs.fileno()),
+                 "-" if preload is None else ",".join(preload), pad], env=self.env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
                 start_new_session=True)  # (not in the owner's group: a terminal's Ctrl-C is the owner's to handle)
         finally:
@@ -177,8 +180,8 @@ class Zygote:
             child._exited(ORPHANED)
 
     def popen(self, args: list[str], env: Mapping[str, str], *, stdin=subprocess.DEVNULL,
-              cwd: str | None = None, prefix: Sequence[str] = ()) -> ZygoteProcess | None:
-        """Fork `python -m checkfree ARGS` from the server; None where it cannot be (a prefix, another env, a
+              cwd: str | None = None, prefix: Sequence[str] = (), module: str = "checkfree") -> ZygoteProcess | None:
+        """Fork `python -m MODULE ARGS` from the server; None where it cannot be (a prefix, another env, a
         server that is gone or never got ready): start it with Popen then."""
         if prefix or dict(env) != self.env or stdin not in (subprocess.DEVNULL, subprocess.PIPE):
             return None
@@ -193,7 +196,7 @@ class Zygote:
                 self._next += 1
                 ident = self._next
                 request = {"id": ident, "args": list(args), "cwd": cwd or os.getcwd(), "stdin": in_r >= 0,
-                           "argv0": sys.executable}
+                           "argv0": sys.executable, "module": module}
                 try:
                     socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
                 except OSError as e:
@@ -208,7 +211,7 @@ class Zygote:
                         self._warn("it exited" if reply is None else reply.get("error", "?"))
                         return None
                     pid = reply["pid"]
-                    child = ZygoteProcess([sys.executable, "-m", "checkfree", *args], pid,
+                    child = ZygoteProcess([sys.executable, "-m", module, *args], pid,
                                           open(in_w, "w") if in_w >= 0 else None, open(out_r, "r"), self)
                     in_w = out_r = -1  # (the files own them now)
                     self._children[pid] = child
@@ -256,7 +259,7 @@ def _set_cmdline(argv: list[str]) -> None:
 
 
 def _child(request: dict, fds: list[int], closing: list[int]) -> None:
-    """In the forked child: become `python -m checkfree ARGS` (never returns)."""
+    """In the forked child: become `python -m MODULE ARGS` (never returns)."""
     code = 1
     try:
         os.setsid()
@@ -274,9 +277,9 @@ def _child(request: dict, fds: list[int], closing: list[int]) -> None:
         for fd in {out, stdin}:
             os.close(fd)
         os.chdir(request["cwd"])
-        _set_cmdline([request["argv0"], "-m", "checkfree", *request["args"]])
+        _set_cmdline([request["argv0"], "-m", request["module"], *request["args"]])
         _reseed()
-        code = _run_checkfree(request["args"])
+        code = _run_module(request["module"], request["args"])
     finally:
         os._exit(code)
 
@@ -290,14 +293,14 @@ def _reseed() -> None:
         numpy.random.seed()
 
 
-def _run_checkfree(args: list[str]) -> int:
-    """`python -m checkfree ARGS` in this process, with the interpreter's exit steps; its exit code."""
+def _run_module(module: str, args: list[str]) -> int:
+    """`python -m MODULE ARGS` in this process, with the interpreter's exit steps; its exit code."""
     import atexit
     import runpy
 
-    sys.argv = ["checkfree", *args]
+    sys.argv = [module, *args]
     try:
-        runpy.run_module("checkfree", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         code = _exit_code(e.code)
@@ -325,21 +328,21 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def _preload() -> None:
+def _preload(names: str) -> None:
+    """Import these modules (comma-separated; "-": cli.main.PRELOAD, the swarm's processes' own)."""
     import importlib
 
-    from cli.main import PRELOAD
-
-    for name in PRELOAD:
+    modules: Sequence[str] = names.split(",") if names != "-" else importlib.import_module("cli.main").PRELOAD
+    for name in filter(None, modules):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, preload: str = "-") -> None:
     """The server's loop: fork a child per request, report each child's exit; leave at EOF."""
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (its owner handles a Ctrl-C)
-    _preload()
+    _preload(preload)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
@@ -392,4 +395,4 @@ def serve(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), sys.argv[2])
