@@ -258,8 +258,9 @@ def _set_cmdline(argv: list[str]) -> None:
     ctypes.memmove(start, data + b"\0" * (room - len(data)), room)
 
 
-def _child(request: dict, fds: list[int], closing: list[int]) -> None:
-    """In the forked child: become `python -m MODULE ARGS` (never returns)."""
+def _child(request: dict, fds: list[int], closing: list[int], started: int) -> None:
+    """In the forked child: become `python -m MODULE ARGS` (never returns). One byte on `started` once it has its
+    own session and its command line (the server reports its pid only then, as Popen returns only then)."""
     code = 1
     try:
         os.setsid()
@@ -278,6 +279,8 @@ def _child(request: dict, fds: list[int], closing: list[int]) -> None:
             os.close(fd)
         os.chdir(request["cwd"])
         _set_cmdline([request["argv0"], "-m", request["module"], *request["args"]])
+        os.write(started, b"+")
+        os.close(started)
         _reseed()
         code = _run_module(request["module"], request["args"])
     finally:
@@ -366,17 +369,21 @@ def serve(fd: int, preload: str = "-") -> None:
                 if not data:
                     return
                 request = json.loads(data)
+                started_r, started_w = os.pipe()
                 try:
                     pid = os.fork()
                 except OSError as e:
                     sock.send(json.dumps({"id": request["id"], "error": f"fork: {e}"}).encode())
                     pid = -1
                 if pid == 0:
-                    _child(request, fds, [sock.fileno(), wake_r, wake_w])
-                for f in fds:
+                    _child(request, fds, [sock.fileno(), wake_r, wake_w, started_r], started_w)
+                for f in [*fds, started_w]:
                     os.close(f)
                 if pid > 0:
+                    with contextlib.suppress(InterruptedError):
+                        os.read(started_r, 1)  # (EOF: it died before; its exit is reported as usual)
                     sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+                os.close(started_r)
             else:
                 with contextlib.suppress(OSError):
                     while os.read(wake_r, 512):
