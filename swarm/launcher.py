@@ -107,7 +107,7 @@ class LocalSwarm:
                SECRET_ENV: self.secret, "TMPDIR": str(self.tmp)}
         if self.zygote is None and self.lab is None and enabled(env):  # (the env every process of it gets; with
             # a NetLab every spawn is prefixed `ip netns exec NAME`: all started with Popen)
-            self.zygote = Zygote(env, ready_timeout=self.opts.ready_timeout)
+            self.zygote = Zygote(env, ready_timeout=self.opts.ready_timeout, log=self.opts.out / "logs" / "zygote.log")
         link, prefix = 0, list[str]()  # (no namespace: no prefix)
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
             behind_nat = self.opts.hosts and name.startswith("peer") and self._n <= self.opts.nat_peers

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 __all__ = ["Zygote", "ZygoteProcess", "enabled", "ENV_SWITCH", "ORPHANED"]
 
@@ -98,10 +99,11 @@ class ZygoteProcess:
 class Zygote:
     """The client side: starts the fork server (`python -m swarm.zygote`) with `env`, in the background (it imports
     for some seconds; the first `popen` waits for it), and forks children from it. `preload`: the modules it
-    imports (None: cli.main.PRELOAD)."""
+    imports (None: cli.main.PRELOAD); `log`: where its own output goes (what its imports print, a traceback if it
+    fails; None: this process's stderr)."""
 
     def __init__(self, env: Mapping[str, str], ready_timeout: float = 120.0,
-                 preload: Sequence[str] | None = None) -> None:
+                 preload: Sequence[str] | None = None, log: Path | None = None) -> None:
         self.env = dict(env)
         self.ready_timeout = ready_timeout
         self.dead = False
@@ -116,14 +118,18 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         pad = "-" * ROOM  # argv room the children's command lines are written into
+        errors = open(log, "a") if log is not None else None
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "swarm.zygote", str(theirs.fileno()),
                  "-" if preload is None else ",".join(preload), pad], env=self.env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL, stdout=errors or subprocess.DEVNULL, stderr=errors,
+                pass_fds=[theirs.fileno()],
                 start_new_session=True)  # (not in the owner's group: a terminal's Ctrl-C is the owner's to handle)
         finally:
             theirs.close()
+            if errors is not None:
+                errors.close()
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
 
