@@ -382,7 +382,7 @@ def serve(fd: int, preload: str = "-") -> None:
                     sock.send(json.dumps({"id": request["id"], "error": f"fork: {e}"}).encode())
                     pid = -1
                 if pid == 0:
-                    _child(request, fds, [sock.fileno(), wake_r, wake_w, started_r], started_w)
+                    _child(request, fds, [sock.fileno(), sel.fileno(), wake_r, wake_w, started_r], started_w)
                 for f in [*fds, started_w]:
                     os.close(f)
                 if pid > 0:
