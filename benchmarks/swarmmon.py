@@ -2,7 +2,8 @@
 
 `SwarmMonitor(launcher_pid, metrics_path)` samples the launcher's process tree every `interval`
 seconds in a background thread: for every process its role (coordinator, peer, their DHT child
-processes, their p2pd daemons, the launcher), CPU seconds (the main thread, which runs the asyncio
+processes, their p2pd daemons, the launcher, with its fork server: swarm/zygote.py, whose children are the
+coordinators and peers), CPU seconds (the main thread, which runs the asyncio
 event loop, separately from the other threads, which run torch compute), bytes written and read
 through system calls (/proc/<pid>/io wchar/rchar: write()/read()-family calls, so they count
 the Go p2pd daemons' socket traffic but not Python's socket.send/recv) and memory (VmHWM, the peak resident set, and
@@ -128,7 +129,9 @@ class SwarmMonitor:
             return "launcher", pid
         args = _cmdline(pid)
         ppid = tree.get(pid, 0)
-        if ppid == self.root:
+        if ppid == self.root and "swarm.zygote" in args:  # the launcher's fork server (swarm/zygote.py): its part
+            return "launcher", self.root
+        if ppid == self.root or (tree.get(ppid) == self.root and self._role(ppid, tree)[0] == "launcher"):
             if "scheduler" in args:
                 return "coordinator", pid
             if "peer" in args:

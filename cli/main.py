@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS", "MODES"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "MODES", "PRELOAD"]
 
 # name -> "module:function" that adds the subparser; imported lazily so `checkfree simulate`
 # does not pay for hivemind's import.
@@ -31,6 +31,13 @@ SUBCOMMANDS = {
 # command -> its modes: name -> "module:function" that adds the mode's subparser to the command's modes (e.g.
 # `checkfree chaos dst`, which runs coordinators and peers together, a layer above both)
 MODES = {"chaos": {"dst": "dst.cli:add_parser"}}
+# what the local swarm's fork server (swarm/zygote.py) imports before it forks peers and coordinators: the modules
+# every one of them would import (~5 s of CPU each: torch 2.2, the torch._dynamo the first optimizer imports 1.7,
+# hivemind 0.7, the dashboard's web server 0.6); importing only, no torch op
+PRELOAD = ("torch", "torch.optim", "numpy", "hivemind", "checkfree.flags", "checkfree.auth",
+           "checkfree.failures", "checkfree.worker", "checkfree.peer_faults", "checkfree.net.transport",
+           "checkfree.net.lifeline", "peers.peer_cli", "peers.daemon", "coordinator.scheduler_cli",
+           "coordinator.coordinator", "faults.injector", "ops.dashboard", "ops.status")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

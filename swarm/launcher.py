@@ -27,6 +27,7 @@ from ops.dashboard import DASHBOARD_LINE
 from faults.injector import parse_chaos_line
 from swarm.netlab import NetLab
 from swarm.processes import Proc, await_line, kill_group, spawn
+from swarm.zygote import Zygote, enabled
 
 __all__ = ["LocalSwarm", "SwarmOptions", "STEP_LINE"]
 
@@ -94,6 +95,7 @@ class LocalSwarm:
         # (multiprocessing's pymp-* listener directories, torch's shared-memory manager socket) goes with it
         self.tmp = Path(tempfile.mkdtemp(prefix="checkfree-swarm-"))
         self._n = 0
+        self.zygote: Zygote | None = None  # the fork server of this swarm's processes (started by the first spawn)
 
     def _running(self) -> Proc:
         """The coordinator running the run now (once started)."""
@@ -103,6 +105,9 @@ class LocalSwarm:
     def _spawn(self, name: str, args: list[str], stdin=subprocess.DEVNULL) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
                SECRET_ENV: self.secret, "TMPDIR": str(self.tmp)}
+        if self.zygote is None and self.lab is None and enabled(env):  # (the env every process of it gets; with
+            # a NetLab every spawn is prefixed `ip netns exec NAME`: all started with Popen)
+            self.zygote = Zygote(env, ready_timeout=self.opts.ready_timeout, log=self.opts.out / "logs" / "zygote.log")
         link, prefix = 0, list[str]()  # (no namespace: no prefix)
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)
             behind_nat = self.opts.hosts and name.startswith("peer") and self._n <= self.opts.nat_peers
@@ -114,7 +119,7 @@ class LocalSwarm:
                          else f"public {addr}")
                 print(f"swarm: {name} on emulated host {host['ns']}, {where}", flush=True)
         return spawn(args, env, log=self.opts.out / "logs" / f"{name}.log", prefix=prefix, stdin=stdin, name=name,
-                     link=link, announce=name.startswith("peer") and self.opts.progress_lines)
+                     link=link, announce=name.startswith("peer") and self.opts.progress_lines, zygote=self.zygote)
 
     def _await_ready(self, proc: Proc, prefix: str) -> str:
         return await_line(proc, prefix, self.opts.ready_timeout)
@@ -309,6 +314,8 @@ class LocalSwarm:
         deadline = time.monotonic() + 3.0
         for p in [*procs, *self.crashed]:  # a group may outlive its leader (DHT child, p2pd, companion): gone in 3 s
             kill_group(p, gone_within=max(0.0, deadline - time.monotonic()))
+        if self.zygote is not None:  # (after the kills: it reports its children's exits)
+            self.zygote.close()
         if self.lab is not None:
             self.lab.close()
         # the p2pd of a SIGKILLed peer cannot remove its socket file: remove those nothing listens on any more

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkfree.protocol import READY_PEER
+from swarm.zygote import Zygote, ZygoteProcess
 
 __all__ = ["Proc", "spawn", "await_line", "kill_group", "MILESTONES"]
 
@@ -27,7 +28,7 @@ MILESTONES = ((READY_PEER, "listening"), ("joined run", "joined"), ("serving sta
 
 @dataclass
 class Proc:
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ZygoteProcess
     lines: queue.Queue = field(default_factory=queue.Queue)  # output lines, then None at the end
     log: Path | None = None  # every output line is also written here
     peer_id: str = ""  # from a peer's ready line
@@ -82,11 +83,17 @@ class Proc:
 
 
 def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: Sequence[str] = (), stdin=subprocess.DEVNULL,
-          name: str = "", link: int = 0, announce: bool = False) -> Proc:
+          name: str = "", link: int = 0, announce: bool = False, zygote: Zygote | None = None) -> Proc:
     """Start `[prefix...] python -m checkfree ARGS` in a session of its own; its output lines are queued (and
-    written to `log`)."""
-    popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree", *args], stdin=stdin, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    written to `log`). With `zygote`, forked from that fork server where it can be (no prefix, the server's env:
+    swarm/zygote.py), else with Popen."""
+    popen: subprocess.Popen | ZygoteProcess | None = None
+    if zygote is not None:
+        popen = zygote.popen(args, env, stdin=stdin, prefix=prefix)
+    if popen is None:
+        popen = subprocess.Popen([*prefix, sys.executable, "-m", "checkfree", *args], stdin=stdin,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                 start_new_session=True)
     proc = Proc(popen, log=log, name=name, link=link, announce=announce)
     threading.Thread(target=proc.read, daemon=True).start()
     threading.Thread(target=proc.wait_exit, daemon=True).start()
