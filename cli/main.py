@@ -32,8 +32,8 @@ SUBCOMMANDS = {
 # `checkfree chaos dst`, which runs coordinators and peers together, a layer above both)
 MODES = {"chaos": {"dst": "dst.cli:add_parser"}}
 # what the local swarm's fork server (swarm/zygote.py) imports before it forks peers and coordinators: the modules
-# every one of them would import (~5 s of CPU each: torch 2.2, the torch._dynamo the first optimizer imports 1.7,
-# hivemind 0.7, the dashboard's web server 0.6); importing only, no torch op
+# every one of them would import (~3 s of CPU each: torch 2.2, hivemind 0.7, the dashboard's web server 0.6; not
+# torch._dynamo, which checkfree/worker.py's optimizer steps no longer import); importing only, no torch op
 PRELOAD = ("torch", "torch.optim", "numpy", "hivemind", "checkfree.flags", "checkfree.auth",
            "checkfree.failures", "checkfree.worker", "checkfree.peer_faults", "checkfree.net.transport",
            "checkfree.net.lifeline", "peers.peer_cli", "peers.daemon", "coordinator.scheduler_cli",
