@@ -38,7 +38,7 @@ PEER_EXITING = re.compile(r"^run finished \(.*\); exiting$")
 # after it exits), in all and between two lines
 DRAIN_S, DRAIN_QUIET_S = 1.0, 0.2
 # how long the teardown waits for peers the coordinator told to exit to go by themselves before SIGTERM
-PEER_EXIT_S = 5.0
+PEER_EXIT_S = 3.0
 # how long the teardown waits for torch's shared-memory managers to exit by themselves (2 s after their last client)
 SHM_MANAGER_S = 3.0
 
@@ -332,13 +332,14 @@ class LocalSwarm:
     def teardown(self) -> None:
         """Stop the coordinator first (SIGTERM: it records the run's end, saves if asked and tells the
         peers to exit), let the peers it told exit by themselves, then SIGTERM whatever still runs, then SIGKILL
-        whole process groups. Each phase ends as soon as its processes are gone; at most about 24 s in all,
-        whatever state the run was in."""
+        whole process groups. Each phase ends as soon as its processes are gone; every group is gone within
+        about 15 s whatever state the run was in (torch's shared-memory managers, outside them, 3 s later)."""
         coordinators = [p for p in [self.coordinator, self.standby, *self.old_coordinators] if p is not None]
         self._stop(coordinators, wait_s=8, group=False)  # its DHT and p2pd must outlive its goodbyes
+        start = time.monotonic()
         _wait_exit([p for p in self.peers if _exiting(p)], PEER_EXIT_S)  # their final state and logs written
         procs = [*coordinators, *self.peers]
-        self._stop(procs, wait_s=4)
+        self._stop(procs, wait_s=max(1.0, 4.0 - (time.monotonic() - start)))  # (4 s for the peers to go, in all)
         deadline = time.monotonic() + 3.0
         for p in [*procs, *self.crashed]:  # a group may outlive its leader (DHT child, p2pd, companion): gone in 3 s
             kill_group(p, gone_within=max(0.0, deadline - time.monotonic()))
