@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -30,6 +31,17 @@ from swarm.processes import Proc, await_line, kill_group, spawn
 from swarm.zygote import Zygote, enabled
 
 __all__ = ["LocalSwarm", "SwarmOptions", "STEP_LINE"]
+
+# a peer's line once the coordinator has told it the run is over (peers/daemon.py `_on_shutdown`): it is exiting
+PEER_EXITING = re.compile(r"^run finished \(.*\); exiting$")
+# how long the coordinator's output is still read after it exited (what it wrote before is read at once; the
+# end of its output is not awaited: torch's shared-memory manager, its child, holds the pipe open up to 2 s
+# after it exits), in all and between two lines
+DRAIN_S, DRAIN_QUIET_S = 1.0, 0.2
+# how long the teardown waits for peers the coordinator told to exit to go by themselves before SIGTERM
+PEER_EXIT_S = 3.0
+# how long the teardown waits for torch's shared-memory managers to exit by themselves (2 s after their last client)
+SHM_MANAGER_S = 3.0
 
 STEP_LINE = re.compile(r"^step (\d+): loss ([-+\w.]+)(?:, val ([-+\w.]+))?.*peers (\d+)\+(\d+), failures (\d+), "
                        r"recoveries (\d+), fallbacks (\d+)")
@@ -96,6 +108,7 @@ class LocalSwarm:
         self.tmp = Path(tempfile.mkdtemp(prefix="checkfree-swarm-"))
         self._n = 0
         self.zygote: Zygote | None = None  # the fork server of this swarm's processes (started by the first spawn)
+        self._read: list[Proc] = []  # coordinators whose output has been read to its end
 
     def _running(self) -> Proc:
         """The coordinator running the run now (once started)."""
@@ -253,7 +266,7 @@ class LocalSwarm:
         bar = Progress(num_steps, "swarm", enabled=self.opts.progress)
         try:
             while True:
-                if (line := self._running().lines.get()) is None:
+                if (line := self._next_line()) is None:
                     break
                 if (chaos := parse_chaos_line(line)) is not None:
                     action, fields = chaos
@@ -281,6 +294,24 @@ class LocalSwarm:
         finally:
             bar.close()
 
+    def _next_line(self) -> str | None:
+        """The running coordinator's next output line; None at its end, or once it has exited and what it wrote
+        before is read: lines that come at once (DRAIN_QUIET_S apart, DRAIN_S in all), not the end of its output,
+        which a child of its may hold open."""
+        running = self._running()
+        drain_until = None
+        while True:
+            wait = 0.1 if drain_until is None else min(DRAIN_QUIET_S, drain_until - time.monotonic())
+            try:
+                if (line := running.lines.get(timeout=max(0.0, wait))) is None:
+                    self._read.append(running)
+                return line
+            except queue.Empty:
+                if drain_until is not None:
+                    return None
+                if running.popen.poll() is not None:
+                    drain_until = time.monotonic() + DRAIN_S
+
     @staticmethod
     def _show_dashboard(proc: Proc) -> None:
         """Print the address of a coordinator's dashboard (its line comes before the coordinator's ready line)."""
@@ -305,12 +336,15 @@ class LocalSwarm:
 
     def teardown(self) -> None:
         """Stop the coordinator first (SIGTERM: it records the run's end, saves if asked and tells the
-        peers to exit), then SIGTERM whatever still runs, then SIGKILL whole process groups: all
-        within about 13 s, whatever state the run was in."""
+        peers to exit), let the peers it told exit by themselves, then SIGTERM whatever still runs, then SIGKILL
+        whole process groups. Each phase ends as soon as its processes are gone; every group is gone within
+        about 15 s whatever state the run was in (torch's shared-memory managers, outside them, 3 s later)."""
         coordinators = [p for p in [self.coordinator, self.standby, *self.old_coordinators] if p is not None]
         self._stop(coordinators, wait_s=8, group=False)  # its DHT and p2pd must outlive its goodbyes
+        start = time.monotonic()
+        _wait_exit([p for p in self.peers if _exiting(p)], PEER_EXIT_S)  # their final state and logs written
         procs = [*coordinators, *self.peers]
-        self._stop(procs, wait_s=4)
+        self._stop(procs, wait_s=max(1.0, 4.0 - (time.monotonic() - start)))  # (4 s for the peers to go, in all)
         deadline = time.monotonic() + 3.0
         for p in [*procs, *self.crashed]:  # a group may outlive its leader (DHT child, p2pd, companion): gone in 3 s
             kill_group(p, gone_within=max(0.0, deadline - time.monotonic()))
@@ -322,7 +356,30 @@ class LocalSwarm:
         from checkfree.net.lifeline import sweep_stale_sockets
 
         sweep_stale_sockets(min_age_s=1.0)
+        self._await_shm_managers()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        deadline = time.monotonic() + DRAIN_S
+        for p in [p for p in coordinators if p not in self._read]:  # its group is gone, so its output ends now:
+            with contextlib.suppress(queue.Empty):  # its log is complete when this returns
+                while p.lines.get(timeout=max(0.0, deadline - time.monotonic())) is not None:
+                    pass
+
+    def _await_shm_managers(self) -> None:
+        """Until torch's shared-memory managers of the swarm's processes have exited (SHM_MANAGER_S at most, then
+        SIGKILL). Each runs in a session of its own (no group kill reaches it) with its socket in our temporary
+        directory (its TMPDIR, inherited); it unlinks its clients' /dev/shm segments and exits 2 s after the last
+        client is gone: with its directory removed before that it aborts and leaves the segments behind."""
+        from checkfree.net.lifeline import outliving
+
+        managers = set()
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if entry.name.isdigit() and (entry / "comm").read_text().startswith("torch_shm_manag") and \
+                        f"TMPDIR={self.tmp}\0".encode() in (entry / "environ").read_bytes():  # (comm: 15 bytes)
+                    managers.add(int(entry.name))
+        for pid in outliving(managers, timeout=SHM_MANAGER_S, poll=0.05):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     @staticmethod
     def _stop(procs: list[Proc], wait_s: float, group: bool = True) -> None:
@@ -334,7 +391,17 @@ class LocalSwarm:
                         os.killpg(p.popen.pid, signal.SIGTERM)
                     else:
                         p.popen.terminate()
-        deadline = time.monotonic() + wait_s
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        _wait_exit(procs, wait_s)
+
+
+def _exiting(proc: Proc) -> bool:
+    """Whether a peer said it is exiting because the run is over (and has not exited yet)."""
+    return proc.popen.poll() is None and any(PEER_EXITING.match(line) for line in list(proc.out))
+
+
+def _wait_exit(procs: list[Proc], wait_s: float) -> None:
+    """Until every process has exited, or `wait_s` has passed: returns as soon as the last is gone."""
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
