@@ -56,7 +56,7 @@ def _adam_step(optimizer: torch.optim.Optimizer) -> None:
     graph break for torch.compile (2.3 to 2.9 s of CPU per process, for nothing here). The same arithmetic
     (tests/test_worker.py compares both, bit for bit)."""
     body = inspect.unwrap(type(optimizer).step)
-    if optimizer.defaults.get("differentiable"):
+    if optimizer.defaults.get("differentiable") or "step" in vars(optimizer):  # (a step set on the instance runs)
         optimizer.step()
         return
     with torch.no_grad():

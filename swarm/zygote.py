@@ -212,11 +212,11 @@ class Zygote:
                 with self._replied:
                     while ident not in self._replies and not self.dead:
                         self._replied.wait()
-                    reply = self._replies.pop(ident, None)
-                    if reply is None or "pid" not in reply:
-                        self._warn("it exited" if reply is None else reply.get("error", "?"))
+                    answer = self._replies.pop(ident, None)  # (the server's JSON, not a checkfree.messages reply)
+                    if answer is None or "pid" not in answer:
+                        self._warn("it exited" if answer is None else answer.get("error", "?"))
                         return None
-                    pid = reply["pid"]
+                    pid = answer["pid"]
                     child = ZygoteProcess([sys.executable, "-m", module, *args], pid,
                                           open(in_w, "w") if in_w >= 0 else None, open(out_r, "r"), self)
                     in_w = out_r = -1  # (the files own them now)

@@ -137,9 +137,19 @@ def violations(path: Path) -> list[str]:
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
 
 
+# the process's own state, written where a forked child becomes `python -m checkfree ARGS` (swarm/zygote.py `_child`):
+# what a fresh interpreter would have set itself (its arguments, a new multiprocessing key), not another object's
+PROCESS_STATE = {"swarm/zygote.py": ("sys.argv", "multiprocessing.current_process().authkey")}
+
+
+def _process_state(violation: str) -> bool:
+    path, _, what = violation.split(":", 2)
+    return what.strip() in PROCESS_STATE.get(path, ())
+
+
 @pytest.mark.parametrize("layer", ["coordinator", "swarm", "faults", "ops", "peers"])
 def test_no_module_writes_another_objects_attributes(layer):
-    bad = [v for path in sorted((ROOT / layer).rglob("*.py")) for v in violations(path)]
+    bad = [v for path in sorted((ROOT / layer).rglob("*.py")) for v in violations(path) if not _process_state(v)]
     assert not bad, f"{len(bad)} writes into objects the module did not create:\n" + "\n".join(bad)
 
 
