@@ -118,8 +118,8 @@ class LocalSwarm:
     def _spawn(self, name: str, args: list[str], stdin=subprocess.DEVNULL) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.opts.threads_per_peer),
                SECRET_ENV: self.secret, "TMPDIR": str(self.tmp)}
-        if self.zygote is None and self.lab is None and enabled(env):  # (the env every process of it gets; with
-            # a NetLab every spawn is prefixed `ip netns exec NAME`: all started with Popen)
+        if self.zygote is None and enabled(env):  # (the env every process of it gets; with a NetLab, every spawn's
+            # prefix `ip netns exec NAME` too: the child enters that namespace itself, swarm/zygote.py)
             self.zygote = Zygote(env, ready_timeout=self.opts.ready_timeout, log=self.opts.out / "logs" / "zygote.log")
         link, prefix = 0, list[str]()  # (no namespace: no prefix)
         if self.lab is not None:  # its own namespace, listening on its address there (the last flag wins)

@@ -85,8 +85,8 @@ class Proc:
 def spawn(args: list[str], env: dict, *, log: Path | None = None, prefix: Sequence[str] = (), stdin=subprocess.DEVNULL,
           name: str = "", link: int = 0, announce: bool = False, zygote: Zygote | None = None) -> Proc:
     """Start `[prefix...] python -m checkfree ARGS` in a session of its own; its output lines are queued (and
-    written to `log`). With `zygote`, forked from that fork server where it can be (no prefix, the server's env:
-    swarm/zygote.py), else with Popen."""
+    written to `log`). With `zygote`, forked from that fork server where it can be (the server's env, no prefix
+    or netlab's `ip netns exec NAME`: swarm/zygote.py), else with Popen."""
     popen: subprocess.Popen | ZygoteProcess | None = None
     if zygote is not None:
         popen = zygote.popen(args, env, stdin=stdin, prefix=prefix)

@@ -11,8 +11,16 @@ Popen-like object (`ZygoteProcess`: pid, poll, wait, returncode, send_signal, te
 Limits, by design:
 * The zygote starts with the environment its children need (libgomp reads OMP_NUM_THREADS when torch loads, and
   /proc/PID/environ shows the zygote's): `Zygote.popen` forks only for a spawn whose env equals the zygote's, and
-  returns None otherwise (the caller then starts the process with Popen). The same for a spawn with a prefix
-  (`ip netns exec NAME`): started with Popen.
+  returns None otherwise (the caller then starts the process with Popen).
+* A spawn with a prefix: only swarm/netlab.py's `ip netns exec NAME` is forked (anything else goes to Popen). The
+  client opens /var/run/netns/NAME and passes the descriptor; the child enters that network namespace (setns) before
+  its command line is written or its pid reported, so nothing of it runs in the zygote's. What `ip netns exec` does
+  besides, it leaves out, on purpose: it execs the command (its /proc/PID/cmdline is `python -m checkfree ARGS`
+  either way, which the child's is), bind-mounts /etc/netns/NAME/* over /etc (netlab writes none), and, in a mount
+  namespace of its own, mounts a fresh sysfs over /sys, whose /sys/class/net then lists the namespace's interfaces.
+  Nothing of the swarm reads /sys/class/net (sockets, netlink and /proc/self/net follow the network namespace); the
+  one /sys reader, checkfree/memory.py's cgroup limit, finds no /sys/fs/cgroup in that fresh sysfs, and the forked
+  child's own cgroup's limit.
 * The zygote does no torch op and starts no thread before it forks (no thread pool a fork could break); a child
   reseeds what the imports seeded (numpy's global generator, multiprocessing's authkey; Python's `random` reseeds
   itself at fork) and runs `python -m checkfree` as runpy would, then exits with its code after the interpreter's
@@ -29,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -39,11 +48,13 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Zygote", "ZygoteProcess", "enabled", "ENV_SWITCH", "ORPHANED"]
+__all__ = ["Zygote", "ZygoteProcess", "enabled", "netns_name", "ENV_SWITCH", "ORPHANED"]
 
 ENV_SWITCH = "CHECKFREE_ZYGOTE"  # "0" / "off" / "no" / "false": every spawn uses Popen
 ROOM = 16384  # bytes of argv memory the zygote's padding leaves for a child's command line
 ORPHANED = 255  # returncode of a child whose fork server died before it: its true status is unknown
+NETNS_DIR = "/var/run/netns"  # where `ip netns add NAME` keeps the namespace (iproute2's NETNS_RUN_DIR)
+CLONE_NEWNET = 0x40000000  # (os.CLONE_NEWNET from Python 3.12)
 _MSG = 1 << 16
 
 
@@ -187,22 +198,28 @@ class Zygote:
 
     def popen(self, args: list[str], env: Mapping[str, str], *, stdin=subprocess.DEVNULL,
               cwd: str | None = None, prefix: Sequence[str] = (), module: str = "checkfree") -> ZygoteProcess | None:
-        """Fork `python -m MODULE ARGS` from the server; None where it cannot be (a prefix, another env, a
-        server that is gone or never got ready): start it with Popen then."""
-        if prefix or dict(env) != self.env or stdin not in (subprocess.DEVNULL, subprocess.PIPE):
+        """Fork `[prefix...] python -m MODULE ARGS` from the server; None where it cannot be (a prefix other than
+        `ip netns exec NAME` or a namespace it cannot open, another env, a server that is gone or never got ready):
+        start it with Popen then."""
+        netns = netns_name(prefix)
+        if (prefix and netns is None) or dict(env) != self.env or stdin not in (subprocess.DEVNULL, subprocess.PIPE):
             return None
         if not self._ready.wait(self.ready_timeout) or self.dead:
             self._warn("it exited" if self.dead else f"not ready within {self.ready_timeout:g} s")
             return None
+        try:
+            ns_fd = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY | os.O_CLOEXEC) if netns else -1
+        except OSError:
+            return None  # (Popen's `ip netns exec` then says why, in the process's output)
         out_r, out_w = os.pipe()
         in_r, in_w = os.pipe() if stdin == subprocess.PIPE else (-1, -1)
-        fds = [out_w] + ([in_r] if in_r >= 0 else [])
+        fds = [out_w] + ([in_r] if in_r >= 0 else []) + ([ns_fd] if ns_fd >= 0 else [])
         try:
             with self._lock:
                 self._next += 1
                 ident = self._next
                 request = {"id": ident, "args": list(args), "cwd": cwd or os.getcwd(), "stdin": in_r >= 0,
-                           "argv0": sys.executable, "module": module}
+                           "netns": ns_fd >= 0, "argv0": sys.executable, "module": module}
                 try:
                     socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
                 except OSError as e:
@@ -217,7 +234,7 @@ class Zygote:
                         self._warn("it exited" if answer is None else answer.get("error", "?"))
                         return None
                     pid = answer["pid"]
-                    child = ZygoteProcess([sys.executable, "-m", module, *args], pid,
+                    child = ZygoteProcess([*prefix, sys.executable, "-m", module, *args], pid,
                                           open(in_w, "w") if in_w >= 0 else None, open(out_r, "r"), self)
                     in_w = out_r = -1  # (the files own them now)
                     self._children[pid] = child
@@ -226,7 +243,7 @@ class Zygote:
                 child._exited(early)
             return child
         finally:
-            for fd in (out_w, in_r, out_r, in_w):
+            for fd in (out_w, in_r, out_r, in_w, ns_fd):
                 if fd >= 0:
                     os.close(fd)
 
@@ -249,7 +266,29 @@ class Zygote:
         self.close()
 
 
+def netns_name(prefix: Sequence[str]) -> str | None:
+    """NAME of a prefix `ip netns exec NAME` (swarm/netlab.py's), a plain name of /var/run/netns; None for any other
+    prefix."""
+    if (len(prefix) == 4 and list(prefix[:3]) == ["ip", "netns", "exec"]
+            and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix[3]) and prefix[3] not in (".", "..")):
+        return prefix[3]
+    return None
+
+
 # --- server side ---------------------------------------------------------------------------------------------
+
+
+def _setns(fd: int) -> None:
+    """Enter the network namespace `fd` refers to (this thread's; a forked child has no other)."""
+    if hasattr(os, "setns"):  # (Python 3.12+)
+        os.setns(fd, CLONE_NEWNET)
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"setns: {os.strerror(errno)}")
 
 
 def _set_cmdline(argv: list[str]) -> None:
@@ -266,7 +305,8 @@ def _set_cmdline(argv: list[str]) -> None:
 
 def _child(request: dict, fds: list[int], closing: list[int], started: int) -> None:
     """In the forked child: become `python -m MODULE ARGS` (never returns). One byte on `started` once it has its
-    own session and its command line (the server reports its pid only then, as Popen returns only then)."""
+    own session, its network namespace (if asked) and its command line (the server reports its pid only then, as
+    Popen returns only then)."""
     code = 1
     try:
         os.setsid()
@@ -283,6 +323,13 @@ def _child(request: dict, fds: list[int], closing: list[int], started: int) -> N
         os.dup2(out, 2)
         for fd in {out, stdin}:
             os.close(fd)
+        if request.get("netns"):  # (before anything of the command runs; an error goes to its output, as ip's)
+            try:
+                _setns(fds[-1])
+            except OSError as e:
+                print(f"setting the network namespace failed: {e}", file=sys.stderr, flush=True)
+                raise
+            os.close(fds[-1])
         os.chdir(request["cwd"])
         _set_cmdline([request["argv0"], "-m", request["module"], *request["args"]])
         os.write(started, b"+")
@@ -409,3 +456,6 @@ def serve(fd: int, preload: str = "-") -> None:
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]), sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (no interpreter teardown of what it imported: a second or more of CPU, for nothing to save)

@@ -51,6 +51,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fork_servers_closed():
+    """The fork servers tests/swarmrun.py's `spawn` started for a module's tests, stopped at its end (one per env
+    its spawns used: they outlive a test, as a session-scoped fixture's processes, but not its module)."""
+    yield
+    if (swarmrun := sys.modules.get("swarmrun")) is not None:
+        swarmrun.close_fork_servers()
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_p2pd():
     """Fail a test that leaves a p2pd daemon running (orphaned daemons are a known hivemind pitfall)."""
@@ -121,7 +130,8 @@ def fresh_refusal_log():
 PROCESS_STARTERS = {"subprocess", "multiprocessing", "Popen", "P2P", "DHT", "start_transport", "start_companion"}
 PROCESS_MODULES = {"subprocess", "multiprocessing", "swarmrun", "swarm.processes", "swarm.launcher"}
 TESTS_DIR = Path(__file__).resolve().parent
-WATCHERS = {"no_leftover_p2pd", "_process_tier_check"}  # autouse fixtures that look for processes, start none
+# autouse fixtures that look for processes or stop them, start none
+WATCHERS = {"no_leftover_p2pd", "_process_tier_check", "fork_servers_closed"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

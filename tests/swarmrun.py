@@ -11,14 +11,36 @@ from pathlib import Path
 from checkfree.rundir import read_jsonl
 from swarm.processes import Proc, await_line, kill_group
 from swarm.processes import spawn as _spawn
+from swarm.zygote import Zygote, enabled
 
-__all__ = ["local", "simulate", "trace", "events", "Proc", "spawn", "await_line", "kill_group"]
+__all__ = ["local", "simulate", "trace", "events", "Proc", "spawn", "await_line", "kill_group", "close_fork_servers"]
+
+_FORK_SERVERS: dict[frozenset, Zygote] = {}  # env -> the fork server of the spawns with that env
 
 
 def spawn(args: list[str], env: dict) -> Proc:
-    """Start `python -m checkfree ARGS` in a session of its own; its output lines are queued
-    (swarm.processes, the launcher's own helper)."""
-    return _spawn(args, env)
+    """Start `python -m checkfree ARGS` in a session of its own; its output lines are queued (swarm.processes, the
+    launcher's own helper). Forked, as the launcher's, from a fork server (swarm/zygote.py) that the first spawn
+    with this exact env starts; conftest.py closes them at the end of each test module (`close_fork_servers`)."""
+    return _spawn(args, env, zygote=_fork_server(env))
+
+
+def _fork_server(env: dict) -> Zygote | None:
+    if not enabled(env):
+        return None
+    key = frozenset(env.items())
+    server = _FORK_SERVERS.get(key)
+    if server is None or server.dead:
+        if server is not None:
+            server.close()
+        server = _FORK_SERVERS[key] = Zygote(env)
+    return server
+
+
+def close_fork_servers() -> None:
+    """Stop the fork servers `spawn` started (their children, if any still run, are not signalled)."""
+    while _FORK_SERVERS:
+        _FORK_SERVERS.popitem()[1].close()
 
 
 def local(tmp_path: Path, name: str, *args: str, cache: str, spares: int = 2,

@@ -1,11 +1,14 @@
 """The local swarm's fork server (swarm/zygote.py): a forked child looks from outside like one Popen starts (its
 own session, stdout and stderr in one pipe, a stdin pipe, its cwd, its exit status, its command line in /proc,
-its group killed whole), spawns it cannot take go to Popen (another env, a prefix), its preload starts no thread,
-and a dead server means Popen with one warning, never a hang. Real processes, a few seconds each."""
+its group killed whole), a child behind netlab's `ip netns exec NAME` prefix in that network namespace, spawns it
+cannot take go to Popen (another env, another prefix), its preload starts no thread, and a dead server means Popen
+with one warning, never a hang. Real processes, a few seconds each."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +19,7 @@ import pytest
 
 from checkfree.net.lifeline import living, outliving, process_group
 from swarm.processes import Proc, await_line, kill_group, spawn
-from swarm.zygote import ORPHANED, Zygote, ZygoteProcess
+from swarm.zygote import NETNS_DIR, ORPHANED, Zygote, ZygoteProcess, netns_name
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
@@ -40,6 +43,12 @@ elif what == "family":  # a child in its process group, then wait
     time.sleep(600)
 elif what == "raise":
     raise ValueError("boom")
+elif what == "netns":  # what this process sees of the network, then wait for a line
+    import socket
+    print("interfaces", sorted(name for _, name in socket.if_nameindex()))
+    print("proc net", sorted(line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]))
+    print("netns inode", os.stat("/proc/self/ns/net").st_ino, flush=True)
+    sys.stdin.readline()
 '''
 
 
@@ -115,3 +124,48 @@ def test_a_dead_fork_server_means_popen_with_one_warning_not_a_hang(tmp_path, en
         assert not outliving({p.pid, grandchild}, 10)
     finally:
         z.close()
+
+
+def test_only_netlabs_prefix_is_parsed_as_a_namespace():
+    assert netns_name(["ip", "netns", "exec", "cf12x0a1b-3"]) == "cf12x0a1b-3"
+    for prefix in ([], ["env"], ["ip", "netns", "exec"], ["ip", "netns", "exec", "a", "b"], ["ip", "-n", "exec", "a"],
+                   ["ip", "netns", "exec", "../a"], ["ip", "netns", "exec", ".."], ["ip", "netns", "exec", "-a"],
+                   ["sudo", "netns", "exec", "a"]):
+        assert netns_name(prefix) is None, prefix
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="network namespaces need root and iproute2")
+def test_a_child_behind_ip_netns_exec_is_forked_into_that_namespace(env):
+    ns = f"zyg{os.getpid()}x{secrets.token_hex(2)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "add", "zyg0", "type", "veth", "peer", "name", "zyg1"], check=True,
+                       timeout=30)  # (a veth pair, as netlab's: no dummy module in some containers)
+        prefix = ["ip", "netns", "exec", ns]
+        with Zygote(env, preload=("json",)) as z:
+            assert z.popen(["netns"], env, prefix=["ip", "netns", "exec", "no-such-ns-here"],
+                           module="zygote_child") is None  # (Popen's `ip` then says why)
+            forked = z.popen(["netns"], env, prefix=prefix, stdin=subprocess.PIPE, module="zygote_child")
+            assert forked is not None and forked.stdin is not None and forked.stdout is not None
+            assert forked.args == [*prefix, sys.executable, "-m", "zygote_child", "netns"]
+            seen = [forked.stdout.readline() for _ in range(3)]
+            assert seen[:2] == ["interfaces ['lo', 'zyg0', 'zyg1']\n", "proc net ['lo', 'zyg0', 'zyg1']\n"]
+            assert int(seen[2].split()[2]) == os.stat(f"{NETNS_DIR}/{ns}").st_ino != os.stat("/proc/self/ns/net").st_ino
+            listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+            assert str(forked.pid) in listed.split()  # (what NetLab.kill_host signals)
+            cmdline = Path(f"/proc/{forked.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            # what `ip netns exec` shows once it has exec'd the command
+            assert cmdline == [sys.executable.encode(), b"-m", b"zygote_child", b"netns"]
+            popen = subprocess.Popen([*prefix, sys.executable, "-m", "zygote_child", "netns"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert popen.stdout is not None and popen.stdin is not None
+            assert [popen.stdout.readline() for _ in range(3)] == seen  # the same view as `ip netns exec` gives
+            for p in (forked, popen):
+                p.stdin.write("\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+                assert p.wait(timeout=30) == 0
+                p.stdin.close()  # type: ignore[union-attr]
+                p.stdout.close()  # type: ignore[union-attr]
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
