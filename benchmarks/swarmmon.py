@@ -131,6 +131,8 @@ class SwarmMonitor:
         ppid = tree.get(pid, 0)
         if ppid == self.root and "swarm.zygote" in args:  # the launcher's fork server (swarm/zygote.py): its part
             return "launcher", self.root
+        if "swarm.zygote" in args:  # a child of the fork server not yet past its fork (its command line is still
+            return "starting", pid  # the server's): no role yet, asked again at the next sample
         if ppid == self.root or (tree.get(ppid) == self.root and self._role(ppid, tree)[0] == "launcher"):
             if "scheduler" in args:
                 return "coordinator", pid
@@ -154,7 +156,10 @@ class SwarmMonitor:
         s = Sample(time.monotonic(), self._steps())
         for pid in tree:
             if pid not in self.roles:
-                self.roles[pid] = self._role(pid, tree)
+                role, group = self._role(pid, tree)
+                if role == "starting":
+                    continue
+                self.roles[pid] = (role, group)
             role, group = self.roles[pid]
             main = _stat(f"/proc/{pid}/stat")
             if main is None:
