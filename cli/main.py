@@ -12,7 +12,14 @@ import atexit
 import gc
 import importlib
 import logging
+import os
 import sys
+
+# hivemind shares its futures' state through torch's `file_system` strategy unless told otherwise: every process then
+# starts a torch_shm_manager, which holds a swarm's teardown 2 s after its last client, and a SIGKILLed process leaves
+# its /dev/shm/torch_* segments behind (seen here: two per local swarm run). torch's own Linux default,
+# `file_descriptor`, keeps no named segment. Set before anything imports hivemind; a value already set is kept.
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "MODES", "PRELOAD"]
 

@@ -87,6 +87,22 @@ def test_a_command_imports_only_what_it_needs():
         assert vars(build_parser(argv[argv[0] == "-v"]).parse_args(argv)) == vars(build_parser().parse_args(argv))
 
 
+_SHARING = "import cli.main, hivemind, torch.multiprocessing as m; print(m.get_sharing_strategy())"
+
+
+def test_checkfree_processes_share_memory_without_named_segments_unless_told():
+    """A checkfree process (cli.main imported before hivemind) shares memory by file descriptors, torch's Linux
+    default, not by hivemind's `file_system` (a torch_shm_manager per process, /dev/shm segments a SIGKILL leaves
+    behind); a strategy set in the environment is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+    for given, expected in ((None, "file_descriptor"), ("file_system", "file_system")):
+        run_env = env if given is None else {**env, "HIVEMIND_MEMORY_SHARING_STRATEGY": given}
+        proc = subprocess.run([sys.executable, "-c", _SHARING], capture_output=True, text=True, timeout=100,
+                              env=run_env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split()[-1] == expected
+
+
 def test_simulate_output_in_a_log_file_has_no_carriage_returns(tmp_path):
     proc = subprocess.run(f"{sys.executable} -m checkfree simulate --steps 40 --eval-every 20 --out {tmp_path / 'r'} "
                           f"> {tmp_path / 'log'} 2>&1", shell=True, timeout=100)
