@@ -52,15 +52,14 @@ def _no_dynamo_at_first_use() -> None:
 
 def _adam_step(optimizer: torch.optim.Optimizer) -> None:
     """One optimizer step through the step's own body under no_grad, as its wrappers run it: they add the
-    optimizer's step hooks (none here: nor an LR scheduler, checkfree computes the LR) and profiler ranges, and import torch._dynamo at the first step to mark a
-    graph break for torch.compile (2.3 to 2.9 s of CPU per process, for nothing here). The same arithmetic
-    (tests/test_worker.py compares both, bit for bit)."""
-    body = inspect.unwrap(type(optimizer).step)
+    optimizer's step hooks (none here: nor an LR scheduler, checkfree computes the LR) and profiler ranges, and
+    import torch._dynamo at the first step to mark a graph break for torch.compile (2.3 to 2.9 s of CPU per
+    process, for nothing here). The same arithmetic (tests/test_worker.py compares both, bit for bit)."""
     if optimizer.defaults.get("differentiable") or "step" in vars(optimizer):  # (a step set on the instance runs)
         optimizer.step()
         return
     with torch.no_grad():
-        body(optimizer)
+        inspect.unwrap(type(optimizer).step)(optimizer)
 
 
 def resolve_device(name: str) -> torch.device:
