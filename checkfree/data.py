@@ -9,6 +9,7 @@ last `val_fraction` of the sequences is held out for validation.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -240,8 +241,13 @@ def load_tokenizer(cfg: DataConfig, docs: Iterable[str] | None, vocab_size: int,
         path = cache_dir(cfg) / f"bpe-{corpus}-{vocab_size}.json"
         if path.exists():
             return Tokenizer.from_file(str(path))
-        log.info("training a %d-token byte-level BPE on the corpus (cached at %s)", vocab_size, path)
-        return _train_bpe(_texts(cfg) if docs is None else docs, vocab_size, path)
+        # as the token file (prepare_tokens): processes started together on a fresh cache train it once, the others
+        # wait on the entry's lock and read its file
+        with _entry_lock(path.with_suffix(".lock")):
+            if path.exists():
+                return Tokenizer.from_file(str(path))
+            log.info("training a %d-token byte-level BPE on the corpus (cached at %s)", vocab_size, path)
+            return _train_bpe(_texts(cfg) if docs is None else docs, vocab_size, path)
     if cfg.tokenizer.endswith(".json") or Path(cfg.tokenizer).exists():
         if not Path(cfg.tokenizer).is_file():
             raise DataError(f"tokenizer file {cfg.tokenizer!r} does not exist")
@@ -337,12 +343,19 @@ def prepare_tokens(cfg: DataConfig, tok, corpus: str, *, progress: bool = True) 
     # Peers started together on a fresh cache (a local swarm, the in-process swarm's threads) would each tokenize
     # the whole corpus at once; one does, under an exclusive lock on the cache entry, and the others wait for it
     # and read its file.
-    with open(root / f"{stem}.lock", "a+b") as lock:
+    with _entry_lock(root / f"{stem}.lock"):
+        if meta_path.exists() and path.exists():
+            return path, json.loads(meta_path.read_text())
+        return _write_tokens(cfg, tok, root, stem, progress)
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on a cache entry (`path`, a lock file beside it), across processes and threads."""
+    with open(path, "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if meta_path.exists() and path.exists():
-                return path, json.loads(meta_path.read_text())
-            return _write_tokens(cfg, tok, root, stem, progress)
+            yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 

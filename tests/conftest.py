@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -39,9 +38,26 @@ def _ours(pid: int) -> bool:
         return False
 
 
+def _processes() -> list[tuple[int, int, bytes]]:
+    """Every process as (pid, parent pid, name), read from /proc/PID/stat: what `pgrep` reads, without starting one
+    (a fork and exec of a process with torch loaded, twice per test, cost the quick tier more than its /proc reads)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the process is gone
+        name, rest = stat.split(b" (", 1)[1].rsplit(b") ", 1)
+        found.append((int(entry), int(rest.split(None, 2)[1]), name))
+    return found
+
+
 def _p2pd_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
-    return {int(x) for x in out.split() if _ours(int(x))}
+    """Our p2pd daemons (as `pgrep -x p2pd`, then this session's mark)."""
+    return {pid for pid, _, name in _processes() if name == b"p2pd" and _ours(pid)}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -98,8 +114,11 @@ def rpc_transport(request) -> str:
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory) -> str:
     """The session's token cache ($CHECKFREE_CACHE of a test's runs): the BPE is trained and the tokens are written
-    once per session (about 15 s on 2 busy cores), not once per module or test that only reads them."""
-    return str(tmp_path_factory.getbasetemp() / "cache")
+    once per session (about 15 s on 2 busy cores), not once per module or test that only reads them. Under
+    pytest-xdist the workers share it (each worker's temporary directory is its own, in the session's): the first
+    to need an entry makes it, under the entry's lock (checkfree.data), and the others wait for it."""
+    base = tmp_path_factory.getbasetemp()
+    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "cache")
 
 
 @pytest.fixture
@@ -187,6 +206,16 @@ def _in_process_tier(item: pytest.Item) -> bool:
     return any(_starts_processes(f, seen) for f in funcs if f is not None)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection made and still holds (the modules of the tests, torch, transformers: some 360,000 objects) is
+    frozen (gc.freeze): a full collection, automatic or asked for (dst.run's resource counts ask for one before and
+    after each schedule), then walks only what the tests make, not all of that again each time."""
+    import gc
+
+    gc.collect()  # its garbage is freed, not frozen
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _in_process_tier(item) and not item.get_closest_marker("processes"):
@@ -222,14 +251,8 @@ def _child_ticks() -> int:
 
 def _live_children() -> list[int]:
     """This process's children still running (read from /proc: starting pgrep would itself be a child)."""
-    me, found = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass  # the process is gone
-    return found
+    me = os.getpid()
+    return [pid for pid, parent, _ in _processes() if parent == me]
 
 
 _UNDECLARED: list[str] = []
@@ -238,7 +261,7 @@ _UNDECLARED: list[str] = []
 @pytest.fixture(autouse=True)
 def _process_tier_check(request, no_leftover_p2pd):
     """In a --quick run, note a test that started OS processes without being in the real-process tier (set up
-    after no_leftover_p2pd, whose pgrep calls are children too)."""
+    after no_leftover_p2pd: its window holds the test alone)."""
     quick = request.config.getoption("--quick")
     if not quick or request.node.get_closest_marker("processes"):
         yield

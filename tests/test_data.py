@@ -144,38 +144,61 @@ def test_a_prepared_corpus_is_mapped_not_read_again(tmp_path, monkeypatch):
     assert not torch.equal(_data(tmp_path, tmp_path / "a.txt").batch(3, 1)[0], first.batch(3, 1)[0])
 
 
+def _four_at_once(monkeypatch, name: str, call) -> tuple[list, int]:
+    """`call()` in four threads released together; what each returned, and how many times they ran
+    checkfree.data's function `name` among them."""
+    import threading
+
+    import checkfree.data as data
+
+    runs, gate = [], threading.Barrier(4)
+    real = getattr(data, name)
+
+    def counted(*args, **kw):
+        runs.append(threading.get_ident())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(data, name, counted)
+    got: list = []
+
+    def one():
+        gate.wait(timeout=30)
+        got.append(call())
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return got, len(runs)
+
+
 def test_peers_preparing_one_corpus_together_tokenize_it_once(tmp_path, monkeypatch):
     """Peers started together on a fresh cache (a local swarm's processes, the in-process swarm's compute
     threads) tokenize the corpus once: the others wait on the cache entry's lock and map its file."""
-    import threading
-
     import checkfree.data as data
 
     (tmp_path / "a.txt").write_text("now is the winter of our discontent made glorious summer. " * 300)
     cfg = DataConfig(source=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "cache"))
     corpus = data.corpus_id(cfg)
     tok = data.load_tokenizer(cfg, None, 300, corpus)
-    writes, gate = [], threading.Barrier(4)
-    real = data._write_tokens
-
-    def counted(*args, **kw):
-        writes.append(threading.get_ident())
-        return real(*args, **kw)
-
-    monkeypatch.setattr(data, "_write_tokens", counted)
-    got: list = []
-
-    def prepare():
-        gate.wait(timeout=30)
-        got.append(data.prepare_tokens(cfg, tok, corpus, progress=False))
-
-    threads = [threading.Thread(target=prepare) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert len(got) == 4 and len(writes) == 1
+    got, writes = _four_at_once(monkeypatch, "_write_tokens", lambda: data.prepare_tokens(cfg, tok, corpus,
+                                                                                          progress=False))
+    assert len(got) == 4 and writes == 1
     assert all(g == got[0] for g in got) and got[0][1]["tokens"] > 0
+
+
+def test_peers_starting_together_on_a_fresh_cache_train_the_bpe_once(tmp_path, monkeypatch):
+    """As the token file: processes (or threads) that need the same BPE on a fresh cache train it once, under the
+    cache entry's lock; the others read its file (the test session's workers share one cache, tests/conftest.py)."""
+    import checkfree.data as data
+
+    (tmp_path / "a.txt").write_text("if music be the food of love, play on; give me excess of it. " * 300)
+    cfg = DataConfig(source=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "cache"))
+    corpus = data.corpus_id(cfg)
+    got, trained = _four_at_once(monkeypatch, "_train_bpe",
+                                 lambda: data.load_tokenizer(cfg, None, 300, corpus).to_str())
+    assert len(got) == 4 and trained == 1 and len(set(got)) == 1
 
 
 def test_stale_and_partial_preparations_are_never_used(tmp_path):
@@ -221,14 +244,14 @@ def test_preparation_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch)
     assert peaks[1] < 1.5 * peaks[0], peaks
 
 
-def test_encoding_in_pieces_gives_the_tokens_of_the_whole_text(tmp_path):
+def test_encoding_in_pieces_gives_the_tokens_of_the_whole_text(session_cache):
     """Text cut into pieces after newlines between two non-space characters tokenizes exactly as the whole;
     newlines next to spaces or blank lines are never cut (a byte-level pre-tokenizer joins those runs)."""
     import random
 
     from checkfree.data import _encode_pieces, build_tokenizer
 
-    tok = build_tokenizer(DataConfig(cache_dir=str(tmp_path / "cache")), 512)
+    tok = build_tokenizer(DataConfig(cache_dir=session_cache), 512)  # the tiny preset's, trained once a session
     rng = random.Random(0)
     words = "all the world's a stage and all the men and women merely players".split()
     text = "".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + rng.choice(

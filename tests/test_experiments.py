@@ -24,10 +24,10 @@ CELL = re.compile(rf"^(\d+(\.\d+)?(e-?\d+)?( ± .*\))?|{NOT_REACHED}|reached in 
 
 
 @pytest.fixture
-def cache(tmp_path_factory, monkeypatch):
+def cache(session_cache, monkeypatch):
     """The tokenizer / token cache shared with the other tests of the session (spawned run
     processes inherit the environment)."""
-    path = tmp_path_factory.getbasetemp() / "cache"
+    path = Path(session_cache)
     monkeypatch.setenv("CHECKFREE_CACHE", str(path))
     return path
 

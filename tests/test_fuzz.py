@@ -355,10 +355,10 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(tmp_path_factory, session_cache):
     pair = Live()
     try:
-        pair.start(tmp_path_factory.mktemp("fuzz"), tmp_path_factory.getbasetemp() / "cache")
+        pair.start(tmp_path_factory.mktemp("fuzz"), Path(session_cache))
         yield pair
     finally:
         pair.close()

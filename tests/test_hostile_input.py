@@ -166,8 +166,8 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "cache"  # shared with the other modules of this session
+def live(tmp_path_factory, session_cache):
+    cache = Path(session_cache)  # shared with the other modules of this session
     pair = Live()
     try:
         pair.start(tmp_path_factory.mktemp("hostile"), cache)
@@ -447,14 +447,14 @@ def _finish(procs: list[Proc], timeout: float) -> list[tuple[int | None, str]]:
     return [(code, "\n".join(proc.out)) for proc, code in zip(procs, codes)]
 
 
-def test_peer_cli_fails_fast_on_bad_bootstrap_and_exits_cleanly_on_signals(tmp_path_factory) -> None:
+def test_peer_cli_fails_fast_on_bad_bootstrap_and_exits_cleanly_on_signals(session_cache) -> None:
     """Four peer processes at once (each one pays for importing torch and hivemind):
     - an unreachable bootstrap address (valid peer id, nothing listening) fails within ~30 s, telling
       the user to check the address; a malformed multiaddr fails at once with the expected form;
     - `timeout`, Ctrl-C and process managers signal the whole group (peer, its DHT child, its p2pd):
       the peer must still exit promptly and cleanly. (On SIGTERM it used to hang forever: the DHT
       child inherited asyncio's handler and ignored the SIGTERM of DHT.shutdown.)"""
-    env = _env(tmp_path_factory.getbasetemp() / "cache")
+    env = _env(Path(session_cache))
     dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{VALID_PEER_ID}"
     bad = "/ip4/127.0.0.1/tcp/notaport"
     sigs = [signal.SIGTERM, signal.SIGINT]

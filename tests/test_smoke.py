@@ -16,9 +16,12 @@ from checkfree.rundir import read_jsonl
 pytestmark = [pytest.mark.smoke, pytest.mark.timeout(300)]
 
 
-def test_the_main_command_recovers_two_sigkilled_stages_and_plots(tmp_path):
+def test_the_main_command_recovers_two_sigkilled_stages_and_plots(tmp_path, session_cache):
     out = tmp_path / "run"
-    env = {**os.environ, "CHECKFREE_CACHE": str(tmp_path / "cache")}
+    # the session's token cache (tests/conftest.py): the quick tier starts with this test, so its run prepares the
+    # tokens on a fresh cache (as the README's command on a fresh machine) unless a test on the other worker got
+    # there first, and the tests after it reuse them
+    env = {**os.environ, "CHECKFREE_CACHE": session_cache}
     proc = subprocess.run([sys.executable, "-m", "checkfree", "local", "--preset", "tiny", "--strategy", "checkfree+",
                            "--steps", "12", "--no-progress", "--out", str(out)],
                           capture_output=True, text=True, timeout=280, env=env)

@@ -257,12 +257,14 @@ def test_a_lost_stage_is_restored_from_its_copy_and_rebuilt_by_the_configured_ru
         assert strategy.streams[2].mirrored  # restored from its copy: its owner mirrors it
 
 
-def test_the_simulator_restores_from_the_newest_complete_copy_and_falls_back_when_the_holder_is_lost_too(tmp_path):
+def test_the_simulator_restores_from_the_newest_complete_copy_and_falls_back_when_the_holder_is_lost_too(tmp_path,
+                                                                                                         session_cache):
     """A trace that loses stage 1, then its holder (stage 2), then stage 1 again before its copy (lost with the
     holder) came back: restored from its copy of step 2 (a whole copy in steps 0-1, a delta in step 2), then stage
     2 from its copy of step 4, then stage 1 rebuilt by CheckFree (its whole copy, begun at step 5, still
     travelling); the copies' steps in the events."""
     cfg = _snap_cfg(tmp_path)
+    cfg.data.cache_dir = session_cache  # the session's tokens (tests/conftest.py), not a corpus tokenized again here
     trace = tmp_path / "trace.csv"
     trace.write_text("step,stage\n3,1\n5,2\n6,1\n")
     cfg.failures.trace = str(trace)

@@ -81,11 +81,11 @@ def replay(tiny_cfg_module, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_cfg_module(tmp_path_factory):
+def tiny_cfg_module(session_cache):
     from checkfree.config import preset
 
     cfg = preset("tiny")
-    cfg.data.cache_dir = str(tmp_path_factory.getbasetemp() / "cache")
+    cfg.data.cache_dir = session_cache
     return cfg
 
 
