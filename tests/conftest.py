@@ -212,6 +212,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     after each schedule), then walks only what the tests make, not all of that again each time."""
     import gc
 
+    if "trio" in sys.modules and "hypothesis" not in sys.modules:
+        # a later `import hypothesis` runs trio's plugin, whose register_random looks for the referrers of trio's
+        # random with gc.get_referrers, which sees no frozen object, and warns: a run of a few files only, where
+        # little is to be saved
+        return
     gc.collect()  # its garbage is freed, not frozen
     gc.freeze()
 

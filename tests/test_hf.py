@@ -38,10 +38,11 @@ GQA = {"vocab_size": 512, "d_model": 32, "num_heads": 4, "num_kv_heads": 2, "num
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A token/tokenizer cache of this module's own, as the CLI finds it ($CHECKFREE_CACHE)."""
+def cache(session_cache):
+    """The session's token/tokenizer cache (tests/conftest.py), as the CLI finds it ($CHECKFREE_CACHE): the tiny
+    preset's corpus is not tokenized again for this module."""
     old = os.environ.get("CHECKFREE_CACHE")
-    os.environ["CHECKFREE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["CHECKFREE_CACHE"] = session_cache
     yield
     if old is None:
         del os.environ["CHECKFREE_CACHE"]
