@@ -6,8 +6,10 @@ what is tested; `transformers` loads the export with no extra code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,40 +39,52 @@ GQA = {"vocab_size": 512, "d_model": 32, "num_heads": 4, "num_kv_heads": 2, "num
        "mlp_hidden": 88}
 
 
-@pytest.fixture(scope="module")
-def cache(session_cache):
-    """The session's token/tokenizer cache (tests/conftest.py), as the CLI finds it ($CHECKFREE_CACHE): the tiny
-    preset's corpus is not tokenized again for this module."""
+@contextlib.contextmanager
+def _cache_env(path: str) -> Iterator[None]:
+    """$CHECKFREE_CACHE set to `path` (where the CLI finds its token/tokenizer cache), then as it was."""
     old = os.environ.get("CHECKFREE_CACHE")
-    os.environ["CHECKFREE_CACHE"] = session_cache
-    yield
-    if old is None:
-        del os.environ["CHECKFREE_CACHE"]
-    else:
-        os.environ["CHECKFREE_CACHE"] = old
+    os.environ["CHECKFREE_CACHE"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CHECKFREE_CACHE"]
+        else:
+            os.environ["CHECKFREE_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def cache(session_cache):
+    """The session's token/tokenizer cache (tests/conftest.py) for this module's CLI runs: the tiny preset's corpus
+    is not tokenized again for them."""
+    with _cache_env(session_cache):
+        yield
 
 
 def _cli(*argv: str) -> None:
     assert main([str(a) for a in argv]) == 0
 
 
-def _train_and_export(root: Path, *flags: str, steps: int = 40) -> tuple[Path, Path]:
+def _train_and_export(root: Path, cache: str, *flags: str, steps: int = 40) -> tuple[Path, Path]:
     run, out = root / "run", root / "hf"
-    _cli("simulate", "--preset", "tiny", "--steps", steps, "--eval-every", 0, "--no-progress", "--out", run, *flags)
-    _cli("export", "--run", run, "--format", "hf", "--output", out)
+    with _cache_env(cache):
+        _cli("simulate", "--preset", "tiny", "--steps", steps, "--eval-every", 0, "--no-progress", "--out", run, *flags)
+        _cli("export", "--run", run, "--format", "hf", "--output", out)
     return run, out
 
 
-@pytest.fixture(scope="module")
-def mha_run(cache, tmp_path_factory):
-    return _train_and_export(tmp_path_factory.mktemp("mha"))
+# The two trained runs are the session's (read only by the tests): pytest-xdist's worksteal can hand a worker this
+# module's tests in more than one stretch, and a module-scoped run was trained again for each.
+@pytest.fixture(scope="session")
+def mha_run(session_cache, tmp_path_factory):
+    return _train_and_export(tmp_path_factory.mktemp("mha"), session_cache)
 
 
-@pytest.fixture(scope="module")
-def gqa_run(cache, tmp_path_factory):
+@pytest.fixture(scope="session")
+def gqa_run(session_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("gqa")
     (root / "config.json").write_text(json.dumps(hf_config(ModelConfig(**GQA))))
-    return _train_and_export(root, "--model-config", root / "config.json")
+    return _train_and_export(root, session_cache, "--model-config", root / "config.json")
 
 
 def _logits_both(run: Path, out: Path) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
