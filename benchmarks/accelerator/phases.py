@@ -171,7 +171,7 @@ def _pass_sigterm(signum, frame) -> None:
     import signal
 
     for child in _FORKED:
-        if child.poll() is None:
+        if child.returncode is None:  # (not poll(): it may take a lock the interrupted thread holds)
             try:
                 os.killpg(child.pid, signal.SIGTERM)
             except OSError:
