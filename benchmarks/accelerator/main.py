@@ -183,8 +183,8 @@ def run_phase(phase: str, call: int | str, cap: float, args, log, progress=None)
 
         proc = dry_fork(cmd[3:], env, module="benchmarks.accelerator", cwd=str(REPO))
     if proc is None:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env=env, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env=env, cwd=REPO)
     reader = threading.Thread(target=_tee, args=(proc.stdout, log, phase), daemon=True)
     reader.start()
     status = "ok"

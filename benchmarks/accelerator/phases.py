@@ -140,13 +140,12 @@ _FORKED: list[Any] = []  # the children forked (each a session of its own: a SIG
 
 def dry_fork(args: list[str], env: dict[str, str], module: str = "checkfree", cwd: str | None = None):
     """The dry run's `python -m MODULE ARGS`, forked from a fork server (swarm/zygote.py) of this process with this
-    env, started by the first such call (import cli.main before the first env is made: it sets a variable of its own
-    in os.environ); with OMP_NUM_THREADS=1 (the test's; else torch's import leaves an OpenMP pool in the server,
-    which a fork must not inherit) and CHECKFREE_ZYGOTE not off. The dry run starts some 25 Python processes (phases, science items,
-    `checkfree` runs), and each one started with Popen spends 3-5 s of CPU importing torch and the runtime, most of
-    a dry run on 2 cores. A `swarm.zygote.ZygoteProcess` (its output, stdout and stderr, in one pipe), or None where
-    there can be none (CHECKFREE_ZYGOTE=0, a server that died): start it with Popen then. On the device every
-    process starts with Popen, as each phase there is measured on its own."""
+    env, started by the first such call: each Python process the dry run starts (its phases, science items and
+    `checkfree` runs) otherwise spends seconds of CPU importing torch and the runtime, on a test machine's 2 cores.
+    Only with OMP_NUM_THREADS=1 (the test's: else torch's import leaves an OpenMP thread in the server, which a fork
+    must not inherit) and CHECKFREE_ZYGOTE not off; import cli.main before the first env is made (its import sets a
+    variable in os.environ). A `swarm.zygote.ZygoteProcess` (stdout and stderr in one pipe), or None where there can
+    be none (a server that died): start it with Popen then. On the device every process starts with Popen."""
     from cli.main import PRELOAD
     from swarm.zygote import Zygote, enabled
 
