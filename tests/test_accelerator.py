@@ -73,6 +73,15 @@ def test_gguf_parts_join_back_or_say_what_is_wrong(tmp_path):
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.joining").exists()
 
 
+def _session_cache(work: Path, session_cache: str) -> Path:
+    """`work` with its token cache (work/cache, a phase's $CHECKFREE_CACHE) the session's: the BPE trained once per
+    session, not once per run of the command (about 15 s of CPU each)."""
+    work.mkdir(parents=True, exist_ok=True)
+    Path(session_cache).mkdir(parents=True, exist_ok=True)
+    (work / "cache").symlink_to(session_cache, target_is_directory=True)
+    return work
+
+
 def _run_dir(root: Path, losses: list[float], recoveries: list[dict]) -> Path:
     root.mkdir()
     (root / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": x}) + "\n" for i, x in enumerate(losses)))
@@ -310,10 +319,10 @@ def test_experiment_settings_on_a_device_get_their_own_run_names(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
+def test_dry_run_runs_every_phase_on_the_cpu(tmp_path, session_cache):
     """`python -m benchmarks.accelerator --dry-run`: both calls, every phase at toy size, everything ok, at most 8
     files back, and the results render."""
-    out, work = tmp_path / "out", tmp_path / "work"
+    out, work = tmp_path / "out", _session_cache(tmp_path / "work", session_cache)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--dry-run", "--out", str(out), "--work",
                            str(work)], capture_output=True, text=True, timeout=380,
@@ -421,7 +430,7 @@ def test_the_first_runs_figures_in_the_caps_basis_are_those_of_its_files():
 
 
 @pytest.mark.timeout(200)
-def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path):
+def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path, session_cache):
     """benchmarks/accelerator/device.sh, the device command of README's "On a GPU", with call hf (the focused HF
     in/out check): the pack's site-packages unpacked first on the path (executable bits kept), the call run into
     $OUT: a run exported, transformers' logits against ours, --init-from equal weights, a swarm = the simulator
@@ -448,7 +457,8 @@ def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path)
                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         t0 = time.monotonic()
-        done = subprocess.run(["bash", str(script), "hf", "--dry-run", "--work", str(tmp_path / "work")],
+        work = _session_cache(tmp_path / "work", session_cache)
+        done = subprocess.run(["bash", str(script), "hf", "--dry-run", "--work", str(work)],
                               capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
         print(f"call hf, dry run: {time.monotonic() - t0:.0f} s")
         assert broken.wait(timeout=120) == 1, (tmp_path / "broken.log").read_text()[-3000:]
@@ -483,7 +493,7 @@ def test_device_script_runs_the_focused_hf_call_and_reports_what_fails(tmp_path)
 
 @pytest.mark.processes
 @pytest.mark.timeout(150)
-def test_a_run_past_the_phases_time_is_stopped_and_recorded(tmp_path):
+def test_a_run_past_the_phases_time_is_stopped_and_recorded(tmp_path, session_cache):
     """A run still going RECORD_S before the phase's deadline is stopped (SIGTERM) and recorded as not finished,
     with the steps it wrote: call hf's first two tries on the H200 left no trace of the run that did not end."""
     import threading
@@ -493,8 +503,9 @@ def test_a_run_past_the_phases_time_is_stopped_and_recorded(tmp_path):
     # The phase's deadline is moved to RECORD_S from now once the run has written a step (the run reads it as it
     # goes): a fixed time failed under load (its start, imports and the BPE of its data, took over 20 s here at load
     # 7: steps_done 0), and a time long enough for any load (45 s) was that long in every run
-    ctx = Ctx("correctness", "hf", True, tmp_path, "cpu", "shakespeare", "tcp", [], 1, time.time() + RECORD_S + 110)
-    metrics, gone, first = tmp_path / "run" / "metrics.jsonl", threading.Event(), ctx.deadline
+    work = _session_cache(tmp_path / "work", session_cache)
+    ctx = Ctx("correctness", "hf", True, work, "cpu", "shakespeare", "tcp", [], 1, time.time() + RECORD_S + 110)
+    metrics, gone, first = work / "run" / "metrics.jsonl", threading.Event(), ctx.deadline
 
     def cut_once_it_steps() -> None:
         while not gone.wait(0.2):
@@ -506,7 +517,7 @@ def test_a_run_past_the_phases_time_is_stopped_and_recorded(tmp_path):
     watcher.start()
     # 20,000 steps: minutes on this CPU (a tiny step takes about 30 ms), so that it runs past its time
     try:
-        rec = _simulate(ctx, ["--preset", "tiny", "--steps", "20000", "--eval-every", "0"], tmp_path / "run")
+        rec = _simulate(ctx, ["--preset", "tiny", "--steps", "20000", "--eval-every", "0"], work / "run")
     finally:
         gone.set()
         watcher.join()

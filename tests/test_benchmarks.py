@@ -76,7 +76,7 @@ def test_profile_parses_py_spy_raw_stacks(tmp_path):
     assert thread_kind("asyncio_0") == "other threads"
 
 
-def test_vs_torch_pipelining_quick_compares_every_path_and_leaves_nothing(tmp_path):
+def test_vs_torch_pipelining_quick_compares_every_path_and_leaves_nothing(tmp_path, session_cache):
     """Both sides train the same stages on the same batches (losses agree step by step), every path has a row,
     nothing is left running, and the last line is the ratio (its value is not checked: a speed). Three stages (a
     first, a middle and a last: every kind of rank and peer), the fewest steps the benchmark takes (2 warm-up + 3),
@@ -84,7 +84,8 @@ def test_vs_torch_pipelining_quick_compares_every_path_and_leaves_nothing(tmp_pa
     out = tmp_path / "vs.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_torch_pipelining", "--quick", "--preset", "tiny",
                            "--rounds", "1", "--stages", "3", "--steps", "5", "--one-torch-launch", "--no-hivemind",
-                           "--json", str(out)], capture_output=True, text=True, timeout=540)
+                           "--json", str(out)], capture_output=True, text=True, timeout=540,
+                          env={**os.environ, "CHECKFREE_CACHE": session_cache})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert re.fullmatch(r"swarm/torch-pipelining: \d+\.\d{3}", lines[-1]), lines[-1]
@@ -101,12 +102,13 @@ def test_vs_torch_pipelining_quick_compares_every_path_and_leaves_nothing(tmp_pa
     assert len(result["rounds"]) == 1 and len(result["rounds"][0]["torch gpipe"]["losses"]) == 5
 
 
-def test_idle_reports_the_standby_and_every_process_kind():
+def test_idle_reports_the_standby_and_every_process_kind(session_cache):
     """The standby is found (a peer that computes nothing), every kind of process has a row, the swarm is stopped
     and nothing is left behind; the last line is the standby's share (its value is not checked: a speed). Two
     stages: every kind of process, fewer of each to start."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.idle", "--preset", "tiny", "--stages", "2",
-                           "--seconds", "3", "--warmup-steps", "2"], capture_output=True, text=True, timeout=540)
+                           "--seconds", "3", "--warmup-steps", "2"], capture_output=True, text=True, timeout=540,
+                          env={**os.environ, "CHECKFREE_CACHE": session_cache})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r[0].strip(): r for r in (line.strip("|").split("|") for line in proc.stdout.splitlines()
                                       if line.startswith("| ") and not line.startswith("| process"))}

@@ -107,6 +107,17 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error(f"--inits: {e}")
     out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        import cli.main  # noqa: F401 - (phases.dry_fork: its environment, set at its import, in the phases' env)
+    try:
+        return _run_calls(calls, args, out)
+    finally:
+        from benchmarks.accelerator.phases import close_forks
+
+        close_forks()
+
+
+def _run_calls(calls: tuple[int | str, ...], args, out: Path) -> int:
     if args.dry_run and len(calls) > 1:
         # the dry run's calls at once: on the CPU neither needs what the other leaves (call 2's science uses a tiny
         # model of its own, not call 1's GGUF part), and one call's swarms mostly wait (start-ups, heartbeats) while
@@ -166,8 +177,14 @@ def run_phase(phase: str, call: int | str, cap: float, args, log, progress=None)
     cmd = [sys.executable, "-m", "benchmarks.accelerator", "--run-phase", phase, "--call", str(call),
            "--deadline", str(time.time() + cap), *_forward_args(args)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=env, cwd=REPO)
+    proc = None
+    if args.dry_run:  # (forked: phases.dry_fork)
+        from benchmarks.accelerator.phases import dry_fork
+
+        proc = dry_fork(cmd[3:], env, module="benchmarks.accelerator", cwd=str(REPO))
+    if proc is None:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env=env, cwd=REPO)
     reader = threading.Thread(target=_tee, args=(proc.stdout, log, phase), daemon=True)
     reader.start()
     status = "ok"

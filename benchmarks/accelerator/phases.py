@@ -46,6 +46,7 @@ class Ctx:
     deadline: float  # time.time() at the phase's cap
     pack: Path | None = None
     full: bool = False  # a dry run with the GPU's whole lists (of cases, paths, inits) at toy sizes
+    forks: bool = False  # `checkfree` runs forked from a fork server of this process (`dry_fork`: the dry run's)
     results: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # saves from the phase's threads
 
@@ -99,23 +100,90 @@ def run_in_process(args) -> int:
     name = args.run_phase or args.run_item
     ctx = Ctx(name, call_key(args.call if args.call != "all" else 1), args.dry_run, work, dev, data, args.transport,
               [i.strip() for i in args.inits.split(",") if i.strip()], jobs, args.deadline or time.time() + 3600,
-              args.from_pack, args.full)
-    if args.run_item:
-        from benchmarks.accelerator.science import run_item
+              args.from_pack, args.full, forks=args.dry_run)
+    if ctx.forks:
+        import signal
 
-        return run_item(ctx)
-    from benchmarks.accelerator.science import phase_science
+        import cli.main  # noqa: F401 - (its environment, set at its import, in every env a fork is asked with)
 
-    fn = {"env": phase_env, "correctness": phase_correctness, "speed": phase_speed, "science": phase_science}[name]
-    ctx.save("device", dev)
-    ctx.save("data", data)
+        signal.signal(signal.SIGTERM, _pass_sigterm)
     try:
-        fn(ctx)
-    except Exception:  # noqa: BLE001 - recorded for the report, and printed
-        ctx.save("error", traceback.format_exc()[-4000:])
-        traceback.print_exc()
-        return 1
-    return 0
+        if args.run_item:
+            from benchmarks.accelerator.science import run_item
+
+            return run_item(ctx)
+        from benchmarks.accelerator.science import phase_science
+
+        fn = {"env": phase_env, "correctness": phase_correctness, "speed": phase_speed, "science": phase_science}[name]
+        ctx.save("device", dev)
+        ctx.save("data", data)
+        try:
+            fn(ctx)
+        except Exception:  # noqa: BLE001 - recorded for the report, and printed
+            ctx.save("error", traceback.format_exc()[-4000:])
+            traceback.print_exc()
+            return 1
+        return 0
+    finally:
+        close_forks()
+
+
+# ------------------------------------------------------------------------------------------ the dry run's forks
+
+# what the dry run's fork servers import before they fork: the swarm processes' own modules (cli.main.PRELOAD:
+# torch, hivemind, the runtime's) and this package's phases
+DRY_PRELOAD = ("benchmarks.accelerator.phases", "benchmarks.accelerator.science")
+_FORKS: dict[frozenset, Any] = {}  # env -> this process's fork server for the spawns with that env
+_FORKS_LOCK = threading.Lock()
+_FORKED: list[Any] = []  # the children forked (each a session of its own: a SIGTERM to our group misses them)
+
+
+def dry_fork(args: list[str], env: dict[str, str], module: str = "checkfree", cwd: str | None = None):
+    """The dry run's `python -m MODULE ARGS`, forked from a fork server (swarm/zygote.py) of this process with this
+    env, started by the first such call: each Python process the dry run starts (its phases, science items and
+    `checkfree` runs) otherwise spends seconds of CPU importing torch and the runtime, on a test machine's 2 cores.
+    Only with OMP_NUM_THREADS=1 (the test's: else torch's import leaves an OpenMP thread in the server, which a fork
+    must not inherit) and CHECKFREE_ZYGOTE not off; import cli.main before the first env is made (its import sets a
+    variable in os.environ). A `swarm.zygote.ZygoteProcess` (stdout and stderr in one pipe), or None where there can
+    be none (a server that died): start it with Popen then. On the device every process starts with Popen."""
+    from cli.main import PRELOAD
+    from swarm.zygote import Zygote, enabled
+
+    if not enabled(env) or env.get("OMP_NUM_THREADS") != "1":  # (torch's OpenMP pool: no thread before a fork)
+        return None
+    with _FORKS_LOCK:
+        key = frozenset(env.items())
+        server = _FORKS.get(key)
+        if server is None or server.dead:
+            if server is not None:
+                server.close()
+            server = _FORKS[key] = Zygote(env, preload=(*PRELOAD, *DRY_PRELOAD))
+    child = server.popen(args, env, module=module, cwd=cwd)
+    if child is not None:
+        _FORKED.append(child)
+    return child
+
+
+def _pass_sigterm(signum, frame) -> None:
+    """A phase stopped at its cap (SIGTERM to its group): its forked runs, each a session of its own, get it too
+    (as the runs it started with Popen, in its group, would), then it ends as SIGTERM ends it."""
+    import signal
+
+    for child in _FORKED:
+        if child.returncode is None:  # (not poll(): it may take a lock the interrupted thread holds)
+            try:
+                os.killpg(child.pid, signal.SIGTERM)
+            except OSError:
+                pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def close_forks() -> None:
+    """Stop this process's fork servers (`dry_fork`'s; the children they started have ended by then)."""
+    with _FORKS_LOCK:
+        while _FORKS:
+            _FORKS.popitem()[1].close()
 
 
 def _default_data(work: Path, pack: Path | None) -> str:
@@ -133,8 +201,12 @@ def _default_data(work: Path, pack: Path | None) -> str:
 
 def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None, margin: float = 0.0) -> subprocess.CompletedProcess:
     """`python -m checkfree ARGV` with the run's cache, stopped `margin` seconds before the phase's deadline (read as
-    the run goes: a test moves it) or after `timeout` seconds, whichever comes first, but given 5 s at least."""
+    the run goes: a test moves it) or after `timeout` seconds, whichever comes first, but given 5 s at least.
+    `ctx.forks`: forked (`dry_fork`; its output, stdout and stderr in one, is the result's stderr)."""
     t0 = time.time()
+    forked = dry_fork(list(argv), ctx.env()) if ctx.forks else None
+    if forked is not None:
+        return _wait_forked(ctx, forked, t0, timeout, margin)
     with subprocess.Popen([sys.executable, "-m", "checkfree", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=ctx.env()) as proc:
         while True:
@@ -154,6 +226,34 @@ def _checkfree(ctx: Ctx, *argv: str, timeout: float | None = None, margin: float
                 out, err = proc.communicate()
             raise subprocess.TimeoutExpired(proc.args, end - t0, output=out, stderr=err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _wait_forked(ctx: Ctx, proc, t0: float, timeout: float | None, margin: float) -> subprocess.CompletedProcess:
+    """`_checkfree`'s wait, for a forked run (a swarm.zygote.ZygoteProcess): its output read by a thread."""
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def output() -> str:
+        reader.join(timeout=10)
+        proc.stdout.close()
+        return "".join(chunks)
+
+    while True:
+        end = max(t0 + 5.0, min(t0 + (1e9 if timeout is None else timeout), ctx.deadline - margin))
+        try:  # (in slices of a second: the deadline is read as the run goes)
+            proc.wait(timeout=max(0.0, min(1.0, end - time.time())))
+            return subprocess.CompletedProcess(proc.args, proc.returncode, "", output())
+        except subprocess.TimeoutExpired:
+            if time.time() < end:
+                continue
+        proc.terminate()  # (as _checkfree: SIGTERM first)
+        try:
+            proc.wait(timeout=8)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise subprocess.TimeoutExpired(proc.args, end - t0, output="", stderr=output()) from None
 
 
 def _read_jsonl(path: Path) -> list[dict]:

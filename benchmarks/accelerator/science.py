@@ -31,12 +31,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.accelerator import SCIENCE_ITEMS
-from benchmarks.accelerator.phases import Ctx, _checkfree, log
+from benchmarks.accelerator.phases import Ctx, _checkfree, dry_fork, log
 
 ITEMS = SCIENCE_ITEMS
 # seconds each item may take on the H200 (None: what is left); the measurements behind each share: the science
@@ -75,7 +76,11 @@ def phase_science(ctx: Ctx) -> None:
                "--data", ctx.data, "--inits", ",".join(ctx.inits), "--jobs", str(ctx.jobs)]
         cmd += (["--from-pack", str(ctx.pack)] if ctx.pack else []) + (["--dry-run"] if ctx.dry else []) + \
             (["--full"] if ctx.full else [])
-        proc = subprocess.Popen(cmd, start_new_session=True, env=ctx.env())
+        proc = dry_fork(cmd[3:], ctx.env(), module="benchmarks.accelerator") if ctx.forks else None
+        if proc is not None:  # (forked: its output, in a pipe, goes on to ours, where the Popen one's goes)
+            threading.Thread(target=_pass_on, args=(proc.stdout,), daemon=True).start()
+        else:
+            proc = subprocess.Popen(cmd, start_new_session=True, env=ctx.env())
         try:
             proc.wait(timeout=cap)
             status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
@@ -97,6 +102,12 @@ def phase_science(ctx: Ctx) -> None:
         spare = max(0.0, cap - took)
         ctx.save(item, {**rec, "status": status, "wall_s": round(took, 1), "cap_s": round(cap, 1)})
         log(f"science: {item}: {status} in {took:.0f} s")
+
+
+def _pass_on(stream) -> None:
+    for line in iter(stream.readline, ""):
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def _item_path(ctx: Ctx, item: str) -> Path:
