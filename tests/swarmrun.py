@@ -1,11 +1,13 @@
-"""Helpers of the swarm integration tests: `checkfree local` / `checkfree simulate` as subprocesses
-(real processes, real network on loopback), failure traces, and run-directory readers."""
+"""Helpers of the swarm integration tests: `checkfree local` / `checkfree simulate` as subprocesses (real processes,
+real network on loopback; forked from a fork server per env and test module), failure traces, and run-directory
+readers."""
 
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 from checkfree.rundir import read_jsonl
@@ -13,7 +15,8 @@ from swarm.processes import Proc, await_line, kill_group
 from swarm.processes import spawn as _spawn
 from swarm.zygote import Zygote, enabled
 
-__all__ = ["local", "simulate", "trace", "events", "Proc", "spawn", "await_line", "kill_group", "close_fork_servers"]
+__all__ = ["run", "local", "simulate", "trace", "events", "Proc", "spawn", "await_line", "kill_group",
+           "close_fork_servers"]
 
 _FORK_SERVERS: dict[frozenset, Zygote] = {}  # env -> the fork server of the spawns with that env
 
@@ -43,24 +46,42 @@ def close_fork_servers() -> None:
         _FORK_SERVERS.popitem()[1].close()
 
 
+def run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m checkfree ARGS` to its end, as `subprocess.run(..., capture_output=True, text=True)` would, but
+    forked from the module's fork server (`spawn`): a fresh interpreter spends 4-6 s of CPU importing torch and the
+    runtime first. Its stdout and stderr come in one pipe: `stdout` holds both, in order, and `stderr` is empty.
+    Past `timeout` s its process group is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+    proc = spawn(args, env)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while (line := proc.lines.get(timeout=max(0.01, deadline - time.monotonic()))) is not None:
+            lines.append(line + "\n")
+        code = proc.popen.wait(timeout=max(0.01, deadline - time.monotonic()))
+    except (queue.Empty, subprocess.TimeoutExpired):
+        kill_group(proc)
+        raise subprocess.TimeoutExpired(args, timeout, "".join(lines)) from None
+    return subprocess.CompletedProcess(args, code, "".join(lines), "")
+
+
 def local(tmp_path: Path, name: str, *args: str, cache: str, spares: int = 2,
           timeout: float = 360) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run `checkfree local` into tmp_path/name; returns the finished process and the run directory."""
+    """Run `checkfree local` into tmp_path/name (forked: `run`); returns the finished process (stdout and stderr
+    in its stdout) and the run directory."""
     out = tmp_path / name
     env = {**os.environ, "CHECKFREE_CACHE": cache}
     failures = {"--trace", "--failure-rate", "--hourly-failure-rate", "--config", "--resume"}
     churn = [] if failures & set(args) else ["--no-churn"]  # no failures asked for: none (not the demo churn)
-    proc = subprocess.run([sys.executable, "-m", "checkfree", "local", "--out", str(out), "--no-progress",
-                           "--spares", str(spares), *churn, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = run(["local", "--out", str(out), "--no-progress", "--spares", str(spares), *churn, *args], env, timeout)
     return proc, out
 
 
 def simulate(tmp_path: Path, name: str, *args: str, cache: str, timeout: float = 300) -> list[dict]:
-    """Run `checkfree simulate` into tmp_path/name; returns its metrics lines."""
+    """Run `checkfree simulate` into tmp_path/name (forked: `run`); returns its metrics lines."""
     out = tmp_path / name
-    sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(out), "--no-progress", *args],
-                         capture_output=True, text=True, timeout=timeout, env={**os.environ, "CHECKFREE_CACHE": cache})
-    assert sim.returncode == 0, sim.stderr[-2000:]
+    sim = run(["simulate", "--out", str(out), "--no-progress", *args], {**os.environ, "CHECKFREE_CACHE": cache},
+              timeout)
+    assert sim.returncode == 0, sim.stdout[-2000:]
     return read_jsonl(out / "metrics.jsonl")
 
 

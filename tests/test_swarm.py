@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from checkfree.recovery import checkfree_average
 from checkfree.rundir import read_jsonl
-from swarmrun import events, local as _local, simulate as _simulate, trace as _trace
+from swarmrun import events, local as _local, run as _run, simulate as _simulate, trace as _trace
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -73,10 +73,9 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     assert "peers SIGKILLed" in proc.stdout and f"transport {rpc_transport}" in proc.stdout
     ready = (out / "logs" / "coordinator.log").read_text()
     assert (f"transport={rpc_transport} rpc=/ip4/127.0.0.1/" in ready) == (rpc_transport != "hivemind")
-    sim = subprocess.run([sys.executable, "-m", "checkfree", "simulate", "--out", str(tmp_path / "sim"),
-                          "--no-progress", *args], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "CHECKFREE_CACHE": cache})
-    assert sim.returncode == 0, sim.stderr[-2000:]
+    env = {**os.environ, "CHECKFREE_CACHE": cache}  # (local's: the module's fork server forks it, as `run` does)
+    sim = _run(["simulate", "--out", str(tmp_path / "sim"), "--no-progress", *args], env, 300)
+    assert sim.returncode == 0, sim.stdout[-2000:]
     a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
     assert [m["step"] for m in a] == list(range(10))
     for x, y in zip(a, b):
@@ -91,9 +90,8 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["failures"] == 0
     # the finished run's weights export into one file that loads as the full model
-    exp = subprocess.run([sys.executable, "-m", "checkfree", "export", "--run", str(out), "--output",
-                          str(tmp_path / "model.safetensors")], capture_output=True, text=True, timeout=120)
-    assert exp.returncode == 0, exp.stderr
+    exp = _run(["export", "--run", str(out), "--output", str(tmp_path / "model.safetensors")], env, 120)
+    assert exp.returncode == 0, exp.stdout
     from checkfree.export import load_export
 
     model = load_export(tmp_path / "model.safetensors")
