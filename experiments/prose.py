@@ -207,15 +207,16 @@ def _quick_tier_over_budget(root: Path) -> bool:
     return tier_minutes(root, QUICK_TIER) > 5
 
 
-@claim("readme-full-tier-over-ci", "README.md", "`make test-all` took 31m18.963s, still over CI's budget", FULL_TIER)
-def _readme_full_tier_over_ci(root: Path) -> bool:
-    """README's sentence of the last full run: still over CI's 30 minutes."""
-    return tier_minutes(root, FULL_TIER) > 30
+@claim("readme-full-tier-within-ci", "README.md", "`make test-all` took 28m43.847s, within CI's budget here",
+       FULL_TIER)
+def _readme_full_tier_within_ci(root: Path) -> bool:
+    """README's sentence of the last full run: within CI's 30 minutes on this machine."""
+    return tier_minutes(root, FULL_TIER) < 30
 
 
-@claim("full-tier-over-ci", "docs/testing.md",
-       "20 minutes, which the run measured below overran, and CI's 30 too", FULL_TIER)
-def _full_tier_over_ci(root: Path) -> bool:
-    """The full tier's budget is 20 minutes and CI allows 30; the measured run took more than both. Once a run
-    within 30 minutes is recorded, this fails and the sentence is to say so."""
-    return tier_minutes(root, FULL_TIER) > 30
+@claim("full-tier-within-ci-over-budget", "docs/testing.md",
+       "20 minutes, which the run measured below overran, within CI's 30 on this machine", FULL_TIER)
+def _full_tier_within_ci_over_budget(root: Path) -> bool:
+    """The full tier's budget is 20 minutes and CI allows 30; the measured run took more than the first, less than
+    the second. A run over 30 minutes or within 20 fails this, and the sentence is to say so."""
+    return 20 < tier_minutes(root, FULL_TIER) < 30
