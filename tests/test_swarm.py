@@ -73,10 +73,7 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     assert "peers SIGKILLed" in proc.stdout and f"transport {rpc_transport}" in proc.stdout
     ready = (out / "logs" / "coordinator.log").read_text()
     assert (f"transport={rpc_transport} rpc=/ip4/127.0.0.1/" in ready) == (rpc_transport != "hivemind")
-    env = {**os.environ, "CHECKFREE_CACHE": cache}  # (local's: the module's fork server forks it, as `run` does)
-    sim = _run(["simulate", "--out", str(tmp_path / "sim"), "--no-progress", *args], env, 300)
-    assert sim.returncode == 0, sim.stdout[-2000:]
-    a, b = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "sim" / "metrics.jsonl")
+    a, b = read_jsonl(out / "metrics.jsonl"), _simulate(tmp_path, "sim", *args, cache=cache)
     assert [m["step"] for m in a] == list(range(10))
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-5)
@@ -90,6 +87,7 @@ def test_swarm_equals_simulator_without_failures(tmp_path, cache, rpc_transport)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["failures"] == 0
     # the finished run's weights export into one file that loads as the full model
+    env = {**os.environ, "CHECKFREE_CACHE": cache}  # (local's and simulate's: forked by the module's fork server)
     exp = _run(["export", "--run", str(out), "--output", str(tmp_path / "model.safetensors")], env, 120)
     assert exp.returncode == 0, exp.stdout
     from checkfree.export import load_export
